@@ -1,0 +1,53 @@
+"""pipesvc: train and serve a sequential PyTorch model split over gRPC stage servers.
+
+See README.md for the tour; the public API is listed in ``__all__``.
+"""
+
+from pipesvc import models
+from pipesvc.client import Client, Job, StageStatus, connect
+from pipesvc.config import JobConfig
+from pipesvc.errors import (
+    FailedPreconditionError,
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    PipelineTimeoutError,
+    PipesvcError,
+    PlanError,
+    ResourceExhaustedError,
+    StageUnavailableError,
+    StepAbortedError,
+    UnknownModelError,
+    WireFormatError,
+)
+from pipesvc.local_cluster import LocalCluster
+from pipesvc.models import LayerSpec, register_model
+from pipesvc.plan import PipelineStage
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Client",
+    "FailedPreconditionError",
+    "InternalError",
+    "InvalidArgumentError",
+    "Job",
+    "JobConfig",
+    "LayerSpec",
+    "LocalCluster",
+    "NotFoundError",
+    "PipelineStage",
+    "PipelineTimeoutError",
+    "PipesvcError",
+    "PlanError",
+    "ResourceExhaustedError",
+    "StageStatus",
+    "StageUnavailableError",
+    "StepAbortedError",
+    "UnknownModelError",
+    "WireFormatError",
+    "__version__",
+    "connect",
+    "models",
+    "register_model",
+]

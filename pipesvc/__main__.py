@@ -1,0 +1,7 @@
+"""``python -m pipesvc`` runs the command line."""
+
+import sys
+
+from pipesvc.cli import main
+
+sys.exit(main())

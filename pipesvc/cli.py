@@ -1,0 +1,200 @@
+"""The ``pipesvc`` command line: coordinator, stage, up, demo, status, health.
+
+This is the only module that reads flags and installs logging handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from pipesvc.errors import PipesvcError
+
+logger = logging.getLogger("pipesvc")
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
+
+
+def _stop_on_signals() -> threading.Event:
+    stop = threading.Event()
+
+    def handler(signum: int, frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return stop
+
+
+def _warn_if_exposed(listen: str) -> None:
+    host = listen.rpartition(":")[0]
+    if host not in LOOPBACK_HOSTS:
+        logger.warning(
+            "listening on %s without authentication: anyone who can reach it can drive it", listen
+        )
+
+
+def _cmd_coordinator(args: argparse.Namespace) -> int:
+    from pipesvc.coordinator.server import run_coordinator
+
+    _warn_if_exposed(args.listen)
+    run_coordinator(
+        listen=args.listen,
+        state_dir=Path(args.state_dir),
+        stop=_stop_on_signals(),
+        address_file=Path(args.address_file) if args.address_file else None,
+    )
+    return 0
+
+
+def _cmd_stage(args: argparse.Namespace) -> int:
+    import torch
+
+    from pipesvc import models
+    from pipesvc.stage.server import default_device, run_stage
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.models:
+        models.import_model_modules(args.models)
+    _warn_if_exposed(args.listen)
+    run_stage(
+        coordinator=args.coordinator,
+        listen=args.listen,
+        advertise=args.advertise,
+        device=torch.device(args.device) if args.device else default_device(),
+        recv_timeout_s=args.recv_timeout_s,
+        register_timeout_s=args.register_timeout_s,
+        stop=_stop_on_signals(),
+    )
+    return 0
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from pipesvc.local_cluster import LocalCluster
+
+    stop = _stop_on_signals()
+    cluster = LocalCluster(args.stages, models=args.models or (),
+                           threads_per_stage=args.threads_per_stage, device=args.device,
+                           state_dir=args.state_dir)
+    with cluster:
+        print(f"pipesvc cluster up: coordinator at {cluster.address}, {args.stages} stages",
+              flush=True)
+        print("press Ctrl-C to stop", flush=True)
+        stop.wait()
+    print("pipesvc cluster stopped", flush=True)
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from pipesvc.client import connect
+
+    with connect(args.coordinator, timeout_s=args.timeout_s) as client:
+        stages = client.stages()
+    header = ("ADDRESS", "DEVICE", "MEMORY", "JOB", "LAYERS", "RANK", "HEALTH")
+    rows = [header]
+    for s in stages:
+        layers = f"[{s.start_layer}, {s.end_layer})" if s.job_id else "-"
+        rows.append((s.address, s.device, f"{s.memory_bytes / 2**30:.1f} GiB", s.job_id or "-",
+                     layers, str(s.rank) if s.job_id else "-", s.health))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    print(f"{len(stages)} stage(s) registered with {args.coordinator}")
+    return 0
+
+
+def _cmd_health(args: argparse.Namespace) -> int:
+    from pipesvc.transport import check_health
+
+    status = check_health(args.target, args.timeout_s)
+    print(status)
+    return 0 if status == "SERVING" else 1
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from pipesvc.demo import DemoOptions, run_demo
+
+    run_demo(DemoOptions(num_stages=args.stages, duration_s=args.minutes * 60,
+                         max_steps=args.max_steps, schedule=args.schedule))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="pipesvc", description="Pipeline-parallel PyTorch training as a gRPC service cluster."
+    )
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("coordinator", help="run the coordinator server")
+    p.add_argument("--listen", default="127.0.0.1:7070", help="HOST:PORT (default %(default)s)")
+    p.add_argument("--state-dir", default="pipesvc-state", help="state directory")
+    p.add_argument("--address-file", help="write the bound HOST:PORT here once serving")
+    p.set_defaults(func=_cmd_coordinator)
+
+    p = sub.add_parser("stage", help="run a stage server that registers with a coordinator")
+    p.add_argument("--coordinator", required=True, help="coordinator HOST:PORT")
+    p.add_argument("--listen", default="127.0.0.1:0",
+                   help="HOST:PORT; port 0 picks a free one (default %(default)s)")
+    p.add_argument("--advertise", help="HOST:PORT others dial (default: the bound address)")
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--models", action="append", default=[],
+                   help="import this module so its models can be built (repeatable)")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: default)")
+    p.add_argument("--recv-timeout-s", type=float, default=300.0,
+                   help="longest wait for one activation or gradient (default %(default)s)")
+    p.add_argument("--register-timeout-s", type=float, default=60.0,
+                   help="how long to wait for the coordinator at start (default %(default)s)")
+    p.set_defaults(func=_cmd_stage)
+
+    p = sub.add_parser("up", help="run a local cluster in the foreground until Ctrl-C")
+    p.add_argument("--stages", type=int, default=4, help="stage processes (default %(default)s)")
+    p.add_argument("--models", action="append", default=[], help="model module (repeatable)")
+    p.add_argument("--threads-per-stage", type=int, help="default: cores / stages")
+    p.add_argument("--device", help="device of every stage")
+    p.add_argument("--state-dir", help="coordinator state directory (default: temporary)")
+    p.set_defaults(func=_cmd_up)
+
+    p = sub.add_parser("demo", help="train the built-in GPT on a local cluster (the main job)")
+    p.add_argument("--stages", type=int, default=4, help="pipeline stages (default %(default)s)")
+    p.add_argument("--minutes", type=float, default=3.0, help="training time (default %(default)s)")
+    p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: none)")
+    p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
+    p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("status", help="print the stages registered with a coordinator")
+    p.add_argument("--coordinator", default="127.0.0.1:7070", help="HOST:PORT")
+    p.add_argument("--timeout-s", type=float, default=10.0)
+    p.set_defaults(func=_cmd_status)
+
+    p = sub.add_parser("health", help="exit 0 only if the server at --target is SERVING")
+    p.add_argument("--target", required=True, help="HOST:PORT of any pipesvc server")
+    p.add_argument("--timeout-s", type=float, default=2.0)
+    p.set_defaults(func=_cmd_health)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``pipesvc`` console script."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s",
+    )
+    try:
+        return int(args.func(args))
+    except PipesvcError as exc:
+        print(f"pipesvc {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""The Python client: ``connect`` to a coordinator, create jobs, train and run them.
+
+Usage::
+
+    import pipesvc
+    with pipesvc.LocalCluster(num_stages=2) as cluster:
+        client = pipesvc.connect(cluster.address)
+        job = client.create_job(model="mlp", num_stages=2, loss="mse")
+        loss = job.train_step(inputs, targets)
+        job.close()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+
+from pipesvc.config import JobConfig, config_from_proto, config_to_proto
+from pipesvc.plan import PipelineStage
+from pipesvc.rpc_status import error_from_rpc
+from pipesvc.tensor_codec import FrameAssembler, decode, encode, encode_frames
+from pipesvc.transport import call, open_channel
+from pipesvc.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageStatus:
+    """A registered stage as the coordinator sees it."""
+
+    address: str
+    device: str
+    memory_bytes: int
+    models: tuple[str, ...]
+    job_id: str
+    start_layer: int
+    end_layer: int
+    rank: int
+    health: str
+
+
+class Client:
+    """A connection to a coordinator. Every method raises PipesvcError subclasses only."""
+
+    def __init__(self, address: str, *, timeout_s: float = 600.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = open_channel(address)
+        self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
+
+    def _call(self, method: str, request: Any) -> Any:
+        return call(getattr(self._stub, method), request, timeout_s=self.timeout_s,
+                    where=f"coordinator {self.address}")
+
+    def create_job(
+        self,
+        *,
+        model: str,
+        model_args: Mapping[str, Any] | None = None,
+        seed: int = 0,
+        num_stages: int = 2,
+        num_microbatches: int = 4,
+        schedule: str = "1f1b",
+        optimizer: Mapping[str, Any] | None = None,
+        loss: str = "cross_entropy",
+        partition: str = "parameters",
+        clip_grad_norm: float | None = None,
+    ) -> Job:
+        """Plans and assigns a job; see JobConfig for each argument.
+
+        Raises:
+            InvalidArgumentError: a bad option (the message names it), or an unknown model.
+            PlanError: not enough free stages.
+        """
+        config = JobConfig(
+            model=model,
+            model_args=dict(model_args or {}),
+            seed=seed,
+            num_stages=num_stages,
+            num_microbatches=num_microbatches,
+            schedule=schedule,
+            optimizer=dict(optimizer or {"name": "adamw", "lr": 1e-3}),
+            loss=loss,
+            partition=partition,
+            clip_grad_norm=clip_grad_norm,
+        )
+        info = self._call(
+            "CreateJob", coordinator_pb2.CreateJobRequest(spec=config_to_proto(config))
+        )
+        return Job(self, info)
+
+    def get_job(self, job_id: str) -> Job:
+        """A handle on an existing job.
+
+        Raises:
+            NotFoundError: no such job.
+        """
+        return Job(self, self._call("GetJob", coordinator_pb2.GetJobRequest(job_id=job_id)))
+
+    def stages(self) -> list[StageStatus]:
+        """Every registered stage with its health and assignment."""
+        reply = self._call("ListStages", coordinator_pb2.ListStagesRequest())
+        return [
+            StageStatus(address=s.address, device=s.device, memory_bytes=s.memory_bytes,
+                        models=tuple(s.models), job_id=s.job_id, start_layer=s.start_layer,
+                        end_layer=s.end_layer, rank=s.rank, health=s.health)
+            for s in reply.stages
+        ]
+
+    def close(self) -> None:
+        """Closes the channel."""
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Job:
+    """A job on the cluster: train it, run it, read and write its weights."""
+
+    def __init__(self, client: Client, info: coordinator_pb2.JobInfo) -> None:
+        self._client = client
+        self.id: str = info.job_id
+        self.config: JobConfig = config_from_proto(info.spec)
+        self.num_layers: int = info.num_layers
+        self.plan: list[PipelineStage] = [
+            PipelineStage(start_layer=s.start_layer, end_layer=s.end_layer, rank=s.rank,
+                          address=s.address)
+            for s in info.plan
+        ]
+        self.step: int = info.step
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """One optimizer step on the mini-batch; returns its mean loss.
+
+        The step commits on every stage or on none.
+
+        Raises:
+            InvalidArgumentError: the batch does not fit the model or the job.
+            PipesvcError: a stage failed; nothing was committed.
+        """
+        reply = self._client._call(
+            "TrainStep",
+            coordinator_pb2.TrainStepRequest(
+                job_id=self.id, inputs=encode(inputs), targets=encode(targets)
+            ),
+        )
+        self.step = reply.step
+        return float(reply.loss)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The model's output on ``inputs``, computed through the pipeline.
+
+        Raises:
+            InvalidArgumentError: the batch does not fit the model.
+        """
+        reply = self._client._call(
+            "Forward", coordinator_pb2.ForwardRequest(job_id=self.id, inputs=encode(inputs))
+        )
+        return decode(reply.outputs)
+
+    def _read_state(self, kind: int) -> dict[str, torch.Tensor]:
+        request = coordinator_pb2.GetJobStateRequest(job_id=self.id, kind=kind)
+        result: dict[str, torch.Tensor] = {}
+        assembler: FrameAssembler | None = None
+        try:
+            for frame in self._client._stub.GetState(request, timeout=self._client.timeout_s):
+                if frame.frame_index == 0:
+                    assembler = FrameAssembler(frame.header)
+                assert assembler is not None, "state stream began without a header"
+                tensor = assembler.add(frame.frame_index, frame.data)
+                if tensor is not None:
+                    result[frame.name] = tensor
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, f"coordinator {self._client.address}") from exc
+        return result
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's tensors under ``build(...)``'s keys (streamed from the stages)."""
+        return self._read_state(common_pb2.PARAMETERS)
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """The gradients of the last committed step (after clipping), under parameter keys."""
+        return self._read_state(common_pb2.GRADIENTS)
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Loads a full state_dict into the stages; all apply it or none does.
+
+        Raises:
+            InvalidArgumentError: missing or unexpected keys, or a shape or dtype mismatch.
+        """
+
+        def requests() -> Iterator[coordinator_pb2.LoadJobStateRequest]:
+            for name, tensor in state_dict.items():
+                header, frames = encode_frames(tensor)
+                for index, data in enumerate(frames):
+                    frame = common_pb2.TensorFrame(name=name, frame_index=index, data=data)
+                    if index == 0:
+                        frame.header.CopyFrom(header)
+                    yield coordinator_pb2.LoadJobStateRequest(job_id=self.id, frame=frame)
+
+        self._client._call("LoadState", requests())
+
+    def close(self) -> None:
+        """Frees the job's stages."""
+        self._client._call("CloseJob", coordinator_pb2.CloseJobRequest(job_id=self.id))
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def connect(address: str, *, timeout_s: float = 600.0) -> Client:
+    """A client for the coordinator at ``address`` (``host:port``)."""
+    return Client(address, timeout_s=timeout_s)

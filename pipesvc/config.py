@@ -1,0 +1,153 @@
+"""Job configuration: what a client asks for, validated before anything is planned."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipesvc.errors import InvalidArgumentError
+from pipesvc.loss import check_loss
+from pipesvc.models import check_model_args
+from pipesvc.optim import check_optimizer
+from pipesvc.partition import PARTITIONS
+from pipesvc.schedule import SCHEDULES
+from pipesvc.v1 import common_pb2
+
+_MODEL_NAME = re.compile(r"[a-z][a-z0-9_-]{0,63}")
+
+
+def _default_optimizer() -> dict[str, Any]:
+    return {"name": "adamw", "lr": 1e-3}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobConfig:
+    """Everything that defines a job; checked in ``__post_init__``."""
+
+    model: str
+    """A registered model name."""
+    model_args: Mapping[str, Any] = field(default_factory=dict)
+    """JSON-typed keyword arguments of the model factory."""
+    seed: int = 0
+    """Seed of the deterministic per-layer initialisation."""
+    num_stages: int = 2
+    """Stages the model is split over."""
+    num_microbatches: int = 4
+    """Micro-batches per step."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: ``gpipe`` or ``1f1b``."""
+    optimizer: Mapping[str, Any] = field(default_factory=_default_optimizer)
+    """``{"name": "sgd" | "adam" | "adamw", **torch keyword arguments}``."""
+    loss: str = "cross_entropy"
+    """``cross_entropy`` or ``mse``, mean-reduced."""
+    partition: str = "parameters"
+    """How layers are split: ``parameters`` (balance parameter counts) or ``uniform``."""
+    clip_grad_norm: float | None = None
+    """Clip the global gradient norm over all stages to this value; None for no clipping."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not _MODEL_NAME.fullmatch(self.model):
+            raise InvalidArgumentError(
+                f"model {self.model!r} is not a model name; expected a registered name such as "
+                "'gpt' (module and file paths are never accepted)"
+            )
+        check_model_args(self.model_args)
+        for name in ("seed", "num_stages", "num_microbatches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise InvalidArgumentError(f"{name} must be an int; got {value!r}")
+        if not 0 <= self.seed < 2**63:
+            raise InvalidArgumentError(f"seed ({self.seed}) must be in [0, 2**63)")
+        if not 1 <= self.num_stages <= 1024:
+            raise InvalidArgumentError(f"num_stages ({self.num_stages}) must be in [1, 1024]")
+        if not 1 <= self.num_microbatches <= 65536:
+            raise InvalidArgumentError(
+                f"num_microbatches ({self.num_microbatches}) must be in [1, 65536]"
+            )
+        if self.schedule not in SCHEDULES:
+            raise InvalidArgumentError(
+                f"schedule {self.schedule!r} is not supported; expected one of {SCHEDULES}"
+            )
+        if self.partition not in PARTITIONS:
+            raise InvalidArgumentError(
+                f"partition {self.partition!r} is not supported; expected one of {PARTITIONS}"
+            )
+        check_loss(self.loss)
+        if not isinstance(self.optimizer, Mapping):
+            raise InvalidArgumentError(f"optimizer must be a mapping; got {self.optimizer!r}")
+        check_optimizer(self.optimizer)
+        if self.clip_grad_norm is not None and not (
+            isinstance(self.clip_grad_norm, int | float)
+            and math.isfinite(self.clip_grad_norm)
+            and self.clip_grad_norm > 0
+        ):
+            raise InvalidArgumentError(
+                f"clip_grad_norm ({self.clip_grad_norm!r}) must be a positive finite number"
+            )
+
+    def model_args_json(self) -> str:
+        """``model_args`` as a JSON object."""
+        return json.dumps(dict(self.model_args), sort_keys=True)
+
+    def optimizer_json(self) -> str:
+        """``optimizer`` as a JSON object."""
+        return json.dumps(dict(self.optimizer), sort_keys=True)
+
+
+def parse_json_object(text: str, field_name: str) -> dict[str, Any]:
+    """Parses ``text`` as a JSON object (the wire form of model arguments and optimizers).
+
+    Raises:
+        InvalidArgumentError: not valid JSON or not an object.
+    """
+    try:
+        value = json.loads(text) if text else {}
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise InvalidArgumentError(f"{field_name} is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise InvalidArgumentError(
+            f"{field_name} must be a JSON object; got {type(value).__name__}"
+        )
+    return value
+
+
+def config_to_proto(config: JobConfig) -> common_pb2.JobSpec:
+    """The wire form of ``config``."""
+    spec = common_pb2.JobSpec(
+        model=config.model,
+        model_args_json=config.model_args_json(),
+        seed=config.seed,
+        num_stages=config.num_stages,
+        num_microbatches=config.num_microbatches,
+        schedule=config.schedule,
+        optimizer_json=config.optimizer_json(),
+        loss=config.loss,
+        partition=config.partition,
+    )
+    if config.clip_grad_norm is not None:
+        spec.clip_grad_norm = float(config.clip_grad_norm)
+    return spec
+
+
+def config_from_proto(spec: common_pb2.JobSpec) -> JobConfig:
+    """A validated JobConfig from its wire form.
+
+    Raises:
+        InvalidArgumentError: any field is invalid.
+    """
+    return JobConfig(
+        model=spec.model,
+        model_args=parse_json_object(spec.model_args_json, "model_args_json"),
+        seed=spec.seed,
+        num_stages=spec.num_stages,
+        num_microbatches=spec.num_microbatches,
+        schedule=spec.schedule,
+        optimizer=parse_json_object(spec.optimizer_json, "optimizer_json"),
+        loss=spec.loss,
+        partition=spec.partition,
+        clip_grad_norm=spec.clip_grad_norm if spec.HasField("clip_grad_norm") else None,
+    )

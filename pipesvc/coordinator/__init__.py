@@ -1,0 +1,1 @@
+"""Coordinator server: registry, job driver and servicer."""

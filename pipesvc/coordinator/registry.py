@@ -1,0 +1,101 @@
+"""The coordinator's registry of stage servers: who they are, and which job each serves."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import grpc
+
+from pipesvc.errors import InvalidArgumentError
+from pipesvc.transport import open_channel, split_address
+from pipesvc.v1 import stage_pb2_grpc
+
+
+@dataclass(kw_only=True)
+class StageRecord:
+    """A registered stage server."""
+
+    address: str
+    device: str
+    memory_bytes: int
+    models: tuple[str, ...]
+    job_id: str = ""
+    rank: int = 0
+    start_layer: int = 0
+    end_layer: int = 0
+    order: int = 0
+    """Registration order, for a stable choice of stages."""
+
+
+@dataclass
+class StageRegistry:
+    """Thread-safe map from stage address to record, plus one channel per stage."""
+
+    _records: dict[str, StageRecord] = field(default_factory=dict)
+    _channels: dict[str, grpc.Channel] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _counter: int = 0
+
+    def register(self, record: StageRecord) -> None:
+        """Adds or refreshes a stage (its address is its identity).
+
+        Raises:
+            InvalidArgumentError: the address is not HOST:PORT with a non-zero port.
+        """
+        _, port = split_address(record.address)
+        if port == 0:
+            raise InvalidArgumentError(f"stage address {record.address!r} has port 0")
+        with self._lock:
+            old = self._records.get(record.address)
+            self._counter += 1
+            record.order = old.order if old else self._counter
+            if old is not None:
+                record.job_id, record.rank = old.job_id, old.rank
+                record.start_layer, record.end_layer = old.start_layer, old.end_layer
+            self._records[record.address] = record
+
+    def all(self) -> list[StageRecord]:
+        """Every record, in registration order."""
+        with self._lock:
+            return sorted(self._records.values(), key=lambda r: r.order)
+
+    def free(self, model: str) -> list[StageRecord]:
+        """Stages with no job that can build ``model``, in registration order."""
+        return [r for r in self.all() if not r.job_id and model in r.models]
+
+    def claim(self, addresses: list[str], job_id: str) -> bool:
+        """Marks the stages as serving ``job_id``; False (and no change) if one is taken."""
+        with self._lock:
+            if any(self._records[a].job_id for a in addresses):
+                return False
+            for address in addresses:
+                self._records[address].job_id = job_id
+            return True
+
+    def place(self, address: str, *, rank: int, start_layer: int, end_layer: int) -> None:
+        """Records a stage's place in its job's plan."""
+        with self._lock:
+            record = self._records[address]
+            record.rank, record.start_layer, record.end_layer = rank, start_layer, end_layer
+
+    def release(self, job_id: str) -> None:
+        """Frees every stage serving ``job_id``."""
+        with self._lock:
+            for record in self._records.values():
+                if record.job_id == job_id:
+                    record.job_id = ""
+
+    def stub(self, address: str) -> stage_pb2_grpc.StageServiceStub:
+        """A stub on the (cached) channel to ``address``."""
+        with self._lock:
+            if address not in self._channels:
+                self._channels[address] = open_channel(address)
+            return stage_pb2_grpc.StageServiceStub(self._channels[address])
+
+    def close(self) -> None:
+        """Closes every channel."""
+        with self._lock:
+            for channel in self._channels.values():
+                channel.close()
+            self._channels.clear()

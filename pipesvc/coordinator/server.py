@@ -1,0 +1,42 @@
+"""Running the coordinator server: bind, serve until stopped, then release every job."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+from pipesvc.coordinator.service import CoordinatorService
+from pipesvc.transport import create_server, split_address
+from pipesvc.v1 import coordinator_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+def run_coordinator(
+    *, listen: str, state_dir: Path, stop: threading.Event, address_file: Path | None = None
+) -> None:
+    """Serves the coordinator until ``stop`` is set.
+
+    ``address_file``, when given, receives the bound ``host:port`` once the server is up (so a
+    parent that asked for port 0 learns the real one).
+    """
+    host, _ = split_address(listen)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    service = CoordinatorService(state_dir)
+    server, port, health = create_server(
+        listen, [lambda s: coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(service, s)]
+    )
+    address = f"{host}:{port}"
+    logger.info("coordinator listening on %s, state in %s", address, state_dir)
+    if address_file is not None:
+        tmp = address_file.with_suffix(".tmp")
+        tmp.write_text(address)
+        tmp.replace(address_file)
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        health.enter_graceful_shutdown()
+        service.shutdown()
+        server.stop(grace=2.0).wait()

@@ -1,0 +1,147 @@
+"""The coordinator servicer: a thin adapter from CoordinatorService RPCs to jobs and stages."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Iterable, Iterator
+from concurrent import futures
+from pathlib import Path
+
+from pipesvc.config import config_from_proto
+from pipesvc.coordinator.job import Deadlines, JobDriver, create_job
+from pipesvc.coordinator.registry import StageRecord, StageRegistry
+from pipesvc.errors import InvalidArgumentError, NotFoundError
+from pipesvc.rpc_status import handle_errors
+from pipesvc.tensor_codec import decode, encode
+from pipesvc.transport import check_health
+from pipesvc.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):  # type: ignore[misc]
+    """Registers stages and drives jobs; holds no model weights."""
+
+    def __init__(self, state_dir: Path, deadlines: Deadlines | None = None) -> None:
+        self.state_dir = state_dir
+        self.registry = StageRegistry()
+        self._deadlines = deadlines or Deadlines()
+        self._jobs: dict[str, JobDriver] = {}
+        self._lock = threading.Lock()
+
+    def _job(self, job_id: str) -> JobDriver:
+        with self._lock:
+            job = self._jobs.get(job_id)
+        if job is None:
+            raise NotFoundError(f"job {job_id!r} does not exist")
+        return job
+
+    @handle_errors
+    def RegisterStage(self, request: coordinator_pb2.RegisterStageRequest, context: object) -> object:
+        self.registry.register(
+            StageRecord(
+                address=request.address,
+                device=request.device,
+                memory_bytes=request.memory_bytes,
+                models=tuple(request.models),
+            )
+        )
+        logger.info("stage %s registered (%s)", request.address, request.device)
+        return coordinator_pb2.RegisterStageResponse()
+
+    @handle_errors
+    def ListStages(self, request: coordinator_pb2.ListStagesRequest, context: object) -> object:
+        records = self.registry.all()
+        with futures.ThreadPoolExecutor(max_workers=max(1, min(16, len(records)))) as pool:
+            health = list(pool.map(lambda r: check_health(r.address, 1.0), records))
+        return coordinator_pb2.ListStagesResponse(
+            stages=[
+                coordinator_pb2.StageStatus(
+                    address=r.address,
+                    device=r.device,
+                    memory_bytes=r.memory_bytes,
+                    models=r.models,
+                    job_id=r.job_id,
+                    start_layer=r.start_layer if r.job_id else 0,
+                    end_layer=r.end_layer if r.job_id else 0,
+                    rank=r.rank if r.job_id else 0,
+                    health=h,
+                )
+                for r, h in zip(records, health, strict=True)
+            ]
+        )
+
+    @handle_errors
+    def CreateJob(self, request: coordinator_pb2.CreateJobRequest, context: object) -> object:
+        config = config_from_proto(request.spec)
+        job_id = uuid.uuid4().hex[:12]
+        job = create_job(job_id, config, self.registry, self._deadlines)
+        with self._lock:
+            self._jobs[job_id] = job
+        return job.info()
+
+    @handle_errors
+    def GetJob(self, request: coordinator_pb2.GetJobRequest, context: object) -> object:
+        return self._job(request.job_id).info()
+
+    @handle_errors
+    def TrainStep(self, request: coordinator_pb2.TrainStepRequest, context: object) -> object:
+        job = self._job(request.job_id)
+        if not request.HasField("inputs") or not request.HasField("targets"):
+            raise InvalidArgumentError("a training step needs both inputs and targets")
+        loss, step = job.train_step(decode(request.inputs), decode(request.targets))
+        return coordinator_pb2.TrainStepResponse(loss=loss, step=step)
+
+    @handle_errors
+    def Forward(self, request: coordinator_pb2.ForwardRequest, context: object) -> object:
+        job = self._job(request.job_id)
+        if not request.HasField("inputs"):
+            raise InvalidArgumentError("forward needs inputs")
+        return coordinator_pb2.ForwardResponse(outputs=encode(job.forward(decode(request.inputs))))
+
+    @handle_errors
+    def GetState(
+        self, request: coordinator_pb2.GetJobStateRequest, context: object
+    ) -> Iterator[common_pb2.TensorFrame]:
+        if request.kind not in (common_pb2.PARAMETERS, common_pb2.GRADIENTS):
+            raise InvalidArgumentError(f"state kind {request.kind} must be PARAMETERS or GRADIENTS")
+        yield from self._job(request.job_id).stream_state(request.kind)
+
+    @handle_errors
+    def LoadState(
+        self, request_iterator: Iterable[coordinator_pb2.LoadJobStateRequest], context: object
+    ) -> object:
+        iterator = iter(request_iterator)
+        first = next(iterator, None)
+        if first is None:
+            raise InvalidArgumentError("load_state_dict got an empty stream")
+        job = self._job(first.job_id)
+
+        def frames() -> Iterator[common_pb2.TensorFrame]:
+            yield first.frame
+            for request in iterator:
+                if request.job_id != job.job_id:
+                    raise InvalidArgumentError(
+                        f"state stream switched from job {job.job_id!r} to {request.job_id!r}"
+                    )
+                yield request.frame
+
+        return coordinator_pb2.LoadJobStateResponse(num_tensors=job.load_state(frames()))
+
+    @handle_errors
+    def CloseJob(self, request: coordinator_pb2.CloseJobRequest, context: object) -> object:
+        job = self._job(request.job_id)
+        job.close()
+        with self._lock:
+            self._jobs.pop(request.job_id, None)
+        return coordinator_pb2.CloseJobResponse()
+
+    def shutdown(self) -> None:
+        """Closes every job and channel."""
+        with self._lock:
+            jobs = list(self._jobs.values())
+        for job in jobs:
+            job.close()
+        self.registry.close()

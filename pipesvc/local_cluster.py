@@ -1,0 +1,157 @@
+"""A real cluster on loopback: one coordinator and N stage processes, as a context manager."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+from pipesvc.client import connect
+from pipesvc.errors import PipesvcError, StageUnavailableError
+
+
+def default_threads_per_stage(num_stages: int) -> int:
+    """Cores divided among the stages (at least one each), so stages don't oversubscribe."""
+    return max(1, (os.cpu_count() or 1) // max(1, num_stages))
+
+
+class LocalCluster:
+    """Starts ``pipesvc coordinator`` and ``num_stages`` ``pipesvc stage`` processes.
+
+    On ``__enter__`` it waits until every stage is registered and SERVING; on exit, or on an
+    error while starting, it stops every process it started (SIGTERM, then SIGKILL).
+
+    Usage::
+
+        with pipesvc.LocalCluster(num_stages=4) as cluster:
+            client = pipesvc.connect(cluster.address)
+    """
+
+    def __init__(
+        self,
+        num_stages: int = 2,
+        *,
+        models: Sequence[str] = (),
+        threads_per_stage: int | None = None,
+        device: str | None = None,
+        state_dir: str | Path | None = None,
+        startup_timeout_s: float = 120.0,
+    ) -> None:
+        if num_stages < 1:
+            raise ValueError(f"num_stages ({num_stages}) must be at least 1")
+        self.num_stages = num_stages
+        self.models = list(models)
+        self.threads_per_stage = threads_per_stage or default_threads_per_stage(num_stages)
+        self.device = device
+        self.startup_timeout_s = startup_timeout_s
+        self._state_dir = Path(state_dir) if state_dir else None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self.address = ""
+        self.log_dir = Path()
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pipesvc", *args], stdout=log, stderr=subprocess.STDOUT
+        )
+        log.close()
+        self._procs.append(proc)
+        return proc
+
+    def _logs(self) -> str:
+        parts = []
+        for path in sorted(self.log_dir.glob("*.log")):
+            tail = path.read_text(errors="replace")[-2000:]
+            parts.append(f"--- {path.name} ---\n{tail}")
+        return "\n".join(parts)
+
+    def _wait(self, ready: object, what: str) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in self._procs):
+                raise StageUnavailableError(f"a process exited while {what}:\n{self._logs()}")
+            assert callable(ready)
+            if ready():
+                return
+            time.sleep(0.1)
+        raise StageUnavailableError(
+            f"timed out after {self.startup_timeout_s} s {what}:\n{self._logs()}"
+        )
+
+    def start(self) -> LocalCluster:
+        """Starts the processes and waits until the cluster is ready.
+
+        Raises:
+            StageUnavailableError: a process died or the cluster was not ready in time.
+        """
+        self._tmp = tempfile.TemporaryDirectory(prefix="pipesvc-cluster-")
+        self.log_dir = Path(self._tmp.name)
+        state_dir = self._state_dir or self.log_dir / "state"
+        address_file = self.log_dir / "coordinator.address"
+        try:
+            self._spawn("coordinator", ["coordinator", "--listen", "127.0.0.1:0",
+                                        "--state-dir", str(state_dir),
+                                        "--address-file", str(address_file)])
+            self._wait(address_file.exists, "starting the coordinator")
+            self.address = address_file.read_text().strip()
+            for rank in range(self.num_stages):
+                args = ["stage", "--coordinator", self.address, "--listen", "127.0.0.1:0",
+                        "--threads", str(self.threads_per_stage)]
+                if self.device:
+                    args += ["--device", self.device]
+                for module in self.models:
+                    args += ["--models", module]
+                self._spawn(f"stage-{rank}", args)
+            with connect(self.address, timeout_s=5.0) as client:
+
+                def all_serving() -> bool:
+                    try:
+                        stages = client.stages()
+                    except PipesvcError:
+                        return False
+                    serving = [s for s in stages if s.health == "SERVING"]
+                    return len(serving) >= self.num_stages
+
+                self._wait(all_serving, f"waiting for {self.num_stages} stages")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        """Stops every process this cluster started and removes its temporary files."""
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._procs.clear()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the coordinator (first) and the stages."""
+        return [p.pid for p in self._procs]
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,182 @@
+"""The built-in ``gpt`` model: a small nanoGPT-style causal language model, one layer per piece.
+
+Layers: ``Embedding`` (token + learned position), ``num_blocks`` pre-norm transformer
+``Block``s, then ``Head`` (final LayerNorm + Linear to the vocabulary). Token and head weights
+are not tied, so each layer owns its parameters and any range of layers can live on one stage.
+
+Usage::
+
+    import torch
+    import torch.nn.functional as F
+    from pipesvc import models
+
+    net = models.build("gpt", seed=0, vocab_size=128, block_size=64, num_blocks=4)
+    tokens = torch.randint(0, 128, (8, 33))
+    logits = net(tokens[:, :-1])  # (8, 32, 128)
+    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipesvc.errors import InvalidArgumentError
+from pipesvc.models.registry import LayerSpec, register_model
+
+INIT_STD = 0.02
+"""Standard deviation of the normal init of Linear and Embedding weights (as in GPT-2)."""
+
+
+def _init_linear_and_embedding(module: nn.Module, *, std: float = INIT_STD) -> None:
+    for sub in module.modules():
+        if isinstance(sub, nn.Linear | nn.Embedding):
+            nn.init.normal_(sub.weight, mean=0.0, std=std)
+        if isinstance(sub, nn.Linear) and sub.bias is not None:
+            nn.init.zeros_(sub.bias)
+
+
+class Embedding(nn.Module):
+    """Token + learned position embedding: LongTensor (B, T) with T <= block_size -> (B, T, C)."""
+
+    def __init__(self, vocab_size: int, block_size: int, embed_dim: int, dropout: float) -> None:
+        super().__init__()
+        self.block_size = block_size
+        self.token = nn.Embedding(vocab_size, embed_dim)
+        self.position = nn.Embedding(block_size, embed_dim)
+        self.dropout = nn.Dropout(dropout)
+        _init_linear_and_embedding(self)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Embeds token ids.
+
+        Raises:
+            InvalidArgumentError: ``idx`` is not 2-D or is longer than ``block_size``.
+        """
+        if idx.dim() != 2:
+            raise InvalidArgumentError(f"gpt input must be (B, T), got shape {tuple(idx.shape)}")
+        seq_len = idx.shape[1]
+        if seq_len > self.block_size:
+            raise InvalidArgumentError(
+                f"gpt sequence length ({seq_len}) exceeds block_size ({self.block_size})"
+            )
+        pos = torch.arange(seq_len, device=idx.device)
+        x: torch.Tensor = self.dropout(self.token(idx) + self.position(pos))
+        return x
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention: (B, T, C) -> (B, T, C)."""
+
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.dropout = dropout
+        self.qkv = nn.Linear(embed_dim, 3 * embed_dim)
+        self.proj = nn.Linear(embed_dim, embed_dim)
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, channels = x.shape
+        # (B, T, 3C) -> three (B, heads, T, head_dim)
+        q, k, v = (
+            t.view(batch, seq_len, self.num_heads, -1).transpose(1, 2)
+            for t in self.qkv(x).split(channels, dim=2)
+        )
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        y = y.transpose(1, 2).contiguous().view(batch, seq_len, channels)
+        out: torch.Tensor = self.resid_dropout(self.proj(y))
+        return out
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: Linear(C, 4C), GELU, Linear(4C, C)."""
+
+    def __init__(self, embed_dim: int, dropout: float) -> None:
+        super().__init__()
+        self.fc = nn.Linear(embed_dim, 4 * embed_dim)
+        self.gelu = nn.GELU()
+        self.proj = nn.Linear(4 * embed_dim, embed_dim)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.dropout(self.proj(self.gelu(self.fc(x))))
+        return out
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x)); (B, T, C) -> (B, T, C)."""
+
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float, num_blocks: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(embed_dim)
+        self.attn = CausalSelfAttention(embed_dim, num_heads, dropout)
+        self.ln_2 = nn.LayerNorm(embed_dim)
+        self.mlp = MLP(embed_dim, dropout)
+        _init_linear_and_embedding(self)
+        # GPT-2: scale the projections into the residual stream by depth.
+        for proj in (self.attn.proj, self.mlp.proj):
+            nn.init.normal_(proj.weight, mean=0.0, std=INIT_STD / math.sqrt(2 * num_blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class Head(nn.Module):
+    """Final LayerNorm and projection to vocabulary logits: (B, T, C) -> (B, T, vocab_size)."""
+
+    def __init__(self, embed_dim: int, vocab_size: int) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(embed_dim)
+        self.lm_head = nn.Linear(embed_dim, vocab_size, bias=False)
+        _init_linear_and_embedding(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.lm_head(self.ln_f(x))
+        return logits
+
+
+@register_model("gpt")
+def gpt(
+    vocab_size: int = 128,
+    block_size: int = 64,
+    embed_dim: int = 64,
+    num_heads: int = 4,
+    num_blocks: int = 4,
+    dropout: float = 0.0,
+) -> list[LayerSpec]:
+    """Returns the layers of a GPT: ``Embedding``, ``num_blocks`` x ``Block``, ``Head``.
+
+    Raises:
+        InvalidArgumentError: a size is not a positive integer, ``num_heads`` does not divide
+            ``embed_dim``, or ``dropout`` is not in [0, 1).
+    """
+    sizes = {
+        "vocab_size": vocab_size,
+        "block_size": block_size,
+        "embed_dim": embed_dim,
+        "num_heads": num_heads,
+        "num_blocks": num_blocks,
+    }
+    for key, value in sizes.items():
+        if type(value) is not int or value <= 0:
+            raise InvalidArgumentError(f"gpt: {key} ({value!r}) must be a positive integer")
+    if embed_dim % num_heads:
+        raise InvalidArgumentError(
+            f"gpt: num_heads ({num_heads}) must divide embed_dim ({embed_dim})"
+        )
+    if type(dropout) not in (int, float) or not 0.0 <= dropout < 1.0:
+        raise InvalidArgumentError(f"gpt: dropout ({dropout!r}) must be a number in [0, 1)")
+    dropout = float(dropout)
+    return [
+        LayerSpec(Embedding, vocab_size, block_size, embed_dim, dropout),
+        *(LayerSpec(Block, embed_dim, num_heads, dropout, num_blocks) for _ in range(num_blocks)),
+        LayerSpec(Head, embed_dim, vocab_size),
+    ]

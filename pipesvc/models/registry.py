@@ -1,0 +1,347 @@
+"""The model registry: named factories of unbuilt layers, and seeded building of any layer range.
+
+[Note: deterministic init] Layer ``i`` is built under a CPU generator seeded by
+``layer_seed(seed, i)`` alone, so a stage that builds ``[start, end)`` gets exactly the weights
+of layers ``start..end-1`` of ``build(name, seed=seed, **args)``. Module constructors draw from
+torch's global CPU generator, so builds in this process are serialised by ``_RNG_LOCK``; other
+threads must not draw from the global CPU generator while a layer is being built.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import re
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+from torch import nn
+
+from pipesvc.errors import InternalError, InvalidArgumentError, UnknownModelError
+
+ModelFactory = Callable[..., list["LayerSpec"]]
+"""A factory takes JSON-typed keyword arguments and returns the model's unbuilt layers."""
+
+_FactoryT = TypeVar("_FactoryT", bound=ModelFactory)
+
+MODEL_NAME_PATTERN = re.compile(r"[a-z][a-z0-9_-]{0,63}")
+"""Model names; no dots or slashes, so a name can never look like a module or a path."""
+
+MAX_ARG_DEPTH = 8
+"""Deepest nesting of lists and dicts allowed inside one model argument."""
+
+_JSON_SCALARS = (str, int, float, bool, type(None))
+_FACTORIES: dict[str, ModelFactory] = {}
+_LOCK = threading.Lock()
+_RNG_LOCK = threading.Lock()
+
+
+class LayerSpec:
+    """One unbuilt layer: a builder and the arguments to call it with."""
+
+    __slots__ = ("args", "builder", "kwargs")
+
+    def __init__(self, builder: Callable[..., nn.Module], *args: object, **kwargs: object) -> None:
+        self.builder = builder
+        self.args = args
+        self.kwargs = kwargs
+
+    def build(self) -> nn.Module:
+        """Returns a new module from ``builder(*args, **kwargs)``, on the current default device."""
+        return self.builder(*self.args, **self.kwargs)
+
+    def __repr__(self) -> str:
+        name = getattr(self.builder, "__qualname__", repr(self.builder))
+        parts = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
+        return f"LayerSpec({name}, {', '.join(parts)})" if parts else f"LayerSpec({name})"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TensorInfo:
+    """One ``state_dict`` entry of a layer."""
+
+    name: str
+    """Name relative to the layer, e.g. ``"weight"`` or ``"0.bias"``."""
+    shape: tuple[int, ...]
+    dtype: str
+    """Without the ``torch.`` prefix, e.g. ``"float32"``."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerInfo:
+    """Sizes of one layer, measured without allocating it."""
+
+    index: int
+    num_parameters: int
+    parameter_bytes: int
+    """Bytes of the parameters alone (buffers are listed in ``tensors`` but not counted)."""
+    tensors: tuple[TensorInfo, ...]
+    """The layer's ``state_dict`` entries: parameters and buffers."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelDescription:
+    """The layers of a model as built with given arguments."""
+
+    name: str
+    layers: tuple[LayerInfo, ...]
+
+    @property
+    def num_layers(self) -> int:
+        """Number of layers."""
+        return len(self.layers)
+
+    @property
+    def parameter_counts(self) -> list[int]:
+        """Parameters per layer, in layer order (the planner's input)."""
+        return [layer.num_parameters for layer in self.layers]
+
+
+def register_model(name: str) -> Callable[[_FactoryT], _FactoryT]:
+    """Returns a decorator that registers a model factory under ``name``.
+
+    Raises:
+        InvalidArgumentError: ``name`` does not match ``MODEL_NAME_PATTERN``, or is already
+            registered to a different function.
+    """
+    if not isinstance(name, str) or MODEL_NAME_PATTERN.fullmatch(name) is None:
+        raise InvalidArgumentError(
+            f"model name {name!r} must match {MODEL_NAME_PATTERN.pattern!r} "
+            "(lowercase letters, digits, '_' and '-'; at most 64 characters)"
+        )
+
+    def decorator(factory: _FactoryT) -> _FactoryT:
+        with _LOCK:
+            existing = _FACTORIES.get(name)
+            if existing is not None and existing is not factory:
+                raise InvalidArgumentError(
+                    f"model name {name!r} is already registered to "
+                    f"{existing.__module__}.{existing.__qualname__}"
+                )
+            _FACTORIES[name] = factory
+        return factory
+
+    return decorator
+
+
+def known_models() -> list[str]:
+    """Returns the registered model names, sorted."""
+    with _LOCK:
+        return sorted(_FACTORIES)
+
+
+def check_model_args(model_args: Mapping[str, object]) -> None:
+    """Checks that model arguments are JSON-typed: the only kind a request may carry.
+
+    Raises:
+        InvalidArgumentError: a key is not a string, a value is not JSON-typed (str, int,
+            float, bool, None, list, dict with str keys), or nesting exceeds ``MAX_ARG_DEPTH``.
+    """
+    if not isinstance(model_args, Mapping):
+        raise InvalidArgumentError(f"model_args must be a mapping, got {type(model_args).__name__}")
+    for key, value in model_args.items():
+        if not isinstance(key, str):
+            raise InvalidArgumentError(
+                f"model argument names must be strings, got {key!r} ({type(key).__name__})"
+            )
+        _check_json_value(key, value, depth=0)
+
+
+def _check_json_value(path: str, value: object, *, depth: int) -> None:
+    # Exact types: a subclass of int or dict could carry behaviour that JSON cannot.
+    if type(value) in _JSON_SCALARS:
+        return
+    if type(value) not in (list, dict):
+        raise InvalidArgumentError(
+            f"model argument {path!r} has type {type(value).__name__}; only JSON types "
+            "(str, int, float, bool, None, list, dict) are allowed"
+        )
+    if depth >= MAX_ARG_DEPTH:
+        raise InvalidArgumentError(
+            f"model argument {path!r} nests lists/dicts deeper than {MAX_ARG_DEPTH} levels"
+        )
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_json_value(f"{path}[{i}]", item, depth=depth + 1)
+        return
+    assert isinstance(value, dict)
+    for key, item in value.items():
+        if type(key) is not str:
+            raise InvalidArgumentError(
+                f"model argument {path!r} has a dict key {key!r} of type "
+                f"{type(key).__name__}; keys must be strings"
+            )
+        _check_json_value(f"{path}.{key}", item, depth=depth + 1)
+
+
+def layer_specs(name: str, model_args: Mapping[str, object]) -> list[LayerSpec]:
+    """Returns the unbuilt layers of model ``name`` with ``model_args``; builds nothing.
+
+    Raises:
+        UnknownModelError: ``name`` is not registered.
+        InvalidArgumentError: the arguments are not JSON-typed, do not fit the factory's
+            signature, are rejected by the factory, or give no layers.
+        InternalError: the factory returned something other than a list of ``LayerSpec``.
+    """
+    with _LOCK:
+        factory = _FACTORIES.get(name)
+        known = sorted(_FACTORIES)
+    if factory is None:
+        raise UnknownModelError(f"unknown model {name!r}; known models: {', '.join(known)}")
+    check_model_args(model_args)
+    _bind_args(name, factory, model_args)
+    try:
+        specs = factory(**model_args)
+    except InvalidArgumentError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"model {name!r} rejected its arguments: {exc}") from exc
+    if not isinstance(specs, list | tuple) or not all(isinstance(s, LayerSpec) for s in specs):
+        raise InternalError(f"model {name!r} factory must return a list of LayerSpec")
+    if not specs:
+        raise InvalidArgumentError(
+            f"model {name!r} with arguments {dict(model_args)} has no layers"
+        )
+    return list(specs)
+
+
+def _bind_args(name: str, factory: ModelFactory, model_args: Mapping[str, object]) -> None:
+    params = inspect.signature(factory).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    accepted = [p.name for p in params if p.kind in kinds]
+    unexpected = sorted(set(model_args) - set(accepted))
+    missing = [p.name for p in params if p.kind in kinds and p.default is p.empty]
+    missing = [m for m in missing if m not in model_args]
+    if unexpected or missing:
+        problem = (
+            f"unexpected argument(s) {', '.join(map(repr, unexpected))}"
+            if unexpected
+            else f"missing argument(s) {', '.join(map(repr, missing))}"
+        )
+        raise InvalidArgumentError(
+            f"model {name!r}: {problem}; accepted arguments: {', '.join(accepted) or '(none)'}"
+        )
+
+
+def layer_seed(seed: int, index: int) -> int:
+    """Returns the init seed of layer ``index``: a stable hash of ``(seed, index)``.
+
+    The result lies in [0, 2**63) and is the same in every process, platform and run.
+    """
+    digest = hashlib.blake2b(f"pipesvc.layer:{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def build_layer(
+    spec: LayerSpec, *, seed: int, index: int, device: torch.device | str | None = None
+) -> nn.Module:
+    """Builds one layer on the CPU from ``layer_seed(seed, index)``, then moves it to ``device``.
+
+    The global RNG state is left unchanged.
+
+    Raises:
+        InvalidArgumentError: the builder raised ``TypeError`` or ``ValueError``.
+    """
+    with _RNG_LOCK, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(layer_seed(seed, index))
+        module = _construct(spec, index, torch.device("cpu"))
+    return module if device is None else module.to(device)
+
+
+def _construct(spec: LayerSpec, index: int, default_device: torch.device) -> nn.Module:
+    try:
+        with default_device:
+            return spec.build()
+    except InvalidArgumentError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"building layer {index} ({spec!r}) failed: {exc}") from exc
+
+
+def build_layers(
+    name: str,
+    model_args: Mapping[str, object],
+    *,
+    seed: int,
+    start_layer: int,
+    end_layer: int,
+    device: torch.device | str | None = None,
+) -> list[nn.Module]:
+    """Builds layers ``[start_layer, end_layer)`` of a model, and no others.
+
+    Raises:
+        UnknownModelError: ``name`` is not registered.
+        InvalidArgumentError: bad arguments, or not ``0 <= start_layer < end_layer <= num_layers``.
+    """
+    specs = layer_specs(name, model_args)
+    if not 0 <= start_layer < end_layer <= len(specs):
+        raise InvalidArgumentError(
+            f"layer range [{start_layer}, {end_layer}) of model {name!r} must satisfy "
+            f"0 <= start_layer < end_layer <= num_layers ({len(specs)})"
+        )
+    return [
+        build_layer(specs[i], seed=seed, index=i, device=device)
+        for i in range(start_layer, end_layer)
+    ]
+
+
+def build(name: str, *, seed: int = 0, **model_args: object) -> nn.Sequential:
+    """Builds the whole model locally; ``state_dict`` keys are ``"{layer}.{param}"``.
+
+    Raises:
+        UnknownModelError: ``name`` is not registered.
+        InvalidArgumentError: the arguments are invalid.
+    """
+    specs = layer_specs(name, model_args)
+    return nn.Sequential(*(build_layer(s, seed=seed, index=i) for i, s in enumerate(specs)))
+
+
+def describe(name: str, model_args: Mapping[str, object]) -> ModelDescription:
+    """Describes every layer's tensors by building it on the meta device (no memory used).
+
+    Raises:
+        UnknownModelError: ``name`` is not registered.
+        InvalidArgumentError: the arguments are invalid.
+    """
+    layers = []
+    for index, spec in enumerate(layer_specs(name, model_args)):
+        with _RNG_LOCK, torch.random.fork_rng(devices=[]):
+            module = _construct(spec, index, torch.device("meta"))
+        tensors = tuple(
+            TensorInfo(name=key, shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."))
+            for key, t in module.state_dict().items()
+        )
+        params = list(module.parameters())
+        layers.append(
+            LayerInfo(
+                index=index,
+                num_parameters=sum(p.numel() for p in params),
+                parameter_bytes=sum(p.numel() * p.element_size() for p in params),
+                tensors=tensors,
+            )
+        )
+    return ModelDescription(name=name, layers=tuple(layers))
+
+
+def import_model_modules(modules: Sequence[str]) -> list[str]:
+    """Imports operator-named modules that register models; never call with request data.
+
+    Returns:
+        The model names newly registered by these imports, sorted.
+
+    Raises:
+        InvalidArgumentError: a module cannot be imported.
+    """
+    before = set(known_models())
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise InvalidArgumentError(f"cannot import model module {module!r}: {exc}") from exc
+    return sorted(set(known_models()) - before)

@@ -1,0 +1,184 @@
+"""Splitting a model's layers into contiguous per-stage ranges (the planner's pure core)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pipesvc.errors import InvalidArgumentError
+
+__all__ = [
+    "PARTITIONS",
+    "balanced",
+    "max_stage_cost",
+    "partition",
+    "uniform",
+]
+
+PARTITIONS: tuple[str, ...] = ("uniform", "parameters")
+"""Partition methods accepted by :func:`partition`."""
+
+
+def _check_counts(num_layers: int, num_stages: int) -> None:
+    """Checks that ``num_stages`` stages of at least one layer each can cover ``num_layers``.
+
+    Raises:
+        InvalidArgumentError: If either number is not an int, ``num_stages`` is below 1 or
+            ``num_stages`` exceeds ``num_layers``.
+    """
+    for name, value in (("num_layers", num_layers), ("num_stages", num_stages)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidArgumentError(f"{name} ({value!r}) must be an int")
+    if num_stages < 1:
+        raise InvalidArgumentError(f"num_stages ({num_stages}) must be at least 1")
+    if num_stages > num_layers:
+        raise InvalidArgumentError(
+            f"num_stages ({num_stages}) exceeds num_layers ({num_layers}); "
+            "every stage needs at least one layer"
+        )
+
+
+def _check_costs(costs: Sequence[int]) -> None:
+    """Checks that every cost is a non-negative int.
+
+    Raises:
+        InvalidArgumentError: Naming the first offending index and value.
+    """
+    for index, cost in enumerate(costs):
+        if isinstance(cost, bool) or not isinstance(cost, int) or cost < 0:
+            raise InvalidArgumentError(f"costs[{index}] ({cost!r}) must be a non-negative int")
+
+
+def uniform(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """Splits ``num_layers`` layers into ``num_stages`` ranges of near-equal layer count.
+
+    Sizes differ by at most one; the extra layers go to the earliest stages.
+
+    Args:
+        num_layers: Number of layers in the model.
+        num_stages: Number of stages (ranges) to produce.
+
+    Returns:
+        Half-open ``(start_layer, end_layer)`` ranges in rank order, covering every layer once.
+
+    Raises:
+        InvalidArgumentError: If ``num_stages`` is below 1 or exceeds ``num_layers``.
+    """
+    _check_counts(num_layers, num_stages)
+    base, extra = divmod(num_layers, num_stages)
+    ranges: list[tuple[int, int]] = []
+    start = 0
+    for rank in range(num_stages):
+        end = start + base + (1 if rank < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+def _min_parts(costs: Sequence[int], bound: int) -> int:
+    """Returns the fewest contiguous parts with sums at most ``bound`` (``bound >= max(costs)``)."""
+    parts = 1
+    total = 0
+    for cost in costs:
+        if total + cost > bound:
+            parts += 1
+            total = cost
+        else:
+            total += cost
+    return parts
+
+
+def balanced(costs: Sequence[int], num_stages: int) -> list[tuple[int, int]]:
+    """Splits layers into contiguous ranges minimising the largest per-stage total cost.
+
+    The result is optimal: a binary search finds the smallest bound ``B`` for which the layers
+    fit into ``num_stages`` parts of total cost at most ``B`` (any count of parts between the
+    greedy minimum and the number of layers is reachable, because costs are non-negative), then
+    the ranges are built greedily.
+
+    Tie-break: among all optimal partitions this returns the one whose earlier stages take as
+    many layers as possible (the lexicographically largest sequence of end layers). Each stage
+    takes the longest prefix that stays within ``B`` and leaves at least one layer for every
+    later stage; zero-cost layers therefore gather on the earlier stages, as in :func:`uniform`.
+
+    Args:
+        costs: Per-layer cost (e.g. parameter count), non-negative ints.
+        num_stages: Number of stages (ranges) to produce.
+
+    Returns:
+        Half-open ``(start_layer, end_layer)`` ranges in rank order, each at least one layer.
+
+    Raises:
+        InvalidArgumentError: If a cost is negative or not an int, or ``num_stages`` is below 1
+            or exceeds the number of layers.
+    """
+    _check_counts(len(costs), num_stages)
+    _check_costs(costs)
+    low, high = max(costs), sum(costs)
+    while low < high:
+        middle = (low + high) // 2
+        if _min_parts(costs, middle) <= num_stages:
+            high = middle
+        else:
+            low = middle + 1
+    bound = low
+
+    num_layers = len(costs)
+    ranges: list[tuple[int, int]] = []
+    start = 0
+    for rank in range(num_stages):
+        later_stages = num_stages - rank - 1
+        end = start + 1
+        total = costs[start]
+        while end < num_layers - later_stages and total + costs[end] <= bound:
+            total += costs[end]
+            end += 1
+        ranges.append((start, end))
+        start = end
+    # Invariant of the greedy construction (see the docstring): the last stage ends at the end.
+    assert start == num_layers, (start, num_layers)
+    return ranges
+
+
+def partition(method: str, costs: Sequence[int], num_stages: int) -> list[tuple[int, int]]:
+    """Splits layers into ``num_stages`` contiguous ranges with the named method.
+
+    Args:
+        method: One of :data:`PARTITIONS`. ``"parameters"`` balances ``costs`` with
+            :func:`balanced`; ``"uniform"`` uses only ``len(costs)`` (see :func:`uniform`).
+        costs: Per-layer cost, one entry per layer.
+        num_stages: Number of stages (ranges) to produce.
+
+    Returns:
+        Half-open ``(start_layer, end_layer)`` ranges in rank order, covering every layer once.
+
+    Raises:
+        InvalidArgumentError: If ``method`` is unknown, ``num_stages`` is below 1 or exceeds
+            the number of layers, or (for ``"parameters"``) a cost is invalid.
+    """
+    if method == "uniform":
+        return uniform(len(costs), num_stages)
+    if method == "parameters":
+        return balanced(costs, num_stages)
+    raise InvalidArgumentError(
+        f"unknown partition method {method!r}; expected one of {', '.join(PARTITIONS)}"
+    )
+
+
+def max_stage_cost(costs: Sequence[int], ranges: Sequence[tuple[int, int]]) -> int:
+    """Returns the largest total cost of any range (0 when there are no ranges).
+
+    Args:
+        costs: Per-layer cost.
+        ranges: Half-open ``(start_layer, end_layer)`` ranges into ``costs``.
+
+    Raises:
+        InvalidArgumentError: If a range is reversed or falls outside ``costs``.
+    """
+    largest = 0
+    for start, end in ranges:
+        if not 0 <= start <= end <= len(costs):
+            raise InvalidArgumentError(
+                f"range [{start}, {end}) is not within layers [0, {len(costs)})"
+            )
+        largest = max(largest, sum(costs[start:end]))
+    return largest

@@ -1,0 +1,1 @@
+"""Stage server: compute, data plane and servicer."""

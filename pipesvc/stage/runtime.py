@@ -1,0 +1,199 @@
+"""A stage's compute: its layers, optimizer, and the forward/backward/commit of one run.
+
+This module owns no threads and no network; the stage service drives it.
+
+[Note: activation ownership] ``forward`` keeps the input (with grad) and output of each
+micro-batch until its ``backward``; the output tensor is handed to the sender as is and is never
+modified in place, so it can be sent while compute goes on.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from pipesvc.config import JobConfig
+from pipesvc.errors import FailedPreconditionError, InvalidArgumentError
+from pipesvc.loss import compute_loss
+from pipesvc.models import build_layers
+from pipesvc.optim import build_optimizer
+
+
+class StageRuntime:
+    """Layers ``[start_layer, end_layer)`` of one job, their optimizer and in-flight state."""
+
+    def __init__(
+        self,
+        *,
+        config: JobConfig,
+        start_layer: int,
+        end_layer: int,
+        rank: int,
+        num_stages: int,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.start_layer = start_layer
+        self.end_layer = end_layer
+        self.rank = rank
+        self.num_stages = num_stages
+        self.device = device
+        layers = build_layers(
+            config.model,
+            config.model_args,
+            seed=config.seed,
+            start_layer=start_layer,
+            end_layer=end_layer,
+            device=device,
+        )
+        # Keys "{global layer}.{param}" match build(...).state_dict() (DESIGN section 4).
+        self.module = nn.ModuleDict(
+            {str(start_layer + i): layer for i, layer in enumerate(layers)}
+        )
+        self.optimizer = build_optimizer(config.optimizer, self.module.parameters())
+        self.step = 0
+        self.max_live = 0
+        self._saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.num_stages - 1
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.module.parameters())
+
+    def begin_run(self, training: bool) -> None:
+        """Starts a run; a training run clears the previous step's gradients."""
+        self._saved.clear()
+        self.max_live = 0
+        if training:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def _apply(self, x: torch.Tensor) -> torch.Tensor:
+        for index, layer in self.module.items():
+            try:
+                x = layer(x)
+            except (RuntimeError, IndexError, ValueError) as exc:
+                raise InvalidArgumentError(
+                    f"layer {index} failed on an input of shape {list(x.shape)} and dtype "
+                    f"{x.dtype}: {exc}"
+                ) from exc
+        return x
+
+    def forward(self, microbatch: int, x: torch.Tensor, *, training: bool) -> torch.Tensor:
+        """Runs this stage's layers on ``x``; in training keeps what backward needs."""
+        x = x.to(self.device)
+        if not training:
+            with torch.no_grad():
+                return self._apply(x)
+        if not self.is_first:
+            if not x.is_floating_point():
+                raise InvalidArgumentError(
+                    f"activation into layer {self.start_layer} has dtype {x.dtype}; "
+                    "a floating-point tensor is needed for its gradient"
+                )
+            x = x.detach().requires_grad_(True)
+        y = self._apply(x)
+        self._saved[microbatch] = (x, y)
+        self.max_live = max(self.max_live, len(self._saved))
+        return y
+
+    def loss(self, microbatch: int, target: torch.Tensor, weight: float) -> torch.Tensor:
+        """Last stage: the weighted loss of micro-batch ``microbatch``, kept for backward."""
+        x, y = self._saved[microbatch]
+        loss = compute_loss(self.config.loss, y, target.to(self.device)) * weight
+        self._saved[microbatch] = (x, loss)
+        return loss
+
+    def backward(self, microbatch: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
+        """Backpropagates micro-batch ``microbatch``; returns the input's gradient (rank > 0).
+
+        On the last stage ``grad_output`` is None and the saved loss is the root.
+
+        Raises:
+            FailedPreconditionError: no forward is pending for this micro-batch.
+            InvalidArgumentError: the gradient does not match the output's shape.
+        """
+        if microbatch not in self._saved:
+            raise FailedPreconditionError(f"backward of micro-batch {microbatch} before forward")
+        x, y = self._saved.pop(microbatch)
+        if grad_output is None:
+            y.backward()
+        else:
+            if grad_output.shape != y.shape:
+                raise InvalidArgumentError(
+                    f"gradient of shape {list(grad_output.shape)} for an output of shape "
+                    f"{list(y.shape)}"
+                )
+            torch.autograd.backward(y, grad_output.to(device=self.device, dtype=y.dtype))
+        return None if self.is_first else x.grad
+
+    def grad_norm_sq(self) -> float:
+        """Sum over parameters of the squared gradient norm (for global clipping)."""
+        total = 0.0
+        for p in self.module.parameters():
+            if p.grad is not None:
+                total += float(torch.linalg.vector_norm(p.grad)) ** 2
+        return total
+
+    def commit(self, grad_scale: float | None) -> int:
+        """Applies the optimizer step (after scaling gradients); returns the step count.
+
+        Raises:
+            InvalidArgumentError: ``grad_scale`` is not a finite non-negative number.
+        """
+        if grad_scale is not None:
+            if not (math.isfinite(grad_scale) and grad_scale >= 0):
+                raise InvalidArgumentError(f"grad_scale ({grad_scale}) must be finite and >= 0")
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(grad_scale)
+        self.optimizer.step()
+        self.step += 1
+        return self.step
+
+    def abort(self) -> None:
+        """Drops the run's activations and gradients; weights and optimizer are untouched."""
+        self._saved.clear()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def tensors(self, gradients: bool) -> dict[str, torch.Tensor]:
+        """The stage's state_dict, or the gradients under the same keys."""
+        if not gradients:
+            return {k: v.detach() for k, v in self.module.state_dict().items()}
+        return {
+            name: p.grad.detach()
+            for name, p in self.module.named_parameters()
+            if p.grad is not None
+        }
+
+    def check_and_load(self, staged: dict[str, torch.Tensor]) -> None:
+        """Copies ``staged`` into the layers if it is exactly this stage's state_dict.
+
+        Raises:
+            InvalidArgumentError: missing or unexpected keys, or a shape or dtype mismatch.
+        """
+        current = self.module.state_dict()
+        missing = sorted(set(current) - set(staged))
+        unexpected = sorted(set(staged) - set(current))
+        if missing or unexpected:
+            raise InvalidArgumentError(
+                f"state for layers [{self.start_layer}, {self.end_layer}) is missing "
+                f"{missing[:5]} and has unexpected {unexpected[:5]}"
+            )
+        for name, tensor in staged.items():
+            if tensor.shape != current[name].shape or tensor.dtype != current[name].dtype:
+                raise InvalidArgumentError(
+                    f"state tensor {name} has shape {list(tensor.shape)} {tensor.dtype}; "
+                    f"expected {list(current[name].shape)} {current[name].dtype}"
+                )
+        with torch.no_grad():
+            for name, tensor in staged.items():
+                current[name].copy_(tensor)

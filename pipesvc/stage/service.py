@@ -1,0 +1,428 @@
+"""The stage servicer: a thin adapter from StageService RPCs to StageRuntime and the links."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from pipesvc import models
+from pipesvc.config import config_from_proto, parse_json_object
+from pipesvc.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    StepAbortedError,
+)
+from pipesvc.rpc_status import handle_errors
+from pipesvc.schedule import Action, ActionKind, forward_only_actions, stage_actions
+from pipesvc.stage.links import DownstreamLink, UpstreamLink
+from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
+from pipesvc.stage.runtime import StageRuntime
+from pipesvc.tensor_codec import CodecLimits, FrameAssembler, decode, encode, encode_frames
+from pipesvc.transport import open_channel
+from pipesvc.v1 import common_pb2, stage_pb2, stage_pb2_grpc
+
+logger = logging.getLogger(__name__)
+MAX_MICROBATCHES = 65536
+
+
+@dataclass(kw_only=True)
+class StageOptions:
+    """How a stage server runs; set once from the command line."""
+
+    address: str
+    """host:port that neighbours and the coordinator dial."""
+    device: torch.device
+    """Where layers live and compute runs."""
+    memory_bytes: int
+    """Memory of that device, reported to the coordinator."""
+    recv_timeout_s: float = 300.0
+    """Longest wait for one activation or gradient before the run fails."""
+    limits: CodecLimits = field(default_factory=CodecLimits)
+    """Per-tensor limits on everything received."""
+
+
+@dataclass(kw_only=True)
+class _Assignment:
+    job_id: str
+    epoch: int
+    runtime: StageRuntime
+    downstream_address: str
+    mailbox: Mailbox = field(default_factory=Mailbox)
+    run_lock: threading.Lock = field(default_factory=threading.Lock)
+    last_run_id: int = 0
+    pending_commit: int | None = None
+    downstream: DownstreamLink | None = None
+    upstream: UpstreamLink | None = None
+    staged: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def close(self) -> None:
+        if self.downstream is not None:
+            self.downstream.close()
+        if self.upstream is not None:
+            self.upstream.close()
+
+
+class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
+    """Serves one stage; holds at most one job's layers at a time."""
+
+    def __init__(self, options: StageOptions) -> None:
+        self._options = options
+        self._lock = threading.Lock()
+        self._job: _Assignment | None = None
+        self._channels: dict[str, grpc.Channel] = {}
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _current(self, job_id: str, epoch: int | None = None) -> _Assignment:
+        with self._lock:
+            job = self._job
+        if job is None or job.job_id != job_id:
+            held = f"job {job.job_id!r}" if job else "no job"
+            raise NotFoundError(f"job {job_id!r} is not assigned to this stage (it holds {held})")
+        if epoch is not None and epoch != job.epoch:
+            raise FailedPreconditionError(
+                f"plan epoch {epoch} for job {job_id!r}; this stage is at epoch {job.epoch}"
+            )
+        return job
+
+    def _downstream(self, job: _Assignment) -> DownstreamLink:
+        if job.downstream is None:
+            address = job.downstream_address
+            if address not in self._channels:
+                self._channels[address] = open_channel(address)
+            job.downstream = DownstreamLink(
+                channel=self._channels[address],
+                address=address,
+                job_id=job.job_id,
+                epoch=job.epoch,
+                mailbox=job.mailbox,
+                limits=self._options.limits,
+            )
+        return job.downstream
+
+    # -- control -----------------------------------------------------------------------------
+
+    @handle_errors
+    def Describe(self, request: stage_pb2.DescribeRequest, context: object) -> object:
+        args = parse_json_object(request.model_args_json, "model_args_json")
+        description = models.describe(request.model, args)
+        return stage_pb2.DescribeResponse(
+            layers=[
+                stage_pb2.LayerDescription(
+                    index=layer.index,
+                    num_parameters=layer.num_parameters,
+                    parameter_bytes=layer.parameter_bytes,
+                    tensors=[
+                        stage_pb2.TensorDescription(name=t.name, shape=t.shape, dtype=t.dtype)
+                        for t in layer.tensors
+                    ],
+                )
+                for layer in description.layers
+            ]
+        )
+
+    @handle_errors
+    def Assign(self, request: stage_pb2.AssignRequest, context: object) -> object:
+        if not request.job_id:
+            raise InvalidArgumentError("job_id must not be empty")
+        config = config_from_proto(request.spec)
+        stage = request.stage
+        if not stage.rank < request.num_stages:
+            raise InvalidArgumentError(
+                f"rank ({stage.rank}) must be below num_stages ({request.num_stages})"
+            )
+        is_last = stage.rank == request.num_stages - 1
+        if is_last == bool(request.downstream_address):
+            raise InvalidArgumentError(
+                f"rank {stage.rank} of {request.num_stages} got downstream address "
+                f"{request.downstream_address!r}; only the last stage has none"
+            )
+        with self._lock:
+            if self._job is not None and self._job.job_id != request.job_id:
+                raise FailedPreconditionError(
+                    f"this stage already serves job {self._job.job_id!r}; release it first"
+                )
+        runtime = StageRuntime(
+            config=config,
+            start_layer=stage.start_layer,
+            end_layer=stage.end_layer,
+            rank=stage.rank,
+            num_stages=request.num_stages,
+            device=self._options.device,
+        )
+        assignment = _Assignment(
+            job_id=request.job_id,
+            epoch=request.plan_epoch,
+            runtime=runtime,
+            downstream_address=request.downstream_address,
+        )
+        with self._lock:
+            previous, self._job = self._job, assignment
+        if previous is not None:
+            previous.close()
+        logger.info(
+            "job %s: holding layers [%d, %d) as rank %d of %d (%d parameters)",
+            request.job_id,
+            stage.start_layer,
+            stage.end_layer,
+            stage.rank,
+            request.num_stages,
+            runtime.num_parameters,
+        )
+        return stage_pb2.AssignResponse(num_parameters=runtime.num_parameters)
+
+    @handle_errors
+    def Release(self, request: stage_pb2.ReleaseRequest, context: object) -> object:
+        job = self._current(request.job_id)
+        with self._lock:
+            self._job = None
+        job.close()
+        logger.info("job %s: released", request.job_id)
+        return stage_pb2.ReleaseResponse()
+
+    @handle_errors
+    def Info(self, request: stage_pb2.InfoRequest, context: object) -> object:
+        info = stage_pb2.StageInfo(
+            address=self._options.address,
+            device=str(self._options.device),
+            memory_bytes=self._options.memory_bytes,
+            models=models.known_models(),
+            num_threads=torch.get_num_threads(),
+        )
+        with self._lock:
+            job = self._job
+        if job is not None:
+            rt = job.runtime
+            info.job_id = job.job_id
+            info.start_layer, info.end_layer, info.rank = rt.start_layer, rt.end_layer, rt.rank
+            info.parameter_names.extend(name for name, _ in rt.module.named_parameters())
+            info.num_parameters = rt.num_parameters
+            info.step = rt.step
+        return info
+
+    # -- runs --------------------------------------------------------------------------------
+
+    @handle_errors
+    def RunStep(self, request: stage_pb2.RunStepRequest, context: object) -> object:
+        job = self._current(request.job_id, request.plan_epoch)
+        rt = job.runtime
+        if request.mode not in (stage_pb2.TRAIN, stage_pb2.INFER):
+            raise InvalidArgumentError(f"mode {request.mode} must be TRAIN or INFER")
+        training = request.mode == stage_pb2.TRAIN
+        m = request.num_microbatches
+        if not 1 <= m <= MAX_MICROBATCHES:
+            raise InvalidArgumentError(f"num_microbatches ({m}) must be in [1, {MAX_MICROBATCHES}]")
+        expected_inputs = m if rt.is_first else 0
+        expected_targets = m if rt.is_last and training else 0
+        if len(request.inputs) != expected_inputs:
+            raise InvalidArgumentError(
+                f"rank {rt.rank} expects {expected_inputs} inputs; got {len(request.inputs)}"
+            )
+        if len(request.targets) != expected_targets or len(request.loss_weights) != (
+            expected_targets
+        ):
+            raise InvalidArgumentError(
+                f"rank {rt.rank} expects {expected_targets} targets and loss weights; got "
+                f"{len(request.targets)} and {len(request.loss_weights)}"
+            )
+        inputs = [decode(t, self._options.limits) for t in request.inputs]
+        targets = [decode(t, self._options.limits) for t in request.targets]
+        with job.run_lock:
+            if request.run_id <= job.last_run_id:
+                raise FailedPreconditionError(
+                    f"run {request.run_id} is not after the last run {job.last_run_id}"
+                )
+            if job.pending_commit is not None:
+                raise FailedPreconditionError(
+                    f"run {job.pending_commit} awaits commit or abort; run {request.run_id} waits"
+                )
+            job.last_run_id = request.run_id
+            if training:
+                actions = stage_actions(
+                    rt.config.schedule, rank=rt.rank, num_stages=rt.num_stages, num_microbatches=m
+                )
+            else:
+                actions = forward_only_actions(m)
+            rt.begin_run(training)
+            try:
+                response = self._execute(
+                    job,
+                    request.run_id,
+                    actions,
+                    inputs=inputs,
+                    targets=targets,
+                    weights=list(request.loss_weights),
+                    training=training,
+                )
+            except BaseException:
+                rt.abort()
+                job.mailbox.abort(request.run_id)
+                raise
+            finally:
+                job.mailbox.finish(request.run_id)
+            if training:
+                job.pending_commit = request.run_id
+                response.grad_norm_sq = rt.grad_norm_sq()
+            return response
+
+    def _execute(
+        self,
+        job: _Assignment,
+        run_id: int,
+        actions: list[Action],
+        *,
+        inputs: list[torch.Tensor],
+        targets: list[torch.Tensor],
+        weights: list[float],
+        training: bool,
+    ) -> stage_pb2.RunStepResponse:
+        rt = job.runtime
+        timeout_s = self._options.recv_timeout_s
+        losses: dict[int, float] = {}
+        outputs: dict[int, torch.Tensor] = {}
+        for action in actions:
+            mb = action.microbatch_index
+            if action.kind is ActionKind.FORWARD:
+                if rt.is_first:
+                    x = inputs[mb]
+                else:
+                    x = job.mailbox.get(
+                        MailKey(run_id, ACTIVATION, mb), timeout_s, f" from rank {rt.rank - 1}"
+                    )
+                y = rt.forward(mb, x, training=training)
+                if not rt.is_last:
+                    self._downstream(job).send(MailKey(run_id, ACTIVATION, mb), y)
+                elif training:
+                    losses[mb] = float(rt.loss(mb, targets[mb], weights[mb]))
+                else:
+                    outputs[mb] = y
+            else:
+                grad = None
+                if not rt.is_last:
+                    grad = job.mailbox.get(
+                        MailKey(run_id, GRADIENT, mb),
+                        timeout_s,
+                        f" from rank {rt.rank + 1} ({job.downstream_address})",
+                    )
+                grad_input = rt.backward(mb, grad)
+                if grad_input is not None:
+                    if job.upstream is None:
+                        raise FailedPreconditionError("no upstream stream to send gradients on")
+                    job.upstream.send(MailKey(run_id, GRADIENT, mb), grad_input)
+        return stage_pb2.RunStepResponse(
+            losses=[losses[i] for i in sorted(losses)],
+            outputs=[encode(outputs[i]) for i in sorted(outputs)],
+            max_live_activations=rt.max_live,
+        )
+
+    @handle_errors
+    def Commit(self, request: stage_pb2.CommitRequest, context: object) -> object:
+        job = self._current(request.job_id, request.plan_epoch)
+        with job.run_lock:
+            if job.pending_commit != request.run_id:
+                raise FailedPreconditionError(
+                    f"run {request.run_id} has nothing to commit (pending: {job.pending_commit})"
+                )
+            scale = request.grad_scale if request.HasField("grad_scale") else None
+            step = job.runtime.commit(scale)
+            job.pending_commit = None
+        return stage_pb2.CommitResponse(step=step)
+
+    @handle_errors
+    def Abort(self, request: stage_pb2.AbortRequest, context: object) -> object:
+        job = self._current(request.job_id, request.plan_epoch)
+        job.mailbox.abort(request.run_id)
+        with job.run_lock:
+            job.last_run_id = max(job.last_run_id, request.run_id)
+            job.pending_commit = None
+            job.runtime.abort()
+        logger.info("job %s: run %d aborted", job.job_id, request.run_id)
+        return stage_pb2.AbortResponse()
+
+    # -- state -------------------------------------------------------------------------------
+
+    @handle_errors
+    def GetState(
+        self, request: stage_pb2.GetStateRequest, context: object
+    ) -> Iterator[common_pb2.TensorFrame]:
+        job = self._current(request.job_id)
+        if request.kind not in (common_pb2.PARAMETERS, common_pb2.GRADIENTS):
+            raise InvalidArgumentError(f"state kind {request.kind} must be PARAMETERS or GRADIENTS")
+        with job.run_lock:
+            tensors = job.runtime.tensors(gradients=request.kind == common_pb2.GRADIENTS)
+            tensors = {k: v.to("cpu", copy=True) for k, v in tensors.items()}
+        for name, tensor in tensors.items():
+            header, frames = encode_frames(tensor)
+            for index, data in enumerate(frames):
+                frame = common_pb2.TensorFrame(name=name, frame_index=index, data=data)
+                if index == 0:
+                    frame.header.CopyFrom(header)
+                yield frame
+
+    @handle_errors
+    def LoadState(
+        self, request_iterator: Iterable[stage_pb2.LoadStateRequest], context: object
+    ) -> object:
+        staged: dict[str, torch.Tensor] = {}
+        job: _Assignment | None = None
+        pending: tuple[str, FrameAssembler] | None = None
+        for request in request_iterator:
+            job = job or self._current(request.job_id)
+            frame = request.frame
+            if frame.frame_index == 0:
+                if pending is not None:
+                    raise InvalidArgumentError(f"tensor {frame.name!r} began before {pending[0]!r}")
+                pending = (frame.name, FrameAssembler(frame.header, self._options.limits))
+            if pending is None or pending[0] != frame.name:
+                raise InvalidArgumentError(f"frame {frame.frame_index} of {frame.name!r} alone")
+            tensor = pending[1].add(frame.frame_index, frame.data)
+            if tensor is not None:
+                if frame.name in staged:
+                    raise InvalidArgumentError(f"tensor {frame.name!r} sent twice")
+                staged[frame.name] = tensor
+                pending = None
+        if pending is not None:
+            raise InvalidArgumentError(f"tensor {pending[0]!r} ended before its last frame")
+        if job is not None:
+            with job.run_lock:
+                job.staged = staged
+        return stage_pb2.LoadStateResponse(num_tensors=len(staged))
+
+    @handle_errors
+    def ApplyState(self, request: stage_pb2.ApplyStateRequest, context: object) -> object:
+        job = self._current(request.job_id)
+        with job.run_lock:
+            staged, job.staged = job.staged, {}
+            if request.apply:
+                job.runtime.check_and_load(staged)
+        return stage_pb2.ApplyStateResponse()
+
+    # -- data plane --------------------------------------------------------------------------
+
+    def Exchange(
+        self, request_iterator: Iterable[stage_pb2.DataFrame], context: grpc.ServicerContext
+    ) -> Iterator[stage_pb2.DataFrame]:
+        with self._lock:
+            job = self._job
+        if job is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this stage holds no job")
+            return
+        link = UpstreamLink(
+            job_id=job.job_id, epoch=job.epoch, mailbox=job.mailbox, limits=self._options.limits
+        )
+        previous, job.upstream = job.upstream, link
+        if previous is not None:
+            previous.close()
+        try:
+            yield from link.serve(request_iterator)
+        except InvalidArgumentError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except StepAbortedError:
+            return
+

@@ -1,0 +1,217 @@
+"""Tensors to and from wire bytes: dtype table, framing, and validation before allocation.
+
+[Note: validate before allocating] A header is checked against the receiver's limits (dtype in
+the table, sane shape, byte count == numel * itemsize, frame count) before any buffer is made, so
+a hostile header can never make a server allocate more than ``CodecLimits`` allows.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from pipesvc.errors import ResourceExhaustedError, WireFormatError
+from pipesvc.v1 import common_pb2
+
+# Wire values of DType and the torch dtype each stands for (fixed; see common.proto).
+_TO_TORCH: dict[int, torch.dtype] = {
+    common_pb2.FLOAT32: torch.float32,
+    common_pb2.FLOAT64: torch.float64,
+    common_pb2.FLOAT16: torch.float16,
+    common_pb2.BFLOAT16: torch.bfloat16,
+    common_pb2.INT64: torch.int64,
+    common_pb2.INT32: torch.int32,
+    common_pb2.INT16: torch.int16,
+    common_pb2.INT8: torch.int8,
+    common_pb2.UINT8: torch.uint8,
+    common_pb2.BOOL: torch.bool,
+}
+_TO_WIRE: dict[torch.dtype, int] = {v: k for k, v in _TO_TORCH.items()}
+# numpy has no bfloat16: such tensors travel as their int16 bit pattern.
+_BIT_VIEW: dict[torch.dtype, torch.dtype] = {torch.bfloat16: torch.int16}
+
+DEFAULT_FRAME_BYTES = 1 << 20
+"""Payload bytes per frame on streams (1 MiB)."""
+
+if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
+    raise ImportError("pipesvc's wire format is little-endian; this host is big-endian")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CodecLimits:
+    """What a receiver accepts in one tensor."""
+
+    max_tensor_bytes: int = 4 << 30
+    """Largest payload of one tensor."""
+    max_elements: int = 1 << 31
+    """Largest element count of one tensor."""
+    max_dims: int = 8
+    """Most dimensions."""
+    max_frames: int = 1 << 16
+    """Most frames one tensor may be split into."""
+
+
+DEFAULT_LIMITS = CodecLimits()
+
+
+def wire_dtype(dtype: torch.dtype) -> int:
+    """The DType enum value for a torch dtype.
+
+    Raises:
+        WireFormatError: the dtype has no wire encoding (e.g. complex).
+    """
+    try:
+        return _TO_WIRE[dtype]
+    except KeyError:
+        known = ", ".join(str(d).removeprefix("torch.") for d in _TO_WIRE)
+        raise WireFormatError(f"dtype {dtype} cannot be sent; expected one of {known}") from None
+
+
+def _host_bytes(tensor: torch.Tensor) -> bytes:
+    flat = tensor.detach().to("cpu").contiguous()
+    view = _BIT_VIEW.get(flat.dtype)
+    if view is not None:
+        flat = flat.view(view)
+    return flat.numpy().tobytes()
+
+
+def make_header(tensor: torch.Tensor, num_frames: int = 1) -> common_pb2.TensorHeader:
+    """The header describing ``tensor`` split into ``num_frames`` frames."""
+    return common_pb2.TensorHeader(
+        dtype=wire_dtype(tensor.dtype),
+        shape=list(tensor.shape),
+        num_bytes=tensor.numel() * tensor.element_size(),
+        num_frames=num_frames,
+    )
+
+
+def encode(tensor: torch.Tensor) -> common_pb2.Tensor:
+    """One whole tensor as a single message (control path)."""
+    return common_pb2.Tensor(header=make_header(tensor), data=_host_bytes(tensor))
+
+
+def encode_frames(
+    tensor: torch.Tensor, frame_bytes: int = DEFAULT_FRAME_BYTES
+) -> tuple[common_pb2.TensorHeader, Iterator[bytes]]:
+    """A header and the payload cut into frames of at most ``frame_bytes``."""
+    payload = _host_bytes(tensor)
+    num_frames = max(1, math.ceil(len(payload) / frame_bytes))
+    header = make_header(tensor, num_frames)
+    if num_frames == 1:
+        return header, iter((payload,))
+    view = memoryview(payload)
+    return header, (bytes(view[i : i + frame_bytes]) for i in range(0, len(payload), frame_bytes))
+
+
+def check_header(header: common_pb2.TensorHeader, limits: CodecLimits = DEFAULT_LIMITS) -> None:
+    """Validates a header against the wire rules and ``limits``.
+
+    Raises:
+        WireFormatError: unknown dtype, bad shape, byte count or frame count.
+        ResourceExhaustedError: the tensor exceeds a limit.
+    """
+    if header.dtype not in _TO_TORCH:
+        raise WireFormatError(f"tensor dtype {header.dtype} is not a known DType value")
+    shape = list(header.shape)
+    if len(shape) > limits.max_dims:
+        raise ResourceExhaustedError(
+            f"tensor has {len(shape)} dimensions; at most {limits.max_dims} are accepted"
+        )
+    if any(d < 0 for d in shape):
+        raise WireFormatError(f"tensor shape {shape} has a negative dimension")
+    numel = math.prod(shape)
+    if numel > limits.max_elements:
+        raise ResourceExhaustedError(
+            f"tensor of shape {shape} has {numel} elements; at most {limits.max_elements}"
+        )
+    itemsize = torch.empty((), dtype=_TO_TORCH[header.dtype]).element_size()
+    if header.num_bytes != numel * itemsize:
+        raise WireFormatError(
+            f"tensor num_bytes {header.num_bytes} does not match shape {shape} x itemsize "
+            f"{itemsize} = {numel * itemsize}"
+        )
+    if header.num_bytes > limits.max_tensor_bytes:
+        raise ResourceExhaustedError(
+            f"tensor of {header.num_bytes} bytes exceeds the limit of {limits.max_tensor_bytes}"
+        )
+    if not 1 <= header.num_frames <= limits.max_frames:
+        raise WireFormatError(
+            f"tensor num_frames {header.num_frames} must be in [1, {limits.max_frames}]"
+        )
+
+
+def _from_buffer(buffer: bytearray, header: common_pb2.TensorHeader) -> torch.Tensor:
+    dtype = _TO_TORCH[header.dtype]
+    shape = tuple(header.shape)
+    if not buffer:
+        return torch.empty(shape, dtype=dtype)
+    storage_dtype = _BIT_VIEW.get(dtype, dtype)
+    flat = torch.frombuffer(buffer, dtype=storage_dtype)
+    return flat.view(dtype).reshape(shape) if storage_dtype != dtype else flat.reshape(shape)
+
+
+def decode(message: common_pb2.Tensor, limits: CodecLimits = DEFAULT_LIMITS) -> torch.Tensor:
+    """A tensor from a single-message encoding, validated first.
+
+    Raises:
+        WireFormatError: the header or payload is malformed.
+        ResourceExhaustedError: the tensor exceeds a limit.
+    """
+    if not message.HasField("header"):
+        raise WireFormatError("tensor message has no header")
+    check_header(message.header, limits)
+    if message.header.num_frames != 1:
+        raise WireFormatError(
+            f"a single-message tensor has num_frames 1, got {message.header.num_frames}"
+        )
+    if len(message.data) != message.header.num_bytes:
+        raise WireFormatError(
+            f"tensor payload is {len(message.data)} bytes; header says {message.header.num_bytes}"
+        )
+    return _from_buffer(bytearray(message.data), message.header)
+
+
+class FrameAssembler:
+    """Reassembles one framed tensor, checking order and sizes frame by frame."""
+
+    def __init__(self, header: common_pb2.TensorHeader, limits: CodecLimits = DEFAULT_LIMITS):
+        check_header(header, limits)
+        self._header = header
+        self._buffer = bytearray(header.num_bytes)
+        self._filled = 0
+        self._next_frame = 0
+
+    @property
+    def complete(self) -> bool:
+        """Whether every frame has arrived."""
+        return self._next_frame == self._header.num_frames
+
+    def add(self, frame_index: int, data: bytes) -> torch.Tensor | None:
+        """Adds the next frame; returns the tensor once the last frame is in.
+
+        Raises:
+            WireFormatError: a frame is out of order, too long, or the sizes do not add up.
+        """
+        if self.complete:
+            raise WireFormatError(f"frame {frame_index} arrived after the tensor was complete")
+        if frame_index != self._next_frame:
+            raise WireFormatError(f"frame {frame_index} arrived; expected {self._next_frame}")
+        end = self._filled + len(data)
+        if end > len(self._buffer):
+            raise WireFormatError(
+                f"frames carry more than the header's {self._header.num_bytes} bytes"
+            )
+        self._buffer[self._filled : end] = data
+        self._filled = end
+        self._next_frame += 1
+        if not self.complete:
+            return None
+        if self._filled != len(self._buffer):
+            raise WireFormatError(
+                f"frames carried {self._filled} bytes; header says {self._header.num_bytes}"
+            )
+        return _from_buffer(self._buffer, self._header)

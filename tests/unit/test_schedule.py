@@ -1,0 +1,170 @@
+"""Unit tests for pipesvc.schedule: actions, GPipe/1F1B lists, the simulator and its errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipesvc.errors import InvalidArgumentError
+from pipesvc.schedule import (
+    SCHEDULES,
+    Action,
+    ActionKind,
+    bubble_fraction,
+    format_grid,
+    forward_only_actions,
+    max_live_activations,
+    simulate,
+    stage_actions,
+    validate,
+)
+
+
+def parse_all(text: str) -> list[Action]:
+    return [Action.parse(word) for word in text.split()]
+
+
+def plan(schedule: str, num_stages: int, num_microbatches: int) -> list[list[Action]]:
+    return [
+        stage_actions(schedule, rank=r, num_stages=num_stages, num_microbatches=num_microbatches)
+        for r in range(num_stages)
+    ]
+
+
+@pytest.mark.parametrize("text", ["F0", "B0", "F7", "B12", "F1234"])
+def test_action_round_trip(text: str) -> None:
+    action = Action.parse(text)
+    assert str(action) == text
+    assert repr(action) == text
+    assert Action.parse(str(action)) == action
+
+
+def test_action_fields() -> None:
+    assert Action.parse("B12") == Action(ActionKind.BACKWARD, 12)
+    assert Action.parse("F3").kind is ActionKind.FORWARD
+    assert Action.parse("F3").microbatch_index == 3
+
+
+@pytest.mark.parametrize(
+    "text", ["", "F", "X1", "f1", "F-1", "F01", " F1", "F1 ", "1F0", "F\u0661"]
+)
+def test_action_parse_errors(text: str) -> None:
+    with pytest.raises(InvalidArgumentError, match="cannot parse action"):
+        Action.parse(text)
+
+
+def test_action_rejects_bad_index() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"microbatch_index \(-1\)"):
+        Action(ActionKind.FORWARD, -1)
+
+
+def test_gpipe_and_1f1b_lists() -> None:
+    assert plan("gpipe", 2, 3)[0] == parse_all("F0 F1 F2 B0 B1 B2")
+    assert plan("1f1b", 3, 4) == [
+        parse_all("F0 F1 F2 B0 F3 B1 B2 B3"),
+        parse_all("F0 F1 B0 F2 B1 F3 B2 B3"),
+        parse_all("F0 B0 F1 B1 F2 B2 F3 B3"),
+    ]
+    # Fewer micro-batches than the warm-up: all forwards, then all backwards.
+    assert plan("1f1b", 4, 2)[0] == parse_all("F0 F1 B0 B1")
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("num_stages", range(1, 6))
+@pytest.mark.parametrize("num_microbatches", range(1, 10))
+def test_schedules_validate_without_deadlock(
+    schedule: str, num_stages: int, num_microbatches: int
+) -> None:
+    actions = plan(schedule, num_stages, num_microbatches)
+    grid = validate(actions, num_microbatches)
+    assert grid == simulate(actions)
+    for rank, row in enumerate(grid):
+        assert [a for a in row if a is not None] == actions[rank]
+        live = max_live_activations(actions[rank])
+        if schedule == "1f1b":
+            assert live == min(num_stages - rank, num_microbatches)
+        else:
+            assert live == num_microbatches
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_bubble_fraction_p4_m8(schedule: str) -> None:
+    """Both schedules take 2 * (m + p - 1) = 22 unit ticks for p=4, m=8.
+
+    Each stage is busy for 2m = 16 ticks (m forwards + m backwards, one tick each), so the
+    bubble fraction is 2(p - 1) / (2(m + p - 1)) = (p - 1) / (m + p - 1) = 3/11, the textbook
+    figure. 1F1B does not shrink the bubble when F and B cost the same; it bounds activation
+    memory (max_live_activations) instead.
+    """
+    num_stages, num_microbatches = 4, 8
+    grid = simulate(plan(schedule, num_stages, num_microbatches))
+    assert all(len(row) == 2 * (num_microbatches + num_stages - 1) for row in grid)
+    expected = (num_stages - 1) / (num_microbatches + num_stages - 1)
+    assert bubble_fraction(grid) == pytest.approx(expected)
+
+
+def test_format_grid() -> None:
+    grid = simulate([parse_all("F0 F1 B0 B1"), parse_all("F0 B0 F1 B1")])
+    assert format_grid(grid) == "rank 0 | F0 F1 .  B0 .  B1\nrank 1 | .  F0 B0 F1 B1 ."
+    assert format_grid([]) == ""
+    assert bubble_fraction([]) == 0.0
+
+
+def test_forward_only() -> None:
+    actions = forward_only_actions(3)
+    assert actions == parse_all("F0 F1 F2")
+    grid = validate([actions, actions], 3, training=False)
+    assert format_grid(grid) == "rank 0 | F0 F1 F2 .\nrank 1 | .  F0 F1 F2"
+    with pytest.raises(InvalidArgumentError, match=r"rank 1: backward action B0"):
+        simulate([actions, parse_all("F0 B0")], training=False)
+
+
+def test_reversed_backwards_across_stages_is_a_deadlock() -> None:
+    stages = [parse_all("F0 B0 F1 B1"), parse_all("F0 F1 B1 B0")]
+    with pytest.raises(InvalidArgumentError) as info:
+        validate(stages, 2)
+    message = str(info.value)
+    assert "deadlock" in message
+    assert "rank 0 waits to run B0, which needs rank 1's B0" in message
+    assert "rank 1 waits to run F1, which needs rank 0's F1" in message
+    assert "rank 0 | F0 .\nrank 1 | .  F0" in message, "the grid so far"
+
+
+def test_backward_before_forward() -> None:
+    stages = [parse_all("B0 F0"), parse_all("F0 B0")]
+    with pytest.raises(InvalidArgumentError, match=r"rank 0: B0 comes before F0"):
+        validate(stages, 1)
+    with pytest.raises(InvalidArgumentError, match="deadlock") as info:
+        simulate(stages)
+    assert "rank 0 waits to run B0, which needs its own F0 (later in its list)" in str(info.value)
+
+
+def test_missing_upstream_action_is_named() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"rank 1's B1 \(never scheduled there\)"):
+        simulate([parse_all("F0 F1 B0 B1"), parse_all("F0 F1 B0")])
+
+
+@pytest.mark.parametrize(
+    ("stages", "match"),
+    [
+        ([["F0", "B0"], ["F0"]], r"rank 1: missing B0"),
+        ([["F0", "F0", "B0"]], r"rank 0: F0 appears more than once"),
+        ([["F0", "F1", "B0", "B1"]], r"rank 0: F1 is out of range for num_microbatches \(1\)"),
+        ([], "at least one stage"),
+    ],
+)
+def test_validate_errors(stages: list[list[str]], match: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=match):
+        validate([[Action.parse(t) for t in row] for row in stages], 1)
+
+
+def test_stage_actions_argument_errors() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"'zb'.*gpipe, 1f1b"):
+        stage_actions("zb", rank=0, num_stages=2, num_microbatches=2)
+    with pytest.raises(InvalidArgumentError, match=r"rank \(2\) must be in \[0, 2\)"):
+        stage_actions("1f1b", rank=2, num_stages=2, num_microbatches=2)
+    with pytest.raises(InvalidArgumentError, match=r"num_stages \(0\)"):
+        stage_actions("gpipe", rank=0, num_stages=0, num_microbatches=2)
+    with pytest.raises(InvalidArgumentError, match=r"num_microbatches \(0\)"):
+        stage_actions("gpipe", rank=0, num_stages=1, num_microbatches=0)
+    with pytest.raises(InvalidArgumentError, match=r"num_microbatches \(0\)"):
+        forward_only_actions(0)
