@@ -78,12 +78,18 @@ def _cmd_up(args: argparse.Namespace) -> int:
     from pipesvc.local_cluster import LocalCluster
 
     stop = _stop_on_signals()
-    cluster = LocalCluster(args.stages, models=args.models or (),
-                           threads_per_stage=args.threads_per_stage, device=args.device,
-                           state_dir=args.state_dir)
+    cluster = LocalCluster(
+        args.stages,
+        models=args.models or (),
+        threads_per_stage=args.threads_per_stage,
+        device=args.device,
+        state_dir=args.state_dir,
+    )
     with cluster:
-        print(f"pipesvc cluster up: coordinator at {cluster.address}, {args.stages} stages",
-              flush=True)
+        print(
+            f"pipesvc cluster up: coordinator at {cluster.address}, {args.stages} stages",
+            flush=True,
+        )
         print("press Ctrl-C to stop", flush=True)
         stop.wait()
     print("pipesvc cluster stopped", flush=True)
@@ -99,8 +105,17 @@ def _cmd_status(args: argparse.Namespace) -> int:
     rows = [header]
     for s in stages:
         layers = f"[{s.start_layer}, {s.end_layer})" if s.job_id else "-"
-        rows.append((s.address, s.device, f"{s.memory_bytes / 2**30:.1f} GiB", s.job_id or "-",
-                     layers, str(s.rank) if s.job_id else "-", s.health))
+        rows.append(
+            (
+                s.address,
+                s.device,
+                f"{s.memory_bytes / 2**30:.1f} GiB",
+                s.job_id or "-",
+                layers,
+                str(s.rank) if s.job_id else "-",
+                s.health,
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
@@ -119,8 +134,14 @@ def _cmd_health(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from pipesvc.demo import DemoOptions, run_demo
 
-    run_demo(DemoOptions(num_stages=args.stages, duration_s=args.minutes * 60,
-                         max_steps=args.max_steps, schedule=args.schedule))
+    run_demo(
+        DemoOptions(
+            num_stages=args.stages,
+            duration_s=args.minutes * 60,
+            max_steps=args.max_steps,
+            schedule=args.schedule,
+        )
+    )
     return 0
 
 
@@ -140,17 +161,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("stage", help="run a stage server that registers with a coordinator")
     p.add_argument("--coordinator", required=True, help="coordinator HOST:PORT")
-    p.add_argument("--listen", default="127.0.0.1:0",
-                   help="HOST:PORT; port 0 picks a free one (default %(default)s)")
+    p.add_argument(
+        "--listen",
+        default="127.0.0.1:0",
+        help="HOST:PORT; port 0 picks a free one (default %(default)s)",
+    )
     p.add_argument("--advertise", help="HOST:PORT others dial (default: the bound address)")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
-    p.add_argument("--models", action="append", default=[],
-                   help="import this module so its models can be built (repeatable)")
+    p.add_argument(
+        "--models",
+        action="append",
+        default=[],
+        help="import this module so its models can be built (repeatable)",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: default)")
-    p.add_argument("--recv-timeout-s", type=float, default=300.0,
-                   help="longest wait for one activation or gradient (default %(default)s)")
-    p.add_argument("--register-timeout-s", type=float, default=60.0,
-                   help="how long to wait for the coordinator at start (default %(default)s)")
+    p.add_argument(
+        "--recv-timeout-s",
+        type=float,
+        default=300.0,
+        help="longest wait for one activation or gradient (default %(default)s)",
+    )
+    p.add_argument(
+        "--register-timeout-s",
+        type=float,
+        default=60.0,
+        help="how long to wait for the coordinator at start (default %(default)s)",
+    )
     p.set_defaults(func=_cmd_stage)
 
     p = sub.add_parser("up", help="run a local cluster in the foreground until Ctrl-C")

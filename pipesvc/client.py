@@ -52,8 +52,12 @@ class Client:
         self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
 
     def _call(self, method: str, request: Any) -> Any:
-        return call(getattr(self._stub, method), request, timeout_s=self.timeout_s,
-                    where=f"coordinator {self.address}")
+        return call(
+            getattr(self._stub, method),
+            request,
+            timeout_s=self.timeout_s,
+            where=f"coordinator {self.address}",
+        )
 
     def create_job(
         self,
@@ -104,9 +108,17 @@ class Client:
         """Every registered stage with its health and assignment."""
         reply = self._call("ListStages", coordinator_pb2.ListStagesRequest())
         return [
-            StageStatus(address=s.address, device=s.device, memory_bytes=s.memory_bytes,
-                        models=tuple(s.models), job_id=s.job_id, start_layer=s.start_layer,
-                        end_layer=s.end_layer, rank=s.rank, health=s.health)
+            StageStatus(
+                address=s.address,
+                device=s.device,
+                memory_bytes=s.memory_bytes,
+                models=tuple(s.models),
+                job_id=s.job_id,
+                start_layer=s.start_layer,
+                end_layer=s.end_layer,
+                rank=s.rank,
+                health=s.health,
+            )
             for s in reply.stages
         ]
 
@@ -130,8 +142,9 @@ class Job:
         self.config: JobConfig = config_from_proto(info.spec)
         self.num_layers: int = info.num_layers
         self.plan: list[PipelineStage] = [
-            PipelineStage(start_layer=s.start_layer, end_layer=s.end_layer, rank=s.rank,
-                          address=s.address)
+            PipelineStage(
+                start_layer=s.start_layer, end_layer=s.end_layer, rank=s.rank, address=s.address
+            )
             for s in info.plan
         ]
         self.step: int = info.step

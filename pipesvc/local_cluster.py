@@ -96,14 +96,30 @@ class LocalCluster:
         state_dir = self._state_dir or self.log_dir / "state"
         address_file = self.log_dir / "coordinator.address"
         try:
-            self._spawn("coordinator", ["coordinator", "--listen", "127.0.0.1:0",
-                                        "--state-dir", str(state_dir),
-                                        "--address-file", str(address_file)])
+            self._spawn(
+                "coordinator",
+                [
+                    "coordinator",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--state-dir",
+                    str(state_dir),
+                    "--address-file",
+                    str(address_file),
+                ],
+            )
             self._wait(address_file.exists, "starting the coordinator")
             self.address = address_file.read_text().strip()
             for rank in range(self.num_stages):
-                args = ["stage", "--coordinator", self.address, "--listen", "127.0.0.1:0",
-                        "--threads", str(self.threads_per_stage)]
+                args = [
+                    "stage",
+                    "--coordinator",
+                    self.address,
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--threads",
+                    str(self.threads_per_stage),
+                ]
                 if self.device:
                     args += ["--device", self.device]
                 for module in self.models:
@@ -151,7 +167,9 @@ class LocalCluster:
         return self.start()
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
         self.close()

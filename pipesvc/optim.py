@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -53,7 +54,9 @@ def build_optimizer(
         InvalidArgumentError: the spec is invalid or torch refuses its values.
     """
     check_optimizer(spec)
-    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.items() if k != "name"}
+    kwargs: dict[str, Any] = {
+        k: tuple(v) if isinstance(v, list) else v for k, v in spec.items() if k != "name"
+    }
     try:
         return OPTIMIZERS[str(spec["name"])](params, **kwargs)
     except (TypeError, ValueError) as exc:

@@ -24,7 +24,6 @@ def generate(repo_root: Path, out_dir: Path) -> None:
             f"-I{proto_root}",
             f"-I{include}",
             f"--python_out={out_dir}",
-            f"--pyi_out={out_dir}",
             f"--grpc_python_out={out_dir}",
             str(proto_root / "pipesvc" / "v1" / name),
         ]

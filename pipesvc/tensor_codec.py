@@ -188,7 +188,7 @@ class FrameAssembler:
     @property
     def complete(self) -> bool:
         """Whether every frame has arrived."""
-        return self._next_frame == self._header.num_frames
+        return bool(self._next_frame == self._header.num_frames)
 
     def add(self, frame_index: int, data: bytes) -> torch.Tensor | None:
         """Adds the next frame; returns the tensor once the last frame is in.

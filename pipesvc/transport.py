@@ -62,7 +62,9 @@ def create_server(
         StageUnavailableError: the address could not be bound.
     """
     split_address(address)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS
+    )
     for add in servicers:
         add(server)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)

@@ -83,12 +83,12 @@ class JobDriver:
     def _where(self, stage: PipelineStage) -> str:
         return f"stage rank {stage.rank} ({stage.address})"
 
-    def _on_stage(
-        self, stage: PipelineStage, method: str, request: Any, timeout_s: float
-    ) -> Any:
+    def _on_stage(self, stage: PipelineStage, method: str, request: Any, timeout_s: float) -> Any:
         stub = self._registry.stub(stage.address)
         try:
-            return call(getattr(stub, method), request, timeout_s=timeout_s, where=self._where(stage))
+            return call(
+                getattr(stub, method), request, timeout_s=timeout_s, where=self._where(stage)
+            )
         except PipesvcError as exc:
             if self._where(stage) in str(exc):
                 raise
@@ -124,8 +124,13 @@ class JobDriver:
             try:
                 self._on_stage(stage, "Abort", request, self._deadlines.control_s)
             except PipesvcError as exc:
-                logger.warning("job %s: abort of run %d on %s failed: %s", self.job_id, run_id,
-                               self._where(stage), exc)
+                logger.warning(
+                    "job %s: abort of run %d on %s failed: %s",
+                    self.job_id,
+                    run_id,
+                    self._where(stage),
+                    exc,
+                )
 
     # -- steps ---------------------------------------------------------------------------------
 
@@ -259,8 +264,9 @@ class JobDriver:
                     yield stage_pb2.LoadStateRequest(job_id=self.job_id, frame=frame)
 
             calls = [
-                self._pool.submit(self._on_stage, s, "LoadState", feed(s.rank),
-                                  self._deadlines.control_s)
+                self._pool.submit(
+                    self._on_stage, s, "LoadState", feed(s.rank), self._deadlines.control_s
+                )
                 for s in self.plan
             ]
             seen: set[str] = set()
@@ -274,8 +280,10 @@ class JobDriver:
             missing = sorted(expected - seen)
             apply = failure is None and not missing
             self._on_all(
-                lambda s: ("ApplyState", stage_pb2.ApplyStateRequest(job_id=self.job_id,
-                                                                      apply=apply)),
+                lambda s: (
+                    "ApplyState",
+                    stage_pb2.ApplyStateRequest(job_id=self.job_id, apply=apply),
+                ),
                 self._deadlines.control_s,
             )
             if failure is not None:
@@ -324,11 +332,16 @@ class JobDriver:
             self.closed = True
             for stage in self.plan:
                 try:
-                    self._on_stage(stage, "Release", stage_pb2.ReleaseRequest(job_id=self.job_id),
-                                   self._deadlines.control_s)
+                    self._on_stage(
+                        stage,
+                        "Release",
+                        stage_pb2.ReleaseRequest(job_id=self.job_id),
+                        self._deadlines.control_s,
+                    )
                 except PipesvcError as exc:
-                    logger.warning("job %s: release of %s failed: %s", self.job_id,
-                                   self._where(stage), exc)
+                    logger.warning(
+                        "job %s: release of %s failed: %s", self.job_id, self._where(stage), exc
+                    )
             self._registry.release(self.job_id)
             self._pool.shutdown(wait=False)
 
@@ -339,8 +352,9 @@ class JobDriver:
             spec=config_to_proto(self.config),
             plan_epoch=self.epoch,
             plan=[
-                common_pb2.PlanStage(start_layer=s.start_layer, end_layer=s.end_layer,
-                                     rank=s.rank, address=s.address)
+                common_pb2.PlanStage(
+                    start_layer=s.start_layer, end_layer=s.end_layer, rank=s.rank, address=s.address
+                )
                 for s in self.plan
             ],
             step=self.step,
@@ -368,8 +382,14 @@ def create_job(
             )
         raise PlanError(f"no free stage can build {config.model!r}; all are serving jobs")
     describer = PipelineStage(start_layer=0, end_layer=0, rank=0, address=candidates[0].address)
-    probe = JobDriver(job_id=job_id, config=config, layers=[], plan=[describer],
-                      registry=registry, deadlines=deadlines)
+    probe = JobDriver(
+        job_id=job_id,
+        config=config,
+        layers=[],
+        plan=[describer],
+        registry=registry,
+        deadlines=deadlines,
+    )
     try:
         reply = probe._on_stage(
             describer,
@@ -396,10 +416,17 @@ def create_job(
     ]
     check_plan(plan, len(layers))
     for stage in plan:
-        registry.place(stage.address, rank=stage.rank, start_layer=stage.start_layer,
-                       end_layer=stage.end_layer)
-    driver = JobDriver(job_id=job_id, config=config, layers=layers, plan=plan,
-                       registry=registry, deadlines=deadlines)
+        registry.place(
+            stage.address, rank=stage.rank, start_layer=stage.start_layer, end_layer=stage.end_layer
+        )
+    driver = JobDriver(
+        job_id=job_id,
+        config=config,
+        layers=layers,
+        plan=plan,
+        registry=registry,
+        deadlines=deadlines,
+    )
     spec = config_to_proto(config)
 
     def assign(stage: PipelineStage) -> tuple[str, Any]:
@@ -408,8 +435,12 @@ def create_job(
             job_id=job_id,
             plan_epoch=driver.epoch,
             spec=spec,
-            stage=common_pb2.PlanStage(start_layer=stage.start_layer, end_layer=stage.end_layer,
-                                       rank=stage.rank, address=stage.address),
+            stage=common_pb2.PlanStage(
+                start_layer=stage.start_layer,
+                end_layer=stage.end_layer,
+                rank=stage.rank,
+                address=stage.address,
+            ),
             num_stages=len(plan),
             downstream_address=downstream,
         )
@@ -419,6 +450,10 @@ def create_job(
     except PipesvcError:
         driver.close()
         raise
-    logger.info("job %s: planned %s over %s", job_id, config.model,
-                ", ".join(f"[{s.start_layer},{s.end_layer})@{s.address}" for s in plan))
+    logger.info(
+        "job %s: planned %s over %s",
+        job_id,
+        config.model,
+        ", ".join(f"[{s.start_layer},{s.end_layer})@{s.address}" for s in plan),
+    )
     return driver

@@ -25,7 +25,8 @@ def run_coordinator(
     state_dir.mkdir(parents=True, exist_ok=True)
     service = CoordinatorService(state_dir)
     server, port, health = create_server(
-        listen, [lambda s: coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(service, s)]
+        listen,
+        [lambda s: coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(service, s)],
     )
     address = f"{host}:{port}"
     logger.info("coordinator listening on %s, state in %s", address, state_dir)

@@ -39,7 +39,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):  # ty
         return job
 
     @handle_errors
-    def RegisterStage(self, request: coordinator_pb2.RegisterStageRequest, context: object) -> object:
+    def RegisterStage(
+        self, request: coordinator_pb2.RegisterStageRequest, context: object
+    ) -> object:
         self.registry.register(
             StageRecord(
                 address=request.address,

@@ -32,9 +32,9 @@ SEND_QUEUE_ITEMS = 64
 _Outgoing = tuple[MailKey, torch.Tensor] | None
 
 
-def _frames(item: tuple[MailKey, torch.Tensor], job_id: str, epoch: int) -> Iterator[
-    stage_pb2.DataFrame
-]:
+def _frames(
+    item: tuple[MailKey, torch.Tensor], job_id: str, epoch: int
+) -> Iterator[stage_pb2.DataFrame]:
     key, tensor = item
     header, payloads = encode_frames(tensor, DEFAULT_FRAME_BYTES)
     ident = stage_pb2.MicrobatchId(

@@ -49,9 +49,7 @@ class StageRuntime:
             device=device,
         )
         # Keys "{global layer}.{param}" match build(...).state_dict() (DESIGN section 4).
-        self.module = nn.ModuleDict(
-            {str(start_layer + i): layer for i, layer in enumerate(layers)}
-        )
+        self.module = nn.ModuleDict({str(start_layer + i): layer for i, layer in enumerate(layers)})
         self.optimizer = build_optimizer(config.optimizer, self.module.parameters())
         self.step = 0
         self.max_live = 0
@@ -125,7 +123,7 @@ class StageRuntime:
             raise FailedPreconditionError(f"backward of micro-batch {microbatch} before forward")
         x, y = self._saved.pop(microbatch)
         if grad_output is None:
-            y.backward()
+            torch.autograd.backward(y)
         else:
             if grad_output.shape != y.shape:
                 raise InvalidArgumentError(

@@ -72,16 +72,21 @@ def run_stage(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     service: StageService | None = None
-    options = StageOptions(address="", device=device, memory_bytes=device_memory_bytes(device),
-                           recv_timeout_s=recv_timeout_s)
+    options = StageOptions(
+        address="",
+        device=device,
+        memory_bytes=device_memory_bytes(device),
+        recv_timeout_s=recv_timeout_s,
+    )
     service = StageService(options)
     server, port, health = create_server(
         listen, [lambda s: stage_pb2_grpc.add_StageServiceServicer_to_server(service, s)]
     )
     address = advertise or f"{host}:{port}"
     options.address = address
-    logger.info("stage listening on %s:%d, advertised as %s, device %s", host, port, address,
-                device)
+    logger.info(
+        "stage listening on %s:%d, advertised as %s, device %s", host, port, address, device
+    )
     try:
         register(coordinator, address, device, register_timeout_s)
         logger.info("registered with coordinator %s", coordinator)

@@ -204,6 +204,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
             info.parameter_names.extend(name for name, _ in rt.module.named_parameters())
             info.num_parameters = rt.num_parameters
             info.step = rt.step
+            info.max_live_activations = rt.max_live
         return info
 
     # -- runs --------------------------------------------------------------------------------
@@ -425,4 +426,3 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except StepAbortedError:
             return
-
