@@ -75,7 +75,9 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.num_heads = num_heads
         self.dropout = dropout
-        self.qkv = nn.Linear(embed_dim, 3 * embed_dim)
+        # No bias: a key bias adds the same logit to every key, so softmax cancels it and its
+        # gradient is zero up to rounding, which Adam would amplify into noise-driven updates.
+        self.qkv = nn.Linear(embed_dim, 3 * embed_dim, bias=False)
         self.proj = nn.Linear(embed_dim, embed_dim)
         self.resid_dropout = nn.Dropout(dropout)
 

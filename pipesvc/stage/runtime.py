@@ -50,7 +50,9 @@ class StageRuntime:
         )
         # Keys "{global layer}.{param}" match build(...).state_dict() (DESIGN section 4).
         self.module = nn.ModuleDict({str(start_layer + i): layer for i, layer in enumerate(layers)})
-        self.optimizer = build_optimizer(config.optimizer, self.module.parameters())
+        params = list(self.module.parameters())
+        # A stage of parameter-free layers (e.g. only a Flatten) has nothing to optimise.
+        self.optimizer = build_optimizer(config.optimizer, params) if params else None
         self.step = 0
         self.max_live = 0
         self._saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -72,7 +74,7 @@ class StageRuntime:
         self._saved.clear()
         self.max_live = 0
         if training:
-            self.optimizer.zero_grad(set_to_none=True)
+            self.module.zero_grad(set_to_none=True)
 
     def _apply(self, x: torch.Tensor) -> torch.Tensor:
         for index, layer in self.module.items():
@@ -153,14 +155,15 @@ class StageRuntime:
             for p in self.module.parameters():
                 if p.grad is not None:
                     p.grad.mul_(grad_scale)
-        self.optimizer.step()
+        if self.optimizer is not None:
+            self.optimizer.step()
         self.step += 1
         return self.step
 
     def abort(self) -> None:
         """Drops the run's activations and gradients; weights and optimizer are untouched."""
         self._saved.clear()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.module.zero_grad(set_to_none=True)
 
     def tensors(self, gradients: bool) -> dict[str, torch.Tensor]:
         """The stage's state_dict, or the gradients under the same keys."""
