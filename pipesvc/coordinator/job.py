@@ -263,20 +263,38 @@ class JobDriver:
                 while (frame := queues[rank].get()) is not None:
                     yield stage_pb2.LoadStateRequest(job_id=self.job_id, frame=frame)
 
-            calls = [
-                self._pool.submit(
+            calls = {
+                s.rank: self._pool.submit(
                     self._on_stage, s, "LoadState", feed(s.rank), self._deadlines.control_s
                 )
                 for s in self.plan
-            ]
+            }
+
+            def put(rank: int, item: common_pb2.TensorFrame | None) -> None:
+                # A stage that refused the stream stops reading: never block on its queue.
+                while not calls[rank].done():
+                    try:
+                        queues[rank].put(item, timeout=0.2)
+                        return
+                    except queue.Full:
+                        continue
+                error = calls[rank].exception()
+                if item is not None and error is not None:
+                    raise error
+
             seen: set[str] = set()
+            failure: BaseException | None = None
             try:
-                self._route(frames, queues, seen)
+                self._route(frames, put, seen)
+            except PipesvcError as exc:
+                failure = exc
             finally:
-                for q in queues.values():
-                    q.put(None)
-            futures.wait(calls)
-            failure = next((c.exception() for c in calls if c.exception()), None)
+                for rank in queues:
+                    put(rank, None)
+            futures.wait(calls.values())
+            failure = failure or next(
+                (c.exception() for c in calls.values() if c.exception()), None
+            )
             missing = sorted(expected - seen)
             apply = failure is None and not missing
             self._on_all(
@@ -297,7 +315,7 @@ class JobDriver:
     def _route(
         self,
         frames: Iterable[common_pb2.TensorFrame],
-        queues: dict[int, queue.Queue[Any]],
+        put: Callable[[int, common_pb2.TensorFrame], None],
         seen: set[str],
     ) -> None:
         current: tuple[str, int] | None = None
@@ -316,7 +334,7 @@ class JobDriver:
                 current = (frame.name, stage.rank)
             if current is None or current[0] != frame.name:
                 raise InvalidArgumentError(f"frame {frame.frame_index} of {frame.name!r} alone")
-            queues[current[1]].put(frame)
+            put(current[1], frame)
 
     # -- lifecycle -----------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from pipesvc.rpc_status import (
 Metadata = tuple[tuple[str, str], ...]
 
 
-class FakeRpcError(grpc.RpcError):
+class FakeRpcError(grpc.RpcError):  # type: ignore[misc]  # grpc is untyped
     """What a failed call raises on a client: a status code, details and trailing metadata."""
 
     def __init__(self, code: grpc.StatusCode, details: str, trailing: Metadata = ()) -> None:

@@ -1,0 +1,239 @@
+"""Unit tests for job configuration and its pure helpers: config, optim, loss, microbatch, plan."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from pipesvc.config import JobConfig, config_from_proto, config_to_proto, parse_json_object
+from pipesvc.errors import InvalidArgumentError
+from pipesvc.loss import compute_loss
+from pipesvc.microbatch import loss_weights, split
+from pipesvc.optim import build_optimizer
+from pipesvc.plan import PipelineStage, check_plan
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"model": "os.path"}, "'os.path'"),
+        ({"model": "../x"}, "'../x'"),
+        ({"model": ""}, "''"),
+        ({"model_args": {"width": object()}}, "'width'"),
+        ({"num_stages": 0}, "num_stages (0)"),
+        ({"num_stages": True}, "num_stages must be an int; got True"),
+        ({"num_stages": 2.0}, "num_stages must be an int; got 2.0"),
+        ({"num_microbatches": 0}, "num_microbatches (0)"),
+        ({"seed": -1}, "seed (-1)"),
+        ({"schedule": "interleaved"}, "'interleaved'"),
+        ({"partition": "random"}, "'random'"),
+        ({"loss": "hinge"}, "'hinge'"),
+        ({"optimizer": {"name": "lbfgs"}}, "'lbfgs'"),
+        ({"optimizer": {"lr": 0.1}}, "None"),
+        ({"optimizer": {"name": ["sgd"]}}, "['sgd']"),
+        ({"optimizer": {"name": "sgd", "betas": [0.9, 0.9]}}, "'betas'"),
+        ({"optimizer": {"name": "adam", "lr": {"value": 1}}}, "'lr'"),
+        ({"optimizer": {"name": "adam", "betas": [0.9, object()]}}, "'betas'"),
+        ({"clip_grad_norm": 0.0}, "clip_grad_norm (0.0)"),
+        ({"clip_grad_norm": -1.0}, "clip_grad_norm (-1.0)"),
+        ({"clip_grad_norm": math.nan}, "clip_grad_norm (nan)"),
+        ({"clip_grad_norm": math.inf}, "clip_grad_norm (inf)"),
+        ({"clip_grad_norm": "1.0"}, "clip_grad_norm ('1.0')"),
+    ],
+    ids=repr,
+)
+def test_job_config_rejects_bad_fields(overrides: dict[str, Any], named: str) -> None:
+    fields: dict[str, Any] = {"model": "mlp", **overrides}
+    with pytest.raises(InvalidArgumentError) as info:
+        JobConfig(**fields)
+    assert named in str(info.value)
+
+
+def test_job_config_accepts_its_limits() -> None:
+    config = JobConfig(model="gpt", num_stages=1024, num_microbatches=65536, seed=2**63 - 1)
+    assert config.num_stages == 1024
+    with pytest.raises(InvalidArgumentError, match="1025"):
+        JobConfig(model="gpt", num_stages=1025)
+
+
+@pytest.mark.parametrize("clip_grad_norm", [None, 0.5, 2])
+def test_config_proto_round_trip(clip_grad_norm: float | None) -> None:
+    config = JobConfig(
+        model="gpt",
+        model_args={"num_layers": 3, "sizes": [4, 8], "nested": {"a": None}},
+        seed=11,
+        num_stages=3,
+        num_microbatches=6,
+        schedule="gpipe",
+        optimizer={"name": "adam", "lr": 0.01, "betas": [0.8, 0.9]},
+        loss="mse",
+        partition="uniform",
+        clip_grad_norm=clip_grad_norm,
+    )
+    spec = config_to_proto(config)
+    assert spec.HasField("clip_grad_norm") == (clip_grad_norm is not None)
+    wire = type(spec).FromString(spec.SerializeToString())
+    assert config_from_proto(wire) == config
+
+
+def test_config_from_proto_validates() -> None:
+    spec = config_to_proto(JobConfig(model="mlp"))
+    spec.optimizer_json = '{"name": "adamw", "params": 1}'
+    with pytest.raises(InvalidArgumentError, match="'params'"):
+        config_from_proto(spec)
+    spec.optimizer_json = "[1]"
+    with pytest.raises(InvalidArgumentError, match="optimizer_json"):
+        config_from_proto(spec)
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [("[1, 2]", "got list"), ('"x"', "got str"), ("3", "got int"), ("null", "got NoneType")],
+)
+def test_parse_json_object_rejects_non_objects(text: str, named: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=f"model_args_json must be .*{named}"):
+        parse_json_object(text, "model_args_json")
+
+
+@pytest.mark.parametrize("text", ["{", "{'a': 1}", "{} x", "[" * 100_000])
+def test_parse_json_object_rejects_bad_json(text: str) -> None:
+    with pytest.raises(InvalidArgumentError, match="optimizer_json is not valid JSON"):
+        parse_json_object(text, "optimizer_json")
+
+
+def test_parse_json_object_accepts_objects_and_empty() -> None:
+    assert parse_json_object('{"a": [1, {"b": 2}]}', "f") == {"a": [1, {"b": 2}]}
+    assert parse_json_object("", "f") == {}
+
+
+@pytest.mark.parametrize(
+    ("spec", "cls", "expected"),
+    [
+        ({"name": "sgd", "lr": 0.1, "momentum": 0.9}, torch.optim.SGD, {"momentum": 0.9}),
+        (
+            {"name": "adam", "lr": 0.01, "betas": [0.5, 0.6]},
+            torch.optim.Adam,
+            {"betas": (0.5, 0.6)},
+        ),
+        (
+            {"name": "adamw", "lr": 0.02, "weight_decay": 0.3},
+            torch.optim.AdamW,
+            {"weight_decay": 0.3},
+        ),
+    ],
+)
+def test_build_optimizer(spec: dict[str, Any], cls: type, expected: dict[str, Any]) -> None:
+    param = torch.nn.Parameter(torch.ones(3))
+    optimizer = build_optimizer(spec, [param])
+    assert type(optimizer) is cls
+    group = optimizer.param_groups[0]
+    assert group["params"] == [param]
+    assert group["lr"] == spec["lr"]
+    for name, value in expected.items():
+        assert group[name] == value
+    param.grad = torch.ones(3)
+    optimizer.step()
+    assert bool((param.detach() < 1).all())
+
+
+def test_build_optimizer_maps_torch_value_errors() -> None:
+    with pytest.raises(InvalidArgumentError, match="optimizer sgd"):
+        build_optimizer({"name": "sgd", "lr": -1.0}, [torch.nn.Parameter(torch.ones(1))])
+
+
+@pytest.mark.parametrize(("batch", "num_microbatches"), [(8, 4), (10, 4), (7, 3), (5, 5), (9, 1)])
+def test_split_sizes_and_content(batch: int, num_microbatches: int) -> None:
+    inputs = torch.randn(batch, 3, generator=torch.Generator().manual_seed(batch))
+    chunks = split(inputs, num_microbatches)
+    sizes = [chunk.shape[0] for chunk in chunks]
+    assert len(chunks) == num_microbatches
+    assert sum(sizes) == batch
+    assert max(sizes) - min(sizes) <= 1
+    assert sizes == sorted(sizes, reverse=True)
+    assert all(chunk.is_contiguous() for chunk in chunks)
+    torch.testing.assert_close(torch.cat(chunks), inputs, rtol=0, atol=0)
+
+
+def test_split_errors() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"batch size \(3\).*num_microbatches \(4\)"):
+        split(torch.zeros(3, 2), 4)
+    with pytest.raises(InvalidArgumentError, match="scalar"):
+        split(torch.tensor(1.0), 1)
+
+
+@pytest.mark.parametrize("sizes", [[4, 4], [3, 3, 2, 2], [1], [5, 4, 4]])
+def test_loss_weights_sum_to_one_in_proportion(sizes: list[int]) -> None:
+    weights = loss_weights(sizes)
+    assert math.isclose(sum(weights), 1.0)
+    for weight, size in zip(weights, sizes, strict=True):
+        assert math.isclose(weight * sum(sizes), size)
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 3, 4])
+def test_weighted_microbatch_losses_equal_whole_batch_loss(num_microbatches: int) -> None:
+    gen = torch.Generator().manual_seed(num_microbatches)
+    cases = [
+        ("mse", torch.randn(10, 5, generator=gen), torch.randn(10, 5, generator=gen)),
+        (
+            "cross_entropy",
+            torch.randn(10, 6, 7, generator=gen),  # (B, T, V) logits
+            torch.randint(0, 7, (10, 6), generator=gen),
+        ),
+    ]
+    for name, output, target in cases:
+        outputs, targets = split(output, num_microbatches), split(target, num_microbatches)
+        weights = loss_weights([chunk.shape[0] for chunk in outputs])
+        total = sum(
+            w * compute_loss(name, o, t) for w, o, t in zip(weights, outputs, targets, strict=True)
+        )
+        whole = compute_loss(name, output, target)
+        assert isinstance(total, torch.Tensor)
+        torch.testing.assert_close(total, whole, rtol=1e-6, atol=1e-7)
+
+
+def test_compute_loss_errors() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"\[4, 2\].*\[4, 3\]"):
+        compute_loss("mse", torch.zeros(4, 3), torch.zeros(4, 2))
+    with pytest.raises(InvalidArgumentError, match=r"torch\.float32"):
+        compute_loss("cross_entropy", torch.zeros(4, 3), torch.zeros(4))
+    with pytest.raises(InvalidArgumentError, match=r"\[4, 3\].*\[5\]"):
+        compute_loss("cross_entropy", torch.zeros(4, 3), torch.zeros(5, dtype=torch.long))
+    with pytest.raises(InvalidArgumentError, match="'l1'"):
+        compute_loss("l1", torch.zeros(1), torch.zeros(1))
+
+
+def stages(*bounds: tuple[int, int]) -> list[PipelineStage]:
+    return [PipelineStage(start_layer=s, end_layer=e, rank=r) for r, (s, e) in enumerate(bounds)]
+
+
+def test_check_plan_accepts_a_covering_plan() -> None:
+    check_plan(stages((0, 2), (2, 3), (3, 7)), num_layers=7)
+    check_plan(stages((0, 1)), num_layers=1)
+
+
+@pytest.mark.parametrize(
+    ("plan", "named"),
+    [
+        (stages((0, 2), (3, 5)), "[3, 5)"),  # gap
+        (stages((0, 3), (2, 5)), "[2, 5)"),  # overlap
+        (stages((1, 5)), "[1, 5)"),  # does not start at 0
+        (stages((0, 2), (2, 2), (2, 5)), "[2, 2)"),  # empty stage
+        (stages((0, 2), (2, 4)), "4 layers of 5"),  # short coverage
+        (stages((0, 3), (3, 6)), "6 layers of 5"),  # too long
+        ([], "0 layers of 5"),
+        (
+            [
+                PipelineStage(start_layer=0, end_layer=2, rank=1),
+                PipelineStage(start_layer=2, end_layer=5, rank=0),
+            ],
+            "rank 1",
+        ),
+    ],
+)
+def test_check_plan_rejects(plan: list[PipelineStage], named: str) -> None:
+    with pytest.raises(InvalidArgumentError) as info:
+        check_plan(plan, num_layers=5)
+    assert named in str(info.value)
