@@ -82,6 +82,7 @@ class JobConfig:
         check_optimizer(self.optimizer)
         if self.clip_grad_norm is not None and not (
             isinstance(self.clip_grad_norm, int | float)
+            and not isinstance(self.clip_grad_norm, bool)
             and math.isfinite(self.clip_grad_norm)
             and self.clip_grad_norm > 0
         ):

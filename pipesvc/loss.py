@@ -39,7 +39,7 @@ def compute_loss(name: str, output: torch.Tensor, target: torch.Tensor) -> torch
                 f"cross_entropy needs integer class targets; got dtype {target.dtype}"
             )
         return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
-    except (RuntimeError, IndexError) as exc:
+    except (RuntimeError, IndexError, ValueError) as exc:
         raise InvalidArgumentError(
             f"{name} loss failed on output {list(output.shape)} and target "
             f"{list(target.shape)}: {exc}"

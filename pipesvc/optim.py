@@ -25,7 +25,7 @@ def check_optimizer(spec: Mapping[str, object]) -> None:
         InvalidArgumentError: unknown name, unknown keyword, or a non-JSON value.
     """
     name = spec.get("name")
-    if name not in OPTIMIZERS:
+    if not isinstance(name, str) or name not in OPTIMIZERS:
         raise InvalidArgumentError(
             f"optimizer name {name!r} is not supported; expected one of {sorted(OPTIMIZERS)}"
         )

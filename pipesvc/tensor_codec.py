@@ -128,6 +128,11 @@ def check_header(header: common_pb2.TensorHeader, limits: CodecLimits = DEFAULT_
         raise ResourceExhaustedError(
             f"tensor of shape {shape} has {numel} elements; at most {limits.max_elements}"
         )
+    if any(d > limits.max_elements for d in shape):
+        # Checked per dimension too: a zero elsewhere would hide it from the product.
+        raise ResourceExhaustedError(
+            f"tensor shape {shape} has a dimension above {limits.max_elements}"
+        )
     itemsize = torch.empty((), dtype=_TO_TORCH[header.dtype]).element_size()
     if header.num_bytes != numel * itemsize:
         raise WireFormatError(

@@ -1,0 +1,126 @@
+"""The command line as users run it: up, status, health, and operator model modules."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import pipesvc
+from pipesvc import models
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _pipesvc(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pipesvc", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+
+
+@pytest.fixture
+def up_process() -> Iterator[tuple[subprocess.Popen[str], str]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipesvc", "up", "--stages", "2", "--threads-per-stage", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 90
+        address = ""
+        while time.monotonic() < deadline and not address:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            if "coordinator at" in line:
+                address = line.split("coordinator at ")[1].split(",")[0].strip()
+        assert address, "pipesvc up did not report its address"
+        yield proc, address
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def test_up_status_health_and_clean_stop(up_process: tuple[subprocess.Popen[str], str]) -> None:
+    proc, address = up_process
+    status = _pipesvc("status", "--coordinator", address)
+    assert status.returncode == 0, status.stderr
+    rows = [line for line in status.stdout.splitlines() if line.startswith("127.0.0.1:")]
+    assert len(rows) == 2
+    assert all(row.rstrip().endswith("SERVING") for row in rows)
+    assert "ADDRESS" in status.stdout and "LAYERS" in status.stdout
+    stage_addresses = [row.split()[0] for row in rows]
+
+    assert _pipesvc("health", "--target", address).returncode == 0
+    for stage in stage_addresses:
+        assert _pipesvc("health", "--target", stage).returncode == 0
+
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 0
+    # Every process of the cluster is gone: nothing answers on their ports any more.
+    for target in [address, *stage_addresses]:
+        result = _pipesvc("health", "--target", target, "--timeout-s", "1")
+        assert result.returncode == 1
+        assert "UNREACHABLE" in result.stdout
+
+
+def test_health_of_nothing_fails() -> None:
+    result = _pipesvc("health", "--target", "127.0.0.1:1", "--timeout-s", "0.5")
+    assert result.returncode == 1
+
+
+def test_status_without_coordinator_is_a_clear_error() -> None:
+    result = _pipesvc("status", "--coordinator", "127.0.0.1:1", "--timeout-s", "1")
+    assert result.returncode == 2
+    assert "127.0.0.1:1" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_help_lists_every_command() -> None:
+    result = _pipesvc("--help")
+    for command in ("coordinator", "stage", "up", "demo", "status", "health"):
+        assert command in result.stdout
+
+
+def test_operator_model_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    module = "tests.integration.custom.tiny_models"
+    with (
+        pipesvc.LocalCluster(num_stages=2, models=[module], threads_per_stage=1) as cluster,
+        pipesvc.connect(cluster.address) as client,
+    ):
+        assert all("tiny-tanh" in s.models for s in client.stages())
+        with client.create_job(
+            model="tiny-tanh",
+            model_args={"width": 4, "depth": 3},
+            num_stages=2,
+            num_microbatches=2,
+            loss="mse",
+            optimizer={"name": "sgd", "lr": 0.1},
+        ) as job:
+            x, y = torch.randn(4, 4), torch.randn(4, 4)
+            loss = job.train_step(x, y)
+            models.import_model_modules([module])
+            reference = models.build("tiny-tanh", seed=0, width=4, depth=3)
+            expected = torch.nn.functional.mse_loss(reference(x), y)
+            assert loss == pytest.approx(float(expected.detach()), rel=1e-6)
