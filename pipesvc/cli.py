@@ -39,6 +39,7 @@ def _warn_if_exposed(listen: str) -> None:
 
 
 def _cmd_coordinator(args: argparse.Namespace) -> int:
+    from pipesvc.coordinator.job import Deadlines
     from pipesvc.coordinator.server import run_coordinator
 
     _warn_if_exposed(args.listen)
@@ -47,6 +48,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         state_dir=Path(args.state_dir),
         stop=_stop_on_signals(),
         address_file=Path(args.address_file) if args.address_file else None,
+        deadlines=Deadlines(control_s=args.control_timeout_s, step_s=args.step_timeout_s),
     )
     return 0
 
@@ -157,6 +159,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default="127.0.0.1:7070", help="HOST:PORT (default %(default)s)")
     p.add_argument("--state-dir", default="pipesvc-state", help="state directory")
     p.add_argument("--address-file", help="write the bound HOST:PORT here once serving")
+    p.add_argument(
+        "--step-timeout-s",
+        type=float,
+        default=600.0,
+        help="deadline of one pipelined step on a stage (default %(default)s)",
+    )
+    p.add_argument(
+        "--control-timeout-s",
+        type=float,
+        default=120.0,
+        help="deadline of assign, commit, abort and state calls (default %(default)s)",
+    )
     p.set_defaults(func=_cmd_coordinator)
 
     p = sub.add_parser("stage", help="run a stage server that registers with a coordinator")

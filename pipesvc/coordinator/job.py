@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
-from pipesvc import microbatch, partition
+from pipesvc import microbatch, partition, schedule
 from pipesvc.config import JobConfig, config_to_proto
 from pipesvc.coordinator.registry import StageRecord, StageRegistry
 from pipesvc.errors import (
@@ -380,6 +380,29 @@ class JobDriver:
         )
 
 
+MAX_SIMULATED_ACTIONS = 1 << 14
+"""Largest schedule (stages x micro-batches) dry-run at job creation; bigger ones are trusted."""
+
+
+def check_schedule(name: str, num_stages: int, num_microbatches: int) -> None:
+    """Dry-runs the job's schedule on every stage: order and deadlock freedom.
+
+    Raises:
+        InvalidArgumentError: the schedule would deadlock or is malformed.
+    """
+    if num_stages * num_microbatches > MAX_SIMULATED_ACTIONS:
+        return
+    schedule.validate(
+        [
+            schedule.stage_actions(
+                name, rank=rank, num_stages=num_stages, num_microbatches=num_microbatches
+            )
+            for rank in range(num_stages)
+        ],
+        num_microbatches,
+    )
+
+
 def create_job(
     job_id: str, config: JobConfig, registry: StageRegistry, deadlines: Deadlines
 ) -> JobDriver:
@@ -420,6 +443,7 @@ def create_job(
     layers = list(reply.layers)
     costs = [int(layer.num_parameters) for layer in layers]
     ranges = partition.partition(config.partition, costs, config.num_stages)
+    check_schedule(config.schedule, config.num_stages, config.num_microbatches)
     if config.num_stages > len(candidates):
         raise PlanError(
             f"num_stages ({config.num_stages}) exceeds the free stages that can build "

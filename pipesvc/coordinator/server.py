@@ -6,6 +6,7 @@ import logging
 import threading
 from pathlib import Path
 
+from pipesvc.coordinator.job import Deadlines
 from pipesvc.coordinator.service import CoordinatorService
 from pipesvc.transport import create_server, split_address
 from pipesvc.v1 import coordinator_pb2_grpc
@@ -14,7 +15,12 @@ logger = logging.getLogger(__name__)
 
 
 def run_coordinator(
-    *, listen: str, state_dir: Path, stop: threading.Event, address_file: Path | None = None
+    *,
+    listen: str,
+    state_dir: Path,
+    stop: threading.Event,
+    address_file: Path | None = None,
+    deadlines: Deadlines | None = None,
 ) -> None:
     """Serves the coordinator until ``stop`` is set.
 
@@ -23,7 +29,7 @@ def run_coordinator(
     """
     host, _ = split_address(listen)
     state_dir.mkdir(parents=True, exist_ok=True)
-    service = CoordinatorService(state_dir)
+    service = CoordinatorService(state_dir, deadlines)
     server, port, health = create_server(
         listen,
         [lambda s: coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(service, s)],
