@@ -52,6 +52,28 @@ class Deadlines:
     """One RunStep (a whole pipelined step on one stage)."""
 
 
+def where(stage: PipelineStage) -> str:
+    """How errors name a stage: its rank and address."""
+    return f"stage rank {stage.rank} ({stage.address})"
+
+
+def call_stage(
+    registry: StageRegistry, stage: PipelineStage, method: str, request: Any, timeout_s: float
+) -> Any:
+    """Calls ``method`` on a stage with a deadline; errors keep their class and name the stage.
+
+    Raises:
+        PipesvcError: what the stage raised, or StageUnavailableError if it was unreachable.
+    """
+    stub = registry.stub(stage.address)
+    try:
+        return call(getattr(stub, method), request, timeout_s=timeout_s, where=where(stage))
+    except PipesvcError as exc:
+        if where(stage) in str(exc):
+            raise
+        raise type(exc)(f"{where(stage)}: {exc}") from exc
+
+
 class JobDriver:
     """A planned job: its plan on stage servers and the lock that serialises its steps."""
 
@@ -81,18 +103,10 @@ class JobDriver:
     # -- calls on every stage ------------------------------------------------------------------
 
     def _where(self, stage: PipelineStage) -> str:
-        return f"stage rank {stage.rank} ({stage.address})"
+        return where(stage)
 
     def _on_stage(self, stage: PipelineStage, method: str, request: Any, timeout_s: float) -> Any:
-        stub = self._registry.stub(stage.address)
-        try:
-            return call(
-                getattr(stub, method), request, timeout_s=timeout_s, where=self._where(stage)
-            )
-        except PipesvcError as exc:
-            if self._where(stage) in str(exc):
-                raise
-            raise type(exc)(f"{self._where(stage)}: {exc}") from exc
+        return call_stage(self._registry, stage, method, request, timeout_s)
 
     def _on_all(
         self,
@@ -423,23 +437,13 @@ def create_job(
             )
         raise PlanError(f"no free stage can build {config.model!r}; all are serving jobs")
     describer = PipelineStage(start_layer=0, end_layer=0, rank=0, address=candidates[0].address)
-    probe = JobDriver(
-        job_id=job_id,
-        config=config,
-        layers=[],
-        plan=[describer],
-        registry=registry,
-        deadlines=deadlines,
+    reply = call_stage(
+        registry,
+        describer,
+        "Describe",
+        stage_pb2.DescribeRequest(model=config.model, model_args_json=config.model_args_json()),
+        deadlines.control_s,
     )
-    try:
-        reply = probe._on_stage(
-            describer,
-            "Describe",
-            stage_pb2.DescribeRequest(model=config.model, model_args_json=config.model_args_json()),
-            deadlines.control_s,
-        )
-    finally:
-        probe._pool.shutdown(wait=False)
     layers = list(reply.layers)
     costs = [int(layer.num_parameters) for layer in layers]
     ranges = partition.partition(config.partition, costs, config.num_stages)

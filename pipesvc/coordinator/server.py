@@ -41,8 +41,7 @@ def run_coordinator(
         tmp.write_text(address)
         tmp.replace(address_file)
     try:
-        while not stop.wait(0.5):
-            pass
+        stop.wait()
     finally:
         health.enter_graceful_shutdown()
         service.shutdown()

@@ -5,13 +5,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 
 import grpc
 import torch
 
 from pipesvc import models
-from pipesvc.errors import PipesvcError, StageUnavailableError
+from pipesvc.errors import StageUnavailableError
 from pipesvc.stage.service import StageOptions, StageService
 from pipesvc.transport import create_server, open_channel, split_address
 from pipesvc.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2_grpc
@@ -71,7 +70,6 @@ def run_stage(
     host, _ = split_address(listen)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    service: StageService | None = None
     options = StageOptions(
         address="",
         device=device,
@@ -90,11 +88,7 @@ def run_stage(
     try:
         register(coordinator, address, device, register_timeout_s)
         logger.info("registered with coordinator %s", coordinator)
-        while not stop.wait(0.5):
-            pass
-    except PipesvcError:
-        raise
+        stop.wait()
     finally:
         health.enter_graceful_shutdown()
         server.stop(grace=2.0).wait()
-        time.sleep(0)

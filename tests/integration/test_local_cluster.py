@@ -19,12 +19,14 @@ def _alive(pid: int) -> bool:
 
 def test_no_process_survives_an_error_inside_the_block() -> None:
     pids: list[int] = []
-    with pytest.raises(RuntimeError, match="user code failed"):  # noqa: PT012
-        with pipesvc.LocalCluster(num_stages=2, threads_per_stage=1) as cluster:
-            pids = cluster.pids
-            assert len(pids) == 3
-            assert all(_alive(pid) for pid in pids)
-            raise RuntimeError("user code failed")
+    with (
+        pytest.raises(RuntimeError, match="user code failed"),
+        pipesvc.LocalCluster(num_stages=2, threads_per_stage=1) as cluster,
+    ):
+        pids = cluster.pids
+        assert len(pids) == 3
+        assert all(_alive(pid) for pid in pids)
+        raise RuntimeError("user code failed")
     assert pids
     assert not any(_alive(pid) for pid in pids)
 
