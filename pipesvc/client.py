@@ -22,7 +22,7 @@ import torch
 from pipesvc.config import JobConfig, config_from_proto, config_to_proto
 from pipesvc.plan import PipelineStage
 from pipesvc.rpc_status import error_from_rpc
-from pipesvc.tensor_codec import FrameAssembler, decode, encode, encode_frames
+from pipesvc.tensor_codec import decode, encode, named_frames, read_named_frames
 from pipesvc.transport import call, open_channel
 from pipesvc.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
@@ -180,19 +180,11 @@ class Job:
 
     def _read_state(self, kind: int) -> dict[str, torch.Tensor]:
         request = coordinator_pb2.GetJobStateRequest(job_id=self.id, kind=kind)
-        result: dict[str, torch.Tensor] = {}
-        assembler: FrameAssembler | None = None
         try:
-            for frame in self._client._stub.GetState(request, timeout=self._client.timeout_s):
-                if frame.frame_index == 0:
-                    assembler = FrameAssembler(frame.header)
-                assert assembler is not None, "state stream began without a header"
-                tensor = assembler.add(frame.frame_index, frame.data)
-                if tensor is not None:
-                    result[frame.name] = tensor
+            stream = self._client._stub.GetState(request, timeout=self._client.timeout_s)
+            return dict(read_named_frames(stream))
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, f"coordinator {self._client.address}") from exc
-        return result
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's tensors under ``build(...)``'s keys (streamed from the stages)."""
@@ -211,11 +203,7 @@ class Job:
 
         def requests() -> Iterator[coordinator_pb2.LoadJobStateRequest]:
             for name, tensor in state_dict.items():
-                header, frames = encode_frames(tensor)
-                for index, data in enumerate(frames):
-                    frame = common_pb2.TensorFrame(name=name, frame_index=index, data=data)
-                    if index == 0:
-                        frame.header.CopyFrom(header)
+                for frame in named_frames(name, tensor):
                     yield coordinator_pb2.LoadJobStateRequest(job_id=self.id, frame=frame)
 
         self._client._call("LoadState", requests())

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -220,3 +220,41 @@ class FrameAssembler:
                 f"frames carried {self._filled} bytes; header says {self._header.num_bytes}"
             )
         return _from_buffer(self._buffer, self._header)
+
+
+def named_frames(
+    name: str, tensor: torch.Tensor, frame_bytes: int = DEFAULT_FRAME_BYTES
+) -> Iterator[common_pb2.TensorFrame]:
+    """The frames of one named tensor (a state_dict entry), the header on frame 0."""
+    header, payloads = encode_frames(tensor, frame_bytes)
+    for index, data in enumerate(payloads):
+        frame = common_pb2.TensorFrame(name=name, frame_index=index, data=data)
+        if index == 0:
+            frame.header.CopyFrom(header)
+        yield frame
+
+
+def read_named_frames(
+    frames: Iterable[common_pb2.TensorFrame], limits: CodecLimits = DEFAULT_LIMITS
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Whole named tensors from a stream of frames, each tensor's frames back to back.
+
+    Raises:
+        WireFormatError: a tensor begins before the last one ended, a frame comes without
+            its frame 0, or the stream ends mid-tensor.
+        ResourceExhaustedError: a header exceeds ``limits``.
+    """
+    pending: tuple[str, FrameAssembler] | None = None
+    for frame in frames:
+        if frame.frame_index == 0:
+            if pending is not None:
+                raise WireFormatError(f"tensor {frame.name!r} began before {pending[0]!r} ended")
+            pending = (frame.name, FrameAssembler(frame.header, limits))
+        if pending is None or pending[0] != frame.name:
+            raise WireFormatError(f"frame {frame.frame_index} of {frame.name!r} without frame 0")
+        tensor = pending[1].add(frame.frame_index, frame.data)
+        if tensor is not None:
+            yield pending[0], tensor
+            pending = None
+    if pending is not None:
+        raise WireFormatError(f"tensor {pending[0]!r} ended before its last frame")

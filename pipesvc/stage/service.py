@@ -23,7 +23,7 @@ from pipesvc.schedule import Action, ActionKind, forward_only_actions, stage_act
 from pipesvc.stage.links import DownstreamLink, UpstreamLink
 from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
 from pipesvc.stage.runtime import StageRuntime
-from pipesvc.tensor_codec import CodecLimits, FrameAssembler, decode, encode, encode_frames
+from pipesvc.tensor_codec import CodecLimits, decode, encode, named_frames, read_named_frames
 from pipesvc.transport import open_channel
 from pipesvc.v1 import common_pb2, stage_pb2, stage_pb2_grpc
 
@@ -359,12 +359,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
             tensors = job.runtime.tensors(gradients=request.kind == common_pb2.GRADIENTS)
             tensors = {k: v.to("cpu", copy=True) for k, v in tensors.items()}
         for name, tensor in tensors.items():
-            header, frames = encode_frames(tensor)
-            for index, data in enumerate(frames):
-                frame = common_pb2.TensorFrame(name=name, frame_index=index, data=data)
-                if index == 0:
-                    frame.header.CopyFrom(header)
-                yield frame
+            yield from named_frames(name, tensor)
 
     @handle_errors
     def LoadState(
@@ -372,24 +367,21 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
     ) -> object:
         staged: dict[str, torch.Tensor] = {}
         job: _Assignment | None = None
-        pending: tuple[str, FrameAssembler] | None = None
-        for request in request_iterator:
-            job = job or self._current(request.job_id)
-            frame = request.frame
-            if frame.frame_index == 0:
-                if pending is not None:
-                    raise InvalidArgumentError(f"tensor {frame.name!r} began before {pending[0]!r}")
-                pending = (frame.name, FrameAssembler(frame.header, self._options.limits))
-            if pending is None or pending[0] != frame.name:
-                raise InvalidArgumentError(f"frame {frame.frame_index} of {frame.name!r} alone")
-            tensor = pending[1].add(frame.frame_index, frame.data)
-            if tensor is not None:
-                if frame.name in staged:
-                    raise InvalidArgumentError(f"tensor {frame.name!r} sent twice")
-                staged[frame.name] = tensor
-                pending = None
-        if pending is not None:
-            raise InvalidArgumentError(f"tensor {pending[0]!r} ended before its last frame")
+
+        def frames() -> Iterator[common_pb2.TensorFrame]:
+            nonlocal job
+            for request in request_iterator:
+                job = job or self._current(request.job_id)
+                if request.job_id != job.job_id:
+                    raise InvalidArgumentError(
+                        f"state stream switched from job {job.job_id!r} to {request.job_id!r}"
+                    )
+                yield request.frame
+
+        for name, tensor in read_named_frames(frames(), self._options.limits):
+            if name in staged:
+                raise InvalidArgumentError(f"tensor {name!r} sent twice")
+            staged[name] = tensor
         if job is not None:
             with job.run_lock:
                 job.staged = staged

@@ -267,3 +267,24 @@ def test_decoded_tensor_is_independent_of_the_message() -> None:
     decoded = decode(message)
     decoded += 10
     assert_same(decode(message), tensor)
+
+
+def test_named_frames_round_trip_and_order_rules() -> None:
+    from pipesvc.tensor_codec import named_frames, read_named_frames
+
+    tensors = {"0.weight": torch.randn(5, 7), "1.bias": torch.arange(3)}
+    frames = [f for name, t in tensors.items() for f in named_frames(name, t, frame_bytes=16)]
+    assert len(frames) > len(tensors)  # really split into several frames
+    restored = dict(read_named_frames(frames))
+    assert restored.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert torch.equal(restored[name], tensor)
+
+    first = list(named_frames("a", torch.randn(8), frame_bytes=8))
+    second = list(named_frames("b", torch.randn(8), frame_bytes=8))
+    with pytest.raises(WireFormatError, match="began before"):
+        list(read_named_frames([first[0], second[0]]))
+    with pytest.raises(WireFormatError, match="without frame 0"):
+        list(read_named_frames(first[1:]))
+    with pytest.raises(WireFormatError, match="ended before its last frame"):
+        list(read_named_frames(first[:-1]))
