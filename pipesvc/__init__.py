@@ -17,6 +17,7 @@ from pipesvc.errors import (
     ResourceExhaustedError,
     StageUnavailableError,
     StepAbortedError,
+    UnauthenticatedError,
     UnknownModelError,
     WireFormatError,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "StageStatus",
     "StageUnavailableError",
     "StepAbortedError",
+    "UnauthenticatedError",
     "UnknownModelError",
     "WireFormatError",
     "__version__",

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipesvc.errors import PipesvcError
+from pipesvc.limits import Limits
+from pipesvc.security import Security
 
 logger = logging.getLogger("pipesvc")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
@@ -30,9 +32,45 @@ def _stop_on_signals() -> threading.Event:
     return stop
 
 
-def _warn_if_exposed(listen: str) -> None:
+def _security(args: argparse.Namespace) -> Security:
+    return Security.from_files(
+        token_file=args.token_file,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_ca=args.tls_ca,
+    )
+
+
+def _limits(args: argparse.Namespace) -> Limits:
+    return Limits(**{name: getattr(args, name) for name in Limits.__dataclass_fields__})
+
+
+def _add_security_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("auth and TLS")
+    group.add_argument("--token-file", help="file whose first line is the cluster's shared token")
+    group.add_argument("--tls-cert", help="PEM certificate chain this process presents")
+    group.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    group.add_argument(
+        "--tls-ca", help="PEM CA that peers must chain to (on a server: requires client certs)"
+    )
+
+
+def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("limits (exceeding one gets RESOURCE_EXHAUSTED)")
+    defaults = Limits()
+    for name in Limits.__dataclass_fields__:
+        group.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            type=int,
+            default=getattr(defaults, name),
+            help="default %(default)s",
+        )
+
+
+def _warn_if_exposed(listen: str, security: Security) -> None:
     host = listen.rpartition(":")[0]
-    if host not in LOOPBACK_HOSTS:
+    if host not in LOOPBACK_HOSTS and not security.authenticated:
         logger.warning(
             "listening on %s without authentication: anyone who can reach it can drive it", listen
         )
@@ -42,13 +80,16 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
     from pipesvc.coordinator.job import Deadlines
     from pipesvc.coordinator.server import run_coordinator
 
-    _warn_if_exposed(args.listen)
+    security = _security(args)
+    _warn_if_exposed(args.listen, security)
     run_coordinator(
         listen=args.listen,
         state_dir=Path(args.state_dir),
         stop=_stop_on_signals(),
         address_file=Path(args.address_file) if args.address_file else None,
         deadlines=Deadlines(control_s=args.control_timeout_s, step_s=args.step_timeout_s),
+        security=security,
+        limits=_limits(args),
     )
     return 0
 
@@ -63,7 +104,8 @@ def _cmd_stage(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.models:
         models.import_model_modules(args.models)
-    _warn_if_exposed(args.listen)
+    security = _security(args)
+    _warn_if_exposed(args.listen, security)
     run_stage(
         coordinator=args.coordinator,
         listen=args.listen,
@@ -72,6 +114,9 @@ def _cmd_stage(args: argparse.Namespace) -> int:
         recv_timeout_s=args.recv_timeout_s,
         register_timeout_s=args.register_timeout_s,
         stop=_stop_on_signals(),
+        security=security,
+        limits=_limits(args),
+        duplicate_sends=args.duplicate_sends,
     )
     return 0
 
@@ -86,6 +131,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
         threads_per_stage=args.threads_per_stage,
         device=args.device,
         state_dir=args.state_dir,
+        token_file=args.token_file,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_ca=args.tls_ca,
     )
     with cluster:
         print(
@@ -99,9 +148,9 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from pipesvc.client import connect
+    from pipesvc.client import Client
 
-    with connect(args.coordinator, timeout_s=args.timeout_s) as client:
+    with Client(args.coordinator, security=_security(args), timeout_s=args.timeout_s) as client:
         stages = client.stages()
     header = ("ADDRESS", "DEVICE", "MEMORY", "JOB", "LAYERS", "RANK", "HEALTH")
     rows = [header]
@@ -128,7 +177,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def _cmd_health(args: argparse.Namespace) -> int:
     from pipesvc.transport import check_health
 
-    status = check_health(args.target, args.timeout_s)
+    status = check_health(args.target, args.timeout_s, _security(args))
     print(status)
     return 0 if status == "SERVING" else 1
 
@@ -171,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=120.0,
         help="deadline of assign, commit, abort and state calls (default %(default)s)",
     )
+    _add_security_flags(p)
+    _add_limit_flags(p)
     p.set_defaults(func=_cmd_coordinator)
 
     p = sub.add_parser("stage", help="run a stage server that registers with a coordinator")
@@ -201,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="how long to wait for the coordinator at start (default %(default)s)",
     )
+    p.add_argument("--duplicate-sends", action="store_true", help=argparse.SUPPRESS)
+    _add_security_flags(p)
+    _add_limit_flags(p)
     p.set_defaults(func=_cmd_stage)
 
     p = sub.add_parser("up", help="run a local cluster in the foreground until Ctrl-C")
@@ -209,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads-per-stage", type=int, help="default: cores / stages")
     p.add_argument("--device", help="device of every stage")
     p.add_argument("--state-dir", help="coordinator state directory (default: temporary)")
+    _add_security_flags(p)
     p.set_defaults(func=_cmd_up)
 
     p = sub.add_parser("demo", help="train the built-in GPT on a local cluster (the main job)")
@@ -221,11 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="print the stages registered with a coordinator")
     p.add_argument("--coordinator", default="127.0.0.1:7070", help="HOST:PORT")
     p.add_argument("--timeout-s", type=float, default=10.0)
+    _add_security_flags(p)
     p.set_defaults(func=_cmd_status)
 
     p = sub.add_parser("health", help="exit 0 only if the server at --target is SERVING")
     p.add_argument("--target", required=True, help="HOST:PORT of any pipesvc server")
     p.add_argument("--timeout-s", type=float, default=2.0)
+    _add_security_flags(p)
     p.set_defaults(func=_cmd_health)
     return parser
 

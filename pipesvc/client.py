@@ -22,6 +22,7 @@ import torch
 from pipesvc.config import JobConfig, config_from_proto, config_to_proto
 from pipesvc.plan import PipelineStage
 from pipesvc.rpc_status import error_from_rpc
+from pipesvc.security import Security, TLSConfig
 from pipesvc.tensor_codec import decode, encode, named_frames, read_named_frames
 from pipesvc.transport import call, open_channel
 from pipesvc.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -45,10 +46,12 @@ class StageStatus:
 class Client:
     """A connection to a coordinator. Every method raises PipesvcError subclasses only."""
 
-    def __init__(self, address: str, *, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, address: str, *, security: Security | None = None, timeout_s: float = 600.0
+    ) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = open_channel(address)
+        self._channel = open_channel(address, security or Security())
         self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
 
     def _call(self, method: str, request: Any) -> Any:
@@ -219,6 +222,24 @@ class Job:
         self.close()
 
 
-def connect(address: str, *, timeout_s: float = 600.0) -> Client:
-    """A client for the coordinator at ``address`` (``host:port``)."""
-    return Client(address, timeout_s=timeout_s)
+def connect(
+    address: str,
+    *,
+    token: str | None = None,
+    tls: TLSConfig | bool | None = None,
+    timeout_s: float = 600.0,
+) -> Client:
+    """A client for the coordinator at ``address`` (``host:port``).
+
+    Args:
+        address: the coordinator's ``host:port``.
+        token: the cluster's shared token, when it runs with ``--token-file``.
+        tls: a TLSConfig (CA to verify the coordinator; a certificate and key for mutual TLS),
+            or True for TLS verified against the system's CAs.
+        timeout_s: deadline of each call.
+
+    Raises:
+        InvalidArgumentError: a bad token or TLS material.
+    """
+    tls_config = TLSConfig() if tls is True else (tls or None)
+    return Client(address, security=Security(token=token, tls=tls_config), timeout_s=timeout_s)

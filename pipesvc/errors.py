@@ -11,6 +11,7 @@
     |   +-- PlanError                          no plan fits (too many stages, too few servers)
     +-- ResourceExhaustedError                 a size or count limit was exceeded
     +-- StageUnavailableError                  a server could not be reached
+    +-- UnauthenticatedError                   missing or wrong token or certificate
     +-- PipelineTimeoutError                   a step or call ran past its deadline
     +-- StepAbortedError                       the step was aborted; nothing was committed
     +-- InternalError                          a bug or an unexpected failure on a server
@@ -58,6 +59,10 @@ class StageUnavailableError(PipesvcError):
     """A stage or coordinator could not be reached."""
 
 
+class UnauthenticatedError(PipesvcError):
+    """The caller did not prove who it is (missing or wrong token, or no client certificate)."""
+
+
 class PipelineTimeoutError(PipesvcError):
     """A call or pipeline step ran past its deadline."""
 
@@ -80,6 +85,7 @@ ALL_ERRORS: tuple[type[PipesvcError], ...] = (
     PlanError,
     ResourceExhaustedError,
     StageUnavailableError,
+    UnauthenticatedError,
     PipelineTimeoutError,
     StepAbortedError,
     InternalError,

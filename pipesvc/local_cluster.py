@@ -12,8 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
-from pipesvc.client import connect
+from pipesvc.client import Client
 from pipesvc.errors import PipesvcError, StageUnavailableError
+from pipesvc.security import Security
 
 
 def default_threads_per_stage(num_stages: int) -> int:
@@ -42,6 +43,11 @@ class LocalCluster:
         device: str | None = None,
         state_dir: str | Path | None = None,
         startup_timeout_s: float = 120.0,
+        token_file: str | Path | None = None,
+        tls_cert: str | Path | None = None,
+        tls_key: str | Path | None = None,
+        tls_ca: str | Path | None = None,
+        stage_args: Sequence[str] = (),
     ) -> None:
         if num_stages < 1:
             raise ValueError(f"num_stages ({num_stages}) must be at least 1")
@@ -51,6 +57,19 @@ class LocalCluster:
         self.device = device
         self.startup_timeout_s = startup_timeout_s
         self._state_dir = Path(state_dir) if state_dir else None
+        self.security = Security.from_files(
+            token_file=token_file, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca
+        )
+        self._security_args: list[str] = []
+        for flag, value in (
+            ("--token-file", token_file),
+            ("--tls-cert", tls_cert),
+            ("--tls-key", tls_key),
+            ("--tls-ca", tls_ca),
+        ):
+            if value:
+                self._security_args += [flag, str(value)]
+        self.stage_args = list(stage_args)
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._procs: list[subprocess.Popen[bytes]] = []
         self.address = ""
@@ -106,6 +125,7 @@ class LocalCluster:
                     str(state_dir),
                     "--address-file",
                     str(address_file),
+                    *self._security_args,
                 ],
             )
             self._wait(address_file.exists, "starting the coordinator")
@@ -124,8 +144,9 @@ class LocalCluster:
                     args += ["--device", self.device]
                 for module in self.models:
                     args += ["--models", module]
+                args += self._security_args + self.stage_args
                 self._spawn(f"stage-{rank}", args)
-            with connect(self.address, timeout_s=5.0) as client:
+            with self.connect(timeout_s=5.0) as client:
 
                 def all_serving() -> bool:
                     try:
@@ -157,6 +178,10 @@ class LocalCluster:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+    def connect(self, timeout_s: float = 600.0) -> Client:
+        """A client for this cluster's coordinator, with its token and TLS."""
+        return Client(self.address, security=self.security, timeout_s=timeout_s)
 
     @property
     def pids(self) -> list[int]:

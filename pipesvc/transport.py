@@ -11,32 +11,31 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pipesvc.errors import InvalidArgumentError, StageUnavailableError
+from pipesvc.interceptors import AuthInterceptor, ConcurrencyInterceptor, TokenInterceptor
+from pipesvc.limits import Limits
 from pipesvc.rpc_status import error_from_rpc
+from pipesvc.security import Security
 
 logger = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 1 << 30
-"""Largest gRPC message a server or channel accepts (control messages carry whole batches)."""
+KEEPALIVE_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+"""Pings on idle connections, so a dead peer is noticed; servers allow them (below)."""
 
-CHANNEL_OPTIONS: list[tuple[str, Any]] = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-]
-SERVER_OPTIONS: list[tuple[str, Any]] = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.so_reuseport", 0),
-]
+
+def _message_options(limits: Limits) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_send_message_length", limits.max_message_bytes),
+        ("grpc.max_receive_message_length", limits.max_message_bytes),
+    ]
+
 
 _T = TypeVar("_T")
+NO_SECURITY = Security()
+DEFAULT_LIMITS = Limits()
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -52,25 +51,56 @@ def split_address(address: str) -> tuple[str, int]:
 
 
 def create_server(
-    address: str, servicers: list[Callable[[grpc.Server], None]], max_workers: int = 64
+    address: str,
+    servicers: list[Callable[[grpc.Server], None]],
+    *,
+    security: Security = NO_SECURITY,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """A started server bound to ``address`` (port 0 picks one), with grpc.health.v1.
 
-    Returns the server, the bound port and the health servicer (initially SERVING).
+    Auth and concurrency limits are interceptors that leave health alone; the thread pool has
+    room beyond the limits so health always gets a thread. Returns the server, the bound port
+    and the health servicer (initially SERVING).
 
     Raises:
         StageUnavailableError: the address could not be bound.
     """
     split_address(address)
+    interceptors: list[grpc.ServerInterceptor] = []
+    if security.token is not None:
+        interceptors.append(AuthInterceptor(security.token))
+    interceptors.append(
+        ConcurrencyInterceptor(limits.max_concurrent_rpcs, limits.max_concurrent_streams)
+    )
+    workers = limits.max_concurrent_rpcs + limits.max_concurrent_streams + 8
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS
+        futures.ThreadPoolExecutor(max_workers=workers),
+        interceptors=interceptors,
+        options=[
+            *_message_options(limits),
+            *KEEPALIVE_OPTIONS,
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ("grpc.so_reuseport", 0),
+        ],
     )
     for add in servicers:
         add(server)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
-        port = server.add_insecure_port(address)
+        if security.tls is not None:
+            tls = security.tls
+            if tls.cert is None or tls.key is None:
+                raise InvalidArgumentError("a TLS server needs a certificate and a key")
+            credentials = grpc.ssl_server_credentials(
+                [(tls.key, tls.cert)],
+                root_certificates=tls.ca,
+                require_client_auth=tls.ca is not None,
+            )
+            port = server.add_secure_port(address, credentials)
+        else:
+            port = server.add_insecure_port(address)
     except RuntimeError as exc:
         raise StageUnavailableError(f"cannot listen on {address}: {exc}") from exc
     if port == 0:
@@ -80,9 +110,24 @@ def create_server(
     return server, port, health_servicer
 
 
-def open_channel(address: str) -> grpc.Channel:
-    """A channel to ``address`` with pipesvc's message limits and keepalive."""
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+def open_channel(
+    address: str, security: Security = NO_SECURITY, limits: Limits = DEFAULT_LIMITS
+) -> grpc.Channel:
+    """A channel to ``address`` with the limits, keepalive, TLS and token of ``security``."""
+    options = [*_message_options(limits), *KEEPALIVE_OPTIONS]
+    tls = security.tls
+    if tls is None:
+        channel = grpc.insecure_channel(address, options=options)
+    else:
+        if tls.server_name:
+            options.append(("grpc.ssl_target_name_override", tls.server_name))
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert
+        )
+        channel = grpc.secure_channel(address, credentials, options=options)
+    if security.token is not None:
+        channel = grpc.intercept_channel(channel, TokenInterceptor(security.token))
+    return channel
 
 
 def call(method: Callable[..., _T], request: Any, *, timeout_s: float, where: str) -> _T:
@@ -97,9 +142,9 @@ def call(method: Callable[..., _T], request: Any, *, timeout_s: float, where: st
         raise error_from_rpc(exc, where) from exc
 
 
-def check_health(address: str, timeout_s: float = 2.0) -> str:
+def check_health(address: str, timeout_s: float = 2.0, security: Security = NO_SECURITY) -> str:
     """``"SERVING"``, ``"NOT_SERVING"`` or ``"UNREACHABLE"`` for the server at ``address``."""
-    with open_channel(address) as channel:
+    with open_channel(address, security) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from pipesvc.errors import InvalidArgumentError
+from pipesvc.limits import Limits
+from pipesvc.security import Security
 from pipesvc.transport import open_channel, split_address
 from pipesvc.v1 import stage_pb2_grpc
 
@@ -32,6 +34,8 @@ class StageRecord:
 class StageRegistry:
     """Thread-safe map from stage address to record, plus one channel per stage."""
 
+    security: Security = field(default_factory=Security)
+    limits: Limits = field(default_factory=Limits)
     _records: dict[str, StageRecord] = field(default_factory=dict)
     _channels: dict[str, grpc.Channel] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -90,7 +94,7 @@ class StageRegistry:
         """A stub on the (cached) channel to ``address``."""
         with self._lock:
             if address not in self._channels:
-                self._channels[address] = open_channel(address)
+                self._channels[address] = open_channel(address, self.security, self.limits)
             return stage_pb2_grpc.StageServiceStub(self._channels[address])
 
     def close(self) -> None:

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from pipesvc.coordinator.job import Deadlines
 from pipesvc.coordinator.service import CoordinatorService
+from pipesvc.limits import Limits
+from pipesvc.security import Security
 from pipesvc.transport import create_server, split_address
 from pipesvc.v1 import coordinator_pb2_grpc
 
@@ -21,6 +23,8 @@ def run_coordinator(
     stop: threading.Event,
     address_file: Path | None = None,
     deadlines: Deadlines | None = None,
+    security: Security | None = None,
+    limits: Limits | None = None,
 ) -> None:
     """Serves the coordinator until ``stop`` is set.
 
@@ -29,10 +33,14 @@ def run_coordinator(
     """
     host, _ = split_address(listen)
     state_dir.mkdir(parents=True, exist_ok=True)
-    service = CoordinatorService(state_dir, deadlines)
+    security = security or Security()
+    limits = limits or Limits()
+    service = CoordinatorService(state_dir, deadlines, security, limits)
     server, port, health = create_server(
         listen,
         [lambda s: coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(service, s)],
+        security=security,
+        limits=limits,
     )
     address = f"{host}:{port}"
     logger.info("coordinator listening on %s, state in %s", address, state_dir)

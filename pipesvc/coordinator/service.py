@@ -13,7 +13,9 @@ from pipesvc.config import config_from_proto
 from pipesvc.coordinator.job import Deadlines, JobDriver, create_job
 from pipesvc.coordinator.registry import StageRecord, StageRegistry
 from pipesvc.errors import InvalidArgumentError, NotFoundError
+from pipesvc.limits import Limits
 from pipesvc.rpc_status import handle_errors
+from pipesvc.security import Security
 from pipesvc.tensor_codec import decode, encode
 from pipesvc.transport import check_health
 from pipesvc.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -24,9 +26,18 @@ logger = logging.getLogger(__name__)
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):  # type: ignore[misc]
     """Registers stages and drives jobs; holds no model weights."""
 
-    def __init__(self, state_dir: Path, deadlines: Deadlines | None = None) -> None:
+    def __init__(
+        self,
+        state_dir: Path,
+        deadlines: Deadlines | None = None,
+        security: Security | None = None,
+        limits: Limits | None = None,
+    ) -> None:
         self.state_dir = state_dir
-        self.registry = StageRegistry()
+        self._security = security or Security()
+        self._limits = limits or Limits()
+        self._codec = self._limits.codec()
+        self.registry = StageRegistry(security=self._security, limits=self._limits)
         self._deadlines = deadlines or Deadlines()
         self._jobs: dict[str, JobDriver] = {}
         self._lock = threading.Lock()
@@ -57,7 +68,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):  # ty
     def ListStages(self, request: coordinator_pb2.ListStagesRequest, context: object) -> object:
         records = self.registry.all()
         with futures.ThreadPoolExecutor(max_workers=max(1, min(16, len(records)))) as pool:
-            health = list(pool.map(lambda r: check_health(r.address, 1.0), records))
+            health = list(pool.map(lambda r: check_health(r.address, 1.0, self._security), records))
         return coordinator_pb2.ListStagesResponse(
             stages=[
                 coordinator_pb2.StageStatus(
@@ -90,18 +101,21 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):  # ty
 
     @handle_errors
     def TrainStep(self, request: coordinator_pb2.TrainStepRequest, context: object) -> object:
-        job = self._job(request.job_id)
         if not request.HasField("inputs") or not request.HasField("targets"):
             raise InvalidArgumentError("a training step needs both inputs and targets")
-        loss, step = job.train_step(decode(request.inputs), decode(request.targets))
+        inputs = decode(request.inputs, self._codec)
+        targets = decode(request.targets, self._codec)
+        loss, step = self._job(request.job_id).train_step(inputs, targets)
         return coordinator_pb2.TrainStepResponse(loss=loss, step=step)
 
     @handle_errors
     def Forward(self, request: coordinator_pb2.ForwardRequest, context: object) -> object:
-        job = self._job(request.job_id)
         if not request.HasField("inputs"):
             raise InvalidArgumentError("forward needs inputs")
-        return coordinator_pb2.ForwardResponse(outputs=encode(job.forward(decode(request.inputs))))
+        inputs = decode(request.inputs, self._codec)
+        return coordinator_pb2.ForwardResponse(
+            outputs=encode(self._job(request.job_id).forward(inputs))
+        )
 
     @handle_errors
     def GetState(

@@ -33,8 +33,9 @@ _Outgoing = tuple[MailKey, torch.Tensor] | None
 
 
 def _frames(
-    item: tuple[MailKey, torch.Tensor], job_id: str, epoch: int
+    item: tuple[MailKey, torch.Tensor], job_id: str, epoch: int, copies: int
 ) -> Iterator[stage_pb2.DataFrame]:
+    """The frames of one tensor; ``copies`` > 1 repeats them (fault injection for tests)."""
     key, tensor = item
     header, payloads = encode_frames(tensor, DEFAULT_FRAME_BYTES)
     ident = stage_pb2.MicrobatchId(
@@ -44,11 +45,14 @@ def _frames(
         microbatch_index=key.microbatch_index,
         direction=_WIRE_DIRECTIONS[key.direction],
     )
+    frames = []
     for index, data in enumerate(payloads):
         frame = stage_pb2.DataFrame(id=ident, frame_index=index, data=data)
         if index == 0:
             frame.header.CopyFrom(header)
-        yield frame
+        frames.append(frame)
+    for _ in range(copies):
+        yield from frames
 
 
 class FrameReader:
@@ -105,8 +109,10 @@ class DownstreamLink:
         epoch: int,
         mailbox: Mailbox,
         limits: CodecLimits,
+        duplicate_sends: bool = False,
     ) -> None:
         self.address = address
+        self._copies = 2 if duplicate_sends else 1
         self._job_id = job_id
         self._epoch = epoch
         self._queue: queue.Queue[_Outgoing] = queue.Queue(SEND_QUEUE_ITEMS)
@@ -131,7 +137,7 @@ class DownstreamLink:
 
     def _requests(self) -> Iterator[stage_pb2.DataFrame]:
         while (item := self._queue.get()) is not None:
-            yield from _frames(item, self._job_id, self._epoch)
+            yield from _frames(item, self._job_id, self._epoch, self._copies)
 
     def _read(self) -> None:
         try:
@@ -153,8 +159,17 @@ class DownstreamLink:
 class UpstreamLink:
     """The server side of Exchange from rank - 1: receives activations, sends gradients."""
 
-    def __init__(self, *, job_id: str, epoch: int, mailbox: Mailbox, limits: CodecLimits) -> None:
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        epoch: int,
+        mailbox: Mailbox,
+        limits: CodecLimits,
+        duplicate_sends: bool = False,
+    ) -> None:
         self.job_id = job_id
+        self._copies = 2 if duplicate_sends else 1
         self.epoch = epoch
         self._queue: queue.Queue[_Outgoing | PipesvcError] = queue.Queue(SEND_QUEUE_ITEMS)
         self._reader = FrameReader(
@@ -183,7 +198,7 @@ class UpstreamLink:
                 return
             if isinstance(item, PipesvcError):
                 raise item
-            yield from _frames(item, self.job_id, self.epoch)
+            yield from _frames(item, self.job_id, self.epoch, self._copies)
 
     def _read(self, requests: Iterable[stage_pb2.DataFrame]) -> None:
         try:

@@ -11,6 +11,8 @@ import torch
 
 from pipesvc import models
 from pipesvc.errors import StageUnavailableError
+from pipesvc.limits import Limits
+from pipesvc.security import Security
 from pipesvc.stage.service import StageOptions, StageService
 from pipesvc.transport import create_server, open_channel, split_address
 from pipesvc.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2_grpc
@@ -30,7 +32,13 @@ def device_memory_bytes(device: torch.device) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def register(coordinator: str, address: str, device: torch.device, timeout_s: float) -> None:
+def register(
+    coordinator: str,
+    address: str,
+    device: torch.device,
+    timeout_s: float,
+    security: Security,
+) -> None:
     """Announces this stage to the coordinator, waiting up to ``timeout_s`` for it to be up.
 
     Raises:
@@ -42,7 +50,7 @@ def register(coordinator: str, address: str, device: torch.device, timeout_s: fl
         memory_bytes=device_memory_bytes(device),
         models=models.known_models(),
     )
-    with open_channel(coordinator) as channel:
+    with open_channel(coordinator, security) as channel:
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
         try:
             stub.RegisterStage(request, timeout=timeout_s, wait_for_ready=True)
@@ -61,6 +69,9 @@ def run_stage(
     recv_timeout_s: float,
     register_timeout_s: float,
     stop: threading.Event,
+    security: Security | None = None,
+    limits: Limits | None = None,
+    duplicate_sends: bool = False,
 ) -> None:
     """Serves a stage until ``stop`` is set, then shuts down gracefully.
 
@@ -75,10 +86,16 @@ def run_stage(
         device=device,
         memory_bytes=device_memory_bytes(device),
         recv_timeout_s=recv_timeout_s,
+        security=security or Security(),
+        limits=limits or Limits(),
+        duplicate_sends=duplicate_sends,
     )
     service = StageService(options)
     server, port, health = create_server(
-        listen, [lambda s: stage_pb2_grpc.add_StageServiceServicer_to_server(service, s)]
+        listen,
+        [lambda s: stage_pb2_grpc.add_StageServiceServicer_to_server(service, s)],
+        security=options.security,
+        limits=options.limits,
     )
     address = advertise or f"{host}:{port}"
     options.address = address
@@ -86,7 +103,7 @@ def run_stage(
         "stage listening on %s:%d, advertised as %s, device %s", host, port, address, device
     )
     try:
-        register(coordinator, address, device, register_timeout_s)
+        register(coordinator, address, device, register_timeout_s, options.security)
         logger.info("registered with coordinator %s", coordinator)
         stop.wait()
     finally:

@@ -18,12 +18,14 @@ from pipesvc.errors import (
     NotFoundError,
     StepAbortedError,
 )
+from pipesvc.limits import Limits
 from pipesvc.rpc_status import handle_errors
 from pipesvc.schedule import Action, ActionKind, forward_only_actions, stage_actions
+from pipesvc.security import Security
 from pipesvc.stage.links import DownstreamLink, UpstreamLink
 from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
 from pipesvc.stage.runtime import StageRuntime
-from pipesvc.tensor_codec import CodecLimits, decode, encode, named_frames, read_named_frames
+from pipesvc.tensor_codec import decode, encode, named_frames, read_named_frames
 from pipesvc.transport import open_channel
 from pipesvc.v1 import common_pb2, stage_pb2, stage_pb2_grpc
 
@@ -43,8 +45,12 @@ class StageOptions:
     """Memory of that device, reported to the coordinator."""
     recv_timeout_s: float = 300.0
     """Longest wait for one activation or gradient before the run fails."""
-    limits: CodecLimits = field(default_factory=CodecLimits)
-    """Per-tensor limits on everything received."""
+    limits: Limits = field(default_factory=Limits)
+    """Limits on everything received (tensors here; messages and calls in the server)."""
+    security: Security = field(default_factory=Security)
+    """Token and TLS for the channels this stage opens to its neighbour."""
+    duplicate_sends: bool = False
+    """Fault injection for tests: send every activation and gradient twice."""
 
 
 @dataclass(kw_only=True)
@@ -73,6 +79,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
 
     def __init__(self, options: StageOptions) -> None:
         self._options = options
+        self._codec = options.limits.codec()
         self._lock = threading.Lock()
         self._job: _Assignment | None = None
         self._channels: dict[str, grpc.Channel] = {}
@@ -95,14 +102,17 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
         if job.downstream is None:
             address = job.downstream_address
             if address not in self._channels:
-                self._channels[address] = open_channel(address)
+                self._channels[address] = open_channel(
+                    address, self._options.security, self._options.limits
+                )
             job.downstream = DownstreamLink(
                 channel=self._channels[address],
                 address=address,
                 job_id=job.job_id,
                 epoch=job.epoch,
                 mailbox=job.mailbox,
-                limits=self._options.limits,
+                limits=self._codec,
+                duplicate_sends=self._options.duplicate_sends,
             )
         return job.downstream
 
@@ -232,8 +242,8 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
                 f"rank {rt.rank} expects {expected_targets} targets and loss weights; got "
                 f"{len(request.targets)} and {len(request.loss_weights)}"
             )
-        inputs = [decode(t, self._options.limits) for t in request.inputs]
-        targets = [decode(t, self._options.limits) for t in request.targets]
+        inputs = [decode(t, self._codec) for t in request.inputs]
+        targets = [decode(t, self._codec) for t in request.targets]
         with job.run_lock:
             if request.run_id <= job.last_run_id:
                 raise FailedPreconditionError(
@@ -378,7 +388,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
                     )
                 yield request.frame
 
-        for name, tensor in read_named_frames(frames(), self._options.limits):
+        for name, tensor in read_named_frames(frames(), self._codec):
             if name in staged:
                 raise InvalidArgumentError(f"tensor {name!r} sent twice")
             staged[name] = tensor
@@ -407,7 +417,11 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this stage holds no job")
             return
         link = UpstreamLink(
-            job_id=job.job_id, epoch=job.epoch, mailbox=job.mailbox, limits=self._options.limits
+            job_id=job.job_id,
+            epoch=job.epoch,
+            mailbox=job.mailbox,
+            limits=self._codec,
+            duplicate_sends=self._options.duplicate_sends,
         )
         previous, job.upstream = job.upstream, link
         if previous is not None:

@@ -1,0 +1,174 @@
+"""Server and client interceptors: token auth and concurrency limits.
+
+Health (grpc.health.v1) is exempt from both, so a busy or locked-down server still answers
+its health checks.
+"""
+
+from __future__ import annotations
+
+import hmac
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import grpc
+
+from pipesvc.rpc_status import ERROR_CLASS_KEY
+from pipesvc.security import AUTH_METADATA_KEY
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+
+
+def _replace_behavior(
+    handler: grpc.RpcMethodHandler, wrap: Callable[[Callable[..., Any], bool], Callable[..., Any]]
+) -> grpc.RpcMethodHandler:
+    """A handler like ``handler`` whose behavior is ``wrap(behavior, response_streaming)``."""
+    if handler.request_streaming and handler.response_streaming:
+        make, behavior = grpc.stream_stream_rpc_method_handler, handler.stream_stream
+    elif handler.request_streaming:
+        make, behavior = grpc.stream_unary_rpc_method_handler, handler.stream_unary
+    elif handler.response_streaming:
+        make, behavior = grpc.unary_stream_rpc_method_handler, handler.unary_stream
+    else:
+        make, behavior = grpc.unary_unary_rpc_method_handler, handler.unary_unary
+    return make(
+        wrap(behavior, handler.response_streaming),
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, error: str, message: str) -> None:
+    context.set_trailing_metadata(((ERROR_CLASS_KEY, error),))
+    context.abort(code, message)
+
+
+class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
+    """Refuses every RPC but health unless it carries the shared token (constant-time check)."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    def intercept_service(
+        self, continuation: Callable[[Any], grpc.RpcMethodHandler], details: Any
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(details)
+        if handler is None or details.method.startswith(HEALTH_PREFIX):
+            return handler
+        presented = b""
+        for key, value in details.invocation_metadata or ():
+            if key == AUTH_METADATA_KEY:
+                presented = value.encode() if isinstance(value, str) else bytes(value)
+        if hmac.compare_digest(presented, self._expected):
+            return handler
+
+        def deny(behavior: Callable[..., Any], streaming: bool) -> Callable[..., Any]:
+            def refuse(request: Any, context: grpc.ServicerContext) -> Any:
+                reason = "a wrong token" if presented else "no token"
+                _abort(
+                    context,
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    "UnauthenticatedError",
+                    f"{details.method} refused: the call carried {reason}",
+                )
+
+            return refuse
+
+        return _replace_behavior(handler, deny)
+
+
+class ConcurrencyInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
+    """Caps unary and streaming calls in flight; a call over a cap gets RESOURCE_EXHAUSTED."""
+
+    def __init__(self, max_rpcs: int, max_streams: int) -> None:
+        self._rpcs = threading.BoundedSemaphore(max_rpcs)
+        self._streams = threading.BoundedSemaphore(max_streams)
+        self._limits = (max_rpcs, max_streams)
+
+    def intercept_service(
+        self, continuation: Callable[[Any], grpc.RpcMethodHandler], details: Any
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(details)
+        if handler is None or details.method.startswith(HEALTH_PREFIX):
+            return handler
+        is_stream = handler.request_streaming or handler.response_streaming
+        semaphore = self._streams if is_stream else self._rpcs
+        limit = self._limits[1] if is_stream else self._limits[0]
+        what = "streaming calls" if is_stream else "calls"
+
+        def refuse(context: grpc.ServicerContext) -> None:
+            _abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "ResourceExhaustedError",
+                f"{details.method} refused: {limit} {what} are already in flight (the limit)",
+            )
+
+        def limit_calls(behavior: Callable[..., Any], streaming: bool) -> Callable[..., Any]:
+            if streaming:
+
+                def run_stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                    if not semaphore.acquire(blocking=False):
+                        refuse(context)
+                    try:
+                        yield from behavior(request, context)
+                    finally:
+                        semaphore.release()
+
+                return run_stream
+
+            def run(request: Any, context: grpc.ServicerContext) -> Any:
+                if not semaphore.acquire(blocking=False):
+                    refuse(context)
+                try:
+                    return behavior(request, context)
+                finally:
+                    semaphore.release()
+
+            return run
+
+        return _replace_behavior(handler, limit_calls)
+
+
+class _CallDetails(NamedTuple):
+    method: str
+    timeout: float | None
+    metadata: Any
+    credentials: Any
+    wait_for_ready: bool | None
+    compression: Any
+
+
+class TokenInterceptor(
+    grpc.UnaryUnaryClientInterceptor,  # type: ignore[misc]
+    grpc.UnaryStreamClientInterceptor,  # type: ignore[misc]
+    grpc.StreamUnaryClientInterceptor,  # type: ignore[misc]
+    grpc.StreamStreamClientInterceptor,  # type: ignore[misc]
+):
+    """Adds the shared token to every outgoing call, streams included."""
+
+    def __init__(self, token: str) -> None:
+        self._entry = (AUTH_METADATA_KEY, f"Bearer {token}")
+
+    def _details(self, details: Any) -> _CallDetails:
+        metadata = [*(details.metadata or ()), self._entry]
+        return _CallDetails(
+            details.method,
+            details.timeout,
+            metadata,
+            details.credentials,
+            details.wait_for_ready,
+            details.compression,
+        )
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
