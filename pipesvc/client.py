@@ -51,7 +51,8 @@ class Client:
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = open_channel(address, security or Security())
+        self.security = security or Security()
+        self._channel = open_channel(address, self.security)
         self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
 
     def _call(self, method: str, request: Any) -> Any:

@@ -188,10 +188,13 @@ def save_weights(
     directory = os.path.dirname(os.path.abspath(target))
     temp = _create_temp(directory, os.path.basename(target))
     try:
+        mode = os.stat(temp).st_mode & 0o777
         try:
             save_file(tensors, temp, metadata=meta)
         except SafetensorError as exc:
             raise InvalidArgumentError(f"safetensors could not write {target!r}: {exc}") from exc
+        # safetensors renames its own 0o600 file over ours; keep the umask-derived mode.
+        os.chmod(temp, mode)
         _fsync(temp)
         os.replace(temp, target)
     except BaseException:

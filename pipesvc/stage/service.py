@@ -215,6 +215,8 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
             info.num_parameters = rt.num_parameters
             info.step = rt.step
             info.max_live_activations = rt.max_live
+            info.num_duplicates_dropped = job.mailbox.num_duplicates
+            info.num_stale_dropped = job.mailbox.num_stale
         return info
 
     # -- runs --------------------------------------------------------------------------------

@@ -80,7 +80,9 @@ def test_read_header_describes_saved_tensors(tmp_path: Path) -> None:
     assert header["f32"].num_bytes == 48
     assert header["bool"].dtype == "BOOL"
     assert header["scalar"].shape == ()
-    assert header["empty"] == TensorEntry("F32", (0, 3), header["empty"].begin, header["empty"].begin)
+    assert header["empty"] == TensorEntry(
+        "F32", (0, 3), header["empty"].begin, header["empty"].begin
+    )
     assert sum(e.num_bytes for e in header.values()) == sum(
         t.numel() * t.element_size() for t in state.values()
     )
@@ -267,7 +269,7 @@ def write_json(path: Path, header: object, data: bytes = b"") -> Path:
     return write_file(path, json.dumps(header).encode(), data)
 
 
-def entry(dtype: str, shape: list[int], begin: int, end: int) -> dict[str, object]:
+def entry(dtype: str, shape: list[object], begin: int, end: int) -> dict[str, object]:
     return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
 
 
