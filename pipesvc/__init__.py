@@ -24,6 +24,8 @@ from pipesvc.errors import (
 from pipesvc.local_cluster import LocalCluster
 from pipesvc.models import LayerSpec, register_model
 from pipesvc.plan import PipelineStage
+from pipesvc.security import TLSConfig
+from pipesvc.weights import WeightLimits, load_weights, save_weights
 
 __version__ = "0.1.0"
 
@@ -45,11 +47,15 @@ __all__ = [
     "StageStatus",
     "StageUnavailableError",
     "StepAbortedError",
+    "TLSConfig",
     "UnauthenticatedError",
     "UnknownModelError",
+    "WeightLimits",
     "WireFormatError",
     "__version__",
     "connect",
+    "load_weights",
     "models",
     "register_model",
+    "save_weights",
 ]

@@ -124,3 +124,33 @@ def test_operator_model_module(monkeypatch: pytest.MonkeyPatch) -> None:
             reference = models.build("tiny-tanh", seed=0, width=4, depth=3)
             expected = torch.nn.functional.mse_loss(reference(x), y)
             assert loss == pytest.approx(float(expected.detach()), rel=1e-6)
+
+
+def test_exposed_listen_without_auth_warns(tmp_path: Path) -> None:
+    address_file = tmp_path / "address"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pipesvc",
+            "coordinator",
+            "--listen",
+            "0.0.0.0:0",
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--address-file",
+            str(address_file),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not address_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert address_file.exists()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    assert "0.0.0.0:0 without authentication" in stderr

@@ -29,6 +29,9 @@ PURE_MODULES = sorted(
                 "tensor_codec",
                 "loss",
                 "optim",
+                "weights",
+                "security",
+                "limits",
                 "plan",
             )
         ),
