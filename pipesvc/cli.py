@@ -191,6 +191,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             duration_s=args.minutes * 60,
             max_steps=args.max_steps,
             schedule=args.schedule,
+            coordinator=args.coordinator,
+            security=_security(args),
         )
     )
     return 0
@@ -271,6 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--minutes", type=float, default=3.0, help="training time (default %(default)s)")
     p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: none)")
     p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
+    p.add_argument(
+        "--coordinator", help="train on this running cluster (HOST:PORT) instead of a local one"
+    )
+    _add_security_flags(p)
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("status", help="print the stages registered with a coordinator")

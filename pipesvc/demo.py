@@ -6,17 +6,19 @@ itself (``pydoc_data.topics``), so nothing is downloaded. The model is character
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TextIO
 
 import torch
 
 from pipesvc import models
-from pipesvc.client import Job, connect
+from pipesvc.client import Client, Job
 from pipesvc.local_cluster import LocalCluster
+from pipesvc.security import Security
 
 SEQUENCE_LENGTH = 64
 
@@ -39,6 +41,10 @@ class DemoOptions:
     """Micro-batches per step."""
     seed: int = 0
     """Model and data seed."""
+    coordinator: str | None = None
+    """Train on this existing cluster (``host:port``) instead of starting a local one."""
+    security: Security = field(default_factory=Security)
+    """Token and TLS for that cluster."""
 
 
 class CharCorpus:
@@ -130,13 +136,19 @@ def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> dict[str, float]
         f"{corpus.vocab_size} symbols)",
         file=out,
     )
-    print(
-        f"starting a local cluster: 1 coordinator + {options.num_stages} stage processes ...",
-        file=out,
-        flush=True,
-    )
     generator = torch.Generator().manual_seed(options.seed)
-    with LocalCluster(num_stages=options.num_stages) as cluster, connect(cluster.address) as client:
+    with contextlib.ExitStack() as stack:
+        if options.coordinator:
+            print(f"using the cluster at {options.coordinator}", file=out, flush=True)
+            client = Client(options.coordinator, security=options.security)
+        else:
+            print(
+                f"starting a local cluster: 1 coordinator + {options.num_stages} stage processes",
+                file=out,
+                flush=True,
+            )
+            client = stack.enter_context(LocalCluster(num_stages=options.num_stages)).connect()
+        stack.enter_context(client)
         job = client.create_job(
             model="gpt",
             model_args=model_args,
@@ -149,6 +161,7 @@ def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> dict[str, float]
             partition="parameters",
             clip_grad_norm=1.0,
         )
+        stack.enter_context(job)  # closed on the way out, also on errors
         print(
             f"job {job.id}: {job.num_layers} layers, schedule {options.schedule}, "
             f"{options.num_microbatches} micro-batches of {options.batch_size} x "
@@ -204,7 +217,6 @@ def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> dict[str, float]
         end_loss = sum(losses[-10:]) / len(losses[-10:])
         throughput = tokens * (len(losses) - 1) / max(elapsed, 1e-9)
         text = sample(job, corpus, "The ", 160, options.seed)
-        job.close()
     summary = {
         "steps": float(len(losses)),
         "start_loss": first_loss,
