@@ -77,8 +77,8 @@ def _warn_if_exposed(listen: str, security: Security) -> None:
 
 
 def _cmd_coordinator(args: argparse.Namespace) -> int:
-    from pipesvc.coordinator.job import Deadlines
     from pipesvc.coordinator.server import run_coordinator
+    from pipesvc.coordinator.stage_calls import Deadlines
 
     security = _security(args)
     _warn_if_exposed(args.listen, security)
@@ -98,7 +98,9 @@ def _cmd_stage(args: argparse.Namespace) -> int:
     import torch
 
     from pipesvc import models
-    from pipesvc.stage.server import default_device, run_stage
+    from pipesvc.stage.faults import FaultKill
+    from pipesvc.stage.server import default_device, device_memory_bytes, run_stage
+    from pipesvc.stage.service import StageOptions
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -106,17 +108,25 @@ def _cmd_stage(args: argparse.Namespace) -> int:
         models.import_model_modules(args.models)
     security = _security(args)
     _warn_if_exposed(args.listen, security)
+    device = torch.device(args.device) if args.device else default_device()
     run_stage(
+        StageOptions(
+            address="",
+            device=device,
+            memory_bytes=device_memory_bytes(device),
+            recv_timeout_s=args.recv_timeout_s,
+            security=security,
+            limits=_limits(args),
+            duplicate_sends=args.duplicate_sends,
+            fault_kill=FaultKill.parse(args.fault_kill) if args.fault_kill else None,
+        ),
         coordinator=args.coordinator,
         listen=args.listen,
         advertise=args.advertise,
-        device=torch.device(args.device) if args.device else default_device(),
-        recv_timeout_s=args.recv_timeout_s,
         register_timeout_s=args.register_timeout_s,
         stop=_stop_on_signals(),
-        security=security,
-        limits=_limits(args),
-        duplicate_sends=args.duplicate_sends,
+        heartbeat_interval_s=args.heartbeat_interval_s,
+        drain_timeout_s=args.drain_timeout_s,
     )
     return 0
 
@@ -254,7 +264,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="how long to wait for the coordinator at start (default %(default)s)",
     )
+    p.add_argument(
+        "--heartbeat-interval-s",
+        type=float,
+        default=2.0,
+        help="re-register with the coordinator this often (default %(default)s)",
+    )
+    p.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=60.0,
+        help="on SIGTERM, wait this long for the coordinator to move the layers away",
+    )
     p.add_argument("--duplicate-sends", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--fault-kill", help=argparse.SUPPRESS)
     _add_security_flags(p)
     _add_limit_flags(p)
     p.set_defaults(func=_cmd_stage)

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
 import torch
 
-from pipesvc.config import JobConfig, config_from_proto, config_to_proto
+from pipesvc.checkpoint import Manifest, read_layers, read_manifest, write_checkpoint
+from pipesvc.config import JobConfig, config_from_proto, config_to_dict, config_to_proto
+from pipesvc.errors import InvalidArgumentError
 from pipesvc.plan import PipelineStage
 from pipesvc.rpc_status import error_from_rpc
 from pipesvc.security import Security, TLSConfig
@@ -76,8 +79,14 @@ class Client:
         loss: str = "cross_entropy",
         partition: str = "parameters",
         clip_grad_norm: float | None = None,
+        checkpoint_every: int = 10,
+        resume_from: str | Path | None = None,
     ) -> Job:
         """Plans and assigns a job; see JobConfig for each argument.
+
+        With ``resume_from`` (a directory written by ``Job.save``), the job starts from that
+        checkpoint's weights, optimizer state and step count; the checkpoint loads under any
+        plan, but its model, model arguments and optimizer must match.
 
         Raises:
             InvalidArgumentError: a bad option (the message names it), or an unknown model.
@@ -94,11 +103,33 @@ class Client:
             loss=loss,
             partition=partition,
             clip_grad_norm=clip_grad_norm,
+            checkpoint_every=checkpoint_every,
         )
+        manifest = read_manifest(resume_from) if resume_from is not None else None
+        if manifest is not None:
+            saved = manifest.spec
+            for key in ("model", "model_args"):
+                if saved.get(key) != config_to_dict(config)[key]:
+                    raise InvalidArgumentError(
+                        f"checkpoint {str(resume_from)!r} is of {key} {saved.get(key)!r}; "
+                        f"the job asks for {config_to_dict(config)[key]!r}"
+                    )
+            if dict(saved.get("optimizer", {})).get("name") != config.optimizer.get("name"):
+                raise InvalidArgumentError(
+                    f"checkpoint {str(resume_from)!r} holds {saved['optimizer']['name']!r} "
+                    f"optimizer state; the job asks for {config.optimizer.get('name')!r}"
+                )
         info = self._call(
             "CreateJob", coordinator_pb2.CreateJobRequest(spec=config_to_proto(config))
         )
-        return Job(self, info)
+        job = Job(self, info)
+        if manifest is not None and resume_from is not None:
+            try:
+                job._load_checkpoint(Path(resume_from), manifest)
+            except BaseException:
+                job.close()
+                raise
+        return job
 
     def get_job(self, job_id: str) -> Job:
         """A handle on an existing job.
@@ -197,6 +228,50 @@ class Job:
     def gradients(self) -> dict[str, torch.Tensor]:
         """The gradients of the last committed step (after clipping), under parameter keys."""
         return self._read_state(common_pb2.GRADIENTS)
+
+    def save(self, path: str | Path) -> None:
+        """Writes a checkpoint (weights, optimizer state, step) to the directory ``path``.
+
+        It loads with ``client.create_job(..., resume_from=path)``, under any plan. Write it
+        while no other client is training this job.
+        """
+        info = self._client._call("GetJob", coordinator_pb2.GetJobRequest(job_id=self.id))
+        request = coordinator_pb2.GetJobStateRequest(job_id=self.id, kind=common_pb2.CHECKPOINT)
+        try:
+            stream = self._client._stub.GetState(request, timeout=self._client.timeout_s)
+            write_checkpoint(
+                path,
+                read_named_frames(stream),
+                job_id=self.id,
+                step=info.step,
+                spec=config_to_dict(config_from_proto(info.spec)),
+                num_layers=info.num_layers,
+                plan=[
+                    {
+                        "start_layer": s.start_layer,
+                        "end_layer": s.end_layer,
+                        "rank": s.rank,
+                        "address": s.address,
+                    }
+                    for s in info.plan
+                ],
+            )
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, f"coordinator {self._client.address}") from exc
+
+    def _load_checkpoint(self, path: Path, manifest: Manifest) -> None:
+        def requests() -> Iterator[coordinator_pb2.LoadJobStateRequest]:
+            first = True
+            for name, tensor in read_layers(path, manifest, 0, manifest.num_layers):
+                for frame in named_frames(name, tensor):
+                    request = coordinator_pb2.LoadJobStateRequest(job_id=self.id, frame=frame)
+                    if first:
+                        request.step = manifest.step
+                        first = False
+                    yield request
+
+        self._client._call("LoadState", requests())
+        self.step = manifest.step
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Loads a full state_dict into the stages; all apply it or none does.

@@ -48,6 +48,9 @@ class JobConfig:
     """How layers are split: ``parameters`` (balance parameter counts) or ``uniform``."""
     clip_grad_norm: float | None = None
     """Clip the global gradient norm over all stages to this value; None for no clipping."""
+    checkpoint_every: int = 10
+    """Checkpoint every this many steps (0: only at start and after loading state); recovery
+    replays the steps since the newest checkpoint from the coordinator's step log."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not _MODEL_NAME.fullmatch(self.model):
@@ -56,7 +59,7 @@ class JobConfig:
                 "'gpt' (module and file paths are never accepted)"
             )
         check_model_args(self.model_args)
-        for name in ("seed", "num_stages", "num_microbatches"):
+        for name in ("seed", "num_stages", "num_microbatches", "checkpoint_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise InvalidArgumentError(f"{name} must be an int; got {value!r}")
@@ -64,6 +67,10 @@ class JobConfig:
             raise InvalidArgumentError(f"seed ({self.seed}) must be in [0, 2**63)")
         if not 1 <= self.num_stages <= 1024:
             raise InvalidArgumentError(f"num_stages ({self.num_stages}) must be in [1, 1024]")
+        if not 0 <= self.checkpoint_every < 2**31:
+            raise InvalidArgumentError(
+                f"checkpoint_every ({self.checkpoint_every}) must be in [0, 2**31)"
+            )
         if not 1 <= self.num_microbatches <= 65536:
             raise InvalidArgumentError(
                 f"num_microbatches ({self.num_microbatches}) must be in [1, 65536]"
@@ -116,6 +123,35 @@ def parse_json_object(text: str, field_name: str) -> dict[str, Any]:
     return value
 
 
+def config_to_dict(config: JobConfig) -> dict[str, Any]:
+    """``config`` as a JSON-ready dict (for manifests and the state database)."""
+    return {
+        "model": config.model,
+        "model_args": dict(config.model_args),
+        "seed": config.seed,
+        "num_stages": config.num_stages,
+        "num_microbatches": config.num_microbatches,
+        "schedule": config.schedule,
+        "optimizer": dict(config.optimizer),
+        "loss": config.loss,
+        "partition": config.partition,
+        "clip_grad_norm": config.clip_grad_norm,
+        "checkpoint_every": config.checkpoint_every,
+    }
+
+
+def config_from_dict(values: Mapping[str, Any]) -> JobConfig:
+    """A validated JobConfig from ``config_to_dict``'s form.
+
+    Raises:
+        InvalidArgumentError: unknown or invalid fields.
+    """
+    try:
+        return JobConfig(**values)
+    except TypeError as exc:
+        raise InvalidArgumentError(f"job configuration {dict(values)!r}: {exc}") from exc
+
+
 def config_to_proto(config: JobConfig) -> common_pb2.JobSpec:
     """The wire form of ``config``."""
     spec = common_pb2.JobSpec(
@@ -128,6 +164,7 @@ def config_to_proto(config: JobConfig) -> common_pb2.JobSpec:
         optimizer_json=config.optimizer_json(),
         loss=config.loss,
         partition=config.partition,
+        checkpoint_every=config.checkpoint_every,
     )
     if config.clip_grad_norm is not None:
         spec.clip_grad_norm = float(config.clip_grad_norm)
@@ -151,4 +188,5 @@ def config_from_proto(spec: common_pb2.JobSpec) -> JobConfig:
         loss=spec.loss,
         partition=spec.partition,
         clip_grad_norm=spec.clip_grad_norm if spec.HasField("clip_grad_norm") else None,
+        checkpoint_every=spec.checkpoint_every,
     )

@@ -74,6 +74,8 @@ class LocalCluster:
         self._procs: list[subprocess.Popen[bytes]] = []
         self.address = ""
         self.log_dir = Path()
+        self._stage_count = 0
+        self._control: Client | None = None
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child
@@ -84,6 +86,46 @@ class LocalCluster:
         self._procs.append(proc)
         return proc
 
+    def _spawn_stage(self, extra_args: Sequence[str]) -> subprocess.Popen[bytes]:
+        args = [
+            "stage",
+            "--coordinator",
+            self.address,
+            "--listen",
+            "127.0.0.1:0",
+            "--threads",
+            str(self.threads_per_stage),
+        ]
+        if self.device:
+            args += ["--device", self.device]
+        for module in self.models:
+            args += ["--models", module]
+        args += [*self._security_args, *self.stage_args, *extra_args]
+        self._stage_count += 1
+        return self._spawn(f"stage-{self._stage_count - 1}", args)
+
+    def add_stage(self, extra_args: Sequence[str] = ()) -> int:
+        """Starts one more stage process (e.g. a spare, or one with its own flags) and waits
+        until it is registered and SERVING; returns its pid.
+
+        Raises:
+            StageUnavailableError: it did not come up in time.
+        """
+        before = {s.address for s in self._client().stages()}
+        proc = self._spawn_stage(extra_args)
+
+        def registered() -> bool:
+            stages = self._client().stages()
+            return any(s.address not in before and s.health == "SERVING" for s in stages)
+
+        self._wait(registered, "waiting for the added stage", [proc])
+        return proc.pid
+
+    def _client(self) -> Client:
+        if self._control is None:
+            self._control = self.connect(timeout_s=5.0)
+        return self._control
+
     def _logs(self) -> str:
         parts = []
         for path in sorted(self.log_dir.glob("*.log")):
@@ -91,10 +133,12 @@ class LocalCluster:
             parts.append(f"--- {path.name} ---\n{tail}")
         return "\n".join(parts)
 
-    def _wait(self, ready: object, what: str) -> None:
+    def _wait(
+        self, ready: object, what: str, procs: list[subprocess.Popen[bytes]] | None = None
+    ) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
-            if any(p.poll() is not None for p in self._procs):
+            if any(p.poll() is not None for p in (self._procs if procs is None else procs)):
                 raise StageUnavailableError(f"a process exited while {what}:\n{self._logs()}")
             assert callable(ready)
             if ready():
@@ -130,22 +174,8 @@ class LocalCluster:
             )
             self._wait(address_file.exists, "starting the coordinator")
             self.address = address_file.read_text().strip()
-            for rank in range(self.num_stages):
-                args = [
-                    "stage",
-                    "--coordinator",
-                    self.address,
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--threads",
-                    str(self.threads_per_stage),
-                ]
-                if self.device:
-                    args += ["--device", self.device]
-                for module in self.models:
-                    args += ["--models", module]
-                args += self._security_args + self.stage_args
-                self._spawn(f"stage-{rank}", args)
+            for _ in range(self.num_stages):
+                self._spawn_stage([])
             with self.connect(timeout_s=5.0) as client:
 
                 def all_serving() -> bool:
@@ -164,6 +194,9 @@ class LocalCluster:
 
     def close(self) -> None:
         """Stops every process this cluster started and removes its temporary files."""
+        if self._control is not None:
+            self._control.close()
+            self._control = None
         for proc in self._procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

@@ -1,77 +1,86 @@
-"""One job on the coordinator: planning it onto stages, and driving its steps and state.
+"""One job on the coordinator: driving its steps, commits, checkpoints and recovery.
 
 The coordinator runs no model code: it plans from a stage's description of the model and moves
-only micro-batch inputs, targets, losses and outputs. [Note: commit] A training step is a
-prepare phase (RunStep on every stage: forward and backward, gradients pending) and a commit
-phase (Commit on every stage). If any stage fails in prepare, every stage gets Abort and no
-weights change anywhere.
+only micro-batch inputs, targets, losses and outputs.
+
+[Note: commit] A training step is a prepare phase (RunStep on every stage: forward and backward,
+gradients pending) and a commit phase (Commit on every stage). If any stage fails in prepare,
+every stage gets Abort and no weights change anywhere.
+
+[Note: recovery] Before its commit, a step's batch goes to the write-ahead step log. When a
+stage is lost (or a step fails for a reason that is not the caller's), the job gets a new plan
+(a spare replaces each lost stage, or the model is re-partitioned over the survivors), every
+stage is assigned afresh, restores the newest checkpoint, and the logged steps after it are
+replayed; then the failed step runs again. Since each step is deterministic, the caller sees
+the same losses and weights as a run without the fault.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator
+import time
+from collections.abc import Iterable, Iterator
 from concurrent import futures
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
 
-from pipesvc import microbatch, partition, schedule
-from pipesvc.config import JobConfig, config_to_proto
-from pipesvc.coordinator.registry import StageRecord, StageRegistry
+from pipesvc import microbatch
+from pipesvc.checkpoint import CheckpointStore, CheckpointWriter, read_layers, read_manifest
+from pipesvc.config import JobConfig, config_from_dict, config_to_dict, config_to_proto
+from pipesvc.coordinator import planner
+from pipesvc.coordinator.registry import StageRegistry
+from pipesvc.coordinator.stage_calls import (
+    Deadlines,
+    StageLostError,
+    call_all,
+    call_stage,
+    health_of,
+    where,
+)
+from pipesvc.coordinator.state_db import JobRecord, StateDB
+from pipesvc.coordinator.state_transfer import load_into_stages
 from pipesvc.errors import (
-    InternalError,
+    FailedPreconditionError,
     InvalidArgumentError,
     PipesvcError,
     PlanError,
-    StepAbortedError,
-    UnknownModelError,
+    ResourceExhaustedError,
+    StageUnavailableError,
+    UnauthenticatedError,
 )
-from pipesvc.plan import PipelineStage, check_plan
+from pipesvc.plan import PipelineStage
 from pipesvc.rpc_status import error_from_rpc
-from pipesvc.tensor_codec import decode, encode
-from pipesvc.transport import call
+from pipesvc.step_log import StepLog
+from pipesvc.tensor_codec import decode, encode, named_frames, read_named_frames
 from pipesvc.v1 import common_pb2, coordinator_pb2, stage_pb2
 
 logger = logging.getLogger(__name__)
-_T = TypeVar("_T")
+
+MAX_RECOVERIES_PER_CALL = 3
+"""A step that still fails after this many recoveries raises."""
+
+# Errors that are the caller's (or the plan's) and that a retry cannot fix.
+_FINAL_ERRORS = (InvalidArgumentError, ResourceExhaustedError, UnauthenticatedError, PlanError)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Deadlines:
-    """Deadlines of the coordinator's outbound calls."""
+@dataclass
+class JobStorage:
+    """Where a job's durable state lives: the database row, checkpoints and the step log."""
 
-    control_s: float = 120.0
-    """Assign, commit, abort, release and state calls."""
-    step_s: float = 600.0
-    """One RunStep (a whole pipelined step on one stage)."""
+    db: StateDB
+    root: Path
+    checkpoints: CheckpointStore = field(init=False)
+    log: StepLog = field(init=False)
 
-
-def where(stage: PipelineStage) -> str:
-    """How errors name a stage: its rank and address."""
-    return f"stage rank {stage.rank} ({stage.address})"
-
-
-def call_stage(
-    registry: StageRegistry, stage: PipelineStage, method: str, request: Any, timeout_s: float
-) -> Any:
-    """Calls ``method`` on a stage with a deadline; errors keep their class and name the stage.
-
-    Raises:
-        PipesvcError: what the stage raised, or StageUnavailableError if it was unreachable.
-    """
-    stub = registry.stub(stage.address)
-    try:
-        return call(getattr(stub, method), request, timeout_s=timeout_s, where=where(stage))
-    except PipesvcError as exc:
-        if where(stage) in str(exc):
-            raise
-        raise type(exc)(f"{where(stage)}: {exc}") from exc
+    def __post_init__(self) -> None:
+        self.checkpoints = CheckpointStore(self.root / "checkpoints")
+        self.log = StepLog(self.root / "steps")
 
 
 class JobDriver:
@@ -86,67 +95,97 @@ class JobDriver:
         plan: list[PipelineStage],
         registry: StageRegistry,
         deadlines: Deadlines,
+        storage: JobStorage,
+        epoch: int = 1,
+        step: int = 0,
+        run_id: int = 0,
+        checkpoint_step: int = -1,
+        needs_reconcile: bool = False,
     ) -> None:
         self.job_id = job_id
         self.config = config
         self.layers = layers
         self.plan = plan
-        self.epoch = 1
-        self.step = 0
-        self._run_id = 0
+        self.epoch = epoch
+        self.step = step
+        self.checkpoint_step = checkpoint_step
+        self.recoveries = 0
+        self.closed = False
+        self._run_id = run_id
         self._registry = registry
         self._deadlines = deadlines
+        self._storage = storage
+        self._needs_reconcile = needs_reconcile
         self._lock = threading.Lock()
-        self._pool = futures.ThreadPoolExecutor(max_workers=2 * len(plan) + 2)
-        self.closed = False
+        self._pool = futures.ThreadPoolExecutor(max_workers=16)
 
-    # -- calls on every stage ------------------------------------------------------------------
+    # -- durable state -------------------------------------------------------------------------
 
-    def _where(self, stage: PipelineStage) -> str:
-        return where(stage)
+    def record(self) -> JobRecord:
+        """The job's database row."""
+        return JobRecord(
+            job_id=self.job_id,
+            spec=config_to_dict(self.config),
+            plan=[
+                {
+                    "start_layer": s.start_layer,
+                    "end_layer": s.end_layer,
+                    "rank": s.rank,
+                    "address": s.address,
+                }
+                for s in self.plan
+            ],
+            layers=stage_pb2.DescribeResponse(layers=self.layers).SerializeToString(),
+            epoch=self.epoch,
+            step=self.step,
+            run_id=self._run_id,
+            checkpoint_step=self.checkpoint_step,
+            closed=self.closed,
+        )
 
-    def _on_stage(self, stage: PipelineStage, method: str, request: Any, timeout_s: float) -> Any:
-        return call_stage(self._registry, stage, method, request, timeout_s)
+    @classmethod
+    def from_record(
+        cls, record: JobRecord, registry: StageRegistry, deadlines: Deadlines, storage: JobStorage
+    ) -> JobDriver:
+        """A job read back after a coordinator restart; it reconciles with its stages first."""
+        layers = list(stage_pb2.DescribeResponse.FromString(record.layers).layers)
+        plan = [PipelineStage(**entry) for entry in record.plan]
+        return cls(
+            job_id=record.job_id,
+            config=config_from_dict(record.spec),
+            layers=layers,
+            plan=plan,
+            registry=registry,
+            deadlines=deadlines,
+            storage=storage,
+            epoch=record.epoch,
+            step=record.step,
+            run_id=record.run_id,
+            checkpoint_step=record.checkpoint_step,
+            needs_reconcile=True,
+        )
 
-    def _on_all(
-        self,
-        make: Callable[[PipelineStage], tuple[str, Any]],
-        timeout_s: float,
-        on_first_error: Callable[[], None] | None = None,
-    ) -> list[Any]:
-        pending = {
-            self._pool.submit(self._on_stage, stage, *make(stage), timeout_s): stage
-            for stage in self.plan
-        }
-        done, not_done = futures.wait(pending, return_when=futures.FIRST_EXCEPTION)
-        errors = [f.exception() for f in done if f.exception() is not None]
-        if errors and on_first_error is not None:
-            on_first_error()
-        futures.wait(not_done)
-        errors += [f.exception() for f in not_done if f.exception() is not None]
-        if errors:
-            # The root cause is the first error that is not a consequence of the abort.
-            root = next((e for e in errors if not isinstance(e, StepAbortedError)), errors[0])
-            assert isinstance(root, BaseException)
-            raise root
-        by_rank = {pending[f].rank: f.result() for f in pending}
-        return [by_rank[rank] for rank in range(len(self.plan))]
+    def _persist(self) -> None:
+        self._storage.db.put_job(self.record())
+
+    # -- calls ---------------------------------------------------------------------------------
+
+    def _call_all(self, method: str, make: Any, timeout_s: float, **kw: Any) -> list[Any]:
+        return call_all(self._registry, self.plan, lambda s: (method, make(s)), timeout_s, **kw)
 
     def _abort(self, run_id: int) -> None:
         request = stage_pb2.AbortRequest(job_id=self.job_id, plan_epoch=self.epoch, run_id=run_id)
         for stage in self.plan:
             try:
-                self._on_stage(stage, "Abort", request, self._deadlines.control_s)
+                call_stage(self._registry, stage, "Abort", request, self._deadlines.abort_s)
             except PipesvcError as exc:
                 logger.warning(
                     "job %s: abort of run %d on %s failed: %s",
                     self.job_id,
                     run_id,
-                    self._where(stage),
+                    where(stage),
                     exc,
                 )
-
-    # -- steps ---------------------------------------------------------------------------------
 
     def _run(
         self, mode: int, inputs: list[torch.Tensor], targets: list[torch.Tensor]
@@ -158,8 +197,8 @@ class JobDriver:
         encoded_inputs = [encode(t) for t in inputs]
         encoded_targets = [encode(t) for t in targets]
 
-        def request(stage: PipelineStage) -> tuple[str, Any]:
-            return "RunStep", stage_pb2.RunStepRequest(
+        def request(stage: PipelineStage) -> stage_pb2.RunStepRequest:
+            return stage_pb2.RunStepRequest(
                 job_id=self.job_id,
                 plan_epoch=self.epoch,
                 run_id=run_id,
@@ -170,21 +209,57 @@ class JobDriver:
                 loss_weights=weights if stage.rank == last and targets else [],
             )
 
-        def abort() -> None:
-            self._abort(run_id)
-
+        what = f"run {run_id} (step {self.step + 1})" if targets else f"inference run {run_id}"
         try:
-            return run_id, self._on_all(request, self._deadlines.step_s, on_first_error=abort)
+            replies = self._call_all(
+                "RunStep", request, self._deadlines.step_s, deadlines=self._deadlines, what=what
+            )
         except PipesvcError:
-            abort()
+            self._abort(run_id)
             raise
+        return run_id, replies
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def _train_once(
+        self,
+        input_mbs: list[torch.Tensor],
+        target_mbs: list[torch.Tensor],
+        log: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> float:
+        # The write-ahead log entry is written while the stages compute, and before any commit.
+        logged = self._pool.submit(self._storage.log.write, self.step + 1, *log) if log else None
+        try:
+            run_id, replies = self._run(stage_pb2.TRAIN, input_mbs, target_mbs)
+        finally:
+            if logged is not None:
+                logged.result()
+        scale = None
+        if self.config.clip_grad_norm is not None:
+            total = math.sqrt(sum(r.grad_norm_sq for r in replies))
+            scale = min(1.0, self.config.clip_grad_norm / (total + 1e-6))
+
+        def commit(stage: PipelineStage) -> stage_pb2.CommitRequest:
+            request = stage_pb2.CommitRequest(
+                job_id=self.job_id, plan_epoch=self.epoch, run_id=run_id
+            )
+            if scale is not None:
+                request.grad_scale = scale
+            return request
+
+        self._call_all("Commit", commit, self._deadlines.control_s)
+        self.step += 1
+        return float(sum(replies[-1].losses))
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
         """Runs one training step and commits it on every stage; returns (loss, step).
 
+        A lost stage is recovered from (see [Note: recovery]) and the step still returns.
+
         Raises:
-            InvalidArgumentError: the batch does not fit the job.
-            PipesvcError: a stage failed; the step was aborted everywhere.
+            InvalidArgumentError: the batch does not fit the job (nothing changed).
+            ResourceExhaustedError, PlanError: recovery is impossible (too little memory, no
+                stage left); the message says why.
         """
         if inputs.dim() == 0 or targets.dim() == 0 or inputs.shape[0] != targets.shape[0]:
             raise InvalidArgumentError(
@@ -194,35 +269,19 @@ class JobDriver:
         m = self.config.num_microbatches
         input_mbs, target_mbs = microbatch.split(inputs, m), microbatch.split(targets, m)
         with self._lock:
-            self._check_open()
-            run_id, replies = self._run(stage_pb2.TRAIN, input_mbs, target_mbs)
-            scale = None
-            if self.config.clip_grad_norm is not None:
-                total = math.sqrt(sum(r.grad_norm_sq for r in replies))
-                scale = min(1.0, self.config.clip_grad_norm / (total + 1e-6))
-
-            def commit(stage: PipelineStage) -> tuple[str, Any]:
-                request = stage_pb2.CommitRequest(
-                    job_id=self.job_id, plan_epoch=self.epoch, run_id=run_id
-                )
-                if scale is not None:
-                    request.grad_scale = scale
-                return "Commit", request
-
-            try:
-                self._on_all(commit, self._deadlines.control_s)
-            except PipesvcError as exc:
-                raise InternalError(
-                    f"job {self.job_id}: commit of step {self.step + 1} failed on a stage after "
-                    f"all prepared: {exc}"
-                ) from exc
-            self.step += 1
-            loss = sum(replies[-1].losses)
+            loss = self._resilient(
+                lambda: self._train_once(input_mbs, target_mbs, (inputs, targets)),
+                f"step {self.step + 1}",
+            )
+            self._persist()
             logger.info("job %s: step %d committed, loss %.6f", self.job_id, self.step, loss)
+            every = self.config.checkpoint_every
+            if every and self.step % every == 0:
+                self._checkpoint()
             return loss, self.step
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        """Inference on ``inputs`` through the pipeline, micro-batched.
+        """Inference on ``inputs`` through the pipeline, micro-batched; survives lost stages.
 
         Raises:
             InvalidArgumentError: the batch is empty or does not fit the model.
@@ -231,130 +290,297 @@ class JobDriver:
             raise InvalidArgumentError(f"inputs of shape {list(inputs.shape)} have no batch")
         mbs = microbatch.split(inputs, min(self.config.num_microbatches, inputs.shape[0]))
         with self._lock:
-            self._check_open()
-            _, replies = self._run(stage_pb2.INFER, mbs, [])
+            replies = self._resilient(lambda: self._run(stage_pb2.INFER, mbs, [])[1], "forward")
         return torch.cat([decode(t) for t in replies[-1].outputs], dim=0)
 
+    def _resilient(self, attempt: Any, what: str) -> Any:
+        """Runs ``attempt`` after making the job ready; recovers and retries on stage failures."""
+        self._check_open()
+        lost: set[str] | None = None
+        last: PipesvcError | None = None
+        for _ in range(MAX_RECOVERIES_PER_CALL + 1):
+            try:
+                if lost is not None:
+                    self._recover(lost, last)
+                    lost = None
+                self._ensure_ready()
+                return attempt()
+            except PipesvcError as exc:
+                found = self._lost_stages(exc)
+                if found is None:
+                    raise
+                lost = found if lost is None else lost | found
+                last = exc
+        raise StageUnavailableError(
+            f"job {self.job_id}: {what} failed {MAX_RECOVERIES_PER_CALL + 1} times; last: {last}"
+        ) from last
+
+    def _lost_stages(self, error: PipesvcError) -> set[str] | None:
+        """The stages to replace after ``error``, or None if it is final (not a stage fault)."""
+        if isinstance(error, StageLostError):
+            return set(error.addresses)
+        if isinstance(error, _FINAL_ERRORS):
+            return None
+        statuses = health_of(
+            self._registry, [s.address for s in self.plan], self._deadlines.health_s
+        )
+        lost = {a for a, status in statuses.items() if status == "UNREACHABLE"}
+        logger.warning(
+            "job %s: %s; unreachable stages: %s",
+            self.job_id,
+            error,
+            ", ".join(sorted(lost)) or "none",
+        )
+        return lost  # empty: a transient fault; rebuild the same plan
+
+    # -- readiness, recovery, migration --------------------------------------------------------
+
+    def _ensure_ready(self) -> None:
+        if self._needs_reconcile:
+            self._reconcile()
+        statuses = health_of(
+            self._registry, [s.address for s in self.plan], self._deadlines.health_s
+        )
+        lost = {a for a, s in statuses.items() if s == "UNREACHABLE"}
+        if lost:
+            raise StageLostError(f"stages {', '.join(sorted(lost))} are unreachable", lost)
+        leaving = {a for a, s in statuses.items() if s != "SERVING"}
+        if leaving:
+            self._migrate(leaving)
+
+    def _recover(self, lost: set[str], cause: PipesvcError | None) -> None:
+        started = time.monotonic()
+        logger.warning(
+            "job %s: recovering at step %d without %s (cause: %s)",
+            self.job_id,
+            self.step,
+            ", ".join(sorted(lost)) or "losing a stage",
+            cause,
+        )
+        self._rebuild(lost)
+        self.recoveries += 1
+        logger.warning(
+            "job %s: recovered in %.2f s; plan now %s",
+            self.job_id,
+            time.monotonic() - started,
+            self._plan_text(),
+        )
+
+    def _migrate(self, leaving: set[str]) -> None:
+        """Moves layers off stages that are shutting down (not a failure): checkpoint, replan."""
+        logger.info(
+            "job %s: moving layers off leaving stages %s", self.job_id, ", ".join(sorted(leaving))
+        )
+        self._checkpoint()
+        old = list(self.plan)
+        self._rebuild(leaving)
+        for stage in old:
+            if stage.address in leaving:
+                try:
+                    call_stage(
+                        self._registry,
+                        stage,
+                        "Release",
+                        stage_pb2.ReleaseRequest(job_id=self.job_id),
+                        self._deadlines.abort_s,
+                    )
+                except PipesvcError as exc:
+                    logger.warning(
+                        "job %s: release of leaving %s failed: %s", self.job_id, where(stage), exc
+                    )
+
+    def _rebuild(self, without: set[str]) -> None:
+        """New plan without ``without``; assign, restore the checkpoint, replay the log."""
+        if without:
+            self.plan = planner.replan(
+                self._registry,
+                self.config,
+                self.layers,
+                self.plan,
+                without,
+                self.job_id,
+                self._deadlines.health_s,
+            )
+        self.epoch += 1
+        self._assign()
+        target = self.step
+        self._restore()
+        self._persist()
+        for step in range(self.step + 1, target + 1):
+            inputs, targets = self._storage.log.read(step)
+            m = self.config.num_microbatches
+            self._train_once(microbatch.split(inputs, m), microbatch.split(targets, m), None)
+        self._persist()
+
+    def _assign(self) -> None:
+        spec = config_to_proto(self.config)
+        plan = self.plan
+
+        def assign(stage: PipelineStage) -> stage_pb2.AssignRequest:
+            downstream = plan[stage.rank + 1].address if stage.rank + 1 < len(plan) else ""
+            return stage_pb2.AssignRequest(
+                job_id=self.job_id,
+                plan_epoch=self.epoch,
+                spec=spec,
+                stage=common_pb2.PlanStage(
+                    start_layer=stage.start_layer,
+                    end_layer=stage.end_layer,
+                    rank=stage.rank,
+                    address=stage.address,
+                ),
+                num_stages=len(plan),
+                downstream_address=downstream,
+            )
+
+        self._call_all("Assign", assign, self._deadlines.control_s)
+
+    def _restore(self) -> None:
+        """Loads the newest checkpoint into freshly assigned stages (or keeps the seed's init)."""
+        if self.checkpoint_step < 0:
+            self.step = 0
+            return
+        directory = self._storage.checkpoints.path(self.checkpoint_step)
+        manifest = read_manifest(directory)
+
+        def frames() -> Iterator[common_pb2.TensorFrame]:
+            for name, tensor in read_layers(directory, manifest, 0, manifest.num_layers):
+                yield from named_frames(name, tensor)
+
+        load_into_stages(
+            self._registry,
+            self.job_id,
+            self.plan,
+            self.layers,
+            frames(),
+            timeout_s=self._deadlines.control_s,
+            step=manifest.step,
+            pool=self._pool,
+        )
+        self.step = manifest.step
+
+    def _checkpoint(self) -> None:
+        """Streams every stage's weights and optimizer state to a new checkpoint on disk."""
+        started = time.monotonic()
+        directory = self._storage.checkpoints.path(self.step)
+        writer = CheckpointWriter(directory)
+        try:
+            for name, tensor in read_named_frames(self._stream(common_pb2.CHECKPOINT)):
+                writer.add(name, tensor)
+            writer.finish(
+                job_id=self.job_id,
+                step=self.step,
+                spec=self.record().spec,
+                num_layers=len(self.layers),
+                plan=self.record().plan,
+            )
+        except BaseException:
+            writer.discard()
+            raise
+        self.checkpoint_step = self.step
+        self._persist()
+        self._storage.log.prune(self.step)
+        self._storage.checkpoints.prune()
+        logger.info(
+            "job %s: checkpoint at step %d in %.2f s",
+            self.job_id,
+            self.step,
+            time.monotonic() - started,
+        )
+
+    def _reconcile(self) -> None:
+        """After a coordinator restart: adopt the stages as they are, or rebuild."""
+        deadline = time.monotonic() + self._deadlines.reconcile_s
+        addresses = [s.address for s in self.plan]
+        known = set()
+        while time.monotonic() < deadline:
+            known = {r.address for r in self._registry.all() if r.alive}
+            if set(addresses) <= known:
+                break
+            time.sleep(0.2)
+        consistent = set(addresses) <= known
+        infos: list[Any] = []
+        if consistent:
+            try:
+                infos = self._call_all("Info", lambda s: stage_pb2.InfoRequest(), 5.0)
+            except PipesvcError:
+                consistent = False
+        consistent = consistent and all(
+            i.job_id == self.job_id and i.plan_epoch == self.epoch and i.step == self.step
+            for i in infos
+        )
+        self._needs_reconcile = False
+        if consistent:
+            self._run_id = max([self._run_id, *(i.last_run_id for i in infos)])
+            pending = max(i.pending_run_id for i in infos)
+            if pending:
+                self._abort(pending)
+            self._registry.claim(addresses, self.job_id)
+            for stage in self.plan:
+                self._registry.place(
+                    stage.address,
+                    rank=stage.rank,
+                    start_layer=stage.start_layer,
+                    end_layer=stage.end_layer,
+                )
+            logger.info(
+                "job %s: resumed with its stages as they were (step %d)", self.job_id, self.step
+            )
+            return
+        self._run_id = max([self._run_id, *(i.last_run_id for i in infos)], default=self._run_id)
+        logger.warning("job %s: stages disagree with the saved state; rebuilding", self.job_id)
+        self._registry.claim([a for a in addresses if a in known], self.job_id)
+        self._rebuild(set(addresses) - known)
+
     # -- state ---------------------------------------------------------------------------------
+
+    def _stream(self, kind: int) -> Iterator[common_pb2.TensorFrame]:
+        for stage in self.plan:
+            stub = self._registry.stub(stage.address)
+            request = stage_pb2.GetStateRequest(job_id=self.job_id, kind=kind)
+            try:
+                yield from stub.GetState(request, timeout=self._deadlines.control_s)
+            except grpc.RpcError as exc:
+                raise error_from_rpc(exc, where(stage)) from exc
 
     def stream_state(self, kind: int) -> Iterator[common_pb2.TensorFrame]:
         """Every stage's tensors in layer order, frame by frame (never the whole model)."""
         with self._lock:
             self._check_open()
-            for stage in self.plan:
-                stub = self._registry.stub(stage.address)
-                request = stage_pb2.GetStateRequest(job_id=self.job_id, kind=kind)
-                try:
-                    yield from stub.GetState(request, timeout=self._deadlines.control_s)
-                except grpc.RpcError as exc:
-                    raise error_from_rpc(exc, self._where(stage)) from exc
+            self._resilient(lambda: None, "reading state")
+            yield from self._stream(kind)
 
-    def _stage_of(self, name: str) -> tuple[PipelineStage, stage_pb2.TensorDescription]:
-        layer_text, _, rest = name.partition(".")
-        if not layer_text.isdigit() or int(layer_text) >= len(self.layers):
-            raise InvalidArgumentError(
-                f"state key {name!r} does not start with a layer index below {len(self.layers)}"
-            )
-        layer = int(layer_text)
-        for tensor in self.layers[layer].tensors:
-            if tensor.name == rest:
-                stage = next(s for s in self.plan if s.start_layer <= layer < s.end_layer)
-                return stage, tensor
-        raise InvalidArgumentError(f"state key {name!r} is not a tensor of layer {layer}")
-
-    def load_state(self, frames: Iterable[common_pb2.TensorFrame]) -> int:
-        """Loads a full state_dict: every stage applies it, or none does.
+    def load_state(self, frames: Iterable[common_pb2.TensorFrame], step: int | None) -> int:
+        """Loads a full state (with optimizer state, from a checkpoint): all stages or none.
 
         Raises:
             InvalidArgumentError: unknown or missing keys, or a shape or dtype mismatch.
         """
-        expected = {f"{layer.index}.{t.name}" for layer in self.layers for t in layer.tensors}
         with self._lock:
             self._check_open()
-            queues = {s.rank: queue.Queue[Any](maxsize=16) for s in self.plan}
-
-            def feed(rank: int) -> Iterator[stage_pb2.LoadStateRequest]:
-                while (frame := queues[rank].get()) is not None:
-                    yield stage_pb2.LoadStateRequest(job_id=self.job_id, frame=frame)
-
-            calls = {
-                s.rank: self._pool.submit(
-                    self._on_stage, s, "LoadState", feed(s.rank), self._deadlines.control_s
-                )
-                for s in self.plan
-            }
-
-            def put(rank: int, item: common_pb2.TensorFrame | None) -> None:
-                # A stage that refused the stream stops reading: never block on its queue.
-                while not calls[rank].done():
-                    try:
-                        queues[rank].put(item, timeout=0.2)
-                        return
-                    except queue.Full:
-                        continue
-                error = calls[rank].exception()
-                if item is not None and error is not None:
-                    raise error
-
-            seen: set[str] = set()
-            failure: BaseException | None = None
-            try:
-                self._route(frames, put, seen)
-            except PipesvcError as exc:
-                failure = exc
-            finally:
-                for rank in queues:
-                    put(rank, None)
-            futures.wait(calls.values())
-            failure = failure or next(
-                (c.exception() for c in calls.values() if c.exception()), None
+            self._resilient(lambda: None, "loading state")
+            count = load_into_stages(
+                self._registry,
+                self.job_id,
+                self.plan,
+                self.layers,
+                frames,
+                timeout_s=self._deadlines.control_s,
+                step=step,
+                pool=self._pool,
             )
-            missing = sorted(expected - seen)
-            apply = failure is None and not missing
-            self._on_all(
-                lambda s: (
-                    "ApplyState",
-                    stage_pb2.ApplyStateRequest(job_id=self.job_id, apply=apply),
-                ),
-                self._deadlines.control_s,
-            )
-            if failure is not None:
-                raise failure
-            if missing:
-                raise InvalidArgumentError(
-                    f"state_dict is missing {len(missing)} keys, e.g. {missing[:5]}"
-                )
-            return len(seen)
-
-    def _route(
-        self,
-        frames: Iterable[common_pb2.TensorFrame],
-        put: Callable[[int, common_pb2.TensorFrame], None],
-        seen: set[str],
-    ) -> None:
-        current: tuple[str, int] | None = None
-        for frame in frames:
-            if frame.frame_index == 0:
-                stage, description = self._stage_of(frame.name)
-                header = frame.header
-                if list(header.shape) != list(description.shape):
-                    raise InvalidArgumentError(
-                        f"state tensor {frame.name} has shape {list(header.shape)}; "
-                        f"the model's is {list(description.shape)}"
-                    )
-                if frame.name in seen:
-                    raise InvalidArgumentError(f"state key {frame.name!r} sent twice")
-                seen.add(frame.name)
-                current = (frame.name, stage.rank)
-            if current is None or current[0] != frame.name:
-                raise InvalidArgumentError(f"frame {frame.frame_index} of {frame.name!r} alone")
-            put(current[1], frame)
+            if step is not None:
+                self.step = step
+            self._checkpoint()  # recovery must restore the loaded state, not the seed's
+            return count
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     def _check_open(self) -> None:
         if self.closed:
-            raise InvalidArgumentError(f"job {self.job_id} is closed")
+            raise FailedPreconditionError(f"job {self.job_id} is closed")
+
+    def _plan_text(self) -> str:
+        return ", ".join(f"[{s.start_layer},{s.end_layer})@{s.address}" for s in self.plan)
 
     def close(self) -> None:
         """Frees the job's stages (best effort on each)."""
@@ -364,18 +590,25 @@ class JobDriver:
             self.closed = True
             for stage in self.plan:
                 try:
-                    self._on_stage(
+                    call_stage(
+                        self._registry,
                         stage,
                         "Release",
                         stage_pb2.ReleaseRequest(job_id=self.job_id),
-                        self._deadlines.control_s,
+                        self._deadlines.abort_s,
                     )
                 except PipesvcError as exc:
                     logger.warning(
-                        "job %s: release of %s failed: %s", self.job_id, self._where(stage), exc
+                        "job %s: release of %s failed: %s", self.job_id, where(stage), exc
                     )
             self._registry.release(self.job_id)
+            self._persist()
             self._pool.shutdown(wait=False)
+
+    def wait_idle(self) -> None:
+        """Blocks until no step is in flight (for a graceful coordinator stop)."""
+        with self._lock:
+            pass
 
     def info(self) -> coordinator_pb2.JobInfo:
         """The job's wire description."""
@@ -391,34 +624,16 @@ class JobDriver:
             ],
             step=self.step,
             num_layers=len(self.layers),
+            recoveries=self.recoveries,
         )
 
 
-MAX_SIMULATED_ACTIONS = 1 << 14
-"""Largest schedule (stages x micro-batches) dry-run at job creation; bigger ones are trusted."""
-
-
-def check_schedule(name: str, num_stages: int, num_microbatches: int) -> None:
-    """Dry-runs the job's schedule on every stage: order and deadlock freedom.
-
-    Raises:
-        InvalidArgumentError: the schedule would deadlock or is malformed.
-    """
-    if num_stages * num_microbatches > MAX_SIMULATED_ACTIONS:
-        return
-    schedule.validate(
-        [
-            schedule.stage_actions(
-                name, rank=rank, num_stages=num_stages, num_microbatches=num_microbatches
-            )
-            for rank in range(num_stages)
-        ],
-        num_microbatches,
-    )
-
-
 def create_job(
-    job_id: str, config: JobConfig, registry: StageRegistry, deadlines: Deadlines
+    job_id: str,
+    config: JobConfig,
+    registry: StageRegistry,
+    deadlines: Deadlines,
+    storage: JobStorage,
 ) -> JobDriver:
     """Plans ``config`` onto free stages and assigns each its layers.
 
@@ -427,40 +642,8 @@ def create_job(
         InvalidArgumentError: more stages than layers, or bad model arguments.
         PlanError: fewer free stages than ``num_stages``.
     """
-    candidates = registry.free(config.model)
-    if not candidates:
-        known = sorted({m for r in registry.all() for m in r.models})
-        if config.model not in known:
-            raise UnknownModelError(
-                f"model {config.model!r} is not registered on any stage; known models: "
-                f"{', '.join(known) or 'none (no stages registered)'}"
-            )
-        raise PlanError(f"no free stage can build {config.model!r}; all are serving jobs")
-    describer = PipelineStage(start_layer=0, end_layer=0, rank=0, address=candidates[0].address)
-    reply = call_stage(
-        registry,
-        describer,
-        "Describe",
-        stage_pb2.DescribeRequest(model=config.model, model_args_json=config.model_args_json()),
-        deadlines.control_s,
-    )
-    layers = list(reply.layers)
-    costs = [int(layer.num_parameters) for layer in layers]
-    ranges = partition.partition(config.partition, costs, config.num_stages)
-    check_schedule(config.schedule, config.num_stages, config.num_microbatches)
-    if config.num_stages > len(candidates):
-        raise PlanError(
-            f"num_stages ({config.num_stages}) exceeds the free stages that can build "
-            f"{config.model!r} ({len(candidates)} of {len(registry.all())} registered)"
-        )
-    chosen: list[StageRecord] = candidates[: config.num_stages]
-    if not registry.claim([r.address for r in chosen], job_id):
-        raise PlanError("stages were taken by another job while planning; try again")
-    plan = [
-        PipelineStage(start_layer=start, end_layer=end, rank=rank, address=record.address)
-        for rank, ((start, end), record) in enumerate(zip(ranges, chosen, strict=True))
-    ]
-    check_plan(plan, len(layers))
+    layers = planner.describe(registry, config, deadlines.control_s)
+    plan = planner.first_plan(registry, config, layers, job_id)
     for stage in plan:
         registry.place(
             stage.address, rank=stage.rank, start_layer=stage.start_layer, end_layer=stage.end_layer
@@ -472,34 +655,13 @@ def create_job(
         plan=plan,
         registry=registry,
         deadlines=deadlines,
+        storage=storage,
     )
-    spec = config_to_proto(config)
-
-    def assign(stage: PipelineStage) -> tuple[str, Any]:
-        downstream = plan[stage.rank + 1].address if stage.rank + 1 < len(plan) else ""
-        return "Assign", stage_pb2.AssignRequest(
-            job_id=job_id,
-            plan_epoch=driver.epoch,
-            spec=spec,
-            stage=common_pb2.PlanStage(
-                start_layer=stage.start_layer,
-                end_layer=stage.end_layer,
-                rank=stage.rank,
-                address=stage.address,
-            ),
-            num_stages=len(plan),
-            downstream_address=downstream,
-        )
-
     try:
-        driver._on_all(assign, deadlines.control_s)
+        driver._assign()
     except PipesvcError:
         driver.close()
         raise
-    logger.info(
-        "job %s: planned %s over %s",
-        job_id,
-        config.model,
-        ", ".join(f"[{s.start_layer},{s.end_layer})@{s.address}" for s in plan),
-    )
+    driver._persist()
+    logger.info("job %s: planned %s over %s", job_id, config.model, driver._plan_text())
     return driver

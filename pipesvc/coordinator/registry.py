@@ -6,6 +6,7 @@ import threading
 from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pipesvc.errors import InvalidArgumentError
 from pipesvc.limits import Limits
@@ -28,6 +29,8 @@ class StageRecord:
     end_layer: int = 0
     order: int = 0
     """Registration order, for a stable choice of stages."""
+    alive: bool = True
+    """False once declared lost, until the stage registers again."""
 
 
 @dataclass
@@ -41,8 +44,9 @@ class StageRegistry:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _counter: int = 0
 
-    def register(self, record: StageRecord) -> None:
-        """Adds or refreshes a stage (its address is its identity).
+    def register(self, record: StageRecord) -> bool:
+        """Adds or refreshes a stage (its address is its identity); True if it is new or was
+        lost before.
 
         Raises:
             InvalidArgumentError: the address is not HOST:PORT with a non-zero port.
@@ -54,10 +58,11 @@ class StageRegistry:
             old = self._records.get(record.address)
             self._counter += 1
             record.order = old.order if old else self._counter
-            if old is not None:
+            if old is not None and old.alive:
                 record.job_id, record.rank = old.job_id, old.rank
                 record.start_layer, record.end_layer = old.start_layer, old.end_layer
             self._records[record.address] = record
+            return old is None or not old.alive
 
     def all(self) -> list[StageRecord]:
         """Every record, in registration order."""
@@ -66,7 +71,7 @@ class StageRegistry:
 
     def free(self, model: str) -> list[StageRecord]:
         """Stages with no job that can build ``model``, in registration order."""
-        return [r for r in self.all() if not r.job_id and model in r.models]
+        return [r for r in self.all() if r.alive and not r.job_id and model in r.models]
 
     def claim(self, addresses: list[str], job_id: str) -> bool:
         """Marks the stages as serving ``job_id``; False (and no change) if one is taken."""
@@ -83,6 +88,14 @@ class StageRegistry:
             record = self._records[address]
             record.rank, record.start_layer, record.end_layer = rank, start_layer, end_layer
 
+    def mark_lost(self, address: str) -> None:
+        """Takes a lost stage out of its job and out of the free pool until it re-registers."""
+        with self._lock:
+            record = self._records.get(address)
+            if record is not None:
+                record.job_id = ""
+                record.alive = False
+
     def release(self, job_id: str) -> None:
         """Frees every stage serving ``job_id``."""
         with self._lock:
@@ -96,6 +109,20 @@ class StageRegistry:
             if address not in self._channels:
                 self._channels[address] = open_channel(address, self.security, self.limits)
             return stage_pb2_grpc.StageServiceStub(self._channels[address])
+
+    def health(self, address: str, timeout_s: float) -> str:
+        """``"SERVING"``, ``"NOT_SERVING"`` or ``"UNREACHABLE"``, on the cached channel."""
+        with self._lock:
+            if address not in self._channels:
+                self._channels[address] = open_channel(address, self.security, self.limits)
+            channel = self._channels[address]
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+            )
+        except grpc.RpcError:
+            return "UNREACHABLE"
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
 
     def close(self) -> None:
         """Closes every channel."""

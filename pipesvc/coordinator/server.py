@@ -6,8 +6,8 @@ import logging
 import threading
 from pathlib import Path
 
-from pipesvc.coordinator.job import Deadlines
 from pipesvc.coordinator.service import CoordinatorService
+from pipesvc.coordinator.stage_calls import Deadlines
 from pipesvc.limits import Limits
 from pipesvc.security import Security
 from pipesvc.transport import create_server, split_address
@@ -36,6 +36,7 @@ def run_coordinator(
     security = security or Security()
     limits = limits or Limits()
     service = CoordinatorService(state_dir, deadlines, security, limits)
+    service.open()
     server, port, health = create_server(
         listen,
         [lambda s: coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(service, s)],

@@ -10,14 +10,15 @@ from concurrent import futures
 from pathlib import Path
 
 from pipesvc.config import config_from_proto
-from pipesvc.coordinator.job import Deadlines, JobDriver, create_job
+from pipesvc.coordinator.job import JobDriver, JobStorage, create_job
 from pipesvc.coordinator.registry import StageRecord, StageRegistry
+from pipesvc.coordinator.stage_calls import Deadlines
+from pipesvc.coordinator.state_db import StateDB
 from pipesvc.errors import InvalidArgumentError, NotFoundError
 from pipesvc.limits import Limits
 from pipesvc.rpc_status import handle_errors
 from pipesvc.security import Security
 from pipesvc.tensor_codec import decode, encode
-from pipesvc.transport import check_health
 from pipesvc.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,31 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):  # ty
         self._deadlines = deadlines or Deadlines()
         self._jobs: dict[str, JobDriver] = {}
         self._lock = threading.Lock()
+        self._db: StateDB | None = None
+
+    def open(self) -> None:
+        """Opens the state database and reads back the jobs and stages of a previous run."""
+        self._db = StateDB(self.state_dir)
+        for address, device, memory_bytes, models in self._db.stages():
+            record = StageRecord(
+                address=address, device=device, memory_bytes=memory_bytes, models=tuple(models)
+            )
+            self.registry.register(record)
+            self.registry.mark_lost(address)  # until it registers again
+        for row in self._db.open_jobs():
+            job = JobDriver.from_record(
+                row, self.registry, self._deadlines, self._storage(row.job_id)
+            )
+            self._jobs[row.job_id] = job
+            self.registry.claim([s.address for s in job.plan], job.job_id)
+            logger.info(
+                "job %s: restored at step %d; reconciling on first use", row.job_id, row.step
+            )
+
+    def _storage(self, job_id: str) -> JobStorage:
+        if self._db is None:
+            raise RuntimeError("CoordinatorService.open() was not called")
+        return JobStorage(self._db, self.state_dir / "jobs" / job_id)
 
     def _job(self, job_id: str) -> JobDriver:
         with self._lock:
@@ -53,7 +79,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):  # ty
     def RegisterStage(
         self, request: coordinator_pb2.RegisterStageRequest, context: object
     ) -> object:
-        self.registry.register(
+        arrived = self.registry.register(
             StageRecord(
                 address=request.address,
                 device=request.device,
@@ -61,14 +87,19 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):  # ty
                 models=tuple(request.models),
             )
         )
-        logger.info("stage %s registered (%s)", request.address, request.device)
+        if arrived:
+            logger.info("stage %s registered (%s)", request.address, request.device)
+            if self._db is not None:
+                self._db.put_stage(
+                    request.address, request.device, request.memory_bytes, list(request.models)
+                )
         return coordinator_pb2.RegisterStageResponse()
 
     @handle_errors
     def ListStages(self, request: coordinator_pb2.ListStagesRequest, context: object) -> object:
         records = self.registry.all()
         with futures.ThreadPoolExecutor(max_workers=max(1, min(16, len(records)))) as pool:
-            health = list(pool.map(lambda r: check_health(r.address, 1.0, self._security), records))
+            health = list(pool.map(lambda r: self.registry.health(r.address, 1.0), records))
         return coordinator_pb2.ListStagesResponse(
             stages=[
                 coordinator_pb2.StageStatus(
@@ -90,7 +121,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):  # ty
     def CreateJob(self, request: coordinator_pb2.CreateJobRequest, context: object) -> object:
         config = config_from_proto(request.spec)
         job_id = uuid.uuid4().hex[:12]
-        job = create_job(job_id, config, self.registry, self._deadlines)
+        job = create_job(job_id, config, self.registry, self._deadlines, self._storage(job_id))
         with self._lock:
             self._jobs[job_id] = job
         return job.info()
@@ -121,8 +152,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):  # ty
     def GetState(
         self, request: coordinator_pb2.GetJobStateRequest, context: object
     ) -> Iterator[common_pb2.TensorFrame]:
-        if request.kind not in (common_pb2.PARAMETERS, common_pb2.GRADIENTS):
-            raise InvalidArgumentError(f"state kind {request.kind} must be PARAMETERS or GRADIENTS")
+        if request.kind not in (common_pb2.PARAMETERS, common_pb2.GRADIENTS, common_pb2.CHECKPOINT):
+            raise InvalidArgumentError(
+                f"state kind {request.kind} must be PARAMETERS, GRADIENTS or CHECKPOINT"
+            )
         yield from self._job(request.job_id).stream_state(request.kind)
 
     @handle_errors
@@ -134,6 +167,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):  # ty
         if first is None:
             raise InvalidArgumentError("load_state_dict got an empty stream")
         job = self._job(first.job_id)
+        step = first.step if first.HasField("step") else None
 
         def frames() -> Iterator[common_pb2.TensorFrame]:
             yield first.frame
@@ -144,7 +178,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):  # ty
                     )
                 yield request.frame
 
-        return coordinator_pb2.LoadJobStateResponse(num_tensors=job.load_state(frames()))
+        return coordinator_pb2.LoadJobStateResponse(num_tensors=job.load_state(frames(), step))
 
     @handle_errors
     def CloseJob(self, request: coordinator_pb2.CloseJobRequest, context: object) -> object:
@@ -155,9 +189,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):  # ty
         return coordinator_pb2.CloseJobResponse()
 
     def shutdown(self) -> None:
-        """Closes every job and channel."""
+        """Waits for steps in flight, then closes channels; jobs stay, to resume on restart."""
         with self._lock:
             jobs = list(self._jobs.values())
         for job in jobs:
-            job.close()
+            job.wait_idle()
         self.registry.close()
+        if self._db is not None:
+            self._db.close()

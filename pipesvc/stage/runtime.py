@@ -14,6 +14,7 @@ import math
 import torch
 from torch import nn
 
+from pipesvc.checkpoint import OPTIM_PREFIX, group_by_layer
 from pipesvc.config import JobConfig
 from pipesvc.errors import FailedPreconditionError, InvalidArgumentError
 from pipesvc.loss import compute_loss
@@ -165,36 +166,76 @@ class StageRuntime:
         self._saved.clear()
         self.module.zero_grad(set_to_none=True)
 
-    def tensors(self, gradients: bool) -> dict[str, torch.Tensor]:
-        """The stage's state_dict, or the gradients under the same keys."""
-        if not gradients:
-            return {k: v.detach() for k, v in self.module.state_dict().items()}
-        return {
-            name: p.grad.detach()
-            for name, p in self.module.named_parameters()
-            if p.grad is not None
-        }
+    def tensors(self, kind: str) -> dict[str, torch.Tensor]:
+        """The stage's tensors under global keys.
 
-    def check_and_load(self, staged: dict[str, torch.Tensor]) -> None:
-        """Copies ``staged`` into the layers if it is exactly this stage's state_dict.
+        ``kind`` is ``"parameters"`` (the state_dict), ``"gradients"`` (of the last committed
+        step) or ``"checkpoint"`` (the state_dict plus optimizer state, see OPTIM_PREFIX).
+        """
+        if kind == "gradients":
+            return {
+                name: p.grad.detach()
+                for name, p in self.module.named_parameters()
+                if p.grad is not None
+            }
+        result = {k: v.detach() for k, v in self.module.state_dict().items()}
+        if kind == "checkpoint" and self.optimizer is not None:
+            for name, p in self.module.named_parameters():
+                for key, value in self.optimizer.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        result[f"{OPTIM_PREFIX}{name}.{key}"] = value.detach()
+            return dict(group_by_layer(result))
+        return result
+
+    def check_and_load(self, staged: dict[str, torch.Tensor], step: int | None = None) -> None:
+        """Loads ``staged`` if it holds exactly this stage's state_dict (plus, optionally,
+        optimizer state under OPTIM_PREFIX keys); sets the step counter if ``step`` is given.
+
+        Everything is checked before anything changes.
 
         Raises:
             InvalidArgumentError: missing or unexpected keys, or a shape or dtype mismatch.
         """
+        weights = {k: v for k, v in staged.items() if not k.startswith(OPTIM_PREFIX)}
+        optim = {k[len(OPTIM_PREFIX) :]: v for k, v in staged.items() if k.startswith(OPTIM_PREFIX)}
         current = self.module.state_dict()
-        missing = sorted(set(current) - set(staged))
-        unexpected = sorted(set(staged) - set(current))
+        missing = sorted(set(current) - set(weights))
+        unexpected = sorted(set(weights) - set(current))
         if missing or unexpected:
             raise InvalidArgumentError(
                 f"state for layers [{self.start_layer}, {self.end_layer}) is missing "
                 f"{missing[:5]} and has unexpected {unexpected[:5]}"
             )
-        for name, tensor in staged.items():
+        for name, tensor in weights.items():
             if tensor.shape != current[name].shape or tensor.dtype != current[name].dtype:
                 raise InvalidArgumentError(
                     f"state tensor {name} has shape {list(tensor.shape)} {tensor.dtype}; "
                     f"expected {list(current[name].shape)} {current[name].dtype}"
                 )
+        params = dict(self.module.named_parameters())
+        optim_state: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
+        for key, tensor in optim.items():
+            name, _, slot = key.rpartition(".")
+            if name not in params or self.optimizer is None:
+                raise InvalidArgumentError(
+                    f"optimizer state {OPTIM_PREFIX}{key} names no parameter of layers "
+                    f"[{self.start_layer}, {self.end_layer})"
+                )
+            param = params[name]
+            if tensor.dim() > 0 and tensor.shape != param.shape:
+                raise InvalidArgumentError(
+                    f"optimizer state {OPTIM_PREFIX}{key} has shape {list(tensor.shape)}; "
+                    f"its parameter has {list(param.shape)}"
+                )
+            # Scalars (Adam's step count) stay on the CPU, as torch keeps them.
+            device = param.device if tensor.dim() > 0 else torch.device("cpu")
+            optim_state.setdefault(param, {})[slot] = tensor.to(device, copy=True)
         with torch.no_grad():
-            for name, tensor in staged.items():
+            for name, tensor in weights.items():
                 current[name].copy_(tensor)
+        if optim and self.optimizer is not None:
+            self.optimizer.state.clear()
+            for param, slots in optim_state.items():
+                self.optimizer.state[param] = slots
+        if step is not None:
+            self.step = step

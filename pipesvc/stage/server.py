@@ -5,16 +5,17 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 import grpc
 import torch
+from grpc_health.v1 import health_pb2
 
 from pipesvc import models
 from pipesvc.errors import StageUnavailableError
-from pipesvc.limits import Limits
 from pipesvc.security import Security
 from pipesvc.stage.service import StageOptions, StageService
-from pipesvc.transport import create_server, open_channel, split_address
+from pipesvc.transport import check_health, create_server, open_channel, split_address
 from pipesvc.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -60,36 +61,62 @@ def register(
             ) from exc
 
 
+def _heartbeat(
+    coordinator: str,
+    address: str,
+    device: torch.device,
+    security: Security,
+    interval_s: float,
+    stop: threading.Event,
+) -> None:
+    """Re-registers every ``interval_s`` so a restarted coordinator learns of this stage."""
+    while not stop.wait(interval_s):
+        try:
+            register(coordinator, address, device, min(5.0, interval_s * 2), security)
+        except StageUnavailableError as exc:
+            logger.debug("heartbeat to %s failed: %s", coordinator, exc)
+
+
+def _drain(
+    service: StageService,
+    coordinator: str,
+    security: Security,
+    timeout_s: float,
+) -> None:
+    """Waits while the stage still holds a job and its coordinator can move the layers away."""
+    deadline = time.monotonic() + timeout_s
+    while service.holds_job and time.monotonic() < deadline:
+        if check_health(coordinator, 1.0, security) != "SERVING":
+            logger.warning("coordinator %s is gone; stopping without handing over", coordinator)
+            return
+        time.sleep(0.25)
+    if service.holds_job:
+        logger.warning("stopping while still holding a job after %.0f s", timeout_s)
+
+
 def run_stage(
+    options: StageOptions,
     *,
     coordinator: str,
     listen: str,
     advertise: str | None,
-    device: torch.device,
-    recv_timeout_s: float,
     register_timeout_s: float,
     stop: threading.Event,
-    security: Security | None = None,
-    limits: Limits | None = None,
-    duplicate_sends: bool = False,
+    heartbeat_interval_s: float = 2.0,
+    drain_timeout_s: float = 60.0,
 ) -> None:
-    """Serves a stage until ``stop`` is set, then shuts down gracefully.
+    """Serves a stage until ``stop`` is set, then stops gracefully.
+
+    [Note: graceful stop] On stop the stage turns NOT_SERVING; its coordinator notices at the
+    next step boundary (or within a second when idle), checkpoints and moves the layers to
+    other stages, then releases this one, which exits. A stop never costs a recovery.
 
     Raises:
         PipesvcError: binding or registering failed.
     """
     host, _ = split_address(listen)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    options = StageOptions(
-        address="",
-        device=device,
-        memory_bytes=device_memory_bytes(device),
-        recv_timeout_s=recv_timeout_s,
-        security=security or Security(),
-        limits=limits or Limits(),
-        duplicate_sends=duplicate_sends,
-    )
+    if options.device.type == "cuda":
+        torch.cuda.set_device(options.device)
     service = StageService(options)
     server, port, health = create_server(
         listen,
@@ -100,12 +127,34 @@ def run_stage(
     address = advertise or f"{host}:{port}"
     options.address = address
     logger.info(
-        "stage listening on %s:%d, advertised as %s, device %s", host, port, address, device
+        "stage listening on %s:%d, advertised as %s, device %s",
+        host,
+        port,
+        address,
+        options.device,
     )
+    beat_stop = threading.Event()
     try:
-        register(coordinator, address, device, register_timeout_s, options.security)
+        register(coordinator, address, options.device, register_timeout_s, options.security)
         logger.info("registered with coordinator %s", coordinator)
+        threading.Thread(
+            target=_heartbeat,
+            args=(
+                coordinator,
+                address,
+                options.device,
+                options.security,
+                heartbeat_interval_s,
+                beat_stop,
+            ),
+            name="heartbeat",
+            daemon=True,
+        ).start()
         stop.wait()
+        logger.info("stopping: NOT_SERVING until the coordinator moves my layers away")
+        health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        _drain(service, coordinator, options.security, drain_timeout_s)
     finally:
+        beat_stop.set()
         health.enter_graceful_shutdown()
         server.stop(grace=2.0).wait()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from pipesvc.limits import Limits
 from pipesvc.rpc_status import handle_errors
 from pipesvc.schedule import Action, ActionKind, forward_only_actions, stage_actions
 from pipesvc.security import Security
+from pipesvc.stage.faults import FaultKill
 from pipesvc.stage.links import DownstreamLink, UpstreamLink
 from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
 from pipesvc.stage.runtime import StageRuntime
@@ -31,6 +33,11 @@ from pipesvc.v1 import common_pb2, stage_pb2, stage_pb2_grpc
 
 logger = logging.getLogger(__name__)
 MAX_MICROBATCHES = 65536
+_STATE_KINDS = {
+    common_pb2.PARAMETERS: "parameters",
+    common_pb2.GRADIENTS: "gradients",
+    common_pb2.CHECKPOINT: "checkpoint",
+}
 
 
 @dataclass(kw_only=True)
@@ -51,6 +58,8 @@ class StageOptions:
     """Token and TLS for the channels this stage opens to its neighbour."""
     duplicate_sends: bool = False
     """Fault injection for tests: send every activation and gradient twice."""
+    fault_kill: FaultKill | None = None
+    """Fault injection for tests: SIGKILL this stage at a chosen point."""
 
 
 @dataclass(kw_only=True)
@@ -83,6 +92,12 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
         self._lock = threading.Lock()
         self._job: _Assignment | None = None
         self._channels: dict[str, grpc.Channel] = {}
+
+    @property
+    def holds_job(self) -> bool:
+        """Whether a job is assigned to this stage."""
+        with self._lock:
+            return self._job is not None
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -155,9 +170,9 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
             )
         with self._lock:
             if self._job is not None and self._job.job_id != request.job_id:
-                raise FailedPreconditionError(
-                    f"this stage already serves job {self._job.job_id!r}; release it first"
-                )
+                # The coordinator is the authority: a stage it declared lost and now reuses
+                # may still hold an old job, which is dropped here.
+                logger.warning("dropping job %s to serve job %s", self._job.job_id, request.job_id)
         runtime = StageRuntime(
             config=config,
             start_layer=stage.start_layer,
@@ -204,6 +219,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
             memory_bytes=self._options.memory_bytes,
             models=models.known_models(),
             num_threads=torch.get_num_threads(),
+            pid=os.getpid(),
         )
         with self._lock:
             job = self._job
@@ -217,6 +233,9 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
             info.max_live_activations = rt.max_live
             info.num_duplicates_dropped = job.mailbox.num_duplicates
             info.num_stale_dropped = job.mailbox.num_stale
+            info.plan_epoch = job.epoch
+            info.last_run_id = job.last_run_id
+            info.pending_run_id = job.pending_commit or 0
         return info
 
     # -- runs --------------------------------------------------------------------------------
@@ -301,6 +320,14 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
         outputs: dict[int, torch.Tensor] = {}
         for action in actions:
             mb = action.microbatch_index
+            if self._options.fault_kill is not None and training:
+                self._options.fault_kill.check(
+                    when="forward" if action.kind is ActionKind.FORWARD else "backward",
+                    step=rt.step + 1,
+                    rank=rt.rank,
+                    microbatch=mb,
+                    last_mb=len(actions) // 2 - 1,
+                )
             if action.kind is ActionKind.FORWARD:
                 if rt.is_first:
                     x = inputs[mb]
@@ -337,6 +364,14 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
     @handle_errors
     def Commit(self, request: stage_pb2.CommitRequest, context: object) -> object:
         job = self._current(request.job_id, request.plan_epoch)
+        if self._options.fault_kill is not None:
+            self._options.fault_kill.check(
+                when="commit",
+                step=job.runtime.step + 1,
+                rank=job.runtime.rank,
+                microbatch=0,
+                last_mb=0,
+            )
         with job.run_lock:
             if job.pending_commit != request.run_id:
                 raise FailedPreconditionError(
@@ -365,10 +400,12 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
         self, request: stage_pb2.GetStateRequest, context: object
     ) -> Iterator[common_pb2.TensorFrame]:
         job = self._current(request.job_id)
-        if request.kind not in (common_pb2.PARAMETERS, common_pb2.GRADIENTS):
-            raise InvalidArgumentError(f"state kind {request.kind} must be PARAMETERS or GRADIENTS")
+        if request.kind not in _STATE_KINDS:
+            raise InvalidArgumentError(
+                f"state kind {request.kind} must be PARAMETERS, GRADIENTS or CHECKPOINT"
+            )
         with job.run_lock:
-            tensors = job.runtime.tensors(gradients=request.kind == common_pb2.GRADIENTS)
+            tensors = job.runtime.tensors(_STATE_KINDS[request.kind])
             tensors = {k: v.to("cpu", copy=True) for k, v in tensors.items()}
         for name, tensor in tensors.items():
             yield from named_frames(name, tensor)
@@ -405,7 +442,8 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
         with job.run_lock:
             staged, job.staged = job.staged, {}
             if request.apply:
-                job.runtime.check_and_load(staged)
+                step = request.step if request.HasField("step") else None
+                job.runtime.check_and_load(staged, step)
         return stage_pb2.ApplyStateResponse()
 
     # -- data plane --------------------------------------------------------------------------

@@ -209,6 +209,7 @@ def test_client_refuses_a_server_from_another_ca(
 def small_coordinator(tmp_path: Path) -> Iterator[str]:
     limits = Limits(max_message_bytes=1 << 20, max_tensor_elements=1000, max_concurrent_rpcs=2)
     service = CoordinatorService(tmp_path, limits=limits)
+    service.open()
     server, port, _ = create_server(
         "127.0.0.1:0",
         [lambda s: coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(service, s)],

@@ -1,0 +1,257 @@
+"""Checkpoints on disk: one safetensors file per layer plus a JSON manifest (no gRPC here).
+
+[Note: plan-independent checkpoints] Files are per layer, not per stage, so a checkpoint loads
+under any plan: each stage reads the files of its own layers. A layer file holds the layer's
+state_dict entries ("{layer}.{param}") and its optimizer state
+("__optim__.{layer}.{param}.{slot}"). The manifest lists each file with its SHA-256, and a
+checkpoint directory appears only once complete (written under a temporary name, then renamed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipesvc.errors import InvalidArgumentError, NotFoundError
+from pipesvc.weights import load_weights, save_weights
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+OPTIM_PREFIX = "__optim__."
+"""Prefix of optimizer-state keys: ``__optim__.{layer}.{param}.{slot}``."""
+
+
+def layer_of(name: str) -> int:
+    """The layer index a checkpoint key belongs to.
+
+    Raises:
+        InvalidArgumentError: the key does not start with a layer index.
+    """
+    text = name[len(OPTIM_PREFIX) :] if name.startswith(OPTIM_PREFIX) else name
+    head = text.split(".", 1)[0]
+    if not head.isdigit():
+        raise InvalidArgumentError(f"checkpoint key {name!r} does not start with a layer index")
+    return int(head)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Manifest:
+    """What a checkpoint directory holds."""
+
+    job_id: str
+    """The job it was taken from."""
+    step: int
+    """Committed steps it contains."""
+    spec: dict[str, Any]
+    """The job's configuration (model, arguments, seed, optimizer, ...)."""
+    num_layers: int
+    """Layers of the model; there is one file per layer."""
+    plan: list[dict[str, Any]]
+    """The plan at the time (for information; loading does not need it)."""
+    files: dict[int, dict[str, str]]
+    """Layer index -> {"file": name, "sha256": hex digest}."""
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "format": FORMAT,
+                "job_id": self.job_id,
+                "step": self.step,
+                "spec": self.spec,
+                "num_layers": self.num_layers,
+                "plan": self.plan,
+                "files": {str(k): v for k, v in sorted(self.files.items())},
+                "created_unix_s": round(time.time(), 3),
+            },
+            indent=1,
+        )
+
+
+def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
+    """The manifest of a checkpoint directory, checked for shape and completeness.
+
+    Raises:
+        NotFoundError: no checkpoint there.
+        InvalidArgumentError: the manifest is malformed or lists a missing layer.
+    """
+    path = Path(directory) / MANIFEST
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise NotFoundError(f"no checkpoint at {str(directory)!r} (no {MANIFEST})") from None
+    except (OSError, ValueError) as exc:
+        raise InvalidArgumentError(
+            f"checkpoint manifest {str(path)!r} is unreadable: {exc}"
+        ) from exc
+    try:
+        if raw["format"] != FORMAT:
+            raise InvalidArgumentError(f"checkpoint format {raw['format']!r}; expected {FORMAT}")
+        files = {
+            int(k): {"file": str(v["file"]), "sha256": str(v["sha256"])}
+            for k, v in raw["files"].items()
+        }
+        manifest = Manifest(
+            job_id=str(raw["job_id"]),
+            step=int(raw["step"]),
+            spec=dict(raw["spec"]),
+            num_layers=int(raw["num_layers"]),
+            plan=list(raw["plan"]),
+            files=files,
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise InvalidArgumentError(
+            f"checkpoint manifest {str(path)!r} is malformed: {exc}"
+        ) from exc
+    if sorted(files) != list(range(manifest.num_layers)):
+        raise InvalidArgumentError(
+            f"checkpoint {str(directory)!r} lists layers {sorted(files)[:10]}; expected 0.."
+            f"{manifest.num_layers - 1}"
+        )
+    for entry in files.values():
+        if "/" in entry["file"] or entry["file"].startswith("."):
+            raise InvalidArgumentError(f"checkpoint file name {entry['file']!r} is not plain")
+    return manifest
+
+
+class CheckpointWriter:
+    """Writes a checkpoint from tensors that arrive grouped by layer, one layer in memory."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+        self._tmp = self.directory.with_name(self.directory.name + ".tmp")
+        self._files: dict[int, dict[str, str]] = {}
+        self._layer: int | None = None
+        self._tensors: dict[str, torch.Tensor] = {}
+        shutil.rmtree(self._tmp, ignore_errors=True)
+        self._tmp.mkdir(parents=True)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Adds one tensor; a tensor of a new layer writes out the previous layer."""
+        layer = layer_of(name)
+        if layer != self._layer:
+            self._flush()
+            if layer in self._files:
+                raise InvalidArgumentError(f"layer {layer} arrived twice in a checkpoint stream")
+            self._layer = layer
+        self._tensors[name] = tensor
+
+    def _flush(self) -> None:
+        if self._layer is None:
+            return
+        name = f"layer-{self._layer:05d}.safetensors"
+        save_weights(self._tensors, self._tmp / name)
+        self._files[self._layer] = {"file": name, "sha256": _sha256(self._tmp / name)}
+        self._tensors = {}
+        self._layer = None
+
+    def finish(
+        self,
+        *,
+        job_id: str,
+        step: int,
+        spec: dict[str, Any],
+        num_layers: int,
+        plan: list[dict[str, Any]],
+    ) -> Manifest:
+        """Writes the manifest and makes the checkpoint visible (atomic rename).
+
+        Raises:
+            InvalidArgumentError: a layer is missing.
+        """
+        self._flush()
+        manifest = Manifest(
+            job_id=job_id, step=step, spec=spec, num_layers=num_layers, plan=plan, files=self._files
+        )
+        if sorted(self._files) != list(range(num_layers)):
+            raise InvalidArgumentError(
+                f"checkpoint has layers {sorted(self._files)[:10]}; expected all {num_layers}"
+            )
+        (self._tmp / MANIFEST).write_text(manifest.to_json())
+        shutil.rmtree(self.directory, ignore_errors=True)
+        os.replace(self._tmp, self.directory)
+        return manifest
+
+    def discard(self) -> None:
+        """Removes the partial checkpoint."""
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def write_checkpoint(
+    directory: str | os.PathLike[str], tensors: Iterable[tuple[str, torch.Tensor]], **info: Any
+) -> Manifest:
+    """Writes ``tensors`` (grouped by layer) as a checkpoint; see CheckpointWriter.finish."""
+    writer = CheckpointWriter(directory)
+    try:
+        for name, tensor in tensors:
+            writer.add(name, tensor)
+        return writer.finish(**info)
+    except BaseException:
+        writer.discard()
+        raise
+
+
+def read_layers(
+    directory: str | os.PathLike[str], manifest: Manifest, start: int, end: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of layers [start, end), each file checked against its digest first.
+
+    Raises:
+        InvalidArgumentError: a file's digest does not match, or it holds keys of other layers.
+    """
+    for layer in range(start, end):
+        entry = manifest.files[layer]
+        path = Path(directory) / entry["file"]
+        if _sha256(path) != entry["sha256"]:
+            raise InvalidArgumentError(f"checkpoint file {str(path)!r} fails its SHA-256 check")
+        for name, tensor in load_weights(path).items():
+            if layer_of(name) != layer:
+                raise InvalidArgumentError(f"{str(path)!r} holds {name!r}, not of layer {layer}")
+            yield name, tensor
+
+
+class CheckpointStore:
+    """A job's checkpoints under one directory: ``step-{N:09d}/``, keeping the newest few."""
+
+    def __init__(self, root: str | os.PathLike[str], keep: int = 2) -> None:
+        self.root = Path(root)
+        self.keep = keep
+
+    def path(self, step: int) -> Path:
+        return self.root / f"step-{step:09d}"
+
+    def steps(self) -> list[int]:
+        """Steps of complete checkpoints, oldest first."""
+        if not self.root.is_dir():
+            return []
+        return sorted(
+            int(p.name[5:])
+            for p in self.root.iterdir()
+            if p.name.startswith("step-") and p.name[5:].isdigit() and (p / MANIFEST).exists()
+        )
+
+    def prune(self) -> None:
+        """Removes all but the newest ``keep`` checkpoints."""
+        for step in self.steps()[: -self.keep]:
+            shutil.rmtree(self.path(step), ignore_errors=True)
+
+
+def group_by_layer(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """Checkpoint entries ordered by layer (weights, then optimizer state, within a layer)."""
+    return sorted(tensors.items(), key=lambda kv: (layer_of(kv[0]), kv[0].startswith(OPTIM_PREFIX)))

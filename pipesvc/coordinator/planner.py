@@ -1,0 +1,174 @@
+"""Placing a job on stages: the first plan, and a new plan when stages are lost or leave."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from pipesvc import partition, schedule
+from pipesvc.config import JobConfig
+from pipesvc.coordinator.registry import StageRecord, StageRegistry
+from pipesvc.coordinator.stage_calls import call_stage, health_of
+from pipesvc.errors import PlanError, ResourceExhaustedError, UnknownModelError
+from pipesvc.plan import PipelineStage, check_plan
+from pipesvc.v1 import stage_pb2
+
+logger = logging.getLogger(__name__)
+
+MAX_SIMULATED_ACTIONS = 1 << 14
+"""Largest schedule (stages x micro-batches) dry-run at job creation; bigger ones are trusted."""
+
+# Bytes per parameter byte a stage holds while training: weights, gradients, optimizer state.
+_OPTIMIZER_COPIES = {"adam": 2, "adamw": 2}
+
+
+def check_schedule(name: str, num_stages: int, num_microbatches: int) -> None:
+    """Dry-runs the job's schedule on every stage: order and deadlock freedom.
+
+    Raises:
+        InvalidArgumentError: the schedule would deadlock or is malformed.
+    """
+    if num_stages * num_microbatches > MAX_SIMULATED_ACTIONS:
+        return
+    schedule.validate(
+        [
+            schedule.stage_actions(
+                name, rank=rank, num_stages=num_stages, num_microbatches=num_microbatches
+            )
+            for rank in range(num_stages)
+        ],
+        num_microbatches,
+    )
+
+
+def describe(
+    registry: StageRegistry, config: JobConfig, timeout_s: float
+) -> list[stage_pb2.LayerDescription]:
+    """The model's layers, described by a stage that can build it (on the meta device).
+
+    Raises:
+        UnknownModelError: no registered stage can build the model.
+        PlanError: every stage that could is busy.
+    """
+    candidates = registry.free(config.model)
+    if not candidates:
+        known = sorted({m for r in registry.all() for m in r.models})
+        if config.model not in known:
+            raise UnknownModelError(
+                f"model {config.model!r} is not registered on any stage; known models: "
+                f"{', '.join(known) or 'none (no stages registered)'}"
+            )
+        raise PlanError(f"no free stage can build {config.model!r}; all are serving jobs")
+    describer = PipelineStage(start_layer=0, end_layer=0, rank=0, address=candidates[0].address)
+    reply = call_stage(
+        registry,
+        describer,
+        "Describe",
+        stage_pb2.DescribeRequest(model=config.model, model_args_json=config.model_args_json()),
+        timeout_s,
+    )
+    return list(reply.layers)
+
+
+def memory_estimate(
+    layers: Sequence[stage_pb2.LayerDescription], start: int, end: int, optimizer: str
+) -> int:
+    """Bytes a stage needs for layers [start, end): weights, gradients and optimizer state."""
+    weights = sum(int(layers[i].parameter_bytes) for i in range(start, end))
+    return weights * (2 + _OPTIMIZER_COPIES.get(optimizer, 1))
+
+
+def _place(
+    config: JobConfig,
+    layers: Sequence[stage_pb2.LayerDescription],
+    ranges: Sequence[tuple[int, int]],
+    records: Sequence[StageRecord],
+) -> list[PipelineStage]:
+    plan = []
+    for rank, ((start, end), record) in enumerate(zip(ranges, records, strict=True)):
+        need = memory_estimate(layers, start, end, str(config.optimizer.get("name")))
+        if need > record.memory_bytes:
+            raise ResourceExhaustedError(
+                f"stage {record.address} would hold layers [{start}, {end}) needing about "
+                f"{need / 2**20:.0f} MiB; it has {record.memory_bytes / 2**20:.0f} MiB"
+            )
+        plan.append(
+            PipelineStage(start_layer=start, end_layer=end, rank=rank, address=record.address)
+        )
+    check_plan(plan, len(layers))
+    return plan
+
+
+def first_plan(
+    registry: StageRegistry,
+    config: JobConfig,
+    layers: Sequence[stage_pb2.LayerDescription],
+    job_id: str,
+) -> list[PipelineStage]:
+    """Partitions the model over free stages and claims them for ``job_id``.
+
+    Raises:
+        InvalidArgumentError: more stages than layers.
+        PlanError: fewer free stages than ``num_stages``.
+        ResourceExhaustedError: a stage's share does not fit its memory.
+    """
+    costs = [int(layer.num_parameters) for layer in layers]
+    ranges = partition.partition(config.partition, costs, config.num_stages)
+    check_schedule(config.schedule, config.num_stages, config.num_microbatches)
+    candidates = registry.free(config.model)
+    if config.num_stages > len(candidates):
+        raise PlanError(
+            f"num_stages ({config.num_stages}) exceeds the free stages that can build "
+            f"{config.model!r} ({len(candidates)} of {len(registry.all())} registered)"
+        )
+    plan = _place(config, layers, ranges, candidates[: config.num_stages])
+    if not registry.claim([s.address for s in plan], job_id):
+        raise PlanError("stages were taken by another job while planning; try again")
+    return plan
+
+
+def replan(
+    registry: StageRegistry,
+    config: JobConfig,
+    layers: Sequence[stage_pb2.LayerDescription],
+    plan: Sequence[PipelineStage],
+    lost: set[str],
+    job_id: str,
+    health_timeout_s: float,
+) -> list[PipelineStage]:
+    """A plan without the ``lost`` stages: each replaced by a healthy free spare where there
+    are enough, else the model re-partitioned over the survivors and the spares.
+
+    Raises:
+        PlanError: no stage is left.
+        ResourceExhaustedError: the survivors' memory cannot hold the model.
+    """
+    for address in lost:
+        registry.mark_lost(address)
+    survivors = [s for s in plan if s.address not in lost]
+    candidates = [r for r in registry.free(config.model) if r.address not in lost]
+    health = health_of(registry, [r.address for r in candidates], health_timeout_s)
+    spares = [r for r in candidates if health[r.address] == "SERVING"]
+    records = {r.address: r for r in registry.all()}
+    if len(spares) >= len(plan) - len(survivors):
+        replacements = iter(spares)
+        chosen = [s.address if s.address not in lost else next(replacements).address for s in plan]
+        ranges = [(s.start_layer, s.end_layer) for s in plan]
+    else:
+        chosen = [s.address for s in survivors] + [r.address for r in spares]
+        if not chosen:
+            raise PlanError(f"job {job_id}: every stage is lost and no spare is registered")
+        count = min(len(chosen), len(layers))
+        chosen = chosen[:count]
+        costs = [int(layer.num_parameters) for layer in layers]
+        ranges = partition.partition(config.partition, costs, count)
+        logger.warning(
+            "job %s: no spare for every lost stage; re-partitioning over %d stages", job_id, count
+        )
+    new_plan = _place(config, layers, ranges, [records[a] for a in chosen])
+    registry.claim([a for a in chosen if records[a].job_id != job_id], job_id)
+    for stage in new_plan:
+        registry.place(
+            stage.address, rank=stage.rank, start_layer=stage.start_layer, end_layer=stage.end_layer
+        )
+    return new_plan

@@ -1,0 +1,191 @@
+"""Calls from the coordinator to its stages: deadlines, typed errors, and a health watchdog.
+
+[Note: detection] While a pipelined call runs on every stage, the coordinator health-checks the
+stages it is still waiting on every ``health_interval_s``. A stage that fails
+``health_failures`` checks in a row (killed, hung, or cut off) is declared lost: every pending
+call is cancelled and StageLostError names it, so a stuck step never waits for its deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from pipesvc.coordinator.registry import StageRegistry
+from pipesvc.errors import PipesvcError, StageUnavailableError, StepAbortedError
+from pipesvc.plan import PipelineStage
+from pipesvc.rpc_status import error_from_rpc
+from pipesvc.transport import call
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Deadlines:
+    """Deadlines and fault-detection settings of the coordinator's outbound calls."""
+
+    control_s: float = 120.0
+    """Assign, commit, release and state calls."""
+    step_s: float = 600.0
+    """One RunStep (a whole pipelined step on one stage)."""
+    abort_s: float = 5.0
+    """An Abort (sent to stages that may be dead)."""
+    health_s: float = 1.0
+    """One health check."""
+    health_interval_s: float = 1.0
+    """Between health checks of stages a step waits on."""
+    health_failures: int = 2
+    """Failed checks in a row that declare a stage lost."""
+    reconcile_s: float = 30.0
+    """After a coordinator restart: how long to wait for a job's stages to re-register."""
+
+
+class StageLostError(StageUnavailableError):
+    """One or more stages stopped answering (killed, hung or cut off)."""
+
+    def __init__(self, message: str, addresses: set[str]) -> None:
+        super().__init__(message)
+        self.addresses = addresses
+
+
+def where(stage: PipelineStage) -> str:
+    """How errors name a stage: its rank and address."""
+    return f"stage rank {stage.rank} ({stage.address})"
+
+
+def _named(error: PipesvcError, stage: PipelineStage) -> PipesvcError:
+    if where(stage) in str(error):
+        return error
+    named = type(error)(f"{where(stage)}: {error}")
+    named.__cause__ = error
+    return named
+
+
+def call_stage(
+    registry: StageRegistry, stage: PipelineStage, method: str, request: Any, timeout_s: float
+) -> Any:
+    """Calls ``method`` on a stage with a deadline; errors keep their class and name the stage.
+
+    Raises:
+        PipesvcError: what the stage raised, or StageUnavailableError if it was unreachable.
+    """
+    stub = registry.stub(stage.address)
+    try:
+        return call(getattr(stub, method), request, timeout_s=timeout_s, where=where(stage))
+    except PipesvcError as exc:
+        raise _named(exc, stage) from exc
+
+
+def health_of(
+    registry: StageRegistry, addresses: Sequence[str], timeout_s: float
+) -> dict[str, str]:
+    """Each address's health status, checked in parallel."""
+    if not addresses:
+        return {}
+    with futures.ThreadPoolExecutor(max_workers=min(16, len(addresses))) as pool:
+        found = pool.map(lambda a: registry.health(a, timeout_s), addresses)
+        return dict(zip(addresses, found, strict=True))
+
+
+def call_all(
+    registry: StageRegistry,
+    plan: Sequence[PipelineStage],
+    make: Callable[[PipelineStage], tuple[str, Any]],
+    timeout_s: float,
+    *,
+    deadlines: Deadlines | None = None,
+    what: str = "",
+) -> list[Any]:
+    """Calls a unary method on every stage at once; returns the replies in rank order.
+
+    With ``deadlines``, a watchdog health-checks the stages still running (see [Note:
+    detection]). On the first failure the other calls are left to finish (a caller aborts them).
+
+    Raises:
+        StageLostError: the watchdog declared a stage lost (pending calls are cancelled).
+        PipesvcError: the first root-cause error of any stage, naming it.
+    """
+    cond = threading.Condition()
+    calls: dict[int, grpc.Future] = {}
+    for stage in plan:
+        method, request = make(stage)
+        stub = registry.stub(stage.address)
+        future = getattr(stub, method).future(request, timeout=timeout_s)
+        future.add_done_callback(lambda _f: _notify(cond))
+        calls[stage.rank] = future
+    failures: dict[int, int] = {}
+    next_check = time.monotonic() + (deadlines.health_interval_s if deadlines else 0)
+    while True:
+        with cond:
+            pending = [r for r, f in calls.items() if not f.done()]
+            failed = [r for r, f in calls.items() if f.done() and _error(f) is not None]
+            if not pending or failed:
+                break
+            cond.wait(timeout=0.25 if deadlines else None)
+        if deadlines and time.monotonic() >= next_check:
+            next_check = time.monotonic() + deadlines.health_interval_s
+            lost = _watch(registry, plan, pending, failures, deadlines)
+            if lost:
+                for future in calls.values():
+                    future.cancel()
+                names = ", ".join(where(plan[r]) for r in lost)
+                raise StageLostError(
+                    f"{names} stopped answering health checks during {what or 'a call'}; "
+                    f"it was still running there",
+                    {plan[r].address for r in lost},
+                )
+    errors = [(r, _error(calls[r])) for r in sorted(calls) if calls[r].done()]
+    found = [(r, e) for r, e in errors if e is not None]
+    if found:
+        # The root cause is the first error that is not a consequence of an abort.
+        rank, root = next(
+            ((r, e) for r, e in found if not isinstance(e, StepAbortedError)), found[0]
+        )
+        assert root is not None
+        raise _named(root, plan[rank])
+    return [calls[r].result() for r in range(len(plan))]
+
+
+def _notify(cond: threading.Condition) -> None:
+    with cond:
+        cond.notify_all()
+
+
+def _error(future: grpc.Future) -> PipesvcError | None:
+    if future.cancelled():
+        return StepAbortedError("the call was cancelled")
+    exc = future.exception()
+    if exc is None:
+        return None
+    if isinstance(exc, grpc.RpcError):
+        return error_from_rpc(exc)
+    return StageUnavailableError(str(exc))
+
+
+def _watch(
+    registry: StageRegistry,
+    plan: Sequence[PipelineStage],
+    pending: list[int],
+    failures: dict[int, int],
+    deadlines: Deadlines,
+) -> list[int]:
+    statuses = health_of(registry, [plan[r].address for r in pending], deadlines.health_s)
+    lost = []
+    for rank in pending:
+        if statuses[plan[rank].address] == "UNREACHABLE":
+            failures[rank] = failures.get(rank, 0) + 1
+            logger.warning(
+                "%s missed a health check (%d in a row)", where(plan[rank]), failures[rank]
+            )
+            if failures[rank] >= deadlines.health_failures:
+                lost.append(rank)
+        else:
+            failures[rank] = 0
+    return lost
