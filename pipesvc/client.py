@@ -183,6 +183,8 @@ class Job:
             for s in info.plan
         ]
         self.step: int = info.step
+        self.recoveries: int = info.recoveries
+        """Times the job recovered from a lost stage (as of this handle's last refresh)."""
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """One optimizer step on the mini-batch; returns its mean loss.
@@ -201,6 +203,12 @@ class Job:
         )
         self.step = reply.step
         return float(reply.loss)
+
+    def refresh(self) -> Job:
+        """Re-reads the job's plan, step and recovery count from the coordinator."""
+        fresh = self._client.get_job(self.id)
+        self.plan, self.step, self.recoveries = fresh.plan, fresh.step, fresh.recoveries
+        return self
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """The model's output on ``inputs``, computed through the pipeline.

@@ -76,15 +76,52 @@ class LocalCluster:
         self.log_dir = Path()
         self._stage_count = 0
         self._control: Client | None = None
+        self._coordinator: subprocess.Popen[bytes] | None = None
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
-        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - owned by the child
+        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
         proc = subprocess.Popen(
             [sys.executable, "-m", "pipesvc", *args], stdout=log, stderr=subprocess.STDOUT
         )
         log.close()
         self._procs.append(proc)
         return proc
+
+    def _start_coordinator(self, listen: str) -> None:
+        state_dir = self._state_dir or self.log_dir / "state"
+        address_file = self.log_dir / "coordinator.address"
+        address_file.unlink(missing_ok=True)
+        self._coordinator = self._spawn(
+            "coordinator",
+            [
+                "coordinator",
+                "--listen",
+                listen,
+                "--state-dir",
+                str(state_dir),
+                "--address-file",
+                str(address_file),
+                *self._security_args,
+            ],
+        )
+        self._wait(address_file.exists, "starting the coordinator", [self._coordinator])
+        self.address = address_file.read_text().strip()
+
+    def restart_coordinator(self, *, kill: bool = True) -> None:
+        """Stops the coordinator (SIGKILL, or SIGTERM with ``kill=False``) and starts a new
+        one on the same address and state directory; its stages re-register on their own.
+
+        Raises:
+            StageUnavailableError: the new coordinator did not come up.
+        """
+        if self._coordinator is None:
+            raise StageUnavailableError("the cluster has not started")
+        self._coordinator.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+        self._coordinator.wait(timeout=30)
+        if self._control is not None:
+            self._control.close()
+            self._control = None
+        self._start_coordinator(self.address)
 
     def _spawn_stage(self, extra_args: Sequence[str]) -> subprocess.Popen[bytes]:
         args = [
@@ -156,24 +193,8 @@ class LocalCluster:
         """
         self._tmp = tempfile.TemporaryDirectory(prefix="pipesvc-cluster-")
         self.log_dir = Path(self._tmp.name)
-        state_dir = self._state_dir or self.log_dir / "state"
-        address_file = self.log_dir / "coordinator.address"
         try:
-            self._spawn(
-                "coordinator",
-                [
-                    "coordinator",
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--state-dir",
-                    str(state_dir),
-                    "--address-file",
-                    str(address_file),
-                    *self._security_args,
-                ],
-            )
-            self._wait(address_file.exists, "starting the coordinator")
-            self.address = address_file.read_text().strip()
+            self._start_coordinator("127.0.0.1:0")
             for _ in range(self.num_stages):
                 self._spawn_stage([])
             with self.connect(timeout_s=5.0) as client:

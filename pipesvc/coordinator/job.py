@@ -605,6 +605,22 @@ class JobDriver:
             self._persist()
             self._pool.shutdown(wait=False)
 
+    def maintain(self) -> None:
+        """Between steps: finishes a pending reconcile, moves layers off leaving stages and
+        recovers from lost ones, so an idle job is ready and a stopping stage can exit.
+
+        Does nothing while a step holds the job.
+        """
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            if not self.closed:
+                self._resilient(lambda: None, "maintenance")
+        except PipesvcError as exc:
+            logger.warning("job %s: maintenance failed: %s", self.job_id, exc)
+        finally:
+            self._lock.release()
+
     def wait_idle(self) -> None:
         """Blocks until no step is in flight (for a graceful coordinator stop)."""
         with self._lock:

@@ -49,6 +49,10 @@ def run_coordinator(
         tmp = address_file.with_suffix(".tmp")
         tmp.write_text(address)
         tmp.replace(address_file)
+    maintenance = threading.Thread(
+        target=service.maintain_forever, args=(stop,), name="maintenance", daemon=True
+    )
+    maintenance.start()
     try:
         stop.wait()
     finally:

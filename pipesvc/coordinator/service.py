@@ -63,6 +63,14 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):  # ty
                 "job %s: restored at step %d; reconciling on first use", row.job_id, row.step
             )
 
+    def maintain_forever(self, stop: threading.Event, interval_s: float = 1.0) -> None:
+        """Runs ``JobDriver.maintain`` on every open job every ``interval_s`` until ``stop``."""
+        while not stop.wait(interval_s):
+            with self._lock:
+                jobs = [j for j in self._jobs.values() if not j.closed]
+            for job in jobs:
+                job.maintain()
+
     def _storage(self, job_id: str) -> JobStorage:
         if self._db is None:
             raise RuntimeError("CoordinatorService.open() was not called")
