@@ -1,0 +1,159 @@
+"""Several hosts on one machine: the coordinator and each stage in its own network namespace,
+joined by veth pairs on a bridge, with private addresses this test creates and removes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PREFIX = f"psvc{os.getpid() % 10000}"
+HUB = f"{PREFIX}-hub"
+HOSTS = {"coord": "10.77.0.1", "s0": "10.77.0.10", "s1": "10.77.0.11", "s2": "10.77.0.12"}
+TOKEN = "multi-host-test-token"
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+def _netns_available() -> str | None:
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    probe = f"{PREFIX}-probe"
+    try:
+        _ip("netns", "add", probe)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        return f"cannot create a network namespace here: {exc}"
+    _ip("netns", "del", probe)
+    return None
+
+
+@pytest.fixture
+def hosts() -> Iterator[dict[str, str]]:
+    reason = _netns_available()
+    if reason:
+        pytest.skip(reason)
+    names = {host: f"{PREFIX}-{host}" for host in HOSTS}
+    created: list[str] = []
+    try:
+        _ip("netns", "add", HUB)
+        created.append(HUB)
+        _ip("-n", HUB, "link", "add", "br0", "type", "bridge")
+        _ip("-n", HUB, "link", "set", "br0", "up")
+        for host, address in HOSTS.items():
+            ns = names[host]
+            _ip("netns", "add", ns)
+            created.append(ns)
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip(
+                "link",
+                "add",
+                f"{PREFIX}{host}",
+                "netns",
+                ns,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                f"h{PREFIX}{host}",
+                "netns",
+                HUB,
+            )
+            _ip("-n", ns, "addr", "add", f"{address}/24", "dev", f"{PREFIX}{host}")
+            _ip("-n", ns, "link", "set", f"{PREFIX}{host}", "up")
+            _ip("-n", HUB, "link", "set", f"h{PREFIX}{host}", "master", "br0")
+            _ip("-n", HUB, "link", "set", f"h{PREFIX}{host}", "up")
+        yield names
+    finally:
+        for ns in reversed(created):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+def _spawn(ns: str, args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, "-m", "pipesvc", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
+
+
+def test_stage_host_link_down_mid_training(hosts: dict[str, str], tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    auth = ["--token-file", str(token_file)]
+    coordinator = f"{HOSTS['coord']}:7070"
+    procs = [
+        _spawn(
+            hosts["coord"],
+            ["coordinator", "--listen", coordinator, "--state-dir", str(tmp_path / "state"), *auth],
+            tmp_path / "coord.log",
+        )
+    ]
+    try:
+        time.sleep(1.0)
+        for host in ("s0", "s1", "s2"):  # s2 registers last: the spare
+            procs.append(
+                _spawn(
+                    hosts[host],
+                    [
+                        "stage",
+                        "--coordinator",
+                        coordinator,
+                        "--listen",
+                        f"{HOSTS[host]}:50051",
+                        "--threads",
+                        "1",
+                        *auth,
+                    ],
+                    tmp_path / f"{host}.log",
+                )
+            )
+            time.sleep(1.5)
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        result = subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                hosts["coord"],
+                sys.executable,
+                "-m",
+                "tests.cluster.multihost_scenario",
+                coordinator,
+                TOKEN,
+                hosts["s1"],
+                f"{PREFIX}s1",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            cwd=REPO,
+            env=env,
+            check=False,
+        )
+        logs = "\n".join(p.read_text()[-1500:] for p in sorted(tmp_path.glob("*.log")))
+        assert result.returncode == 0, result.stdout + result.stderr + logs
+        summary = json.loads(result.stdout.strip().splitlines()[-1])
+        assert summary["plan_before"] == [f"{HOSTS['s0']}:50051", f"{HOSTS['s1']}:50051"]
+        assert summary["plan_after"] == [f"{HOSTS['s0']}:50051", f"{HOSTS['s2']}:50051"]
+        assert summary["recoveries"] == 1
+        print(f"\nmulti-host: link down detected and recovered in {summary['recovered_s']} s")
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
