@@ -13,8 +13,10 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from pipesvc import logs
 from pipesvc.errors import PipesvcError
 from pipesvc.limits import Limits
+from pipesvc.metrics import NO_METRICS, Metrics
 from pipesvc.security import Security
 
 logger = logging.getLogger("pipesvc")
@@ -68,6 +70,26 @@ def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
         )
 
 
+def _metrics(args: argparse.Namespace) -> Metrics:
+    if args.metrics_port is None:
+        return NO_METRICS
+    from pipesvc.metrics import PrometheusMetrics
+
+    metrics = PrometheusMetrics()
+    host = args.listen.rpartition(":")[0].strip("[]") or "127.0.0.1"
+    port = metrics.serve(args.metrics_port, host)
+    logger.info("serving Prometheus metrics on http://%s:%d/metrics", host, port)
+    return metrics
+
+
+def _add_metrics_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics on this port, on the --listen host (0: any free port)",
+    )
+
+
 def _warn_if_exposed(listen: str, security: Security) -> None:
     host = listen.rpartition(":")[0]
     if host not in LOOPBACK_HOSTS and not security.authenticated:
@@ -90,6 +112,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         deadlines=Deadlines(control_s=args.control_timeout_s, step_s=args.step_timeout_s),
         security=security,
         limits=_limits(args),
+        metrics=_metrics(args),
     )
     return 0
 
@@ -119,6 +142,7 @@ def _cmd_stage(args: argparse.Namespace) -> int:
             limits=_limits(args),
             duplicate_sends=args.duplicate_sends,
             fault_kill=FaultKill.parse(args.fault_kill) if args.fault_kill else None,
+            metrics=_metrics(args),
         ),
         coordinator=args.coordinator,
         listen=args.listen,
@@ -162,7 +186,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
     with Client(args.coordinator, security=_security(args), timeout_s=args.timeout_s) as client:
         stages = client.stages()
-    header = ("ADDRESS", "DEVICE", "MEMORY", "JOB", "LAYERS", "RANK", "HEALTH")
+    header = ("ADDRESS", "DEVICE", "MEMORY", "RSS", "JOB", "LAYERS", "RANK", "MB/S", "HEALTH")
     rows = [header]
     for s in stages:
         layers = f"[{s.start_layer}, {s.end_layer})" if s.job_id else "-"
@@ -171,9 +195,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
                 s.address,
                 s.device,
                 f"{s.memory_bytes / 2**30:.1f} GiB",
+                f"{s.rss_bytes / 2**20:.0f} MiB" if s.rss_bytes else "-",
                 s.job_id or "-",
                 layers,
                 str(s.rank) if s.job_id else "-",
+                f"{s.microbatches_per_s:.1f}" if s.job_id else "-",
                 s.health,
             )
         )
@@ -181,6 +207,15 @@ def _cmd_status(args: argparse.Namespace) -> int:
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
     print(f"{len(stages)} stage(s) registered with {args.coordinator}")
+    return 0
+
+
+def _cmd_trace(args: argparse.Namespace) -> int:
+    from pipesvc.client import Client
+
+    with Client(args.coordinator, security=_security(args), timeout_s=args.timeout_s) as client:
+        json_path, png_path = client.get_job(args.job).trace(args.out, max_runs=args.runs)
+    print(f"wrote {json_path} (open in https://ui.perfetto.dev) and {png_path}")
     return 0
 
 
@@ -214,6 +249,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pipesvc", description="Pipeline-parallel PyTorch training as a gRPC service cluster."
     )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default="text",
+        help="text for people, json (one object per line) for machines",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("coordinator", help="run the coordinator server")
@@ -232,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=120.0,
         help="deadline of assign, commit, abort and state calls (default %(default)s)",
     )
+    _add_metrics_flag(p)
     _add_security_flags(p)
     _add_limit_flags(p)
     p.set_defaults(func=_cmd_coordinator)
@@ -278,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--duplicate-sends", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--fault-kill", help=argparse.SUPPRESS)
+    _add_metrics_flag(p)
     _add_security_flags(p)
     _add_limit_flags(p)
     p.set_defaults(func=_cmd_stage)
@@ -308,6 +351,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_security_flags(p)
     p.set_defaults(func=_cmd_status)
 
+    p = sub.add_parser("trace", help="write a job's recent runs as Chrome trace JSON and a PNG")
+    p.add_argument("--coordinator", default="127.0.0.1:7070", help="HOST:PORT")
+    p.add_argument("--job", required=True, help="job id")
+    p.add_argument("--out", required=True, help="output stem: OUT.json and OUT.png")
+    p.add_argument("--runs", type=int, default=5, help="newest runs to include (default 5)")
+    p.add_argument("--timeout-s", type=float, default=30.0)
+    _add_security_flags(p)
+    p.set_defaults(func=_cmd_trace)
+
     p = sub.add_parser("health", help="exit 0 only if the server at --target is SERVING")
     p.add_argument("--target", required=True, help="HOST:PORT of any pipesvc server")
     p.add_argument("--timeout-s", type=float, default=2.0)
@@ -319,10 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``pipesvc`` console script."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s",
-    )
+    logs.install(args.log_level, args.log_format)
     try:
         return int(args.func(args))
     except PipesvcError as exc:

@@ -27,6 +27,7 @@ from pipesvc.plan import PipelineStage
 from pipesvc.rpc_status import error_from_rpc
 from pipesvc.security import Security, TLSConfig
 from pipesvc.tensor_codec import decode, encode, named_frames, read_named_frames
+from pipesvc.trace import StageTimeline, TraceEvent, write_trace_files
 from pipesvc.transport import call, open_channel
 from pipesvc.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
@@ -44,6 +45,10 @@ class StageStatus:
     end_layer: int
     rank: int
     health: str
+    rss_bytes: int = 0
+    """Resident memory of the stage process."""
+    microbatches_per_s: float = 0.0
+    """Micro-batches computed per second over its last few runs."""
 
 
 class Client:
@@ -153,6 +158,8 @@ class Client:
                 end_layer=s.end_layer,
                 rank=s.rank,
                 health=s.health,
+                rss_bytes=s.rss_bytes,
+                microbatches_per_s=s.microbatches_per_s,
             )
             for s in reply.stages
         ]
@@ -236,6 +243,40 @@ class Job:
     def gradients(self) -> dict[str, torch.Tensor]:
         """The gradients of the last committed step (after clipping), under parameter keys."""
         return self._read_state(common_pb2.GRADIENTS)
+
+    def timelines(self, max_runs: int = 0) -> list[StageTimeline]:
+        """Every stage's timed actions of the job's newest ``max_runs`` runs (0: all kept)."""
+        reply = self._client._call(
+            "GetTrace", common_pb2.GetTraceRequest(job_id=self.id, max_runs=max_runs)
+        )
+        return [
+            StageTimeline(
+                rank=stage.rank,
+                address=stage.address,
+                events=tuple(
+                    TraceEvent(
+                        run_id=e.run_id,
+                        step=e.step,
+                        name=e.name,
+                        microbatch=e.microbatch,
+                        start_ns=e.start_unix_ns,
+                        end_ns=e.end_unix_ns,
+                    )
+                    for e in stage.events
+                ),
+            )
+            for stage in reply.stages
+        ]
+
+    def trace(self, path: str | Path, max_runs: int = 5) -> tuple[Path, Path]:
+        """Writes the newest runs as Chrome trace JSON (open it in Perfetto) and a PNG timeline.
+
+        ``path`` is the stem: ``path.json`` and ``path.png`` are written and returned.
+        """
+        stem = Path(path)
+        if stem.suffix in (".json", ".png"):
+            stem = stem.with_suffix("")
+        return write_trace_files(self.timelines(max_runs), stem)
 
     def save(self, path: str | Path) -> None:
         """Writes a checkpoint (weights, optimizer state, step) to the directory ``path``.

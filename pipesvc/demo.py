@@ -19,6 +19,7 @@ from pipesvc import models
 from pipesvc.client import Client, Job
 from pipesvc.local_cluster import LocalCluster
 from pipesvc.security import Security
+from pipesvc.trace import busy_idle, ideal_bubble
 
 SEQUENCE_LENGTH = 64
 
@@ -41,6 +42,8 @@ class DemoOptions:
     """Micro-batches per step."""
     seed: int = 0
     """Model and data seed."""
+    trace_path: str = "pipesvc-demo-trace"
+    """Stem of the trace files written at the end (``.json`` for Perfetto, ``.png``)."""
     coordinator: str | None = None
     """Train on this existing cluster (``host:port``) instead of starting a local one."""
     security: Security = field(default_factory=Security)
@@ -216,6 +219,8 @@ def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> dict[str, float]
         elapsed = time.monotonic() - start
         end_loss = sum(losses[-10:]) / len(losses[-10:])
         throughput = tokens * (len(losses) - 1) / max(elapsed, 1e-9)
+        timelines = job.timelines(max_runs=3)
+        trace_json, trace_png = job.trace(options.trace_path, max_runs=3)
         text = sample(job, corpus, "The ", 160, options.seed)
     summary = {
         "steps": float(len(losses)),
@@ -238,5 +243,16 @@ def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> dict[str, float]
         file=out,
     )
     print(f"  step 1 check   max |weight diff| {weight_diff:.2e} vs one process", file=out)
+    idle = busy_idle(timelines)
+    ideal = ideal_bubble(options.num_stages, options.num_microbatches)
+    print(
+        "  bubble         "
+        + ", ".join(
+            f"rank {r} idle {i / max(b + i, 1e-9):.0%}" for r, (b, i) in sorted(idle.items())
+        )
+        + f" (ideal {ideal:.0%}, last 3 steps)",
+        file=out,
+    )
+    print(f"  trace          {trace_json} (open in https://ui.perfetto.dev), {trace_png}", file=out)
     print(f"\nsample through the pipeline:\n{text}\n", file=out, flush=True)
     return summary

@@ -48,6 +48,7 @@ class LocalCluster:
         tls_key: str | Path | None = None,
         tls_ca: str | Path | None = None,
         stage_args: Sequence[str] = (),
+        coordinator_args: Sequence[str] = (),
     ) -> None:
         if num_stages < 1:
             raise ValueError(f"num_stages ({num_stages}) must be at least 1")
@@ -70,6 +71,7 @@ class LocalCluster:
             if value:
                 self._security_args += [flag, str(value)]
         self.stage_args = list(stage_args)
+        self.coordinator_args = list(coordinator_args)
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._procs: list[subprocess.Popen[bytes]] = []
         self.address = ""
@@ -102,6 +104,7 @@ class LocalCluster:
                 "--address-file",
                 str(address_file),
                 *self._security_args,
+                *self.coordinator_args,
             ],
         )
         self._wait(address_file.exists, "starting the coordinator", [self._coordinator])

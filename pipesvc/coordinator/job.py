@@ -54,6 +54,7 @@ from pipesvc.errors import (
     StageUnavailableError,
     UnauthenticatedError,
 )
+from pipesvc.metrics import NO_METRICS, Metrics
 from pipesvc.plan import PipelineStage
 from pipesvc.rpc_status import error_from_rpc
 from pipesvc.step_log import StepLog
@@ -101,7 +102,9 @@ class JobDriver:
         run_id: int = 0,
         checkpoint_step: int = -1,
         needs_reconcile: bool = False,
+        metrics: Metrics = NO_METRICS,
     ) -> None:
+        self._metrics = metrics
         self.job_id = job_id
         self.config = config
         self.layers = layers
@@ -145,7 +148,12 @@ class JobDriver:
 
     @classmethod
     def from_record(
-        cls, record: JobRecord, registry: StageRegistry, deadlines: Deadlines, storage: JobStorage
+        cls,
+        record: JobRecord,
+        registry: StageRegistry,
+        deadlines: Deadlines,
+        storage: JobStorage,
+        metrics: Metrics = NO_METRICS,
     ) -> JobDriver:
         """A job read back after a coordinator restart; it reconciles with its stages first."""
         layers = list(stage_pb2.DescribeResponse.FromString(record.layers).layers)
@@ -163,6 +171,7 @@ class JobDriver:
             run_id=record.run_id,
             checkpoint_step=record.checkpoint_step,
             needs_reconcile=True,
+            metrics=metrics,
         )
 
     def _persist(self) -> None:
@@ -215,6 +224,7 @@ class JobDriver:
                 "RunStep", request, self._deadlines.step_s, deadlines=self._deadlines, what=what
             )
         except PipesvcError:
+            self._metrics.inc("steps_aborted_total")
             self._abort(run_id)
             raise
         return run_id, replies
@@ -269,12 +279,21 @@ class JobDriver:
         m = self.config.num_microbatches
         input_mbs, target_mbs = microbatch.split(inputs, m), microbatch.split(targets, m)
         with self._lock:
+            started = time.monotonic()
             loss = self._resilient(
                 lambda: self._train_once(input_mbs, target_mbs, (inputs, targets)),
                 f"step {self.step + 1}",
             )
             self._persist()
-            logger.info("job %s: step %d committed, loss %.6f", self.job_id, self.step, loss)
+            self._metrics.inc("steps_committed_total")
+            self._metrics.observe("step_seconds", time.monotonic() - started)
+            logger.info(
+                "job %s: step %d committed, loss %.6f",
+                self.job_id,
+                self.step,
+                loss,
+                extra={"job": self.job_id, "step": self.step},
+            )
             every = self.config.checkpoint_every
             if every and self.step % every == 0:
                 self._checkpoint()
@@ -359,6 +378,7 @@ class JobDriver:
         )
         self._rebuild(lost)
         self.recoveries += 1
+        self._metrics.inc("recoveries_total")
         logger.warning(
             "job %s: recovered in %.2f s; plan now %s",
             self.job_id,
@@ -626,6 +646,14 @@ class JobDriver:
         with self._lock:
             pass
 
+    def trace(self, max_runs: int) -> coordinator_pb2.JobTrace:
+        """Every stage's recent timed actions."""
+        with self._lock:
+            self._check_open()
+            request = common_pb2.GetTraceRequest(job_id=self.job_id, max_runs=max_runs)
+            replies = self._call_all("GetTrace", lambda s: request, self._deadlines.control_s)
+        return coordinator_pb2.JobTrace(stages=replies)
+
     def info(self) -> coordinator_pb2.JobInfo:
         """The job's wire description."""
         return coordinator_pb2.JobInfo(
@@ -650,6 +678,7 @@ def create_job(
     registry: StageRegistry,
     deadlines: Deadlines,
     storage: JobStorage,
+    metrics: Metrics = NO_METRICS,
 ) -> JobDriver:
     """Plans ``config`` onto free stages and assigns each its layers.
 
@@ -672,6 +701,7 @@ def create_job(
         registry=registry,
         deadlines=deadlines,
         storage=storage,
+        metrics=metrics,
     )
     try:
         driver._assign()

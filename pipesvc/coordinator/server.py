@@ -9,6 +9,7 @@ from pathlib import Path
 from pipesvc.coordinator.service import CoordinatorService
 from pipesvc.coordinator.stage_calls import Deadlines
 from pipesvc.limits import Limits
+from pipesvc.metrics import Metrics
 from pipesvc.security import Security
 from pipesvc.transport import create_server, split_address
 from pipesvc.v1 import coordinator_pb2_grpc
@@ -25,6 +26,7 @@ def run_coordinator(
     deadlines: Deadlines | None = None,
     security: Security | None = None,
     limits: Limits | None = None,
+    metrics: Metrics | None = None,
 ) -> None:
     """Serves the coordinator until ``stop`` is set.
 
@@ -35,7 +37,7 @@ def run_coordinator(
     state_dir.mkdir(parents=True, exist_ok=True)
     security = security or Security()
     limits = limits or Limits()
-    service = CoordinatorService(state_dir, deadlines, security, limits)
+    service = CoordinatorService(state_dir, deadlines, security, limits, metrics)
     service.open()
     server, port, health = create_server(
         listen,

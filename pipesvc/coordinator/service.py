@@ -9,6 +9,8 @@ from collections.abc import Iterable, Iterator
 from concurrent import futures
 from pathlib import Path
 
+import grpc
+
 from pipesvc.config import config_from_proto
 from pipesvc.coordinator.job import JobDriver, JobStorage, create_job
 from pipesvc.coordinator.registry import StageRecord, StageRegistry
@@ -16,10 +18,11 @@ from pipesvc.coordinator.stage_calls import Deadlines
 from pipesvc.coordinator.state_db import StateDB
 from pipesvc.errors import InvalidArgumentError, NotFoundError
 from pipesvc.limits import Limits
+from pipesvc.metrics import NO_METRICS, Metrics
 from pipesvc.rpc_status import handle_errors
 from pipesvc.security import Security
 from pipesvc.tensor_codec import decode, encode
-from pipesvc.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from pipesvc.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +36,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):  # ty
         deadlines: Deadlines | None = None,
         security: Security | None = None,
         limits: Limits | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.state_dir = state_dir
+        self._metrics = metrics or NO_METRICS
         self._security = security or Security()
         self._limits = limits or Limits()
         self._codec = self._limits.codec()
@@ -55,7 +60,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):  # ty
             self.registry.mark_lost(address)  # until it registers again
         for row in self._db.open_jobs():
             job = JobDriver.from_record(
-                row, self.registry, self._deadlines, self._storage(row.job_id)
+                row, self.registry, self._deadlines, self._storage(row.job_id), self._metrics
             )
             self._jobs[row.job_id] = job
             self.registry.claim([s.address for s in job.plan], job.job_id)
@@ -108,6 +113,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):  # ty
         records = self.registry.all()
         with futures.ThreadPoolExecutor(max_workers=max(1, min(16, len(records)))) as pool:
             health = list(pool.map(lambda r: self.registry.health(r.address, 1.0), records))
+            infos = list(pool.map(self._live_info, records, health))
         return coordinator_pb2.ListStagesResponse(
             stages=[
                 coordinator_pb2.StageStatus(
@@ -120,16 +126,32 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):  # ty
                     end_layer=r.end_layer if r.job_id else 0,
                     rank=r.rank if r.job_id else 0,
                     health=h,
+                    rss_bytes=i.rss_bytes if i else 0,
+                    microbatches_per_s=i.microbatches_per_s if i else 0.0,
                 )
-                for r, h in zip(records, health, strict=True)
+                for r, h, i in zip(records, health, infos, strict=True)
             ]
         )
+
+    def _live_info(self, record: StageRecord, health: str) -> stage_pb2.StageInfo | None:
+        if health == "UNREACHABLE":
+            return None
+        try:
+            return self.registry.stub(record.address).Info(stage_pb2.InfoRequest(), timeout=1.0)
+        except grpc.RpcError:
+            return None
+
+    @handle_errors
+    def GetTrace(self, request: common_pb2.GetTraceRequest, context: object) -> object:
+        return self._job(request.job_id).trace(request.max_runs)
 
     @handle_errors
     def CreateJob(self, request: coordinator_pb2.CreateJobRequest, context: object) -> object:
         config = config_from_proto(request.spec)
         job_id = uuid.uuid4().hex[:12]
-        job = create_job(job_id, config, self.registry, self._deadlines, self._storage(job_id))
+        job = create_job(
+            job_id, config, self.registry, self._deadlines, self._storage(job_id), self._metrics
+        )
         with self._lock:
             self._jobs[job_id] = job
         return job.info()

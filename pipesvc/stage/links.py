@@ -17,6 +17,7 @@ import grpc
 import torch
 
 from pipesvc.errors import PipesvcError, StageUnavailableError, WireFormatError
+from pipesvc.metrics import NO_METRICS, Metrics
 from pipesvc.rpc_status import error_from_rpc
 from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
 from pipesvc.tensor_codec import DEFAULT_FRAME_BYTES, CodecLimits, FrameAssembler, encode_frames
@@ -33,7 +34,7 @@ _Outgoing = tuple[MailKey, torch.Tensor] | None
 
 
 def _frames(
-    item: tuple[MailKey, torch.Tensor], job_id: str, epoch: int, copies: int
+    item: tuple[MailKey, torch.Tensor], job_id: str, epoch: int, copies: int, metrics: Metrics
 ) -> Iterator[stage_pb2.DataFrame]:
     """The frames of one tensor; ``copies`` > 1 repeats them (fault injection for tests)."""
     key, tensor = item
@@ -51,6 +52,8 @@ def _frames(
         if index == 0:
             frame.header.CopyFrom(header)
         frames.append(frame)
+    metrics.inc("frames_total", len(frames) * copies, direction="sent", kind=key.direction)
+    metrics.inc("bytes_total", header.num_bytes * copies, direction="sent", kind=key.direction)
     for _ in range(copies):
         yield from frames
 
@@ -59,8 +62,16 @@ class FrameReader:
     """Turns incoming frames into whole tensors in a mailbox, checking identity and order."""
 
     def __init__(
-        self, *, job_id: str, epoch: int, direction: str, mailbox: Mailbox, limits: CodecLimits
+        self,
+        *,
+        job_id: str,
+        epoch: int,
+        direction: str,
+        mailbox: Mailbox,
+        limits: CodecLimits,
+        metrics: Metrics,
     ) -> None:
+        self._metrics = metrics
         self._job_id = job_id
         self._epoch = epoch
         self._direction = direction
@@ -92,9 +103,14 @@ class FrameReader:
         if self._pending is None or self._pending[0] != key:
             raise WireFormatError(f"frame {frame.frame_index} of {key} without its frame 0")
         tensor = self._pending[1].add(frame.frame_index, frame.data)
+        self._metrics.inc("frames_total", direction="received", kind=self._direction)
+        self._metrics.inc(
+            "bytes_total", len(frame.data), direction="received", kind=self._direction
+        )
         if tensor is not None:
             self._pending = None
             self._mailbox.put(key, tensor)
+            self._metrics.set("queue_depth", len(self._mailbox), queue="mailbox")
 
 
 class DownstreamLink:
@@ -110,15 +126,22 @@ class DownstreamLink:
         mailbox: Mailbox,
         limits: CodecLimits,
         duplicate_sends: bool = False,
+        metrics: Metrics = NO_METRICS,
     ) -> None:
         self.address = address
+        self._metrics = metrics
         self._copies = 2 if duplicate_sends else 1
         self._job_id = job_id
         self._epoch = epoch
         self._queue: queue.Queue[_Outgoing] = queue.Queue(SEND_QUEUE_ITEMS)
         self._mailbox = mailbox
         self._reader = FrameReader(
-            job_id=job_id, epoch=epoch, direction=GRADIENT, mailbox=mailbox, limits=limits
+            job_id=job_id,
+            epoch=epoch,
+            direction=GRADIENT,
+            mailbox=mailbox,
+            limits=limits,
+            metrics=metrics,
         )
         stub = stage_pb2_grpc.StageServiceStub(channel)
         self._call = stub.Exchange(self._requests(), wait_for_ready=True)
@@ -128,6 +151,7 @@ class DownstreamLink:
     def send(self, key: MailKey, tensor: torch.Tensor) -> None:
         """Queues an activation for sending (blocks while the queue is full)."""
         self._queue.put((key, tensor.detach()))
+        self._metrics.set("queue_depth", self._queue.qsize(), queue="send")
 
     def close(self) -> None:
         """Ends the stream; the reader thread exits once the peer closes its side."""
@@ -137,7 +161,7 @@ class DownstreamLink:
 
     def _requests(self) -> Iterator[stage_pb2.DataFrame]:
         while (item := self._queue.get()) is not None:
-            yield from _frames(item, self._job_id, self._epoch, self._copies)
+            yield from _frames(item, self._job_id, self._epoch, self._copies, self._metrics)
 
     def _read(self) -> None:
         try:
@@ -167,18 +191,26 @@ class UpstreamLink:
         mailbox: Mailbox,
         limits: CodecLimits,
         duplicate_sends: bool = False,
+        metrics: Metrics = NO_METRICS,
     ) -> None:
+        self._metrics = metrics
         self.job_id = job_id
         self._copies = 2 if duplicate_sends else 1
         self.epoch = epoch
         self._queue: queue.Queue[_Outgoing | PipesvcError] = queue.Queue(SEND_QUEUE_ITEMS)
         self._reader = FrameReader(
-            job_id=job_id, epoch=epoch, direction=ACTIVATION, mailbox=mailbox, limits=limits
+            job_id=job_id,
+            epoch=epoch,
+            direction=ACTIVATION,
+            mailbox=mailbox,
+            limits=limits,
+            metrics=metrics,
         )
 
     def send(self, key: MailKey, tensor: torch.Tensor) -> None:
         """Queues a gradient for the upstream stage."""
         self._queue.put((key, tensor.detach()))
+        self._metrics.set("queue_depth", self._queue.qsize(), queue="send")
 
     def close(self) -> None:
         """Ends the response side of the stream."""
@@ -198,7 +230,7 @@ class UpstreamLink:
                 return
             if isinstance(item, PipesvcError):
                 raise item
-            yield from _frames(item, self.job_id, self.epoch, self._copies)
+            yield from _frames(item, self.job_id, self.epoch, self._copies, self._metrics)
 
     def _read(self, requests: Iterable[stage_pb2.DataFrame]) -> None:
         try:

@@ -67,6 +67,11 @@ class StageRuntime:
         return self.rank == self.num_stages - 1
 
     @property
+    def live(self) -> int:
+        """Micro-batches whose activations are held for a backward."""
+        return len(self._saved)
+
+    @property
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.module.parameters())
 

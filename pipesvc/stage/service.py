@@ -20,12 +20,14 @@ from pipesvc.errors import (
     StepAbortedError,
 )
 from pipesvc.limits import Limits
+from pipesvc.metrics import Metrics
 from pipesvc.rpc_status import handle_errors
 from pipesvc.schedule import Action, ActionKind, forward_only_actions, stage_actions
 from pipesvc.security import Security
 from pipesvc.stage.faults import FaultKill
 from pipesvc.stage.links import DownstreamLink, UpstreamLink
 from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
+from pipesvc.stage.recorder import RunRecorder
 from pipesvc.stage.runtime import StageRuntime
 from pipesvc.tensor_codec import decode, encode, named_frames, read_named_frames
 from pipesvc.transport import open_channel
@@ -60,6 +62,8 @@ class StageOptions:
     """Fault injection for tests: send every activation and gradient twice."""
     fault_kill: FaultKill | None = None
     """Fault injection for tests: SIGKILL this stage at a chosen point."""
+    metrics: Metrics = field(default_factory=Metrics)
+    """Where the stage records its metrics (nothing by default)."""
 
 
 @dataclass(kw_only=True)
@@ -75,12 +79,22 @@ class _Assignment:
     downstream: DownstreamLink | None = None
     upstream: UpstreamLink | None = None
     staged: dict[str, torch.Tensor] = field(default_factory=dict)
+    recorder: RunRecorder = field(default_factory=RunRecorder)
 
     def close(self) -> None:
         if self.downstream is not None:
             self.downstream.close()
         if self.upstream is not None:
             self.upstream.close()
+
+
+def _rss_bytes() -> int:
+    """Resident memory of this process (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
@@ -128,6 +142,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
                 mailbox=job.mailbox,
                 limits=self._codec,
                 duplicate_sends=self._options.duplicate_sends,
+                metrics=self._options.metrics,
             )
         return job.downstream
 
@@ -186,6 +201,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
             epoch=request.plan_epoch,
             runtime=runtime,
             downstream_address=request.downstream_address,
+            recorder=RunRecorder(self._options.metrics),
         )
         with self._lock:
             previous, self._job = self._job, assignment
@@ -220,6 +236,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
             models=models.known_models(),
             num_threads=torch.get_num_threads(),
             pid=os.getpid(),
+            rss_bytes=_rss_bytes(),
         )
         with self._lock:
             job = self._job
@@ -236,6 +253,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
             info.plan_epoch = job.epoch
             info.last_run_id = job.last_run_id
             info.pending_run_id = job.pending_commit or 0
+            info.microbatches_per_s = job.recorder.microbatches_per_s
         return info
 
     # -- runs --------------------------------------------------------------------------------
@@ -315,6 +333,8 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
         training: bool,
     ) -> stage_pb2.RunStepResponse:
         rt = job.runtime
+        rec = job.recorder
+        rec.begin(run_id, rt.step + 1 if training else 0, job_id=job.job_id, rank=rt.rank)
         timeout_s = self._options.recv_timeout_s
         losses: dict[int, float] = {}
         outputs: dict[int, torch.Tensor] = {}
@@ -332,29 +352,40 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
                 if rt.is_first:
                     x = inputs[mb]
                 else:
-                    x = job.mailbox.get(
-                        MailKey(run_id, ACTIVATION, mb), timeout_s, f" from rank {rt.rank - 1}"
-                    )
-                y = rt.forward(mb, x, training=training)
+                    with rec.span("wait", mb):
+                        x = job.mailbox.get(
+                            MailKey(run_id, ACTIVATION, mb),
+                            timeout_s,
+                            f" from rank {rt.rank - 1}",
+                        )
+                with rec.span("forward", mb):
+                    y = rt.forward(mb, x, training=training)
+                    if rt.is_last and training:
+                        losses[mb] = float(rt.loss(mb, targets[mb], weights[mb]))
+                self._options.metrics.set("microbatches_in_flight", rt.live)
                 if not rt.is_last:
-                    self._downstream(job).send(MailKey(run_id, ACTIVATION, mb), y)
-                elif training:
-                    losses[mb] = float(rt.loss(mb, targets[mb], weights[mb]))
-                else:
+                    with rec.span("send", mb):
+                        self._downstream(job).send(MailKey(run_id, ACTIVATION, mb), y)
+                elif not training:
                     outputs[mb] = y
             else:
                 grad = None
                 if not rt.is_last:
-                    grad = job.mailbox.get(
-                        MailKey(run_id, GRADIENT, mb),
-                        timeout_s,
-                        f" from rank {rt.rank + 1} ({job.downstream_address})",
-                    )
-                grad_input = rt.backward(mb, grad)
+                    with rec.span("wait", mb):
+                        grad = job.mailbox.get(
+                            MailKey(run_id, GRADIENT, mb),
+                            timeout_s,
+                            f" from rank {rt.rank + 1} ({job.downstream_address})",
+                        )
+                with rec.span("backward", mb):
+                    grad_input = rt.backward(mb, grad)
+                self._options.metrics.set("microbatches_in_flight", rt.live)
                 if grad_input is not None:
                     if job.upstream is None:
                         raise FailedPreconditionError("no upstream stream to send gradients on")
-                    job.upstream.send(MailKey(run_id, GRADIENT, mb), grad_input)
+                    with rec.span("send", mb):
+                        job.upstream.send(MailKey(run_id, GRADIENT, mb), grad_input)
+        rec.end(training=training)
         return stage_pb2.RunStepResponse(
             losses=[losses[i] for i in sorted(losses)],
             outputs=[encode(outputs[i]) for i in sorted(outputs)],
@@ -390,7 +421,12 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
             job.last_run_id = max(job.last_run_id, request.run_id)
             job.pending_commit = None
             job.runtime.abort()
-        logger.info("job %s: run %d aborted", job.job_id, request.run_id)
+        logger.info(
+            "job %s: run %d aborted",
+            job.job_id,
+            request.run_id,
+            extra={"job": job.job_id, "rank": job.runtime.rank},
+        )
         return stage_pb2.AbortResponse()
 
     # -- state -------------------------------------------------------------------------------
@@ -446,6 +482,25 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
                 job.runtime.check_and_load(staged, step)
         return stage_pb2.ApplyStateResponse()
 
+    @handle_errors
+    def GetTrace(self, request: common_pb2.GetTraceRequest, context: object) -> object:
+        job = self._current(request.job_id)
+        return common_pb2.StageTrace(
+            rank=job.runtime.rank,
+            address=self._options.address,
+            events=[
+                common_pb2.TraceEvent(
+                    run_id=e.run_id,
+                    step=e.step,
+                    name=e.name,
+                    microbatch=e.microbatch,
+                    start_unix_ns=e.start_ns,
+                    end_unix_ns=e.end_ns,
+                )
+                for e in job.recorder.events(request.max_runs)
+            ],
+        )
+
     # -- data plane --------------------------------------------------------------------------
 
     def Exchange(
@@ -462,6 +517,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
             mailbox=job.mailbox,
             limits=self._codec,
             duplicate_sends=self._options.duplicate_sends,
+            metrics=self._options.metrics,
         )
         previous, job.upstream = job.upstream, link
         if previous is not None:

@@ -81,6 +81,11 @@ class CoordinatorServiceStub:
                 request_serializer=pipesvc_dot_v1_dot_coordinator__pb2.CloseJobRequest.SerializeToString,
                 response_deserializer=pipesvc_dot_v1_dot_coordinator__pb2.CloseJobResponse.FromString,
                 _registered_method=True)
+        self.GetTrace = channel.unary_unary(
+                '/pipesvc.v1.CoordinatorService/GetTrace',
+                request_serializer=pipesvc_dot_v1_dot_common__pb2.GetTraceRequest.SerializeToString,
+                response_deserializer=pipesvc_dot_v1_dot_coordinator__pb2.JobTrace.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServiceServicer:
@@ -150,6 +155,13 @@ class CoordinatorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTrace(self, request, context):
+        """Every stage's timed actions of the job's recent runs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -197,6 +209,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     servicer.CloseJob,
                     request_deserializer=pipesvc_dot_v1_dot_coordinator__pb2.CloseJobRequest.FromString,
                     response_serializer=pipesvc_dot_v1_dot_coordinator__pb2.CloseJobResponse.SerializeToString,
+            ),
+            'GetTrace': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTrace,
+                    request_deserializer=pipesvc_dot_v1_dot_common__pb2.GetTraceRequest.FromString,
+                    response_serializer=pipesvc_dot_v1_dot_coordinator__pb2.JobTrace.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -443,6 +460,33 @@ class CoordinatorService:
             '/pipesvc.v1.CoordinatorService/CloseJob',
             pipesvc_dot_v1_dot_coordinator__pb2.CloseJobRequest.SerializeToString,
             pipesvc_dot_v1_dot_coordinator__pb2.CloseJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTrace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pipesvc.v1.CoordinatorService/GetTrace',
+            pipesvc_dot_v1_dot_common__pb2.GetTraceRequest.SerializeToString,
+            pipesvc_dot_v1_dot_coordinator__pb2.JobTrace.FromString,
             options,
             channel_credentials,
             insecure,

@@ -87,6 +87,11 @@ class StageServiceStub:
                 request_serializer=pipesvc_dot_v1_dot_stage__pb2.InfoRequest.SerializeToString,
                 response_deserializer=pipesvc_dot_v1_dot_stage__pb2.StageInfo.FromString,
                 _registered_method=True)
+        self.GetTrace = channel.unary_unary(
+                '/pipesvc.v1.StageService/GetTrace',
+                request_serializer=pipesvc_dot_v1_dot_common__pb2.GetTraceRequest.SerializeToString,
+                response_deserializer=pipesvc_dot_v1_dot_common__pb2.StageTrace.FromString,
+                _registered_method=True)
         self.Exchange = channel.stream_stream(
                 '/pipesvc.v1.StageService/Exchange',
                 request_serializer=pipesvc_dot_v1_dot_stage__pb2.DataFrame.SerializeToString,
@@ -172,6 +177,13 @@ class StageServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTrace(self, request, context):
+        """The timed actions of the stage's recent runs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Exchange(self, request_iterator, context):
         """The data plane between neighbours: the upstream stage opens it once per job and sends
         activation frames; this stage sends gradient frames back on the same stream.
@@ -232,6 +244,11 @@ def add_StageServiceServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=pipesvc_dot_v1_dot_stage__pb2.InfoRequest.FromString,
                     response_serializer=pipesvc_dot_v1_dot_stage__pb2.StageInfo.SerializeToString,
+            ),
+            'GetTrace': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTrace,
+                    request_deserializer=pipesvc_dot_v1_dot_common__pb2.GetTraceRequest.FromString,
+                    response_serializer=pipesvc_dot_v1_dot_common__pb2.StageTrace.SerializeToString,
             ),
             'Exchange': grpc.stream_stream_rpc_method_handler(
                     servicer.Exchange,
@@ -511,6 +528,33 @@ class StageService:
             '/pipesvc.v1.StageService/Info',
             pipesvc_dot_v1_dot_stage__pb2.InfoRequest.SerializeToString,
             pipesvc_dot_v1_dot_stage__pb2.StageInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTrace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pipesvc.v1.StageService/GetTrace',
+            pipesvc_dot_v1_dot_common__pb2.GetTraceRequest.SerializeToString,
+            pipesvc_dot_v1_dot_common__pb2.StageTrace.FromString,
             options,
             channel_credentials,
             insecure,

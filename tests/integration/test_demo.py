@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 from pipesvc.demo import DemoOptions, run_demo
 
 
-def test_demo_loss_falls_and_step_one_matches_one_process() -> None:
+def test_demo_loss_falls_and_step_one_matches_one_process(tmp_path: Path) -> None:
     out = io.StringIO()
+    stem = tmp_path / "trace"
     summary = run_demo(
-        DemoOptions(num_stages=2, duration_s=120, max_steps=60, batch_size=16), out=out
+        DemoOptions(
+            num_stages=2, duration_s=120, max_steps=60, batch_size=16, trace_path=str(stem)
+        ),
+        out=out,
     )
+    assert stem.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
+    assert "traceEvents" in stem.with_suffix(".json").read_text()
+    assert "bubble" in out.getvalue()
     text = out.getvalue()
     assert summary["steps"] == 60
     # Starts near a uniform guess over the characters and clearly learns.

@@ -1,0 +1,91 @@
+"""Metrics: a small interface with a no-op default and a Prometheus implementation.
+
+Names (all prefixed ``pipesvc_``) and labels are fixed in ``_DEFINITIONS``; code records
+through ``Metrics.inc``/``observe``/``set`` and never touches prometheus_client directly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_DEFINITIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    # name: (kind, help, labels)
+    "steps_committed_total": ("counter", "Training steps committed", ()),
+    "steps_aborted_total": ("counter", "Runs aborted on every stage", ()),
+    "recoveries_total": ("counter", "Recoveries from lost stages or failed steps", ()),
+    "step_seconds": ("histogram", "Wall time of a training step, commit included", ()),
+    "runs_total": ("counter", "Runs a stage executed", ("mode",)),
+    "action_seconds": ("histogram", "Compute time of one schedule action", ("action",)),
+    "wait_seconds": ("histogram", "Time a stage waited for an input or gradient", ("kind",)),
+    "bytes_total": ("counter", "Tensor payload bytes on the data plane", ("direction", "kind")),
+    "frames_total": ("counter", "Frames on the data plane", ("direction", "kind")),
+    "queue_depth": ("gauge", "Items waiting in a stage queue", ("queue",)),
+    "microbatches_in_flight": ("gauge", "Micro-batches whose activations are alive", ()),
+    "bubble_fraction": ("gauge", "Idle share of the stage's last training run", ()),
+}
+_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class Metrics:
+    """Records nothing; the interface every component records through."""
+
+    def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
+        """Adds ``amount`` to a counter."""
+
+    def observe(self, name: str, value: float, **labels: str) -> None:
+        """Records one value of a histogram."""
+
+    def set(self, name: str, value: float, **labels: str) -> None:
+        """Sets a gauge."""
+
+
+NO_METRICS = Metrics()
+
+
+class PrometheusMetrics(Metrics):
+    """Metrics in a prometheus_client registry, with process metrics, served over HTTP."""
+
+    def __init__(self) -> None:
+        import prometheus_client as prom
+
+        self._registry = prom.CollectorRegistry()
+        prom.ProcessCollector(registry=self._registry)
+        prom.PlatformCollector(registry=self._registry)
+        self._metrics: dict[str, Any] = {}
+        for name, (kind, help_text, labels) in _DEFINITIONS.items():
+            metric_name = f"pipesvc_{name}".removesuffix("_total")
+            common: dict[str, Any] = {"labelnames": labels, "registry": self._registry}
+            if kind == "counter":
+                self._metrics[name] = prom.Counter(metric_name, help_text, **common)
+            elif kind == "gauge":
+                self._metrics[name] = prom.Gauge(metric_name, help_text, **common)
+            else:
+                self._metrics[name] = prom.Histogram(
+                    metric_name, help_text, buckets=_BUCKETS, **common
+                )
+
+    def _get(self, name: str, labels: dict[str, str]) -> Any:
+        metric = self._metrics[name]
+        return metric.labels(**labels) if labels else metric
+
+    def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
+        self._get(name, labels).inc(amount)
+
+    def observe(self, name: str, value: float, **labels: str) -> None:
+        self._get(name, labels).observe(value)
+
+    def set(self, name: str, value: float, **labels: str) -> None:
+        self._get(name, labels).set(value)
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        """Serves ``/metrics`` in Prometheus text format; returns the bound port."""
+        import prometheus_client as prom
+
+        server, _ = prom.start_http_server(port, addr=host, registry=self._registry)
+        return int(server.server_port)
+
+    def text(self) -> str:
+        """The current exposition text (for tests and debugging)."""
+        import prometheus_client as prom
+
+        return prom.generate_latest(self._registry).decode()

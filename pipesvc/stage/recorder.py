@@ -1,0 +1,108 @@
+"""A stage's record of its runs: timed actions for traces, and the figures derived from them.
+
+Pure Python; the service calls ``span`` around every wait, compute and send of a run.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import NamedTuple
+
+from pipesvc.metrics import NO_METRICS, Metrics
+
+logger = logging.getLogger(__name__)
+COMPUTE = ("forward", "backward")
+
+
+class Event(NamedTuple):
+    """One timed action (see common.proto TraceEvent)."""
+
+    run_id: int
+    step: int
+    name: str
+    microbatch: int
+    start_ns: int
+    end_ns: int
+
+
+class RunRecorder:
+    """Keeps the newest ``max_events`` events and a window of recent runs' throughput."""
+
+    def __init__(
+        self, metrics: Metrics = NO_METRICS, max_events: int = 50_000, window_runs: int = 10
+    ) -> None:
+        self._metrics = metrics
+        self._events: collections.deque[Event] = collections.deque(maxlen=max_events)
+        self._window: collections.deque[tuple[int, float]] = collections.deque(maxlen=window_runs)
+        self._lock = threading.Lock()
+        self._run = (0, 0)
+        self._context: dict[str, object] = {}
+        self._run_start_ns = 0
+        self._busy_ns = 0
+        self._computed = 0
+
+    def begin(self, run_id: int, step: int, *, job_id: str = "", rank: int = 0) -> None:
+        """Starts recording a run (``step`` is 0 for inference)."""
+        self._run = (run_id, step)
+        self._context = {"job": job_id, "step": step, "rank": rank}
+        self._run_start_ns = time.time_ns()
+        self._busy_ns = 0
+        self._computed = 0
+
+    @contextlib.contextmanager
+    def span(self, name: str, microbatch: int) -> Iterator[None]:
+        """Times the enclosed action as an event of the current run."""
+        start = time.time_ns()
+        try:
+            yield
+        finally:
+            end = time.time_ns()
+            with self._lock:
+                self._events.append(Event(*self._run, name, microbatch, start, end))
+            seconds = (end - start) / 1e9
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug(
+                    "%s of micro-batch %d took %.2f ms",
+                    name,
+                    microbatch,
+                    seconds * 1e3,
+                    extra={**self._context, "microbatch": microbatch},
+                )
+            if name in COMPUTE:
+                self._busy_ns += end - start
+                self._computed += 1
+                self._metrics.observe("action_seconds", seconds, action=name)
+            elif name == "wait":
+                self._metrics.observe("wait_seconds", seconds, kind="input")
+
+    def end(self, *, training: bool) -> None:
+        """Finishes the run: throughput window, bubble gauge and run counter."""
+        span_ns = max(1, time.time_ns() - self._run_start_ns)
+        with self._lock:
+            self._window.append((self._computed, span_ns / 1e9))
+        self._metrics.inc("runs_total", mode="train" if training else "infer")
+        if training:
+            self._metrics.set("bubble_fraction", 1.0 - min(1.0, self._busy_ns / span_ns))
+
+    def events(self, max_runs: int = 0) -> list[Event]:
+        """Events of the newest ``max_runs`` runs (all kept with 0), oldest first."""
+        with self._lock:
+            events = list(self._events)
+        if max_runs:
+            runs = sorted({e.run_id for e in events})[-max_runs:]
+            keep = set(runs)
+            events = [e for e in events if e.run_id in keep]
+        return events
+
+    @property
+    def microbatches_per_s(self) -> float:
+        """Compute actions per second over the recent runs (0 before any)."""
+        with self._lock:
+            actions = sum(n for n, _ in self._window)
+            seconds = sum(s for _, s in self._window)
+        return actions / seconds if seconds > 0 else 0.0

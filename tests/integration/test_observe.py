@@ -1,0 +1,175 @@
+"""Watching a cluster: Prometheus metrics that move, traces in the schedule's order, JSON logs."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+import pipesvc
+from pipesvc.schedule import stage_actions
+from pipesvc.trace import order_of
+from tests.cluster.faults import free_port
+from tests.integration.reference import PROBLEMS
+
+MLP = PROBLEMS["mlp"]
+
+
+def _scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        match = re.match(r"^(pipesvc_[a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)
+        if match:
+            values[match.group(1)] = float(match.group(2))
+    assert "process_resident_memory_bytes" in text  # process metrics come along
+    return values
+
+
+def test_metrics_move_during_training() -> None:
+    coordinator_port, stage_port = free_port(), free_port()
+    with (
+        pipesvc.LocalCluster(
+            num_stages=1,
+            threads_per_stage=1,
+            coordinator_args=["--metrics-port", str(coordinator_port)],
+        ) as cluster,
+        cluster.connect() as client,
+    ):
+        cluster.add_stage(["--metrics-port", str(stage_port)])
+        with client.create_job(
+            model="mlp", model_args=MLP.model_args, num_stages=2, num_microbatches=4, loss="mse"
+        ) as job:
+            x, y = MLP.batch(8, seed=0)
+            job.train_step(x, y)
+            before = (_scrape(coordinator_port), _scrape(stage_port))
+            for _ in range(3):
+                job.train_step(x, y)
+            after = (_scrape(coordinator_port), _scrape(stage_port))
+    coordinator = {k: after[0][k] - before[0].get(k, 0.0) for k in after[0]}
+    stage = {k: after[1][k] - before[1].get(k, 0.0) for k in after[1]}
+    assert coordinator["pipesvc_steps_committed_total"] == 3
+    assert coordinator["pipesvc_step_seconds_count"] == 3
+    # The second stage (rank 1) receives 4 activations and sends 4 gradients per step.
+    received = 'pipesvc_frames_total{direction="received",kind="activation"}'
+    sent = 'pipesvc_bytes_total{direction="sent",kind="gradient"}'
+    assert stage[received] == 12
+    # Each gradient is a float32 (micro-batch of 2, hidden width) tensor: 8 samples per step.
+    assert stage[sent] == 3 * 8 * MLP.model_args["hidden_features"] * 4
+    assert stage['pipesvc_action_seconds_count{action="forward"}'] == 12
+    assert stage['pipesvc_action_seconds_count{action="backward"}'] == 12
+    assert stage['pipesvc_runs_total{mode="train"}'] == 3
+    assert 0.0 <= after[1]["pipesvc_bubble_fraction"] < 1.0
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_trace_follows_the_schedule(client: pipesvc.Client, schedule: str, tmp_path: Path) -> None:
+    with client.create_job(
+        model="mlp",
+        model_args=MLP.model_args,
+        num_stages=3,
+        num_microbatches=4,
+        schedule=schedule,
+        loss="mse",
+    ) as job:
+        x, y = MLP.batch(8, seed=0)
+        job.train_step(x, y)
+        job.train_step(x, y)
+        timelines = job.timelines(max_runs=1)
+        assert [t.rank for t in timelines] == [0, 1, 2]
+        for timeline in timelines:
+            run_id = max(e.run_id for e in timeline.events)
+            expected = stage_actions(schedule, rank=timeline.rank, num_stages=3, num_microbatches=4)
+            assert order_of(timeline, run_id) == [str(a) for a in expected]
+        json_path, png_path = job.trace(tmp_path / "trace")
+    trace = json.loads(json_path.read_text())
+    names = [e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"]
+    for mb in range(4):  # the newest 5 runs: 2 training steps on 3 stages
+        assert names.count(f"F{mb}") == 2 * 3
+        assert names.count(f"B{mb}") == 2 * 3
+    assert png_path.read_bytes().startswith(b"\x89PNG")
+
+
+def test_trace_command_and_status_columns(cluster: pipesvc.LocalCluster, tmp_path: Path) -> None:
+    with (
+        cluster.connect() as client,
+        client.create_job(model="mlp", model_args=MLP.model_args, num_stages=2, loss="mse") as job,
+    ):
+        x, y = MLP.batch(8, seed=0)
+        job.train_step(x, y)
+        out = tmp_path / "cli-trace"
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pipesvc",
+                "trace",
+                "--coordinator",
+                cluster.address,
+                "--job",
+                job.id,
+                "--out",
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr
+        assert out.with_suffix(".json").exists() and out.with_suffix(".png").exists()
+        status = subprocess.run(
+            [sys.executable, "-m", "pipesvc", "status", "--coordinator", cluster.address],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert status.returncode == 0
+        assert "MB/S" in status.stdout and "RSS" in status.stdout
+        busy = [line for line in status.stdout.splitlines() if job.id in line]
+        assert len(busy) == 2
+        assert all(re.search(r"\d+ MiB", line) for line in busy)
+
+
+def test_json_logs_are_one_object_per_line(tmp_path: Path) -> None:
+    address_file = tmp_path / "address"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pipesvc",
+            "--log-format",
+            "json",
+            "coordinator",
+            "--listen",
+            "127.0.0.1:0",
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--address-file",
+            str(address_file),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not address_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=30)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert lines
+    for line in lines:
+        entry = json.loads(line)
+        assert {"time", "level", "logger", "message", "pid"} <= entry.keys()
+    assert any("coordinator listening" in json.loads(line)["message"] for line in lines)
