@@ -207,10 +207,31 @@ def write_checkpoint(
         raise
 
 
+def verify(directory: str | os.PathLike[str], manifest: Manifest) -> None:
+    """Checks every layer file of a checkpoint against its SHA-256.
+
+    Raises:
+        NotFoundError: a file is missing.
+        InvalidArgumentError: a file's digest does not match.
+    """
+    for entry in manifest.files.values():
+        path = Path(directory) / entry["file"]
+        if not path.exists():
+            raise NotFoundError(f"checkpoint file {str(path)!r} is missing")
+        if _sha256(path) != entry["sha256"]:
+            raise InvalidArgumentError(f"checkpoint file {str(path)!r} fails its SHA-256 check")
+
+
 def read_layers(
-    directory: str | os.PathLike[str], manifest: Manifest, start: int, end: int
+    directory: str | os.PathLike[str],
+    manifest: Manifest,
+    start: int,
+    end: int,
+    *,
+    check_digests: bool = True,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of layers [start, end), each file checked against its digest first.
+    """The tensors of layers [start, end), each file checked against its digest first
+    (unless ``verify`` already did).
 
     Raises:
         InvalidArgumentError: a file's digest does not match, or it holds keys of other layers.
@@ -218,7 +239,7 @@ def read_layers(
     for layer in range(start, end):
         entry = manifest.files[layer]
         path = Path(directory) / entry["file"]
-        if _sha256(path) != entry["sha256"]:
+        if check_digests and _sha256(path) != entry["sha256"]:
             raise InvalidArgumentError(f"checkpoint file {str(path)!r} fails its SHA-256 check")
         for name, tensor in load_weights(path).items():
             if layer_of(name) != layer:

@@ -109,7 +109,12 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         state_dir=Path(args.state_dir),
         stop=_stop_on_signals(),
         address_file=Path(args.address_file) if args.address_file else None,
-        deadlines=Deadlines(control_s=args.control_timeout_s, step_s=args.step_timeout_s),
+        deadlines=Deadlines(
+            control_s=args.control_timeout_s,
+            step_s=args.step_timeout_s,
+            health_interval_s=args.health_interval_s,
+            health_failures=args.health_failures,
+        ),
         security=security,
         limits=_limits(args),
         metrics=_metrics(args),
@@ -272,6 +277,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=120.0,
         help="deadline of assign, commit, abort and state calls (default %(default)s)",
+    )
+    p.add_argument(
+        "--health-interval-s",
+        type=float,
+        default=1.0,
+        help="health-check the stages a step waits on this often (default %(default)s)",
+    )
+    p.add_argument(
+        "--health-failures",
+        type=int,
+        default=2,
+        help="missed health checks in a row that declare a stage lost (default %(default)s)",
     )
     _add_metrics_flag(p)
     _add_security_flags(p)

@@ -20,7 +20,13 @@ from typing import Any
 import grpc
 import torch
 
-from pipesvc.checkpoint import Manifest, read_layers, read_manifest, write_checkpoint
+from pipesvc.checkpoint import (
+    Manifest,
+    read_layers,
+    read_manifest,
+    verify,
+    write_checkpoint,
+)
 from pipesvc.config import JobConfig, config_from_proto, config_to_dict, config_to_proto
 from pipesvc.errors import InvalidArgumentError
 from pipesvc.plan import PipelineStage
@@ -111,7 +117,8 @@ class Client:
             checkpoint_every=checkpoint_every,
         )
         manifest = read_manifest(resume_from) if resume_from is not None else None
-        if manifest is not None:
+        if manifest is not None and resume_from is not None:
+            verify(resume_from, manifest)
             saved = manifest.spec
             for key in ("model", "model_args"):
                 if saved.get(key) != config_to_dict(config)[key]:
@@ -311,7 +318,8 @@ class Job:
     def _load_checkpoint(self, path: Path, manifest: Manifest) -> None:
         def requests() -> Iterator[coordinator_pb2.LoadJobStateRequest]:
             first = True
-            for name, tensor in read_layers(path, manifest, 0, manifest.num_layers):
+            layers = read_layers(path, manifest, 0, manifest.num_layers, check_digests=False)
+            for name, tensor in layers:
                 for frame in named_frames(name, tensor):
                     request = coordinator_pb2.LoadJobStateRequest(job_id=self.id, frame=frame)
                     if first:

@@ -1,0 +1,272 @@
+"""One float32 tensor echoed between two processes on loopback: pipesvc's links vs TCP vs gloo.
+
+Every transport does the same thing: process A sends the tensor, process B receives it whole and
+sends it back, A receives it whole; MB/s counts both directions (2 x bytes per round trip).
+
+- pipesvc: ``DownstreamLink`` (A) -> ``Exchange`` bidi stream -> ``UpstreamLink`` (B), i.e. the
+  real stage data plane (codec, 1 MiB frames, identity checks, mailboxes, send queues, gRPC
+  options of ``pipesvc.transport``); B's servicer echoes each activation back as a gradient
+  instead of running a StageService schedule.
+- tcp: a plain socket, ``sendall`` of the tensor's buffer, ``recv_into`` a preallocated buffer.
+- gloo: ``torch.distributed`` send/recv, ``init_method=tcp://127.0.0.1:PORT``.
+
+Usage: ``python bench/transport.py [--quick]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+SIZES_BYTES = [64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+QUICK_SIZES_BYTES = [64 << 10, 1 << 20, 4 << 20]
+WARMUP_ROUND_TRIPS = 3
+Plan = list[tuple[int, int]]  # (tensor bytes, timed round trips)
+Queue = Any  # multiprocessing.Queue (its class is not importable for annotations)
+
+
+def _plan(sizes: list[int], budget_bytes: int, max_iters: int) -> Plan:
+    return [(n, max(3, min(max_iters, budget_bytes // n))) for n in sizes]
+
+
+def _timed(plan: Plan, round_trip: Callable[[torch.Tensor], None]) -> list[float]:
+    seconds = []
+    for num_bytes, iters in plan:
+        x = torch.randn(num_bytes // 4)
+        for _ in range(WARMUP_ROUND_TRIPS):
+            round_trip(x)
+        start = time.perf_counter()
+        for _ in range(iters):
+            round_trip(x)
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+# -- pipesvc -----------------------------------------------------------------------------------
+
+
+def _pipesvc_server(q: Queue, plan: Plan) -> None:
+    from pipesvc.stage.links import UpstreamLink
+    from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
+    from pipesvc.tensor_codec import CodecLimits
+    from pipesvc.transport import create_server
+    from pipesvc.v1 import stage_pb2_grpc
+
+    torch.set_num_threads(1)
+    total = sum(WARMUP_ROUND_TRIPS + iters for _, iters in plan)
+    done = threading.Event()
+
+    class Echo(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
+        def Exchange(self, requests: Iterator[Any], context: Any) -> Iterator[Any]:
+            mailbox = Mailbox()
+            link = UpstreamLink(job_id="bench", epoch=1, mailbox=mailbox, limits=CodecLimits())
+
+            def echo() -> None:
+                for i in range(total):
+                    tensor = mailbox.get(MailKey(1, ACTIVATION, i), 600.0)
+                    link.send(MailKey(1, GRADIENT, i), tensor)
+                done.set()
+
+            threading.Thread(target=echo, daemon=True).start()
+            yield from link.serve(requests)
+
+    server, port, _ = create_server(
+        "127.0.0.1:0", [lambda s: stage_pb2_grpc.add_StageServiceServicer_to_server(Echo(), s)]
+    )
+    q.put(f"127.0.0.1:{port}")
+    done.wait(900)
+    time.sleep(1.0)  # let the last frames leave before the server stops
+    server.stop(grace=2)
+
+
+def _pipesvc_client(q: Queue, address: str, plan: Plan) -> None:
+    from pipesvc.stage.links import DownstreamLink
+    from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
+    from pipesvc.tensor_codec import CodecLimits
+    from pipesvc.transport import open_channel
+
+    torch.set_num_threads(1)
+    mailbox = Mailbox()
+    channel = open_channel(address)
+    link = DownstreamLink(
+        channel=channel,
+        address=address,
+        job_id="bench",
+        epoch=1,
+        mailbox=mailbox,
+        limits=CodecLimits(),
+    )
+    counter = iter(range(1 << 30))
+
+    def round_trip(x: torch.Tensor) -> None:
+        i = next(counter)
+        link.send(MailKey(1, ACTIVATION, i), x)
+        y = mailbox.get(MailKey(1, GRADIENT, i), 600.0)
+        if i == 0 and not torch.equal(x, y):
+            raise RuntimeError("pipesvc echo returned a different tensor")
+
+    q.put(_timed(plan, round_trip))
+    link.close()
+    channel.close()
+
+
+# -- plain TCP ---------------------------------------------------------------------------------
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("peer closed the socket")
+        got += n
+
+
+def _tcp_server(q: Queue, plan: Plan) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    q.put(f"127.0.0.1:{listener.getsockname()[1]}")
+    sock, _ = listener.accept()
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for num_bytes, iters in plan:
+        view = memoryview(bytearray(num_bytes))
+        for _ in range(WARMUP_ROUND_TRIPS + iters):
+            _recv_exact(sock, view)
+            sock.sendall(view)
+    sock.close()
+    listener.close()
+
+
+def _tcp_client(q: Queue, address: str, plan: Plan) -> None:
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buffers: dict[int, memoryview] = {}
+
+    def round_trip(x: torch.Tensor) -> None:
+        payload = memoryview(x.numpy()).cast("B")
+        view = buffers.setdefault(len(payload), memoryview(bytearray(len(payload))))
+        sock.sendall(payload)
+        _recv_exact(sock, view)
+
+    q.put(_timed(plan, round_trip))
+    sock.close()
+
+
+# -- torch.distributed gloo --------------------------------------------------------------------
+
+
+def _gloo_init(address: str, rank: int) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://{address}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
+
+
+def _gloo_server(q: Queue, plan: Plan) -> None:
+    import torch.distributed as dist
+
+    with socket.socket() as probe:  # a free port for rank 0's store (rank 0 binds it)
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    q.put(address)
+    _gloo_init(address, rank=1)
+    for num_bytes, iters in plan:
+        buf = torch.empty(num_bytes // 4)
+        for _ in range(WARMUP_ROUND_TRIPS + iters):
+            dist.recv(buf, src=0)
+            dist.send(buf, dst=0)
+    dist.destroy_process_group()
+
+
+def _gloo_client(q: Queue, address: str, plan: Plan) -> None:
+    import torch.distributed as dist
+
+    _gloo_init(address, rank=0)
+    buffers: dict[int, torch.Tensor] = {}
+
+    def round_trip(x: torch.Tensor) -> None:
+        buf = buffers.setdefault(x.numel(), torch.empty_like(x))
+        dist.send(x, dst=1)
+        dist.recv(buf, src=1)
+
+    q.put(_timed(plan, round_trip))
+    dist.destroy_process_group()
+
+
+# -- driver ------------------------------------------------------------------------------------
+
+TRANSPORTS: dict[str, tuple[Callable[..., None], Callable[..., None]]] = {
+    "pipesvc": (_pipesvc_server, _pipesvc_client),
+    "tcp": (_tcp_server, _tcp_client),
+    "gloo": (_gloo_server, _gloo_client),
+}
+
+
+def run_pair(name: str, plan: Plan) -> list[float]:
+    """Starts the echoing process and the timing one; returns seconds per plan entry."""
+    server_fn, client_fn = TRANSPORTS[name]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    server = ctx.Process(target=server_fn, args=(q, plan), daemon=True)
+    server.start()
+    address = q.get(timeout=120)
+    client = ctx.Process(target=client_fn, args=(q, address, plan), daemon=True)
+    client.start()
+    try:
+        seconds: list[float] = q.get(timeout=1800)
+    finally:
+        client.join(timeout=30)
+        server.join(timeout=30)
+        for proc in (client, server):
+            if proc.is_alive():
+                proc.terminate()
+    return seconds
+
+
+def _label(num_bytes: int) -> str:
+    return f"{num_bytes >> 20} MiB" if num_bytes >= 1 << 20 else f"{num_bytes >> 10} KiB"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, few round trips")
+    args = parser.parse_args()
+    if args.quick:
+        plan = _plan(QUICK_SIZES_BYTES, budget_bytes=32 << 20, max_iters=20)
+    else:
+        plan = _plan(SIZES_BYTES, budget_bytes=512 << 20, max_iters=200)
+    mb_s: dict[str, list[float]] = {}
+    for name in TRANSPORTS:
+        seconds = run_pair(name, plan)
+        mb_s[name] = [2 * n * it / s / 1e6 for (n, it), s in zip(plan, seconds, strict=True)]
+    print(
+        "\nEcho round trips of one float32 tensor between two processes on loopback; MB/s "
+        "(1e6 B/s) counts both directions.\npipesvc = DownstreamLink -> Exchange stream -> "
+        "UpstreamLink (pipesvc.stage.links) with an echo servicer in place of StageService.\n"
+    )
+    header = ["size", "round trips", "pipesvc MB/s", "tcp MB/s", "gloo MB/s"]
+    header += ["pipesvc/gloo", "pipesvc/tcp"]
+    rows = [header]
+    for i, (num_bytes, iters) in enumerate(plan):
+        p, t, g = mb_s["pipesvc"][i], mb_s["tcp"][i], mb_s["gloo"][i]
+        rows.append(
+            [_label(num_bytes), str(iters), f"{p:.0f}", f"{t:.0f}", f"{g:.0f}"]
+            + [f"{p / g:.2f}", f"{p / t:.2f}"]
+        )
+    widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
+    for row in rows:
+        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
+
+
+if __name__ == "__main__":
+    main()

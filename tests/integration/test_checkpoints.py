@@ -1,0 +1,73 @@
+"""Checkpoints a user takes: job.save(path), and resuming under another plan."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import pipesvc
+from tests.integration.reference import PROBLEMS, Reference
+
+GPT = PROBLEMS["gpt"]
+OPTIMIZER = {"name": "adamw", "lr": 1e-2}
+
+
+def _job(client: pipesvc.Client, num_stages: int, **extra: object) -> pipesvc.Job:
+    return client.create_job(
+        model="gpt",
+        model_args=GPT.model_args,
+        seed=5,
+        num_stages=num_stages,
+        num_microbatches=2,
+        optimizer=OPTIMIZER,
+        loss=GPT.loss,
+        **extra,  # type: ignore[arg-type]
+    )
+
+
+def test_save_and_resume_under_another_plan(client: pipesvc.Client, tmp_path: Path) -> None:
+    reference = Reference(GPT, seed=5, optimizer=OPTIMIZER, clip_grad_norm=None)
+    with _job(client, 2) as job:
+        for step in range(2):
+            x, y = GPT.batch(6, seed=step)
+            job.train_step(x, y)
+            reference.step(x, y)
+        job.save(tmp_path / "ckpt")
+    manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
+    assert manifest["step"] == 2 and manifest["num_layers"] == 4
+    assert all(len(entry["sha256"]) == 64 for entry in manifest["files"].values())
+    # Resume on 3 stages (another plan): weights, Adam state and the step count carry over.
+    with _job(client, 3, resume_from=tmp_path / "ckpt") as resumed:
+        assert resumed.step == 2 and len(resumed.plan) == 3
+        for step in range(2, 4):
+            x, y = GPT.batch(6, seed=step)
+            loss = resumed.train_step(x, y)
+            assert loss == pytest.approx(reference.step(x, y), rel=1e-5)
+        assert resumed.step == 4
+        weights = resumed.state_dict()
+        for key, value in reference.model.state_dict().items():
+            torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=1e-5)
+
+
+def test_resume_refuses_another_model_and_a_tampered_file(
+    client: pipesvc.Client, tmp_path: Path
+) -> None:
+    with _job(client, 2) as job:
+        job.save(tmp_path / "ckpt")
+    with pytest.raises(pipesvc.InvalidArgumentError, match="model_args"):
+        client.create_job(
+            model="gpt",
+            model_args={**GPT.model_args, "num_blocks": 3},
+            num_stages=2,
+            resume_from=tmp_path / "ckpt",
+        )
+    layer_file = sorted((tmp_path / "ckpt").glob("layer-*.safetensors"))[0]
+    data = bytearray(layer_file.read_bytes())
+    data[-1] ^= 0xFF
+    layer_file.write_bytes(bytes(data))
+    with pytest.raises(pipesvc.InvalidArgumentError, match="SHA-256"):
+        _job(client, 2, resume_from=tmp_path / "ckpt")
+    assert all(not s.job_id for s in client.stages())  # the failed resume freed its stages
