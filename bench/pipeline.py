@@ -70,7 +70,7 @@ def _one_process(q: Queue, num_threads: int, num_steps: int) -> None:
 
     def step() -> None:
         opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
+        torch.autograd.backward(F.mse_loss(model(x), y))
         opt.step()
 
     q.put(("ok", _time_steps(step, num_steps)))
@@ -212,8 +212,14 @@ def main() -> None:
             ratio = f"{ours[schedule] / theirs:.2f}" if isinstance(theirs, float) else "n/a"
             torch_cell = f"{theirs:.2f}" if isinstance(theirs, float) else "failed"
             rows.append(
-                [schedule, str(num_stages), torch_cell, f"{ours[schedule]:.2f}", ratio]
-                + [f"{ours[schedule] / single[2]:.2f}"]
+                [
+                    schedule,
+                    str(num_stages),
+                    torch_cell,
+                    f"{ours[schedule]:.2f}",
+                    ratio,
+                    f"{ours[schedule] / single[2]:.2f}",
+                ]
             )
     print(
         f"\nTraining steps/s, {DEPTH} x (Linear({WIDTH}, {WIDTH}) + ReLU), batch {BATCH} in "

@@ -50,9 +50,6 @@ def _timed(plan: Plan, round_trip: Callable[[torch.Tensor], None]) -> list[float
     return seconds
 
 
-# -- pipesvc -----------------------------------------------------------------------------------
-
-
 def _pipesvc_server(q: Queue, plan: Plan) -> None:
     from pipesvc.stage.links import UpstreamLink
     from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
@@ -118,9 +115,6 @@ def _pipesvc_client(q: Queue, address: str, plan: Plan) -> None:
     channel.close()
 
 
-# -- plain TCP ---------------------------------------------------------------------------------
-
-
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
     got = 0
     while got < len(view):
@@ -151,7 +145,7 @@ def _tcp_client(q: Queue, address: str, plan: Plan) -> None:
     buffers: dict[int, memoryview] = {}
 
     def round_trip(x: torch.Tensor) -> None:
-        payload = memoryview(x.numpy()).cast("B")
+        payload = memoryview(x.numpy().data).cast("B")
         view = buffers.setdefault(len(payload), memoryview(bytearray(len(payload))))
         sock.sendall(payload)
         _recv_exact(sock, view)
@@ -160,15 +154,16 @@ def _tcp_client(q: Queue, address: str, plan: Plan) -> None:
     sock.close()
 
 
-# -- torch.distributed gloo --------------------------------------------------------------------
-
-
 def _gloo_init(address: str, rank: int) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://{address}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+        "gloo",
+        init_method=f"tcp://{address}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=60),
     )
 
 
@@ -203,8 +198,6 @@ def _gloo_client(q: Queue, address: str, plan: Plan) -> None:
     dist.destroy_process_group()
 
 
-# -- driver ------------------------------------------------------------------------------------
-
 TRANSPORTS: dict[str, tuple[Callable[..., None], Callable[..., None]]] = {
     "pipesvc": (_pipesvc_server, _pipesvc_client),
     "tcp": (_tcp_server, _tcp_client),
@@ -233,8 +226,8 @@ def run_pair(name: str, plan: Plan) -> list[float]:
     return seconds
 
 
-def _label(num_bytes: int) -> str:
-    return f"{num_bytes >> 20} MiB" if num_bytes >= 1 << 20 else f"{num_bytes >> 10} KiB"
+def _label(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
 def main() -> None:
@@ -259,10 +252,8 @@ def main() -> None:
     rows = [header]
     for i, (num_bytes, iters) in enumerate(plan):
         p, t, g = mb_s["pipesvc"][i], mb_s["tcp"][i], mb_s["gloo"][i]
-        rows.append(
-            [_label(num_bytes), str(iters), f"{p:.0f}", f"{t:.0f}", f"{g:.0f}"]
-            + [f"{p / g:.2f}", f"{p / t:.2f}"]
-        )
+        rates = [f"{v:.0f}" for v in (p, t, g)]
+        rows.append([_label(num_bytes), str(iters), *rates, f"{p / g:.2f}", f"{p / t:.2f}"])
     widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
     for row in rows:
         print("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))

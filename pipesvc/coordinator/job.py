@@ -119,6 +119,7 @@ class JobDriver:
         self._deadlines = deadlines
         self._storage = storage
         self._needs_reconcile = needs_reconcile
+        self._replay_target: int | None = None
         self._lock = threading.Lock()
         self._pool = futures.ThreadPoolExecutor(max_workers=16)
 
@@ -140,7 +141,8 @@ class JobDriver:
             ],
             layers=stage_pb2.DescribeResponse(layers=self.layers).SerializeToString(),
             epoch=self.epoch,
-            step=self.step,
+            # Mid-replay, the committed count is the replay's target, not where replay is.
+            step=max(self.step, self._replay_target or 0),
             run_id=self._run_id,
             checkpoint_step=self.checkpoint_step,
             closed=self.closed,
@@ -422,14 +424,17 @@ class JobDriver:
                 self._deadlines.health_s,
             )
         self.epoch += 1
+        # A recovery interrupted mid-replay keeps its target: the steps committed before it.
+        target = self.step if self._replay_target is None else self._replay_target
+        self._replay_target = target
         self._assign()
-        target = self.step
         self._restore()
         self._persist()
         for step in range(self.step + 1, target + 1):
             inputs, targets = self._storage.log.read(step)
             m = self.config.num_microbatches
             self._train_once(microbatch.split(inputs, m), microbatch.split(targets, m), None)
+        self._replay_target = None
         self._persist()
 
     def _assign(self) -> None:
