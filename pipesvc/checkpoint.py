@@ -38,7 +38,7 @@ def layer_of(name: str) -> int:
     """
     text = name[len(OPTIM_PREFIX) :] if name.startswith(OPTIM_PREFIX) else name
     head = text.split(".", 1)[0]
-    if not head.isdigit():
+    if not (head.isascii() and head.isdigit()):
         raise InvalidArgumentError(f"checkpoint key {name!r} does not start with a layer index")
     return int(head)
 

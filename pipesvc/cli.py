@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pipesvc import logs
 from pipesvc.errors import PipesvcError
-from pipesvc.limits import Limits
+from pipesvc.limits import Limits, parse_bytes
 from pipesvc.metrics import NO_METRICS, Metrics
 from pipesvc.security import Security
 
@@ -141,7 +141,11 @@ def _cmd_stage(args: argparse.Namespace) -> int:
         StageOptions(
             address="",
             device=device,
-            memory_bytes=device_memory_bytes(device),
+            memory_bytes=(
+                parse_bytes(args.memory_budget)
+                if args.memory_budget
+                else device_memory_bytes(device)
+            ),
             recv_timeout_s=args.recv_timeout_s,
             security=security,
             limits=_limits(args),
@@ -334,6 +338,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=60.0,
         help="on SIGTERM, wait this long for the coordinator to move the layers away",
+    )
+    p.add_argument(
+        "--memory-budget",
+        help="memory the planner may fill on this stage, e.g. 8GiB (default: free now)",
     )
     p.add_argument("--duplicate-sends", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--fault-kill", help=argparse.SUPPRESS)

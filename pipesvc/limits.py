@@ -7,6 +7,43 @@ from dataclasses import dataclass
 from pipesvc.errors import InvalidArgumentError
 from pipesvc.tensor_codec import CodecLimits
 
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """``"8GiB"``, ``"512MiB"``, ``"1.5G"`` or ``"1000000"`` as a byte count.
+
+    Raises:
+        InvalidArgumentError: not a positive size with a known unit.
+    """
+    stripped = text.strip().lower()
+    number = stripped.rstrip("kmgtib")
+    unit = stripped[len(number) :]
+    try:
+        value = float(number) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise InvalidArgumentError(
+            f"size {text!r} is not understood; expected e.g. 8GiB, 512MiB, 1.5G or 1000000"
+        ) from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise InvalidArgumentError(f"size {text!r} must be positive")
+    return int(value)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Limits:

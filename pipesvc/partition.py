@@ -14,7 +14,7 @@ __all__ = [
     "uniform",
 ]
 
-PARTITIONS: tuple[str, ...] = ("uniform", "parameters")
+PARTITIONS: tuple[str, ...] = ("uniform", "parameters", "memory")
 """Partition methods accepted by :func:`partition`."""
 
 
@@ -139,6 +139,43 @@ def balanced(costs: Sequence[int], num_stages: int) -> list[tuple[int, int]]:
     return ranges
 
 
+def fit_capacities(costs: Sequence[int], capacities: Sequence[int]) -> list[tuple[int, int]]:
+    """Contiguous ranges, one per capacity in order, minimising the largest cost / capacity.
+
+    Exact (dynamic programming over cut points, O(stages x layers^2)); used by the ``memory``
+    partition, where costs are per-layer memory estimates and capacities the stages' budgets.
+
+    Raises:
+        InvalidArgumentError: more stages than layers, or a capacity that is not positive.
+    """
+    num_layers, num_stages = len(costs), len(capacities)
+    _check_counts(num_layers, num_stages)
+    if any(c <= 0 for c in capacities):
+        raise InvalidArgumentError(f"capacities {list(capacities)} must all be positive")
+    prefix = [0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+    inf = float("inf")
+    # best[j][i]: the least worst ratio placing layers [0, i) on the first j stages.
+    best = [[inf] * (num_layers + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (num_layers + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for j in range(1, num_stages + 1):
+        capacity = capacities[j - 1]
+        for i in range(j, num_layers - (num_stages - j) + 1):
+            for k in range(j - 1, i):
+                worst = max(best[j - 1][k], (prefix[i] - prefix[k]) / capacity)
+                if worst < best[j][i]:
+                    best[j][i], cut[j][i] = worst, k
+    ranges = []
+    end = num_layers
+    for j in range(num_stages, 0, -1):
+        start = cut[j][end]
+        ranges.append((start, end))
+        end = start
+    return ranges[::-1]
+
+
 def partition(method: str, costs: Sequence[int], num_stages: int) -> list[tuple[int, int]]:
     """Splits layers into ``num_stages`` contiguous ranges with the named method.
 
@@ -157,7 +194,8 @@ def partition(method: str, costs: Sequence[int], num_stages: int) -> list[tuple[
     """
     if method == "uniform":
         return uniform(len(costs), num_stages)
-    if method == "parameters":
+    if method in ("parameters", "memory"):
+        # "memory" with equal budgets is a balance of costs; unequal ones use fit_capacities.
         return balanced(costs, num_stages)
     raise InvalidArgumentError(
         f"unknown partition method {method!r}; expected one of {', '.join(PARTITIONS)}"

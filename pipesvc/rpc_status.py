@@ -82,6 +82,11 @@ def error_from_rpc(error: grpc.RpcError, where: str = "") -> PipesvcError:
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
+def abort_with(context: grpc.ServicerContext, error: PipesvcError) -> None:
+    """Ends the call with ``error``'s status code, message and class name (raises)."""
+    _abort(context, error)
+
+
 def _abort(context: grpc.ServicerContext, error: PipesvcError) -> None:
     context.set_trailing_metadata(((ERROR_CLASS_KEY, type(error).__name__),))
     context.abort(status_code(error), str(error))

@@ -45,7 +45,9 @@ def split_address(address: str) -> tuple[str, int]:
         InvalidArgumentError: no port, or a port outside [0, 65535].
     """
     host, sep, port_text = address.rpartition(":")
-    if not sep or not host or not port_text.isdigit() or int(port_text) > 65535:
+    if not sep or not host or not (port_text.isascii() and port_text.isdigit()):
+        raise InvalidArgumentError(f"address {address!r} must look like HOST:PORT")
+    if int(port_text) > 65535:
         raise InvalidArgumentError(f"address {address!r} must look like HOST:PORT")
     return host, int(port_text)
 

@@ -78,6 +78,20 @@ def memory_estimate(
     return weights * (2 + _OPTIMIZER_COPIES.get(optimizer, 1))
 
 
+def _ranges(
+    config: JobConfig,
+    layers: Sequence[stage_pb2.LayerDescription],
+    records: Sequence[StageRecord],
+) -> list[tuple[int, int]]:
+    """Layer ranges for ``records`` (in rank order) under the job's partition method."""
+    if config.partition == "memory":
+        optimizer = str(config.optimizer.get("name"))
+        costs = [memory_estimate(layers, i, i + 1, optimizer) for i in range(len(layers))]
+        return partition.fit_capacities(costs, [r.memory_bytes for r in records])
+    costs = [int(layer.num_parameters) for layer in layers]
+    return partition.partition(config.partition, costs, len(records))
+
+
 def _place(
     config: JobConfig,
     layers: Sequence[stage_pb2.LayerDescription],
@@ -112,8 +126,7 @@ def first_plan(
         PlanError: fewer free stages than ``num_stages``.
         ResourceExhaustedError: a stage's share does not fit its memory.
     """
-    costs = [int(layer.num_parameters) for layer in layers]
-    ranges = partition.partition(config.partition, costs, config.num_stages)
+    partition.partition("uniform", [0] * len(layers), config.num_stages)  # checks the counts
     check_schedule(config.schedule, config.num_stages, config.num_microbatches)
     candidates = registry.free(config.model)
     if config.num_stages > len(candidates):
@@ -121,7 +134,8 @@ def first_plan(
             f"num_stages ({config.num_stages}) exceeds the free stages that can build "
             f"{config.model!r} ({len(candidates)} of {len(registry.all())} registered)"
         )
-    plan = _place(config, layers, ranges, candidates[: config.num_stages])
+    chosen = candidates[: config.num_stages]
+    plan = _place(config, layers, _ranges(config, layers, chosen), chosen)
     if not registry.claim([s.address for s in plan], job_id):
         raise PlanError("stages were taken by another job while planning; try again")
     return plan
@@ -160,8 +174,7 @@ def replan(
             raise PlanError(f"job {job_id}: every stage is lost and no spare is registered")
         count = min(len(chosen), len(layers))
         chosen = chosen[:count]
-        costs = [int(layer.num_parameters) for layer in layers]
-        ranges = partition.partition(config.partition, costs, count)
+        ranges = _ranges(config, layers, [records[a] for a in chosen])
         logger.warning(
             "job %s: no spare for every lost stage; re-partitioning over %d stages", job_id, count
         )

@@ -60,4 +60,5 @@ def run_coordinator(
     finally:
         health.enter_graceful_shutdown()
         service.shutdown()
-        server.stop(grace=2.0).wait()
+        # Bounded: grpc's stop can hang after a stream whose request failed to deserialize.
+        server.stop(grace=2.0).wait(timeout=5.0)

@@ -103,6 +103,13 @@ def load_into_stages(
     futures.wait(calls.values())
     failure = failure or next((c.exception() for c in calls.values() if c.exception()), None)
     missing = sorted(expected - seen)
+    if failure is None and not missing:
+        # Every stage checks what it staged before any stage applies: all or none.
+        check = stage_pb2.ApplyStateRequest(job_id=job_id, check=True)
+        try:
+            call_all(registry, plan, lambda s: ("ApplyState", check), timeout_s)
+        except PipesvcError as exc:
+            failure = exc
     apply = failure is None and not missing
 
     def apply_request(stage: PipelineStage) -> tuple[str, Any]:

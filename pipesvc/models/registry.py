@@ -260,8 +260,13 @@ def _construct(spec: LayerSpec, index: int, default_device: torch.device) -> nn.
             return spec.build()
     except InvalidArgumentError:
         raise
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise InvalidArgumentError(f"building layer {index} ({spec!r}) failed: {exc}") from exc
+    except (RuntimeError, MemoryError) as exc:
+        # Absurd sizes from request arguments (e.g. a layer of 2**63 features) end here.
+        raise InvalidArgumentError(
+            f"building layer {index} ({spec!r}) failed; are the model arguments sane? {exc}"
+        ) from exc
 
 
 def build_layers(

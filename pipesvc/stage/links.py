@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import grpc
 import torch
@@ -79,8 +79,9 @@ class FrameReader:
         self._limits = limits
         self._pending: tuple[MailKey, FrameAssembler] | None = None
 
-    def feed(self, frame: stage_pb2.DataFrame) -> None:
-        """Adds one frame; a completed tensor goes to the mailbox.
+    def feed(self, frame: stage_pb2.DataFrame) -> bool:
+        """Adds one frame; a completed tensor goes to the mailbox. Returns True when a tensor
+        was completed and accepted (not stale, not a duplicate).
 
         Raises:
             WireFormatError: wrong job, epoch or direction, or frames out of order.
@@ -107,10 +108,12 @@ class FrameReader:
         self._metrics.inc(
             "bytes_total", len(frame.data), direction="received", kind=self._direction
         )
-        if tensor is not None:
-            self._pending = None
-            self._mailbox.put(key, tensor)
-            self._metrics.set("queue_depth", len(self._mailbox), queue="mailbox")
+        if tensor is None:
+            return False
+        self._pending = None
+        accepted = self._mailbox.put(key, tensor)
+        self._metrics.set("queue_depth", len(self._mailbox), queue="mailbox")
+        return accepted
 
 
 class DownstreamLink:
@@ -192,8 +195,10 @@ class UpstreamLink:
         limits: CodecLimits,
         duplicate_sends: bool = False,
         metrics: Metrics = NO_METRICS,
+        on_established: Callable[[UpstreamLink], None] | None = None,
     ) -> None:
         self._metrics = metrics
+        self._on_established = on_established
         self.job_id = job_id
         self._copies = 2 if duplicate_sends else 1
         self.epoch = epoch
@@ -233,9 +238,15 @@ class UpstreamLink:
             yield from _frames(item, self.job_id, self.epoch, self._copies, self._metrics)
 
     def _read(self, requests: Iterable[stage_pb2.DataFrame]) -> None:
+        established = False
         try:
             for frame in requests:
-                self._reader.feed(frame)
+                # Only a stream that delivers a tensor the mailbox accepts (a current run's,
+                # not stale, not a duplicate) becomes the link gradients go back on.
+                if self._reader.feed(frame) and not established:
+                    if self._on_established is not None:
+                        self._on_established(self)
+                    established = True
         except PipesvcError as exc:
             logger.warning("bad frame from upstream: %s", exc)
             self._queue.put(exc)

@@ -10,6 +10,7 @@ modified in place, so it can be sent while compute goes on.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -20,6 +21,15 @@ from pipesvc.errors import FailedPreconditionError, InvalidArgumentError
 from pipesvc.loss import compute_loss
 from pipesvc.models import build_layers
 from pipesvc.optim import build_optimizer
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Prepared:
+    """State checked by ``check_state``, ready to apply."""
+
+    weights: dict[str, torch.Tensor]
+    optim_state: dict[torch.nn.Parameter, dict[str, torch.Tensor]]
+    has_optim: bool
 
 
 class StageRuntime:
@@ -192,11 +202,9 @@ class StageRuntime:
             return dict(group_by_layer(result))
         return result
 
-    def check_and_load(self, staged: dict[str, torch.Tensor], step: int | None = None) -> None:
-        """Loads ``staged`` if it holds exactly this stage's state_dict (plus, optionally,
-        optimizer state under OPTIM_PREFIX keys); sets the step counter if ``step`` is given.
-
-        Everything is checked before anything changes.
+    def check_state(self, staged: dict[str, torch.Tensor]) -> _Prepared:
+        """Checks that ``staged`` is exactly this stage's state_dict (plus, optionally,
+        optimizer state under OPTIM_PREFIX keys) and prepares it; changes nothing.
 
         Raises:
             InvalidArgumentError: missing or unexpected keys, or a shape or dtype mismatch.
@@ -227,18 +235,29 @@ class StageRuntime:
                     f"[{self.start_layer}, {self.end_layer})"
                 )
             param = params[name]
-            if tensor.dim() > 0 and tensor.shape != param.shape:
+            if tensor.dim() > 0 and (tensor.shape != param.shape or tensor.dtype != param.dtype):
                 raise InvalidArgumentError(
-                    f"optimizer state {OPTIM_PREFIX}{key} has shape {list(tensor.shape)}; "
-                    f"its parameter has {list(param.shape)}"
+                    f"optimizer state {OPTIM_PREFIX}{key} is {list(tensor.shape)} "
+                    f"{tensor.dtype}; its parameter is {list(param.shape)} {param.dtype}"
+                )
+            if tensor.dim() == 0 and not tensor.is_floating_point():
+                raise InvalidArgumentError(
+                    f"optimizer state {OPTIM_PREFIX}{key} is a {tensor.dtype} scalar; "
+                    "a floating-point one is expected"
                 )
             # Scalars (Adam's step count) stay on the CPU, as torch keeps them.
             device = param.device if tensor.dim() > 0 else torch.device("cpu")
             optim_state.setdefault(param, {})[slot] = tensor.to(device, copy=True)
+        return _Prepared(weights=weights, optim_state=optim_state, has_optim=bool(optim))
+
+    def load_state(self, prepared: _Prepared, step: int | None = None) -> None:
+        """Applies what ``check_state`` prepared; sets the step counter if ``step`` is given."""
+        current = self.module.state_dict()
+        weights, optim_state = prepared.weights, prepared.optim_state
         with torch.no_grad():
             for name, tensor in weights.items():
                 current[name].copy_(tensor)
-        if optim and self.optimizer is not None:
+        if prepared.has_optim and self.optimizer is not None:
             self.optimizer.state.clear()
             for param, slots in optim_state.items():
                 self.optimizer.state[param] = slots

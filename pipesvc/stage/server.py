@@ -27,9 +27,16 @@ def default_device() -> torch.device:
 
 
 def device_memory_bytes(device: torch.device) -> int:
-    """Total memory of ``device`` (physical RAM for the CPU)."""
+    """Memory free on ``device`` now: the default memory budget of a stage."""
     if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[1])
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
@@ -39,6 +46,7 @@ def register(
     device: torch.device,
     timeout_s: float,
     security: Security,
+    memory_bytes: int,
 ) -> None:
     """Announces this stage to the coordinator, waiting up to ``timeout_s`` for it to be up.
 
@@ -48,7 +56,7 @@ def register(
     request = coordinator_pb2.RegisterStageRequest(
         address=address,
         device=str(device),
-        memory_bytes=device_memory_bytes(device),
+        memory_bytes=memory_bytes,
         models=models.known_models(),
     )
     with open_channel(coordinator, security) as channel:
@@ -68,11 +76,12 @@ def _heartbeat(
     security: Security,
     interval_s: float,
     stop: threading.Event,
+    memory_bytes: int,
 ) -> None:
     """Re-registers every ``interval_s`` so a restarted coordinator learns of this stage."""
     while not stop.wait(interval_s):
         try:
-            register(coordinator, address, device, min(5.0, interval_s * 2), security)
+            register(coordinator, address, device, min(5.0, interval_s * 2), security, memory_bytes)
         except StageUnavailableError as exc:
             logger.debug("heartbeat to %s failed: %s", coordinator, exc)
 
@@ -135,7 +144,14 @@ def run_stage(
     )
     beat_stop = threading.Event()
     try:
-        register(coordinator, address, options.device, register_timeout_s, options.security)
+        register(
+            coordinator,
+            address,
+            options.device,
+            register_timeout_s,
+            options.security,
+            options.memory_bytes,
+        )
         logger.info("registered with coordinator %s", coordinator)
         threading.Thread(
             target=_heartbeat,
@@ -146,6 +162,7 @@ def run_stage(
                 options.security,
                 heartbeat_interval_s,
                 beat_stop,
+                options.memory_bytes,
             ),
             name="heartbeat",
             daemon=True,
@@ -157,4 +174,5 @@ def run_stage(
     finally:
         beat_stop.set()
         health.enter_graceful_shutdown()
-        server.stop(grace=2.0).wait()
+        # Bounded: grpc's stop can hang after a stream whose request failed to deserialize.
+        server.stop(grace=2.0).wait(timeout=5.0)

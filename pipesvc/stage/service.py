@@ -17,11 +17,12 @@ from pipesvc.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
+    PipesvcError,
     StepAbortedError,
 )
 from pipesvc.limits import Limits
 from pipesvc.metrics import Metrics
-from pipesvc.rpc_status import handle_errors
+from pipesvc.rpc_status import abort_with, handle_errors
 from pipesvc.schedule import Action, ActionKind, forward_only_actions, stage_actions
 from pipesvc.security import Security
 from pipesvc.stage.faults import FaultKill
@@ -476,10 +477,13 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
     def ApplyState(self, request: stage_pb2.ApplyStateRequest, context: object) -> object:
         job = self._current(request.job_id)
         with job.run_lock:
+            if request.check:
+                job.runtime.check_state(job.staged)
+                return stage_pb2.ApplyStateResponse()
             staged, job.staged = job.staged, {}
             if request.apply:
                 step = request.step if request.HasField("step") else None
-                job.runtime.check_and_load(staged, step)
+                job.runtime.load_state(job.runtime.check_state(staged), step)
         return stage_pb2.ApplyStateResponse()
 
     @handle_errors
@@ -511,6 +515,14 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
         if job is None:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this stage holds no job")
             return
+
+        def establish(link: UpstreamLink) -> None:
+            # Only a stream whose first frame passed the identity checks replaces the link
+            # gradients go back on: a junk stream never cuts the real upstream off.
+            previous, job.upstream = job.upstream, link
+            if previous is not None and previous is not link:
+                previous.close()
+
         link = UpstreamLink(
             job_id=job.job_id,
             epoch=job.epoch,
@@ -518,13 +530,11 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
             limits=self._codec,
             duplicate_sends=self._options.duplicate_sends,
             metrics=self._options.metrics,
+            on_established=establish,
         )
-        previous, job.upstream = job.upstream, link
-        if previous is not None:
-            previous.close()
         try:
             yield from link.serve(request_iterator)
-        except InvalidArgumentError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except StepAbortedError:
             return
+        except PipesvcError as exc:
+            abort_with(context, exc)

@@ -31,7 +31,7 @@ def all_partitions(num_layers: int, num_stages: int) -> list[list[tuple[int, int
 
 
 def test_partitions_constant() -> None:
-    assert PARTITIONS == ("uniform", "parameters")
+    assert PARTITIONS == ("uniform", "parameters", "memory")
 
 
 @pytest.mark.parametrize("num_layers", range(1, 13))
@@ -110,8 +110,8 @@ def test_too_few_stages(num_stages: int) -> None:
 
 
 def test_unknown_method_lists_choices() -> None:
-    with pytest.raises(InvalidArgumentError, match=r"'memory'.*uniform, parameters"):
-        partition("memory", [1, 2, 3], 2)
+    with pytest.raises(InvalidArgumentError, match=r"'bytes'.*uniform, parameters, memory"):
+        partition("bytes", [1, 2, 3], 2)
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])
@@ -127,3 +127,39 @@ def test_max_stage_cost() -> None:
     assert max_stage_cost([1, 2], []) == 0
     with pytest.raises(InvalidArgumentError, match=r"\[1, 5\)"):
         max_stage_cost([1, 2], [(1, 5)])
+
+
+def _all_cuts(num_layers: int, num_stages: int) -> list[list[tuple[int, int]]]:
+    found = []
+    for cuts in itertools.combinations(range(1, num_layers), num_stages - 1):
+        bounds = [0, *cuts, num_layers]
+        found.append(list(itertools.pairwise(bounds)))
+    return found
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_fit_capacities_is_optimal_against_brute_force(seed: int) -> None:
+    from pipesvc.partition import fit_capacities
+
+    rng = random.Random(seed)
+    num_layers = rng.randint(1, 8)
+    num_stages = rng.randint(1, num_layers)
+    costs = [rng.randint(0, 50) for _ in range(num_layers)]
+    capacities = [rng.randint(1, 40) for _ in range(num_stages)]
+    ranges = fit_capacities(costs, capacities)
+    assert ranges[0][0] == 0 and ranges[-1][1] == num_layers
+    assert all(a[1] == b[0] and a[0] < a[1] for a, b in itertools.pairwise(ranges))
+
+    def worst(candidate: list[tuple[int, int]]) -> float:
+        return max(sum(costs[s:e]) / c for (s, e), c in zip(candidate, capacities, strict=True))
+
+    best = min(worst(c) for c in _all_cuts(num_layers, num_stages))
+    assert worst(ranges) == pytest.approx(best)
+
+
+def test_fit_capacities_gives_big_budgets_more() -> None:
+    from pipesvc.partition import fit_capacities
+
+    assert fit_capacities([1] * 8, [1, 3]) == [(0, 2), (2, 8)]
+    with pytest.raises(InvalidArgumentError, match="positive"):
+        fit_capacities([1, 2], [1, 0])

@@ -1,0 +1,63 @@
+"""Memory budgets: a model that fits no single stage trains across stages whose budgets it fits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pipesvc
+from pipesvc.limits import parse_bytes
+from tests.integration.reference import Problem, Reference
+
+# 4 layers of 263, 263, 263 and 8 kB of float32 weights; with gradients and SGD's momentum a
+# stage needs 3x that: 2.4 MB for the whole model, 0.79 MB for one wide layer.
+WIDE = Problem(
+    "mlp",
+    {"in_features": 256, "hidden_features": 256, "out_features": 8, "num_layers": 4},
+    "mse",
+    (256,),
+    target_shape=(8,),
+)
+OPTIMIZER = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("8GiB") == 8 * 2**30
+    assert parse_bytes("1.5M") == 1_500_000
+    assert parse_bytes("4096") == 4096
+    for bad in ("", "12XB", "-1G", "0"):
+        with pytest.raises(pipesvc.InvalidArgumentError, match="size"):
+            parse_bytes(bad)
+
+
+def test_memory_partition_fits_budgets_no_single_stage_could() -> None:
+    with (
+        pipesvc.LocalCluster(
+            num_stages=1, threads_per_stage=1, stage_args=["--memory-budget", "0.9MiB"]
+        ) as cluster,
+        cluster.connect() as client,
+    ):
+        cluster.add_stage(["--memory-budget", "2MiB"])
+        small = client.stages()[0].address
+        options = {
+            "model": "mlp",
+            "model_args": WIDE.model_args,
+            "num_microbatches": 2,
+            "loss": "mse",
+            "optimizer": OPTIMIZER,
+        }
+        with pytest.raises(pipesvc.ResourceExhaustedError, match=rf"{small}.*MiB; it has 1 MiB"):
+            client.create_job(num_stages=1, **options)  # type: ignore[arg-type]
+        # Balancing parameters ignores the budgets and overfills the small stage...
+        with pytest.raises(pipesvc.ResourceExhaustedError, match=small):
+            client.create_job(num_stages=2, partition="parameters", **options)  # type: ignore[arg-type]
+        # ...the memory partition gives it one layer and the big stage the rest.
+        reference = Reference(WIDE, seed=0, optimizer=OPTIMIZER, clip_grad_norm=None)
+        with client.create_job(num_stages=2, partition="memory", **options) as job:  # type: ignore[arg-type]
+            assert [(s.start_layer, s.end_layer) for s in job.plan] == [(0, 1), (1, 4)]
+            for step in range(3):
+                x, y = WIDE.batch(6, seed=step)
+                assert job.train_step(x, y) == pytest.approx(reference.step(x, y), rel=1e-5)
+            weights = job.state_dict()
+            for key, value in reference.model.state_dict().items():
+                torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-6)
