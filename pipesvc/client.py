@@ -29,7 +29,7 @@ from pipesvc.checkpoint import (
 )
 from pipesvc.config import JobConfig, config_from_proto, config_to_dict, config_to_proto
 from pipesvc.errors import InvalidArgumentError
-from pipesvc.plan import PipelineStage
+from pipesvc.plan import PipelineStage, plan_to_dicts
 from pipesvc.rpc_status import error_from_rpc
 from pipesvc.security import Security, TLSConfig
 from pipesvc.tensor_codec import decode, encode, named_frames, read_named_frames
@@ -302,15 +302,7 @@ class Job:
                 step=info.step,
                 spec=config_to_dict(config_from_proto(info.spec)),
                 num_layers=info.num_layers,
-                plan=[
-                    {
-                        "start_layer": s.start_layer,
-                        "end_layer": s.end_layer,
-                        "rank": s.rank,
-                        "address": s.address,
-                    }
-                    for s in info.plan
-                ],
+                plan=plan_to_dicts(Job(self._client, info).plan),
             )
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, f"coordinator {self._client.address}") from exc

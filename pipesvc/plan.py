@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pipesvc.errors import InvalidArgumentError
 
@@ -25,6 +26,19 @@ class PipelineStage:
     def num_layers(self) -> int:
         """How many layers this stage holds."""
         return self.end_layer - self.start_layer
+
+
+def plan_to_dicts(plan: Sequence[PipelineStage]) -> list[dict[str, Any]]:
+    """A plan as JSON-ready dicts (for manifests and the state database)."""
+    return [
+        {
+            "start_layer": s.start_layer,
+            "end_layer": s.end_layer,
+            "rank": s.rank,
+            "address": s.address,
+        }
+        for s in plan
+    ]
 
 
 def check_plan(plan: Sequence[PipelineStage], num_layers: int) -> None:

@@ -55,7 +55,7 @@ from pipesvc.errors import (
     UnauthenticatedError,
 )
 from pipesvc.metrics import NO_METRICS, Metrics
-from pipesvc.plan import PipelineStage
+from pipesvc.plan import PipelineStage, plan_to_dicts
 from pipesvc.rpc_status import error_from_rpc
 from pipesvc.step_log import StepLog
 from pipesvc.tensor_codec import decode, encode, named_frames, read_named_frames
@@ -130,15 +130,7 @@ class JobDriver:
         return JobRecord(
             job_id=self.job_id,
             spec=config_to_dict(self.config),
-            plan=[
-                {
-                    "start_layer": s.start_layer,
-                    "end_layer": s.end_layer,
-                    "rank": s.rank,
-                    "address": s.address,
-                }
-                for s in self.plan
-            ],
+            plan=plan_to_dicts(self.plan),
             layers=stage_pb2.DescribeResponse(layers=self.layers).SerializeToString(),
             epoch=self.epoch,
             # Mid-replay, the committed count is the replay's target, not where replay is.
@@ -398,18 +390,20 @@ class JobDriver:
         self._rebuild(leaving)
         for stage in old:
             if stage.address in leaving:
-                try:
-                    call_stage(
-                        self._registry,
-                        stage,
-                        "Release",
-                        stage_pb2.ReleaseRequest(job_id=self.job_id),
-                        self._deadlines.abort_s,
-                    )
-                except PipesvcError as exc:
-                    logger.warning(
-                        "job %s: release of leaving %s failed: %s", self.job_id, where(stage), exc
-                    )
+                self._release(stage)
+
+    def _release(self, stage: PipelineStage) -> None:
+        """Tells a stage to drop this job (best effort: it may be gone)."""
+        try:
+            call_stage(
+                self._registry,
+                stage,
+                "Release",
+                stage_pb2.ReleaseRequest(job_id=self.job_id),
+                self._deadlines.abort_s,
+            )
+        except PipesvcError as exc:
+            logger.warning("job %s: release of %s failed: %s", self.job_id, where(stage), exc)
 
     def _rebuild(self, without: set[str]) -> None:
         """New plan without ``without``; assign, restore the checkpoint, replay the log."""
@@ -614,18 +608,7 @@ class JobDriver:
                 return
             self.closed = True
             for stage in self.plan:
-                try:
-                    call_stage(
-                        self._registry,
-                        stage,
-                        "Release",
-                        stage_pb2.ReleaseRequest(job_id=self.job_id),
-                        self._deadlines.abort_s,
-                    )
-                except PipesvcError as exc:
-                    logger.warning(
-                        "job %s: release of %s failed: %s", self.job_id, where(stage), exc
-                    )
+                self._release(stage)
             self._registry.release(self.job_id)
             self._persist()
             self._pool.shutdown(wait=False)

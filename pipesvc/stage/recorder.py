@@ -11,23 +11,12 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from typing import NamedTuple
 
 from pipesvc.metrics import NO_METRICS, Metrics
+from pipesvc.trace import TraceEvent
 
 logger = logging.getLogger(__name__)
 COMPUTE = ("forward", "backward")
-
-
-class Event(NamedTuple):
-    """One timed action (see common.proto TraceEvent)."""
-
-    run_id: int
-    step: int
-    name: str
-    microbatch: int
-    start_ns: int
-    end_ns: int
 
 
 class RunRecorder:
@@ -37,7 +26,7 @@ class RunRecorder:
         self, metrics: Metrics = NO_METRICS, max_events: int = 50_000, window_runs: int = 10
     ) -> None:
         self._metrics = metrics
-        self._events: collections.deque[Event] = collections.deque(maxlen=max_events)
+        self._events: collections.deque[TraceEvent] = collections.deque(maxlen=max_events)
         self._window: collections.deque[tuple[int, float]] = collections.deque(maxlen=window_runs)
         self._lock = threading.Lock()
         self._run = (0, 0)
@@ -63,7 +52,16 @@ class RunRecorder:
         finally:
             end = time.time_ns()
             with self._lock:
-                self._events.append(Event(*self._run, name, microbatch, start, end))
+                self._events.append(
+                    TraceEvent(
+                        run_id=self._run[0],
+                        step=self._run[1],
+                        name=name,
+                        microbatch=microbatch,
+                        start_ns=start,
+                        end_ns=end,
+                    )
+                )
             seconds = (end - start) / 1e9
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug(
@@ -89,7 +87,7 @@ class RunRecorder:
         if training:
             self._metrics.set("bubble_fraction", 1.0 - min(1.0, self._busy_ns / span_ns))
 
-    def events(self, max_runs: int = 0) -> list[Event]:
+    def events(self, max_runs: int = 0) -> list[TraceEvent]:
         """Events of the newest ``max_runs`` runs (all kept with 0), oldest first."""
         with self._lock:
             events = list(self._events)
