@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -220,9 +221,11 @@ def run_pair(name: str, plan: Plan) -> list[float]:
     finally:
         client.join(timeout=30)
         server.join(timeout=30)
-        for proc in (client, server):
+        for role, proc in (("client", client), ("server", server)):
             if proc.is_alive():
                 proc.terminate()
+            elif proc.exitcode:  # after its result was sent; the numbers stand
+                print(f"note: {name} {role} exited with {proc.exitcode}", file=sys.stderr)
     return seconds
 
 

@@ -120,6 +120,7 @@ class JobDriver:
         self._storage = storage
         self._needs_reconcile = needs_reconcile
         self._replay_target: int | None = None
+        self._checked_at = 0.0  # when _ensure_ready last found every stage serving
         self._lock = threading.Lock()
         self._pool = futures.ThreadPoolExecutor(max_workers=16)
 
@@ -351,6 +352,10 @@ class JobDriver:
     def _ensure_ready(self) -> None:
         if self._needs_reconcile:
             self._reconcile()
+        # Between back-to-back steps the watchdog of the last step has just seen every stage;
+        # a fresh health round trip per step would only add latency.
+        if time.monotonic() - self._checked_at < self._deadlines.health_interval_s:
+            return
         statuses = health_of(
             self._registry, [s.address for s in self.plan], self._deadlines.health_s
         )
@@ -360,6 +365,7 @@ class JobDriver:
         leaving = {a for a, s in statuses.items() if s != "SERVING"}
         if leaving:
             self._migrate(leaving)
+        self._checked_at = time.monotonic()
 
     def _recover(self, lost: set[str], cause: PipesvcError | None) -> None:
         started = time.monotonic()

@@ -64,7 +64,9 @@ class StateDB:
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
+        # WAL + NORMAL: a committed write survives the process being killed (what recovery
+        # needs); only a power loss can drop the newest few.
+        self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
 
     def put_job(self, record: JobRecord) -> None:
