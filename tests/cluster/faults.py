@@ -89,6 +89,8 @@ class TcpProxy:
         self._closed = False
         self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
+        self._reset_after: int | None = None
+        self.resets = 0
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -114,6 +116,14 @@ class TcpProxy:
                 self._forwarding.wait()
                 if self._closed:
                     return
+                with self._lock:
+                    budget = self._reset_after
+                    if budget is not None:
+                        self._reset_after = budget - len(data) if budget >= len(data) else None
+                if budget is not None and budget < len(data):
+                    sink.sendall(data[:budget])  # part of a frame, then the link dies
+                    self.reset()
+                    return
                 sink.sendall(data)
         except OSError:
             pass
@@ -125,8 +135,14 @@ class TcpProxy:
         """Stops forwarding bytes; connections stay open (a link that went silent)."""
         self._forwarding.clear()
 
+    def reset_after(self, num_bytes: int) -> None:
+        """Forwards ``num_bytes`` more (in either direction), then resets mid-stream."""
+        with self._lock:
+            self._reset_after = num_bytes
+
     def reset(self) -> None:
         """Closes every connection now; new ones are forwarded again."""
+        self.resets += 1
         with self._lock:
             sockets, self._sockets = self._sockets, []
         for sock in sockets:

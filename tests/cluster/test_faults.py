@@ -123,10 +123,15 @@ def test_cut_link_to_a_stage(fault: str) -> None:
             if fault == "hang":
                 proxy.hang()
             else:
-                proxy.reset()
+                # Mid-step and mid-frame: 100 bytes into the next step's traffic.
+                proxy.reset_after(100)
             for _ in range(3):
                 run.step()
+            # A reset that lands on an idle health check heals by reconnecting, without a
+            # recovery; one that lands in a step's traffic costs one.
             assert run.job.refresh().recoveries <= 1
+            if fault == "reset":
+                assert proxy.resets == 1
             if fault == "hang":
                 assert run.job.plan[1].address != f"127.0.0.1:{proxy.port}"
             run.check_weights()
