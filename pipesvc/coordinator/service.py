@@ -12,7 +12,8 @@ from pathlib import Path
 import grpc
 
 from pipesvc.config import config_from_proto
-from pipesvc.coordinator.job import JobDriver, JobStorage, create_job
+from pipesvc.coordinator.job import JobDriver, create_job
+from pipesvc.coordinator.recovery import JobStorage
 from pipesvc.coordinator.registry import StageRecord, StageRegistry
 from pipesvc.coordinator.stage_calls import Deadlines
 from pipesvc.coordinator.state_db import StateDB
