@@ -15,6 +15,7 @@ import torch
 
 import pipesvc
 from pipesvc import models
+from tests.integration.processes import run_coordinator_briefly
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -127,30 +128,6 @@ def test_operator_model_module(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_exposed_listen_without_auth_warns(tmp_path: Path) -> None:
-    address_file = tmp_path / "address"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pipesvc",
-            "coordinator",
-            "--listen",
-            "0.0.0.0:0",
-            "--state-dir",
-            str(tmp_path / "state"),
-            "--address-file",
-            str(address_file),
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while not address_file.exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert address_file.exists()
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=30)
-    assert proc.returncode == 0
+    returncode, stderr = run_coordinator_briefly(tmp_path, "0.0.0.0:0")
+    assert returncode == 0
     assert "0.0.0.0:0 without authentication" in stderr

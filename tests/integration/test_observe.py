@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import pipesvc
 from pipesvc.schedule import stage_actions
 from pipesvc.trace import order_of
 from tests.cluster.faults import free_port
+from tests.integration.processes import run_coordinator_briefly
 from tests.integration.reference import PROBLEMS
 
 MLP = PROBLEMS["mlp"]
@@ -141,32 +140,8 @@ def test_trace_command_and_status_columns(cluster: pipesvc.LocalCluster, tmp_pat
 
 
 def test_json_logs_are_one_object_per_line(tmp_path: Path) -> None:
-    address_file = tmp_path / "address"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pipesvc",
-            "--log-format",
-            "json",
-            "coordinator",
-            "--listen",
-            "127.0.0.1:0",
-            "--state-dir",
-            str(tmp_path / "state"),
-            "--address-file",
-            str(address_file),
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while not address_file.exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=30)
+    returncode, stderr = run_coordinator_briefly(tmp_path, "127.0.0.1:0", ("--log-format", "json"))
+    assert returncode == 0
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert lines
     for line in lines:
