@@ -291,7 +291,7 @@ class Job:
         It loads with ``client.create_job(..., resume_from=path)``, under any plan. Write it
         while no other client is training this job.
         """
-        info = self._client._call("GetJob", coordinator_pb2.GetJobRequest(job_id=self.id))
+        self.refresh()
         request = coordinator_pb2.GetJobStateRequest(job_id=self.id, kind=common_pb2.CHECKPOINT)
         try:
             stream = self._client._stub.GetState(request, timeout=self._client.timeout_s)
@@ -299,10 +299,10 @@ class Job:
                 path,
                 read_named_frames(stream),
                 job_id=self.id,
-                step=info.step,
-                spec=config_to_dict(config_from_proto(info.spec)),
-                num_layers=info.num_layers,
-                plan=plan_to_dicts(Job(self._client, info).plan),
+                step=self.step,
+                spec=config_to_dict(self.config),
+                num_layers=self.num_layers,
+                plan=plan_to_dicts(self.plan),
             )
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, f"coordinator {self._client.address}") from exc

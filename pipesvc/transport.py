@@ -144,12 +144,18 @@ def call(method: Callable[..., _T], request: Any, *, timeout_s: float, where: st
         raise error_from_rpc(exc, where) from exc
 
 
-def check_health(address: str, timeout_s: float = 2.0, security: Security = NO_SECURITY) -> str:
-    """``"SERVING"``, ``"NOT_SERVING"`` or ``"UNREACHABLE"`` for the server at ``address``."""
-    with open_channel(address, security) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        try:
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
-        except grpc.RpcError:
-            return "UNREACHABLE"
+def health_status(channel: grpc.Channel, timeout_s: float) -> str:
+    """``"SERVING"``, ``"NOT_SERVING"`` or ``"UNREACHABLE"`` for the server behind ``channel``."""
+    try:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+        )
+    except grpc.RpcError:
+        return "UNREACHABLE"
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+
+def check_health(address: str, timeout_s: float = 2.0, security: Security = NO_SECURITY) -> str:
+    """``health_status`` of the server at ``address``, on a channel of its own."""
+    with open_channel(address, security) as channel:
+        return health_status(channel, timeout_s)

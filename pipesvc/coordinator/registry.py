@@ -6,12 +6,11 @@ import threading
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pipesvc.errors import InvalidArgumentError
 from pipesvc.limits import Limits
 from pipesvc.security import Security
-from pipesvc.transport import open_channel, split_address
+from pipesvc.transport import health_status, open_channel, split_address
 from pipesvc.v1 import stage_pb2_grpc
 
 
@@ -116,13 +115,7 @@ class StageRegistry:
             if address not in self._channels:
                 self._channels[address] = open_channel(address, self.security, self.limits)
             channel = self._channels[address]
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
-            )
-        except grpc.RpcError:
-            return "UNREACHABLE"
-        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+        return health_status(channel, timeout_s)
 
     def close(self) -> None:
         """Closes every channel."""
