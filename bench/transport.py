@@ -4,9 +4,13 @@ Every transport does the same thing: process A sends the tensor, process B recei
 sends it back, A receives it whole; MB/s counts both directions (2 x bytes per round trip).
 
 - pipesvc: ``DownstreamLink`` (A) -> ``Exchange`` bidi stream -> ``UpstreamLink`` (B), i.e. the
-  real stage data plane (codec, 1 MiB frames, identity checks, mailboxes, send queues, gRPC
-  options of ``pipesvc.transport``); B's servicer echoes each activation back as a gradient
-  instead of running a StageService schedule.
+  real stage data plane (shared-memory handshake, identity checks, mailboxes, send queues,
+  gRPC options of ``pipesvc.transport``, the malloc settings of ``pipesvc stage``); B's servicer
+  echoes each activation back as a gradient instead of running a StageService schedule. Both
+  processes share this host's ``/dev/shm``, so payloads go through shared memory and the
+  stream carries headers.
+- pipesvc-frames: the same with shared memory off (``shm_bytes=0``): payloads travel as 1 MiB
+  frames on the stream, as between stages on different hosts.
 - tcp: a plain socket, ``sendall`` of the tensor's buffer, ``recv_into`` a preallocated buffer.
 - gloo: ``torch.distributed`` send/recv, ``init_method=tcp://127.0.0.1:PORT``.
 
@@ -29,6 +33,7 @@ import torch
 
 SIZES_BYTES = [64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 QUICK_SIZES_BYTES = [64 << 10, 1 << 20, 4 << 20]
+DEFAULT_SHM_BYTES = 256 << 20  # as `pipesvc stage --shm-bytes` defaults to
 WARMUP_ROUND_TRIPS = 3
 Plan = list[tuple[int, int]]  # (tensor bytes, timed round trips)
 Queue = Any  # multiprocessing.Queue (its class is not importable for annotations)
@@ -51,7 +56,8 @@ def _timed(plan: Plan, round_trip: Callable[[torch.Tensor], None]) -> list[float
     return seconds
 
 
-def _pipesvc_server(q: Queue, plan: Plan) -> None:
+def _pipesvc_server(q: Queue, plan: Plan, shm_bytes: int = DEFAULT_SHM_BYTES) -> None:
+    from pipesvc.allocator import tune_malloc
     from pipesvc.stage.links import UpstreamLink
     from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
     from pipesvc.tensor_codec import CodecLimits
@@ -59,13 +65,20 @@ def _pipesvc_server(q: Queue, plan: Plan) -> None:
     from pipesvc.v1 import stage_pb2_grpc
 
     torch.set_num_threads(1)
+    tune_malloc()  # as `pipesvc stage` does
     total = sum(WARMUP_ROUND_TRIPS + iters for _, iters in plan)
     done = threading.Event()
 
     class Echo(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
         def Exchange(self, requests: Iterator[Any], context: Any) -> Iterator[Any]:
             mailbox = Mailbox()
-            link = UpstreamLink(job_id="bench", epoch=1, mailbox=mailbox, limits=CodecLimits())
+            link = UpstreamLink(
+                job_id="bench",
+                epoch=1,
+                mailbox=mailbox,
+                limits=CodecLimits(),
+                shm_bytes=shm_bytes,
+            )
 
             def echo() -> None:
                 for i in range(total):
@@ -85,13 +98,15 @@ def _pipesvc_server(q: Queue, plan: Plan) -> None:
     server.stop(grace=2)
 
 
-def _pipesvc_client(q: Queue, address: str, plan: Plan) -> None:
+def _pipesvc_client(q: Queue, address: str, plan: Plan, shm_bytes: int = DEFAULT_SHM_BYTES) -> None:
+    from pipesvc.allocator import tune_malloc
     from pipesvc.stage.links import DownstreamLink
     from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
     from pipesvc.tensor_codec import CodecLimits
     from pipesvc.transport import open_channel
 
     torch.set_num_threads(1)
+    tune_malloc()  # as `pipesvc stage` does
     mailbox = Mailbox()
     channel = open_channel(address)
     link = DownstreamLink(
@@ -101,6 +116,7 @@ def _pipesvc_client(q: Queue, address: str, plan: Plan) -> None:
         epoch=1,
         mailbox=mailbox,
         limits=CodecLimits(),
+        shm_bytes=shm_bytes,
     )
     counter = iter(range(1 << 30))
 
@@ -110,6 +126,8 @@ def _pipesvc_client(q: Queue, address: str, plan: Plan) -> None:
         y = mailbox.get(MailKey(1, GRADIENT, i), 600.0)
         if i == 0 and not torch.equal(x, y):
             raise RuntimeError("pipesvc echo returned a different tensor")
+        if i == WARMUP_ROUND_TRIPS and link.uses_shm != bool(shm_bytes):
+            raise RuntimeError(f"shared memory in use: {link.uses_shm}; asked: {bool(shm_bytes)}")
 
     q.put(_timed(plan, round_trip))
     link.close()
@@ -199,8 +217,17 @@ def _gloo_client(q: Queue, address: str, plan: Plan) -> None:
     dist.destroy_process_group()
 
 
+def _frames_server(q: Queue, plan: Plan) -> None:
+    _pipesvc_server(q, plan, shm_bytes=0)
+
+
+def _frames_client(q: Queue, address: str, plan: Plan) -> None:
+    _pipesvc_client(q, address, plan, shm_bytes=0)
+
+
 TRANSPORTS: dict[str, tuple[Callable[..., None], Callable[..., None]]] = {
     "pipesvc": (_pipesvc_server, _pipesvc_client),
+    "pipesvc-frames": (_frames_server, _frames_client),
     "tcp": (_tcp_server, _tcp_client),
     "gloo": (_gloo_server, _gloo_client),
 }
@@ -248,15 +275,19 @@ def main() -> None:
     print(
         "\nEcho round trips of one float32 tensor between two processes on loopback; MB/s "
         "(1e6 B/s) counts both directions.\npipesvc = DownstreamLink -> Exchange stream -> "
-        "UpstreamLink (pipesvc.stage.links) with an echo servicer in place of StageService.\n"
+        "UpstreamLink (pipesvc.stage.links) with an echo servicer in place of StageService;\n"
+        "its payloads go through shared memory (both processes share this host's /dev/shm);\n"
+        "frames = the same with shared memory off (--shm-bytes 0): payloads in 1 MiB frames\n"
+        "on the stream, as between stages on different hosts.\n"
     )
-    header = ["size", "round trips", "pipesvc MB/s", "tcp MB/s", "gloo MB/s"]
-    header += ["pipesvc/gloo", "pipesvc/tcp"]
+    header = ["size", "round trips", "pipesvc MB/s", "frames MB/s", "tcp MB/s", "gloo MB/s"]
+    header += ["pipesvc/gloo", "pipesvc/tcp", "frames/gloo"]
     rows = [header]
     for i, (num_bytes, iters) in enumerate(plan):
-        p, t, g = mb_s["pipesvc"][i], mb_s["tcp"][i], mb_s["gloo"][i]
-        rates = [f"{v:.0f}" for v in (p, t, g)]
-        rows.append([_label(num_bytes), str(iters), *rates, f"{p / g:.2f}", f"{p / t:.2f}"])
+        p, f, t, g = (mb_s[k][i] for k in ("pipesvc", "pipesvc-frames", "tcp", "gloo"))
+        rates = [f"{v:.0f}" for v in (p, f, t, g)]
+        ratios = [f"{p / g:.2f}", f"{p / t:.2f}", f"{f / g:.2f}"]
+        rows.append([_label(num_bytes), str(iters), *rates, *ratios])
     widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
     for row in rows:
         print("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))

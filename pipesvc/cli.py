@@ -126,12 +126,14 @@ def _cmd_stage(args: argparse.Namespace) -> int:
     import torch
 
     from pipesvc import models
+    from pipesvc.allocator import tune_malloc
     from pipesvc.stage.faults import FaultKill
     from pipesvc.stage.server import default_device, device_memory_bytes, run_stage
     from pipesvc.stage.service import StageOptions
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    tune_malloc()
     if args.models:
         models.import_model_modules(args.models)
     security = _security(args)
@@ -149,6 +151,7 @@ def _cmd_stage(args: argparse.Namespace) -> int:
             recv_timeout_s=args.recv_timeout_s,
             security=security,
             limits=_limits(args),
+            shm_bytes=0 if args.shm_bytes.strip() == "0" else parse_bytes(args.shm_bytes),
             duplicate_sends=args.duplicate_sends,
             fault_kill=FaultKill.parse(args.fault_kill) if args.fault_kill else None,
             metrics=_metrics(args),
@@ -342,6 +345,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--memory-budget",
         help="memory the planner may fill on this stage, e.g. 8GiB (default: free now)",
+    )
+    p.add_argument(
+        "--shm-bytes",
+        default="256MiB",
+        help="shared-memory area offered to a neighbour on the same host; 0 turns the "
+        "shared-memory path off (default %(default)s)",
     )
     p.add_argument("--duplicate-sends", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--fault-kill", help=argparse.SUPPRESS)

@@ -149,6 +149,11 @@ def check_header(header: common_pb2.TensorHeader, limits: CodecLimits = DEFAULT_
         )
 
 
+def empty_like_header(header: common_pb2.TensorHeader) -> torch.Tensor:
+    """An uninitialised tensor of a (checked) header's dtype and shape."""
+    return torch.empty(tuple(header.shape), dtype=_TO_TORCH[header.dtype])
+
+
 def _from_buffer(buffer: bytearray, header: common_pb2.TensorHeader) -> torch.Tensor:
     dtype = _TO_TORCH[header.dtype]
     shape = tuple(header.shape)

@@ -3,7 +3,8 @@
 The upstream stage opens ``Exchange`` on its downstream neighbour once per job and keeps it:
 activation frames flow down the request side, gradient frames come back on the response side.
 Encoding and sending run on gRPC's stream threads, fed by bounded queues, so a stage computes
-the next micro-batch while the previous one is on the wire.
+the next micro-batch while the previous one is on the wire. Between stages on one host the
+payloads go through shared memory instead (see [Note: the shared-memory path] in pipesvc.shm).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from typing import TypeAlias
 
 import grpc
 import torch
@@ -19,8 +21,17 @@ import torch
 from pipesvc.errors import PipesvcError, StageUnavailableError, WireFormatError
 from pipesvc.metrics import NO_METRICS, Metrics
 from pipesvc.rpc_status import error_from_rpc
+from pipesvc.shm import DEFAULT_AREA_BYTES, MAX_AREA_BYTES, ShmArea, ShmView
 from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
-from pipesvc.tensor_codec import DEFAULT_FRAME_BYTES, CodecLimits, FrameAssembler, encode_frames
+from pipesvc.tensor_codec import (
+    DEFAULT_FRAME_BYTES,
+    CodecLimits,
+    FrameAssembler,
+    check_header,
+    empty_like_header,
+    encode_frames,
+    make_header,
+)
 from pipesvc.v1 import stage_pb2, stage_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -30,36 +41,142 @@ _WIRE_DIRECTIONS = {v: k for k, v in _DIRECTIONS.items()}
 SEND_QUEUE_ITEMS = 64
 """Tensors waiting to be sent before a sender blocks (backpressure)."""
 
-_Outgoing = tuple[MailKey, torch.Tensor] | None
+_Outgoing: TypeAlias = "tuple[MailKey, torch.Tensor] | stage_pb2.DataFrame | PipesvcError | None"
 
 
-def _frames(
-    item: tuple[MailKey, torch.Tensor], job_id: str, epoch: int, copies: int, metrics: Metrics
-) -> Iterator[stage_pb2.DataFrame]:
-    """The frames of one tensor; ``copies`` > 1 repeats them (fault injection for tests)."""
-    key, tensor = item
-    header, payloads = encode_frames(tensor, DEFAULT_FRAME_BYTES)
-    ident = stage_pb2.MicrobatchId(
+def _ident(
+    job_id: str, epoch: int, direction: str, key: MailKey | None = None
+) -> stage_pb2.MicrobatchId:
+    return stage_pb2.MicrobatchId(
         job_id=job_id,
         plan_epoch=epoch,
-        run_id=key.run_id,
-        microbatch_index=key.microbatch_index,
-        direction=_WIRE_DIRECTIONS[key.direction],
+        run_id=key.run_id if key else 0,
+        microbatch_index=key.microbatch_index if key else 0,
+        direction=_WIRE_DIRECTIONS[direction],
     )
-    frames = []
-    for index, data in enumerate(payloads):
-        frame = stage_pb2.DataFrame(id=ident, frame_index=index, data=data)
-        if index == 0:
-            frame.header.CopyFrom(header)
-        frames.append(frame)
-    metrics.inc("frames_total", len(frames) * copies, direction="sent", kind=key.direction)
-    metrics.inc("bytes_total", header.num_bytes * copies, direction="sent", kind=key.direction)
-    for _ in range(copies):
-        yield from frames
+
+
+class Sender:
+    """One direction of a stream: turns queued tensors into frames, through shared memory
+    once the receiver has accepted this sender's area.
+
+    ``frames()`` is the generator gRPC sends from (on its own thread); ``put`` queues a tensor,
+    a control frame, an error to end the stream with, or None to end it cleanly.
+    """
+
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        epoch: int,
+        direction: str,
+        copies: int = 1,
+        shm_bytes: int = DEFAULT_AREA_BYTES,
+        metrics: Metrics = NO_METRICS,
+    ) -> None:
+        self._job_id = job_id
+        self._epoch = epoch
+        self._direction = direction
+        self._copies = copies
+        self._shm_bytes = shm_bytes
+        self._metrics = metrics
+        self._queue: queue.Queue[_Outgoing] = queue.Queue(SEND_QUEUE_ITEMS)
+        self._area: ShmArea | None = None
+        self._offered = False
+        self._accepted = False
+        self._refused = False
+
+    @property
+    def uses_shm(self) -> bool:
+        """Whether payloads now go through shared memory."""
+        return self._accepted and not self._refused
+
+    def put(self, item: _Outgoing) -> None:
+        """Queues an item (blocks while the queue is full)."""
+        self._queue.put(item)
+        self._metrics.set("queue_depth", self._queue.qsize(), queue="send")
+
+    def on_answer(self, answer: stage_pb2.ShmAnswer) -> None:
+        """The receiver's answer to this sender's offer (called from the reading thread)."""
+        area = self._area
+        if area is None or answer.name != area.name:
+            return
+        if answer.accepted:
+            self._accepted = True
+        else:
+            self._refused = True
+            logger.info("shared memory refused by the peer (%s); sending frames", answer.reason)
+        area.unlink()
+
+    def frames(self) -> Iterator[stage_pb2.DataFrame]:
+        """The stream's frames until None or an error is queued.
+
+        Raises:
+            PipesvcError: the queued error, to end the stream with its status.
+        """
+        try:
+            while (item := self._queue.get()) is not None:
+                if isinstance(item, PipesvcError):
+                    raise item
+                if isinstance(item, stage_pb2.DataFrame):
+                    yield item
+                    continue
+                if not self._offered:
+                    self._offered = True
+                    offer = self._offer()
+                    if offer is not None:
+                        yield offer
+                for _ in range(self._copies):
+                    yield from self._tensor_frames(*item)
+        finally:
+            if self._area is not None:
+                self._area.close()
+
+    def _offer(self) -> stage_pb2.DataFrame | None:
+        if self._shm_bytes <= 0:
+            return None
+        self._area = ShmArea.create(self._shm_bytes)
+        if self._area is None:
+            return None
+        return stage_pb2.DataFrame(
+            id=_ident(self._job_id, self._epoch, self._direction),
+            shm_offer=stage_pb2.ShmOffer(
+                name=self._area.name, nonce=self._area.nonce, size=self._area.size
+            ),
+        )
+
+    def _tensor_frames(self, key: MailKey, tensor: torch.Tensor) -> Iterator[stage_pb2.DataFrame]:
+        ident = _ident(self._job_id, self._epoch, self._direction, key)
+        num_bytes = tensor.numel() * tensor.element_size()
+        self._metrics.inc("bytes_total", num_bytes, direction="sent", kind=key.direction)
+        if self._refused and self._area is not None:
+            self._area.close()
+            self._area = None
+        if self._accepted and self._area is not None:
+            slot = self._area.write(tensor)
+            if slot is not None:
+                self._metrics.inc("frames_total", direction="sent", kind=key.direction)
+                yield stage_pb2.DataFrame(
+                    id=ident,
+                    header=make_header(tensor),
+                    shm_slot=stage_pb2.ShmSlot(seq=slot.seq, offset=slot.offset),
+                )
+                return
+        header, payloads = encode_frames(tensor, DEFAULT_FRAME_BYTES)
+        for index, data in enumerate(payloads):
+            frame = stage_pb2.DataFrame(id=ident, frame_index=index, data=data)
+            if index == 0:
+                frame.header.CopyFrom(header)
+            self._metrics.inc("frames_total", direction="sent", kind=key.direction)
+            yield frame
 
 
 class FrameReader:
-    """Turns incoming frames into whole tensors in a mailbox, checking identity and order."""
+    """Turns incoming frames into whole tensors in a mailbox, checking identity and order.
+
+    It also takes the shared-memory handshake: it answers an offer through ``reply`` (the sender
+    of the opposite direction on the same stream) and hands the peer's answer to ``reply``.
+    """
 
     def __init__(
         self,
@@ -70,6 +187,7 @@ class FrameReader:
         mailbox: Mailbox,
         limits: CodecLimits,
         metrics: Metrics,
+        reply: Sender,
     ) -> None:
         self._metrics = metrics
         self._job_id = job_id
@@ -77,14 +195,23 @@ class FrameReader:
         self._direction = direction
         self._mailbox = mailbox
         self._limits = limits
+        self._reply = reply
         self._pending: tuple[MailKey, FrameAssembler] | None = None
+        self._view: ShmView | None = None
+
+    def close(self) -> None:
+        """Unmaps the peer's area, if any."""
+        if self._view is not None:
+            self._view.close()
+            self._view = None
 
     def feed(self, frame: stage_pb2.DataFrame) -> bool:
         """Adds one frame; a completed tensor goes to the mailbox. Returns True when a tensor
         was completed and accepted (not stale, not a duplicate).
 
         Raises:
-            WireFormatError: wrong job, epoch or direction, or frames out of order.
+            WireFormatError: wrong job, epoch or direction, frames out of order, or a bad
+                shared-memory offer or slot.
         """
         ident = frame.id
         if ident.job_id != self._job_id or ident.plan_epoch != self._epoch:
@@ -96,7 +223,31 @@ class FrameReader:
             raise WireFormatError(
                 f"frame direction {ident.direction} on a stream carrying {self._direction}"
             )
+        if frame.HasField("shm_offer"):
+            self._take_offer(frame.shm_offer)
+            return False
+        if frame.HasField("shm_answer"):
+            self._reply.on_answer(frame.shm_answer)
+            return False
         key = MailKey(ident.run_id, self._direction, ident.microbatch_index)
+        self._metrics.inc("frames_total", direction="received", kind=self._direction)
+        if frame.HasField("shm_slot"):
+            tensor: torch.Tensor | None = self._read_slot(key, frame)
+        else:
+            tensor = self._add_frame(key, frame)
+        if tensor is None:
+            return False
+        self._metrics.inc(
+            "bytes_total",
+            tensor.numel() * tensor.element_size(),
+            direction="received",
+            kind=self._direction,
+        )
+        accepted = self._mailbox.put(key, tensor)
+        self._metrics.set("queue_depth", len(self._mailbox), queue="mailbox")
+        return accepted
+
+    def _add_frame(self, key: MailKey, frame: stage_pb2.DataFrame) -> torch.Tensor | None:
         if frame.frame_index == 0:
             if self._pending is not None:
                 raise WireFormatError(f"{key} started before {self._pending[0]} was complete")
@@ -104,16 +255,35 @@ class FrameReader:
         if self._pending is None or self._pending[0] != key:
             raise WireFormatError(f"frame {frame.frame_index} of {key} without its frame 0")
         tensor = self._pending[1].add(frame.frame_index, frame.data)
-        self._metrics.inc("frames_total", direction="received", kind=self._direction)
-        self._metrics.inc(
-            "bytes_total", len(frame.data), direction="received", kind=self._direction
+        if tensor is not None:
+            self._pending = None
+        return tensor
+
+    def _read_slot(self, key: MailKey, frame: stage_pb2.DataFrame) -> torch.Tensor:
+        if self._view is None:
+            raise WireFormatError(f"{key} arrived in shared memory before an accepted offer")
+        if self._pending is not None:
+            raise WireFormatError(f"{key} started before {self._pending[0]} was complete")
+        if frame.frame_index != 0 or frame.data or frame.header.num_frames != 1:
+            raise WireFormatError(
+                f"{key} in shared memory must be one frame (index 0, num_frames 1, no data)"
+            )
+        check_header(frame.header, self._limits)
+        out = empty_like_header(frame.header)
+        return self._view.read(frame.shm_slot.seq, frame.shm_slot.offset, out)
+
+    def _take_offer(self, offer: stage_pb2.ShmOffer) -> None:
+        self.close()
+        answer = stage_pb2.ShmAnswer(name=offer.name)
+        try:
+            self._view = ShmView(offer.name, offer.nonce, offer.size, MAX_AREA_BYTES)
+            answer.accepted = True
+        except OSError as exc:
+            answer.reason = f"cannot map {offer.name}: {exc.strerror or exc}"
+        ident = _ident(
+            self._job_id, self._epoch, GRADIENT if self._direction == ACTIVATION else ACTIVATION
         )
-        if tensor is None:
-            return False
-        self._pending = None
-        accepted = self._mailbox.put(key, tensor)
-        self._metrics.set("queue_depth", len(self._mailbox), queue="mailbox")
-        return accepted
+        self._reply.put(stage_pb2.DataFrame(id=ident, shm_answer=answer))
 
 
 class DownstreamLink:
@@ -129,15 +299,19 @@ class DownstreamLink:
         mailbox: Mailbox,
         limits: CodecLimits,
         duplicate_sends: bool = False,
+        shm_bytes: int = DEFAULT_AREA_BYTES,
         metrics: Metrics = NO_METRICS,
     ) -> None:
         self.address = address
-        self._metrics = metrics
-        self._copies = 2 if duplicate_sends else 1
-        self._job_id = job_id
-        self._epoch = epoch
-        self._queue: queue.Queue[_Outgoing] = queue.Queue(SEND_QUEUE_ITEMS)
         self._mailbox = mailbox
+        self._sender = Sender(
+            job_id=job_id,
+            epoch=epoch,
+            direction=ACTIVATION,
+            copies=2 if duplicate_sends else 1,
+            shm_bytes=shm_bytes,
+            metrics=metrics,
+        )
         self._reader = FrameReader(
             job_id=job_id,
             epoch=epoch,
@@ -145,26 +319,27 @@ class DownstreamLink:
             mailbox=mailbox,
             limits=limits,
             metrics=metrics,
+            reply=self._sender,
         )
         stub = stage_pb2_grpc.StageServiceStub(channel)
-        self._call = stub.Exchange(self._requests(), wait_for_ready=True)
+        self._call = stub.Exchange(self._sender.frames(), wait_for_ready=True)
         self._thread = threading.Thread(target=self._read, name=f"from-{address}", daemon=True)
         self._thread.start()
 
+    @property
+    def uses_shm(self) -> bool:
+        """Whether activations now go through shared memory."""
+        return self._sender.uses_shm
+
     def send(self, key: MailKey, tensor: torch.Tensor) -> None:
         """Queues an activation for sending (blocks while the queue is full)."""
-        self._queue.put((key, tensor.detach()))
-        self._metrics.set("queue_depth", self._queue.qsize(), queue="send")
+        self._sender.put((key, tensor.detach()))
 
     def close(self) -> None:
         """Ends the stream; the reader thread exits once the peer closes its side."""
-        self._queue.put(None)
+        self._sender.put(None)
         self._call.cancel()
         self._thread.join(timeout=5)
-
-    def _requests(self) -> Iterator[stage_pb2.DataFrame]:
-        while (item := self._queue.get()) is not None:
-            yield from _frames(item, self._job_id, self._epoch, self._copies, self._metrics)
 
     def _read(self) -> None:
         try:
@@ -181,6 +356,8 @@ class DownstreamLink:
             logger.warning("bad frame from downstream %s: %s", self.address, exc)
             self._mailbox.fail(exc)
             self._call.cancel()
+        finally:
+            self._reader.close()
 
 
 class UpstreamLink:
@@ -194,15 +371,21 @@ class UpstreamLink:
         mailbox: Mailbox,
         limits: CodecLimits,
         duplicate_sends: bool = False,
+        shm_bytes: int = DEFAULT_AREA_BYTES,
         metrics: Metrics = NO_METRICS,
         on_established: Callable[[UpstreamLink], None] | None = None,
     ) -> None:
-        self._metrics = metrics
         self._on_established = on_established
         self.job_id = job_id
-        self._copies = 2 if duplicate_sends else 1
         self.epoch = epoch
-        self._queue: queue.Queue[_Outgoing | PipesvcError] = queue.Queue(SEND_QUEUE_ITEMS)
+        self._sender = Sender(
+            job_id=job_id,
+            epoch=epoch,
+            direction=GRADIENT,
+            copies=2 if duplicate_sends else 1,
+            shm_bytes=shm_bytes,
+            metrics=metrics,
+        )
         self._reader = FrameReader(
             job_id=job_id,
             epoch=epoch,
@@ -210,16 +393,21 @@ class UpstreamLink:
             mailbox=mailbox,
             limits=limits,
             metrics=metrics,
+            reply=self._sender,
         )
+
+    @property
+    def uses_shm(self) -> bool:
+        """Whether gradients now go through shared memory."""
+        return self._sender.uses_shm
 
     def send(self, key: MailKey, tensor: torch.Tensor) -> None:
         """Queues a gradient for the upstream stage."""
-        self._queue.put((key, tensor.detach()))
-        self._metrics.set("queue_depth", self._queue.qsize(), queue="send")
+        self._sender.put((key, tensor.detach()))
 
     def close(self) -> None:
         """Ends the response side of the stream."""
-        self._queue.put(None)
+        self._sender.put(None)
 
     def serve(self, requests: Iterable[stage_pb2.DataFrame]) -> Iterator[stage_pb2.DataFrame]:
         """Runs the stream: a thread reads activations, this generator yields gradients.
@@ -229,13 +417,7 @@ class UpstreamLink:
         """
         thread = threading.Thread(target=self._read, args=(requests,), daemon=True)
         thread.start()
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            if isinstance(item, PipesvcError):
-                raise item
-            yield from _frames(item, self.job_id, self.epoch, self._copies, self._metrics)
+        yield from self._sender.frames()
 
     def _read(self, requests: Iterable[stage_pb2.DataFrame]) -> None:
         established = False
@@ -249,8 +431,10 @@ class UpstreamLink:
                     established = True
         except PipesvcError as exc:
             logger.warning("bad frame from upstream: %s", exc)
-            self._queue.put(exc)
+            self._sender.put(exc)
             return
         except grpc.RpcError:
             pass  # the upstream went away; its own side reports the failure
-        self._queue.put(None)
+        finally:
+            self._reader.close()
+        self._sender.put(None)

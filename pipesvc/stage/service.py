@@ -25,6 +25,7 @@ from pipesvc.metrics import Metrics
 from pipesvc.rpc_status import abort_with, handle_errors
 from pipesvc.schedule import Action, ActionKind, forward_only_actions, stage_actions
 from pipesvc.security import Security
+from pipesvc.shm import DEFAULT_AREA_BYTES
 from pipesvc.stage.faults import FaultKill
 from pipesvc.stage.links import DownstreamLink, UpstreamLink
 from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
@@ -57,6 +58,8 @@ class StageOptions:
     """Longest wait for one activation or gradient before the run fails."""
     limits: Limits = field(default_factory=Limits)
     """Limits on everything received (tensors here; messages and calls in the server)."""
+    shm_bytes: int = DEFAULT_AREA_BYTES
+    """Size of the shared-memory area offered to a neighbour on the same host (0: never)."""
     security: Security = field(default_factory=Security)
     """Token and TLS for the channels this stage opens to its neighbour."""
     duplicate_sends: bool = False
@@ -143,6 +146,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
                 mailbox=job.mailbox,
                 limits=self._codec,
                 duplicate_sends=self._options.duplicate_sends,
+                shm_bytes=self._options.shm_bytes,
                 metrics=self._options.metrics,
             )
         return job.downstream
@@ -255,6 +259,8 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
             info.last_run_id = job.last_run_id
             info.pending_run_id = job.pending_commit or 0
             info.microbatches_per_s = job.recorder.microbatches_per_s
+            info.downstream_shm = job.downstream is not None and job.downstream.uses_shm
+            info.upstream_shm = job.upstream is not None and job.upstream.uses_shm
         return info
 
     # -- runs --------------------------------------------------------------------------------
@@ -529,6 +535,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
             mailbox=job.mailbox,
             limits=self._codec,
             duplicate_sends=self._options.duplicate_sends,
+            shm_bytes=self._options.shm_bytes,
             metrics=self._options.metrics,
             on_established=establish,
         )

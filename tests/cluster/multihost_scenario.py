@@ -9,7 +9,20 @@ import sys
 import time
 
 import pipesvc
+from pipesvc.security import Security
+from pipesvc.transport import open_channel
+from pipesvc.v1 import stage_pb2, stage_pb2_grpc
 from tests.cluster.faults import Run
+
+
+def _shm_flags(address: str, token: str) -> list[bool]:
+    """Whether the stage sends through shared memory, downstream and upstream."""
+    channel = open_channel(address, Security(token=token))
+    try:
+        info = stage_pb2_grpc.StageServiceStub(channel).Info(stage_pb2.InfoRequest(), timeout=10)
+    finally:
+        channel.close()
+    return [info.downstream_shm, info.upstream_shm]
 
 
 def main(coordinator: str, token: str, down_netns: str, down_link: str) -> None:
@@ -26,6 +39,7 @@ def main(coordinator: str, token: str, down_netns: str, down_link: str) -> None:
         run.step()
     run.check_weights()
     job = run.job.refresh()
+    shm = {s.address: _shm_flags(s.address, token) for s in job.plan}
     print(
         json.dumps(
             {
@@ -33,6 +47,7 @@ def main(coordinator: str, token: str, down_netns: str, down_link: str) -> None:
                 "plan_after": [s.address for s in job.plan],
                 "recoveries": job.recoveries,
                 "recovered_s": round(recovered_s, 2),
+                "shm": shm,
                 "step_s": [round(s, 3) for s in run.step_seconds],
             }
         )

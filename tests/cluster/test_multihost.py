@@ -78,9 +78,25 @@ def hosts() -> Iterator[dict[str, str]]:
 
 
 def _spawn(ns: str, args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """Runs pipesvc on a simulated host: its own network namespace, and its own /dev/shm
+    (``ip netns exec`` gives the command a private mount namespace), so stages cannot share
+    memory with each other and must fall back to frames on the stream."""
+    own_shm = 'mount -t tmpfs -o size=64m pipesvc-host-shm /dev/shm && exec "$0" "$@"'
     with open(log, "wb") as out:
         return subprocess.Popen(
-            ["ip", "netns", "exec", ns, sys.executable, "-m", "pipesvc", *args],
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "sh",
+                "-c",
+                own_shm,
+                sys.executable,
+                "-m",
+                "pipesvc",
+                *args,
+            ],
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=REPO,
@@ -147,6 +163,7 @@ def test_stage_host_link_down_mid_training(hosts: dict[str, str], tmp_path: Path
         assert summary["plan_before"] == [f"{HOSTS['s0']}:50051", f"{HOSTS['s1']}:50051"]
         assert summary["plan_after"] == [f"{HOSTS['s0']}:50051", f"{HOSTS['s2']}:50051"]
         assert summary["recoveries"] == 1
+        assert summary["shm"] == {a: [False, False] for a in summary["plan_after"]}
         print(f"\nmulti-host: link down detected and recovered in {summary['recovered_s']} s")
     finally:
         for proc in procs:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 import pipesvc
+from pipesvc.v1 import stage_pb2
 from tests.integration.reference import PROBLEMS, Reference
+from tests.integration.stage_probe import stage_info
 
 GRAD_TOL = {"rtol": 1e-5, "atol": 1e-6}
 WEIGHT_TOL = {"rtol": 1e-4, "atol": 1e-5}
@@ -32,6 +35,45 @@ NUM_MICROBATCHES = 4
 def test_training_matches_one_process(
     client: pipesvc.Client, model: str, schedule: str, num_stages: int
 ) -> None:
+    """On the shared cluster every link uses shared memory (all stages are on this host)."""
+    infos = _check_training(client, model, schedule, num_stages)
+    assert len(infos) == num_stages
+    assert all(i.downstream_shm for i in infos if i.rank < num_stages - 1), infos
+    assert all(i.upstream_shm for i in infos if i.rank > 0), infos
+
+
+@pytest.fixture(scope="module")
+def mixed_client() -> Iterator[pipesvc.Client]:
+    """Four stages, two of which never offer shared memory: on every link one direction
+    travels through shared memory and the other as frames on the stream."""
+    with pipesvc.LocalCluster(num_stages=2, threads_per_stage=1) as cluster:
+        cluster.add_stage(["--shm-bytes", "0"])
+        cluster.add_stage(["--shm-bytes", "0"])
+        with pipesvc.connect(cluster.address, timeout_s=120) as connected:
+            yield connected
+
+
+def _infos(client: pipesvc.Client) -> list[stage_pb2.StageInfo]:
+    return [stage_info(s.address) for s in client.stages()]
+
+
+@pytest.mark.parametrize(
+    ("model", "schedule", "num_stages"),
+    [("mlp", "1f1b", 4), ("gpt", "gpipe", 4), ("cnn", "1f1b", 3)],
+)
+def test_training_matches_one_process_on_mixed_paths(
+    mixed_client: pipesvc.Client, model: str, schedule: str, num_stages: int
+) -> None:
+    infos = _check_training(mixed_client, model, schedule, num_stages)
+    sends = [i.downstream_shm for i in infos if i.rank < num_stages - 1]
+    sends += [i.upstream_shm for i in infos if i.rank > 0]
+    assert True in sends and False in sends, infos
+
+
+def _check_training(
+    client: pipesvc.Client, model: str, schedule: str, num_stages: int
+) -> list[stage_pb2.StageInfo]:
+    """Trains against the one-process reference; returns the job's stages' Info."""
     index = CASES.index((model, schedule, num_stages))
     problem = PROBLEMS[model]
     optimizer = OPTIMIZER_CYCLE[index % len(OPTIMIZER_CYCLE)]
@@ -81,3 +123,4 @@ def test_training_matches_one_process(
         with torch.no_grad():
             expected_out = reference.model(x)
         torch.testing.assert_close(job.forward(x), expected_out, **WEIGHT_TOL)
+        return [info for info in _infos(client) if info.job_id == job.id]

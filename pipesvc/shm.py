@@ -1,0 +1,285 @@
+"""Shared-memory payloads between two stages on one host (no gRPC here).
+
+[Note: the shared-memory path] A sender creates one area, a file under ``/dev/shm``, and offers
+its name and a random nonce on the stream. A receiver that can open the file and finds the nonce
+at its start shares the sender's host and ``/dev/shm``; it maps the area and accepts, and from
+then on a payload is one ``memcpy`` into the area by the sender and one out of it by the
+receiver, while the stream carries only the header and the slot. A receiver that cannot open it
+(another host, another container) refuses, and the stream keeps carrying frames. After the answer
+the sender unlinks the file: both ends keep their mappings, and no file outlives a crash.
+
+The area is a ring of slots. Slots are numbered in sending order; after copying slot ``n`` out
+the receiver stores ``n`` in the area's header, which frees slot ``n`` and every earlier one.
+The sender places a slot after the newest live one, wraps to the start when the end is reached,
+and starts over at the start whenever nothing is live, so a link whose receiver keeps up touches
+(and keeps resident) only as many pages as one payload needs. When there is no room, or a
+payload is larger than the area, ``ShmArea.write`` returns None and the caller sends frames.
+
+Pages of a tmpfs file are allocated on first touch; writing to one when ``/dev/shm`` is full
+raises SIGBUS. The sender therefore reserves pages with ``posix_fallocate`` before it first
+writes past its high-water mark, which fails with an ordinary error instead.
+
+Trust: a peer that has passed authentication and runs on the same host as the receiver could
+shrink its file under the receiver's mapping and crash it (SIGBUS on the read); such a peer
+could equally signal the process. Names, offsets and sizes from the stream are checked.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import mmap
+import os
+import re
+import secrets
+import stat
+from dataclasses import dataclass
+
+import torch
+
+from pipesvc.errors import WireFormatError
+
+SHM_DIR = "/dev/shm"
+DEFAULT_AREA_BYTES = 256 << 20
+"""Largest area a sender creates (sparse: only touched pages use memory)."""
+MIN_AREA_BYTES = 1 << 20
+"""Below this (e.g. a nearly full ``/dev/shm``) no area is offered."""
+MAX_AREA_BYTES = 1 << 40
+"""Largest offered area a receiver maps (mapping reserves address space, not memory)."""
+HEADER_BYTES = 4096
+"""The nonce and the receiver's consumed counter live here; slots start after it."""
+ALIGN = 64
+_NONCE_BYTES = 16
+_CONSUMED_OFFSET = 64
+_NAME = re.compile(r"pipesvc-[0-9a-f]{32}")
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """Where one payload went in an area."""
+
+    seq: int
+    offset: int
+
+
+def _round_up(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class Ring:
+    """Slot placement in an area of ``capacity`` bytes (offsets from 0; pure bookkeeping)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._live: collections.deque[tuple[int, int, int]] = collections.deque()  # seq, start, end
+        self._next_seq = 1
+
+    @property
+    def live(self) -> int:
+        """Slots placed and not yet released."""
+        return len(self._live)
+
+    def release(self, consumed_seq: int) -> None:
+        """Frees every slot numbered ``consumed_seq`` or lower."""
+        while self._live and self._live[0][0] <= consumed_seq:
+            self._live.popleft()
+
+    def retract(self) -> None:
+        """Takes back the newest slot (placed but never handed out)."""
+        self._live.pop()
+        self._next_seq -= 1
+
+    def place(self, num_bytes: int) -> Slot | None:
+        """A slot for ``num_bytes`` that overlaps no live slot, or None when none fits now."""
+        size = _round_up(max(num_bytes, 1))
+        if not self._live:
+            start = 0 if size <= self.capacity else None
+        else:
+            head, tail = self._live[0][1], self._live[-1][2]
+            wrapped = self._live[-1][1] < head
+            if wrapped:
+                start = tail if tail + size <= head else None
+            elif tail + size <= self.capacity:
+                start = tail
+            else:
+                start = 0 if size <= head else None
+        if start is None:
+            return None
+        slot = Slot(self._next_seq, start)
+        self._live.append((slot.seq, start, start + size))
+        self._next_seq += 1
+        return slot
+
+
+def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    flat = tensor.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+
+
+def _area_size(limit: int) -> int:
+    try:
+        fs = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0
+    free = fs.f_bavail * fs.f_frsize
+    return min(limit, free // 4) // mmap.PAGESIZE * mmap.PAGESIZE
+
+
+class _Mapping:
+    """A mapped area file and a byte tensor over it."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self._mmap: mmap.mmap | None = mmap.mmap(fd, size)
+        self.bytes: torch.Tensor | None = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self.consumed = self.bytes[_CONSUMED_OFFSET : _CONSUMED_OFFSET + 8].view(torch.int64)
+        self.size = size
+
+    def close(self) -> None:
+        self.bytes = None
+        self.consumed = torch.zeros(1, dtype=torch.int64)
+        if self._mmap is not None:
+            # A copy in flight may still hold a view; then the mapping goes with it.
+            with contextlib.suppress(BufferError):
+                self._mmap.close()
+            self._mmap = None
+
+
+class ShmArea:
+    """The sender's area: it writes payloads in; the receiver copies them out."""
+
+    def __init__(self, fd: int, path: str, size: int) -> None:
+        self.path = path
+        self.name = os.path.basename(path)
+        self.nonce = secrets.token_bytes(_NONCE_BYTES)
+        self._fd = fd
+        self._map = _Mapping(fd, size)
+        assert self._map.bytes is not None
+        self._map.bytes[:_NONCE_BYTES].copy_(
+            torch.frombuffer(bytearray(self.nonce), dtype=torch.uint8)
+        )
+        self._ring = Ring(size - HEADER_BYTES)
+        self._reserved = HEADER_BYTES
+        self._unlinked = False
+
+    @classmethod
+    def create(cls, limit: int = DEFAULT_AREA_BYTES) -> ShmArea | None:
+        """A new area of up to ``limit`` bytes, or None where ``/dev/shm`` is missing or full."""
+        size = _area_size(limit)
+        if size < MIN_AREA_BYTES:
+            return None
+        path = os.path.join(SHM_DIR, f"pipesvc-{secrets.token_hex(16)}")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except OSError:
+            return None
+        try:
+            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, HEADER_BYTES)
+            return cls(fd, path, size)
+        except OSError:
+            os.close(fd)
+            os.unlink(path)
+            return None
+
+    @property
+    def size(self) -> int:
+        """Bytes in the area, header included."""
+        return self._map.size
+
+    def write(self, tensor: torch.Tensor) -> Slot | None:
+        """Copies ``tensor``'s bytes into a free slot; None when none fits now (send frames)."""
+        data = _byte_view(tensor)
+        area = self._map.bytes
+        if area is None or data.numel() == 0:
+            return None
+        self._ring.release(int(self._map.consumed[0]))
+        slot = self._ring.place(data.numel())
+        if slot is None:
+            return None
+        start = HEADER_BYTES + slot.offset
+        end = start + data.numel()
+        if end > self._reserved:
+            try:
+                os.posix_fallocate(self._fd, self._reserved, end - self._reserved)
+            except OSError:
+                self._ring.retract()
+                return None
+            self._reserved = end
+        area[start:end].copy_(data)
+        return Slot(slot.seq, start)
+
+    def unlink(self) -> None:
+        """Removes the file; the mappings stay valid (called once the receiver answered)."""
+        if not self._unlinked:
+            self._unlinked = True
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+    def close(self) -> None:
+        """Unlinks and unmaps."""
+        self.unlink()
+        self._map.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class ShmView:
+    """The receiver's mapping of a peer's area."""
+
+    def __init__(self, name: str, nonce: bytes, size: int, max_size: int) -> None:
+        """Maps the offered area after checking name, file type, size and nonce.
+
+        Raises:
+            WireFormatError: the name is not an area name, or the size is out of bounds.
+            OSError: the file cannot be opened or is not the offered one (another host).
+        """
+        if not _NAME.fullmatch(name):
+            raise WireFormatError(f"shared-memory area name {name!r} is not pipesvc-<32 hex>")
+        if not HEADER_BYTES + ALIGN <= size <= max_size:
+            raise WireFormatError(
+                f"shared-memory area size {size} must be in [{HEADER_BYTES + ALIGN}, {max_size}]"
+            )
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+                raise OSError(f"{name} is not a {size}-byte regular file")
+            mapping = _Mapping(fd, size)
+        finally:
+            os.close(fd)
+        assert mapping.bytes is not None
+        if bytes(mapping.bytes[:_NONCE_BYTES].numpy()) != nonce:
+            mapping.close()
+            raise OSError(f"{name} does not carry the offered nonce (another host's area)")
+        self.name = name
+        self.size = size
+        self._map = mapping
+        self._last_seq = 0
+
+    def read(self, slot_seq: int, offset: int, out: torch.Tensor) -> torch.Tensor:
+        """Copies a slot into ``out`` (whose byte size is the payload's) and frees the slot.
+
+        Raises:
+            WireFormatError: the slot is out of order or outside the area.
+        """
+        area = self._map.bytes
+        if area is None:
+            raise WireFormatError(f"shared-memory area {self.name} is closed")
+        if slot_seq != self._last_seq + 1:
+            raise WireFormatError(f"shared-memory slot {slot_seq}; expected {self._last_seq + 1}")
+        target = _byte_view(out)
+        end = offset + target.numel()
+        if offset < HEADER_BYTES or end > self.size:
+            raise WireFormatError(
+                f"shared-memory slot [{offset}, {end}) lies outside the area's data "
+                f"[{HEADER_BYTES}, {self.size})"
+            )
+        target.copy_(area[offset:end])
+        self._last_seq = slot_seq
+        self._map.consumed[0] = slot_seq
+        return out
+
+    def close(self) -> None:
+        """Unmaps."""
+        self._map.close()

@@ -1,0 +1,142 @@
+"""The data plane's two paths: shared memory between stages on one host, frames otherwise."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from pipesvc.metrics import NO_METRICS
+from pipesvc.stage.links import DownstreamLink, FrameReader, Sender, UpstreamLink
+from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
+from pipesvc.tensor_codec import CodecLimits
+from pipesvc.transport import create_server, open_channel
+from pipesvc.v1 import stage_pb2, stage_pb2_grpc
+
+SIZES = [1, 1000, 3 << 20, 0, 5, (1 << 20) + 3]
+
+
+class _Echo(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
+    """Echoes each activation back as a gradient through a real UpstreamLink."""
+
+    def __init__(self, shm_bytes: int) -> None:
+        self.shm_bytes = shm_bytes
+        self.link: UpstreamLink | None = None
+
+    def Exchange(self, requests: Iterator[Any], context: Any) -> Iterator[Any]:
+        mailbox = Mailbox()
+        link = UpstreamLink(
+            job_id="j", epoch=1, mailbox=mailbox, limits=CodecLimits(), shm_bytes=self.shm_bytes
+        )
+        self.link = link
+
+        def echo() -> None:
+            for i in range(len(SIZES)):
+                tensor = mailbox.get(MailKey(1, ACTIVATION, i), 30.0)
+                link.send(MailKey(1, GRADIENT, i), tensor * 2)
+
+        threading.Thread(target=echo, daemon=True).start()
+        yield from link.serve(requests)
+
+
+def _shm_files() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("pipesvc-")}
+
+
+@pytest.mark.parametrize(
+    ("down_shm", "up_shm"),
+    [(256 << 20, 256 << 20), (0, 0), (256 << 20, 0), (0, 256 << 20)],
+    ids=["both-shm", "both-frames", "activations-shm", "gradients-shm"],
+)
+def test_echo_is_exact_on_every_path(down_shm: int, up_shm: int) -> None:
+    before = _shm_files()
+    echo = _Echo(up_shm)
+    server, port, _ = create_server(
+        "127.0.0.1:0", [lambda s: stage_pb2_grpc.add_StageServiceServicer_to_server(echo, s)]
+    )
+    channel = open_channel(f"127.0.0.1:{port}")
+    mailbox = Mailbox()
+    link = DownstreamLink(
+        channel=channel,
+        address="echo",
+        job_id="j",
+        epoch=1,
+        mailbox=mailbox,
+        limits=CodecLimits(),
+        shm_bytes=down_shm,
+    )
+    try:
+        for i, numel in enumerate(SIZES):
+            x = torch.randn(numel, generator=torch.Generator().manual_seed(i))
+            link.send(MailKey(1, ACTIVATION, i), x)
+            assert torch.equal(mailbox.get(MailKey(1, GRADIENT, i), 30.0), x * 2)
+        assert echo.link is not None
+        assert link.uses_shm == bool(down_shm)
+        assert echo.link.uses_shm == bool(up_shm)
+        # Accepted areas are unlinked at once; the others when their stream ends.
+        assert _shm_files() - before == set()
+    finally:
+        link.close()
+        channel.close()
+        server.stop(1).wait(5)
+    assert _shm_files() - before == set()
+
+
+def _reader(reply: Sender, direction: str = ACTIVATION) -> FrameReader:
+    return FrameReader(
+        job_id="j",
+        epoch=1,
+        direction=direction,
+        mailbox=Mailbox(),
+        limits=CodecLimits(),
+        metrics=NO_METRICS,
+        reply=reply,
+    )
+
+
+def test_an_area_the_receiver_cannot_map_is_refused_and_frames_flow() -> None:
+    """What a stage on another host sees: the offered file does not exist there."""
+    sender = Sender(job_id="j", epoch=1, direction=ACTIVATION)
+    frames = sender.frames()
+    sender.put((MailKey(1, ACTIVATION, 0), torch.ones(3)))
+    offer = next(frames)
+    assert offer.HasField("shm_offer")
+    assert not next(frames).HasField("shm_slot")  # the first tensor never waits for an answer
+
+    elsewhere = stage_pb2.DataFrame()
+    elsewhere.CopyFrom(offer)
+    elsewhere.shm_offer.name = "pipesvc-" + "f" * 32  # no such file on "this host"
+    gradients = Sender(job_id="j", epoch=1, direction=GRADIENT)
+    _reader(gradients).feed(elsewhere)
+    answer = next(gradients.frames())
+    assert answer.HasField("shm_answer") and not answer.shm_answer.accepted
+    assert "cannot map" in answer.shm_answer.reason
+
+    answer.shm_answer.name = offer.shm_offer.name
+    sender.on_answer(answer.shm_answer)
+    assert not sender.uses_shm
+    assert not os.path.exists("/dev/shm/" + offer.shm_offer.name)  # refused: removed at once
+    sender.put((MailKey(1, ACTIVATION, 1), torch.ones(3)))
+    frame = next(frames)
+    assert not frame.HasField("shm_slot") and len(frame.data) == 12
+    sender.put(None)
+    assert list(frames) == []
+
+
+def test_a_slot_without_an_accepted_offer_is_a_wire_error() -> None:
+    from pipesvc.errors import WireFormatError
+    from pipesvc.tensor_codec import make_header
+
+    frame = stage_pb2.DataFrame(
+        id=stage_pb2.MicrobatchId(
+            job_id="j", plan_epoch=1, run_id=1, direction=stage_pb2.ACTIVATION
+        ),
+        header=make_header(torch.ones(2)),
+        shm_slot=stage_pb2.ShmSlot(seq=1, offset=4096),
+    )
+    with pytest.raises(WireFormatError, match="before an accepted offer"):
+        _reader(Sender(job_id="j", epoch=1, direction=GRADIENT)).feed(frame)

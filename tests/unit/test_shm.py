@@ -1,0 +1,161 @@
+"""The shared-memory area: slot placement, the handshake checks, and byte-exact copies."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipesvc import shm
+from pipesvc.errors import WireFormatError
+from pipesvc.shm import ALIGN, HEADER_BYTES, Ring, ShmArea, ShmView
+
+
+def _area() -> ShmArea:
+    area = ShmArea.create(4 << 20)
+    assert area is not None, "/dev/shm is needed for these tests"
+    return area
+
+
+def test_ring_starts_over_when_nothing_is_live() -> None:
+    ring = Ring(1000 * ALIGN)
+    first = ring.place(10)
+    second = ring.place(10)
+    assert first is not None and second is not None
+    assert (first.seq, first.offset) == (1, 0)
+    assert (second.seq, second.offset) == (2, ALIGN)
+    ring.release(2)
+    third = ring.place(500)
+    assert third is not None and (third.seq, third.offset) == (3, 0)
+
+
+def test_ring_wraps_and_refuses_when_full() -> None:
+    ring = Ring(4 * ALIGN)
+    slots = [ring.place(ALIGN) for _ in range(4)]
+    assert [s.offset for s in slots if s] == [0, ALIGN, 2 * ALIGN, 3 * ALIGN]
+    assert ring.place(1) is None
+    ring.release(2)  # frees the first two
+    wrapped = ring.place(2 * ALIGN)
+    assert wrapped is not None and wrapped.offset == 0
+    assert ring.place(1) is None
+    assert ring.place(5 * ALIGN) is None  # larger than the whole ring
+
+
+def test_ring_retract_reuses_the_sequence_number() -> None:
+    ring = Ring(10 * ALIGN)
+    assert ring.place(1) is not None
+    ring.retract()
+    again = ring.place(1)
+    assert again is not None and again.seq == 1 and ring.live == 1
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.integers(1, 700), st.integers(0, 3)), min_size=1, max_size=60))
+def test_ring_never_overlaps_live_slots(ops: list[tuple[int, int]]) -> None:
+    capacity = 16 * ALIGN
+    ring = Ring(capacity)
+    live: list[tuple[int, int, int]] = []  # seq, start, end
+    for size, frees in ops:
+        if frees and live:
+            upto = live[min(frees, len(live)) - 1][0]
+            ring.release(upto)
+            live = [s for s in live if s[0] > upto]
+        slot = ring.place(size)
+        if slot is None:
+            continue
+        end = slot.offset + size
+        assert slot.offset >= 0 and end <= capacity
+        assert slot.seq == (live[-1][0] + 1 if live else slot.seq)
+        for _, start, stop in live:
+            assert end <= start or slot.offset >= stop, (slot, live)
+        live.append((slot.seq, slot.offset, end))
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.randn(3, 5),
+        torch.randn(7).to(torch.bfloat16),
+        torch.tensor([True, False, True]),
+        torch.arange(10, dtype=torch.int64)[::2],  # not contiguous
+        torch.randn(300_000),
+    ],
+    ids=["f32", "bf16", "bool", "strided", "1mb"],
+)
+def test_area_to_view_is_byte_exact(tensor: torch.Tensor) -> None:
+    area = _area()
+    view = ShmView(area.name, area.nonce, area.size, shm.MAX_AREA_BYTES)
+    try:
+        for _ in range(3):  # slots are freed by the reads, so the area is reused
+            slot = area.write(tensor)
+            assert slot is not None
+            out = view.read(slot.seq, slot.offset, torch.empty(tensor.shape, dtype=tensor.dtype))
+            assert torch.equal(out, tensor)
+    finally:
+        view.close()
+        area.close()
+
+
+def test_area_file_is_gone_after_unlink_and_close() -> None:
+    area = _area()
+    path = area.path
+    assert os.path.exists(path)
+    view = ShmView(area.name, area.nonce, area.size, shm.MAX_AREA_BYTES)
+    area.unlink()
+    assert not os.path.exists(path)
+    slot = area.write(torch.ones(4))  # both mappings outlive the file
+    assert slot is not None
+    assert torch.equal(view.read(slot.seq, slot.offset, torch.empty(4)), torch.ones(4))
+    view.close()
+    area.close()
+
+
+def test_full_area_makes_the_sender_fall_back() -> None:
+    area = _area()
+    big = torch.zeros((area.size - HEADER_BYTES) // 4)
+    assert area.write(big) is not None
+    assert area.write(torch.zeros(1)) is None  # nothing consumed yet: send frames instead
+    assert area.write(torch.zeros(area.size)) is None  # never fits
+    area.close()
+
+
+def test_view_refuses_a_bad_offer() -> None:
+    area = _area()
+    try:
+        with pytest.raises(WireFormatError, match="not pipesvc-"):
+            ShmView("../etc/passwd", area.nonce, area.size, shm.MAX_AREA_BYTES)
+        with pytest.raises(WireFormatError, match="size"):
+            ShmView(area.name, area.nonce, 10, shm.MAX_AREA_BYTES)
+        with pytest.raises(OSError, match="nonce"):
+            ShmView(area.name, b"x" * 16, area.size, shm.MAX_AREA_BYTES)
+        with pytest.raises(OSError, match="regular file"):
+            ShmView(area.name, area.nonce, area.size - 4096, shm.MAX_AREA_BYTES)
+        with pytest.raises(FileNotFoundError):
+            ShmView("pipesvc-" + "0" * 32, area.nonce, area.size, shm.MAX_AREA_BYTES)
+    finally:
+        area.close()
+
+
+def test_view_refuses_slots_out_of_order_or_outside_the_area() -> None:
+    area = _area()
+    view = ShmView(area.name, area.nonce, area.size, shm.MAX_AREA_BYTES)
+    try:
+        slot = area.write(torch.ones(4))
+        assert slot is not None
+        with pytest.raises(WireFormatError, match="expected 1"):
+            view.read(slot.seq + 1, slot.offset, torch.empty(4))
+        with pytest.raises(WireFormatError, match="outside"):
+            view.read(slot.seq, 0, torch.empty(4))
+        with pytest.raises(WireFormatError, match="outside"):
+            view.read(slot.seq, area.size - 8, torch.empty(4))
+        assert torch.equal(view.read(slot.seq, slot.offset, torch.empty(4)), torch.ones(4))
+    finally:
+        view.close()
+        area.close()
+
+
+def test_no_area_when_the_limit_is_too_small() -> None:
+    assert ShmArea.create(shm.MIN_AREA_BYTES - 1) is None
