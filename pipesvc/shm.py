@@ -15,6 +15,15 @@ and starts over at the start whenever nothing is live, so a link whose receiver 
 (and keeps resident) only as many pages as one payload needs. When there is no room, or a
 payload is larger than the area, ``ShmArea.write`` returns None and the caller sends frames.
 
+Beside the area the sender makes a FIFO (the area's name plus ``.bell``), the *doorbell*: once
+the offer is accepted, a tensor's header and slot (a few hundred bytes) are written to it by the
+sending thread itself, and a thread of the receiver blocked on it wakes and copies the payload
+out. The stream stays the control path (offer, answer, fallback frames) and the liveness signal;
+the doorbell takes gRPC's per-message cost (queues, its threads and completion queues on both
+sides) off every activation and gradient, which is what small micro-batches are bound by. A
+message is one ``write`` of at most ``PIPE_BUF`` bytes, so it is atomic; the writer blocks while
+the pipe is full, and the reader sees end-of-file when the writer closes or dies.
+
 Pages of a tmpfs file are allocated on first touch; writing to one when ``/dev/shm`` is full
 raises SIGBUS. The sender therefore reserves pages with ``posix_fallocate`` before it first
 writes past its high-water mark, which fails with an ordinary error instead.
@@ -28,11 +37,14 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import mmap
 import os
 import re
 import secrets
+import select
 import stat
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +64,11 @@ ALIGN = 64
 _NONCE_BYTES = 16
 _CONSUMED_OFFSET = 64
 _NAME = re.compile(r"pipesvc-[0-9a-f]{32}")
+_LENGTH_BYTES = 4
+BELL_SUFFIX = ".bell"
+MAX_BELL_MESSAGE = 4096 - _LENGTH_BYTES
+"""Largest doorbell message body (a message and its length prefix are one atomic write)."""
+_LENGTH = struct.Struct("<I")
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +177,7 @@ class ShmArea:
         self._ring = Ring(size - HEADER_BYTES)
         self._reserved = HEADER_BYTES
         self._unlinked = False
+        self._bell = -1
 
     @classmethod
     def create(cls, limit: int = DEFAULT_AREA_BYTES) -> ShmArea | None:
@@ -175,10 +193,13 @@ class ShmArea:
         try:
             os.ftruncate(fd, size)
             os.posix_fallocate(fd, 0, HEADER_BYTES)
+            os.mkfifo(path + BELL_SUFFIX, 0o600)
             return cls(fd, path, size)
         except OSError:
             os.close(fd)
-            os.unlink(path)
+            for leftover in (path, path + BELL_SUFFIX):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(leftover)
             return None
 
     @property
@@ -208,16 +229,47 @@ class ShmArea:
         area[start:end].copy_(data)
         return Slot(slot.seq, start)
 
+    def open_bell(self) -> bool:
+        """Opens the doorbell for writing; False unless the receiver holds it open to read."""
+        try:
+            fd = os.open(self.path + BELL_SUFFIX, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        except OSError as exc:
+            if exc.errno not in (errno.ENXIO, errno.ENOENT):
+                raise
+            return False
+        os.set_blocking(fd, True)
+        self._bell = fd
+        return True
+
+    def ring(self, message: bytes) -> None:
+        """Writes one doorbell message (blocks while the pipe is full).
+
+        Raises:
+            OSError: the receiver is gone (BrokenPipeError) or the bell is not open.
+        """
+        if len(message) > MAX_BELL_MESSAGE:
+            raise ValueError(
+                f"doorbell message of {len(message)} bytes; at most {MAX_BELL_MESSAGE}"
+            )
+        if self._bell < 0:
+            raise OSError(errno.EBADF, "the doorbell is not open")
+        os.write(self._bell, _LENGTH.pack(len(message)) + message)
+
     def unlink(self) -> None:
-        """Removes the file; the mappings stay valid (called once the receiver answered)."""
+        """Removes the files; the mappings and open ends stay valid (called once the receiver
+        answered)."""
         if not self._unlinked:
             self._unlinked = True
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+            for path in (self.path, self.path + BELL_SUFFIX):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
 
     def close(self) -> None:
-        """Unlinks and unmaps."""
+        """Unlinks, closes the doorbell (the receiver reads end-of-file) and unmaps."""
         self.unlink()
+        if self._bell >= 0:
+            os.close(self._bell)
+            self._bell = -1
         self._map.close()
         if self._fd >= 0:
             os.close(self._fd)
@@ -256,6 +308,38 @@ class ShmView:
         self.size = size
         self._map = mapping
         self._last_seq = 0
+        try:
+            self._bell = _open_bell_reader(os.path.join(SHM_DIR, name + BELL_SUFFIX))
+        except OSError:
+            mapping.close()
+            raise
+        self._poller = select.poll()
+        self._poller.register(self._bell, select.POLLIN)
+
+    def read_bell(self) -> bytes | None:
+        """The next doorbell message, blocking; None at end-of-file (the sender closed it).
+
+        Raises:
+            WireFormatError: a message longer than MAX_BELL_MESSAGE or cut short.
+        """
+        if self._bell < 0:
+            return None
+        head = _read_exact(self._bell, _LENGTH_BYTES, self._poller)
+        if head is None:
+            return None
+        (length,) = _LENGTH.unpack(head)
+        if length > MAX_BELL_MESSAGE:
+            raise WireFormatError(f"doorbell message of {length} bytes; at most {MAX_BELL_MESSAGE}")
+        body = _read_exact(self._bell, length, self._poller)
+        if body is None:
+            raise WireFormatError(f"doorbell message cut short ({length} bytes announced)")
+        return body
+
+    def close_bell(self) -> None:
+        """Closes the reading end (call from the thread that reads it, once it is done)."""
+        if self._bell >= 0:
+            os.close(self._bell)
+            self._bell = -1
 
     def read(self, slot_seq: int, offset: int, out: torch.Tensor) -> torch.Tensor:
         """Copies a slot into ``out`` (whose byte size is the payload's) and frees the slot.
@@ -281,5 +365,40 @@ class ShmView:
         return out
 
     def close(self) -> None:
-        """Unmaps."""
+        """Unmaps (the doorbell is closed by its reading thread)."""
         self._map.close()
+
+
+def _open_bell_reader(path: str) -> int:
+    """Opens a doorbell FIFO for reading (non-blocking) without waiting for a writer.
+
+    Raises:
+        OSError: missing, or not a FIFO.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, f"{path} is not a FIFO")
+    return fd
+
+
+def _read_exact(fd: int, n: int, poller: select.poll) -> bytes | None:
+    """``n`` bytes from the non-blocking FIFO ``fd``; None at end-of-file before the first
+    byte. It waits in ``poll`` before reading: on Linux a FIFO reports hang-up only after a
+    writer has come and gone, while ``read`` returns end-of-file whenever no writer is there,
+    also before the first one has opened it."""
+    chunks: list[bytes] = []
+    got = 0
+    while got < n:
+        poller.poll()
+        try:
+            chunk = os.read(fd, n - got)
+        except BlockingIOError:
+            continue
+        if not chunk:
+            if got == 0:
+                return None
+            raise WireFormatError(f"doorbell closed after {got} of {n} bytes")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)

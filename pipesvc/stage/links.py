@@ -17,6 +17,7 @@ from typing import TypeAlias
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 
 from pipesvc.errors import PipesvcError, StageUnavailableError, WireFormatError
 from pipesvc.metrics import NO_METRICS, Metrics
@@ -57,11 +58,14 @@ def _ident(
 
 
 class Sender:
-    """One direction of a stream: turns queued tensors into frames, through shared memory
-    once the receiver has accepted this sender's area.
+    """One direction of a stream.
 
-    ``frames()`` is the generator gRPC sends from (on its own thread); ``put`` queues a tensor,
-    a control frame, an error to end the stream with, or None to end it cleanly.
+    Until the receiver accepts this sender's shared-memory area, tensors are queued and sent as
+    frames by ``frames()``, the generator gRPC sends from (on its own thread). Once accepted,
+    ``put`` writes a tensor into the area and rings the doorbell from the calling thread (see
+    [Note: the shared-memory path]); only when the area has no room does it still queue frames.
+    ``put`` also takes a control frame, an error to end the stream with, or None to end it.
+    One thread puts tensors; any thread may put the rest.
     """
 
     def __init__(
@@ -83,16 +87,18 @@ class Sender:
         self._queue: queue.Queue[_Outgoing] = queue.Queue(SEND_QUEUE_ITEMS)
         self._area: ShmArea | None = None
         self._offered = False
-        self._accepted = False
-        self._refused = False
+        self._bell_open = False
 
     @property
     def uses_shm(self) -> bool:
-        """Whether payloads now go through shared memory."""
-        return self._accepted and not self._refused
+        """Whether tensors now go through shared memory."""
+        return self._bell_open
 
     def put(self, item: _Outgoing) -> None:
-        """Queues an item (blocks while the queue is full)."""
+        """Sends a tensor through shared memory, or queues an item for the stream (blocks
+        while the queue is full)."""
+        if isinstance(item, tuple) and self._bell_open and self._send_shared(*item):
+            return
         self._queue.put(item)
         self._metrics.set("queue_depth", self._queue.qsize(), queue="send")
 
@@ -101,11 +107,13 @@ class Sender:
         area = self._area
         if area is None or answer.name != area.name:
             return
-        if answer.accepted:
-            self._accepted = True
+        if answer.accepted and area.open_bell():
+            self._bell_open = True
         else:
-            self._refused = True
-            logger.info("shared memory refused by the peer (%s); sending frames", answer.reason)
+            logger.info(
+                "shared memory refused by the peer (%s); sending frames",
+                answer.reason or "doorbell not open",
+            )
         area.unlink()
 
     def frames(self) -> Iterator[stage_pb2.DataFrame]:
@@ -129,6 +137,7 @@ class Sender:
                 for _ in range(self._copies):
                     yield from self._tensor_frames(*item)
         finally:
+            self._bell_open = False
             if self._area is not None:
                 self._area.close()
 
@@ -145,24 +154,38 @@ class Sender:
             ),
         )
 
+    def _send_shared(self, key: MailKey, tensor: torch.Tensor) -> bool:
+        """Writes ``tensor`` into the area and rings the doorbell; False when the area has no
+        room (or the receiver is gone), so the caller queues frames instead."""
+        area = self._area
+        if area is None:
+            return False
+        header = make_header(tensor)
+        ident = _ident(self._job_id, self._epoch, self._direction, key)
+        for copy in range(self._copies):
+            slot = area.write(tensor)
+            if slot is None:
+                return copy > 0
+            message = stage_pb2.DataFrame(
+                id=ident,
+                header=header,
+                shm_slot=stage_pb2.ShmSlot(seq=slot.seq, offset=slot.offset),
+            ).SerializeToString()
+            try:
+                area.ring(message)
+            except OSError as exc:
+                # The receiver closed its end: it is gone; the stream reports why.
+                logger.info("doorbell to the peer failed (%s); sending frames", exc)
+                self._bell_open = False
+                return copy > 0
+            self._metrics.inc("frames_total", direction="sent", kind=key.direction)
+            self._metrics.inc("bytes_total", header.num_bytes, direction="sent", kind=key.direction)
+        return True
+
     def _tensor_frames(self, key: MailKey, tensor: torch.Tensor) -> Iterator[stage_pb2.DataFrame]:
         ident = _ident(self._job_id, self._epoch, self._direction, key)
-        num_bytes = tensor.numel() * tensor.element_size()
-        self._metrics.inc("bytes_total", num_bytes, direction="sent", kind=key.direction)
-        if self._refused and self._area is not None:
-            self._area.close()
-            self._area = None
-        if self._accepted and self._area is not None:
-            slot = self._area.write(tensor)
-            if slot is not None:
-                self._metrics.inc("frames_total", direction="sent", kind=key.direction)
-                yield stage_pb2.DataFrame(
-                    id=ident,
-                    header=make_header(tensor),
-                    shm_slot=stage_pb2.ShmSlot(seq=slot.seq, offset=slot.offset),
-                )
-                return
         header, payloads = encode_frames(tensor, DEFAULT_FRAME_BYTES)
+        self._metrics.inc("bytes_total", header.num_bytes, direction="sent", kind=key.direction)
         for index, data in enumerate(payloads):
             frame = stage_pb2.DataFrame(id=ident, frame_index=index, data=data)
             if index == 0:
@@ -175,7 +198,9 @@ class FrameReader:
     """Turns incoming frames into whole tensors in a mailbox, checking identity and order.
 
     It also takes the shared-memory handshake: it answers an offer through ``reply`` (the sender
-    of the opposite direction on the same stream) and hands the peer's answer to ``reply``.
+    of the opposite direction on the same stream), hands the peer's answer to ``reply``, and
+    once it has mapped the peer's area runs a thread reading the doorbell: each tensor goes to
+    the mailbox, whether it was accepted to ``on_delivered``, and an error to ``fail``.
     """
 
     def __init__(
@@ -188,6 +213,8 @@ class FrameReader:
         limits: CodecLimits,
         metrics: Metrics,
         reply: Sender,
+        on_delivered: Callable[[bool], None] | None = None,
+        fail: Callable[[PipesvcError], None] | None = None,
     ) -> None:
         self._metrics = metrics
         self._job_id = job_id
@@ -196,11 +223,13 @@ class FrameReader:
         self._mailbox = mailbox
         self._limits = limits
         self._reply = reply
+        self._on_delivered = on_delivered
+        self._fail = fail or mailbox.fail
         self._pending: tuple[MailKey, FrameAssembler] | None = None
         self._view: ShmView | None = None
 
     def close(self) -> None:
-        """Unmaps the peer's area, if any."""
+        """Unmaps the peer's area, if any (its doorbell thread ends when the peer closes)."""
         if self._view is not None:
             self._view.close()
             self._view = None
@@ -229,14 +258,14 @@ class FrameReader:
         if frame.HasField("shm_answer"):
             self._reply.on_answer(frame.shm_answer)
             return False
+        if frame.HasField("shm_slot"):
+            raise WireFormatError("a shared-memory slot arrived on the stream, not the doorbell")
         key = MailKey(ident.run_id, self._direction, ident.microbatch_index)
         self._metrics.inc("frames_total", direction="received", kind=self._direction)
-        if frame.HasField("shm_slot"):
-            tensor: torch.Tensor | None = self._read_slot(key, frame)
-        else:
-            tensor = self._add_frame(key, frame)
-        if tensor is None:
-            return False
+        tensor = self._add_frame(key, frame)
+        return tensor is not None and self._post(key, tensor)
+
+    def _post(self, key: MailKey, tensor: torch.Tensor) -> bool:
         self._metrics.inc(
             "bytes_total",
             tensor.numel() * tensor.element_size(),
@@ -246,6 +275,33 @@ class FrameReader:
         accepted = self._mailbox.put(key, tensor)
         self._metrics.set("queue_depth", len(self._mailbox), queue="mailbox")
         return accepted
+
+    def feed_slot(self, view: ShmView, frame: stage_pb2.DataFrame) -> bool:
+        """A doorbell frame: copies the tensor out of the peer's area into the mailbox.
+
+        Raises:
+            WireFormatError: wrong identity, or a malformed header or slot.
+        """
+        ident = frame.id
+        if (
+            ident.job_id != self._job_id
+            or ident.plan_epoch != self._epoch
+            or _DIRECTIONS.get(ident.direction) != self._direction
+        ):
+            raise WireFormatError(
+                f"doorbell frame for job {ident.job_id!r} epoch {ident.plan_epoch} direction "
+                f"{ident.direction}; it carries job {self._job_id!r} epoch {self._epoch} "
+                f"{self._direction}"
+            )
+        key = MailKey(ident.run_id, self._direction, ident.microbatch_index)
+        if not frame.HasField("shm_slot") or frame.data or frame.header.num_frames != 1:
+            raise WireFormatError(f"{key} on the doorbell must be one shared-memory slot")
+        check_header(frame.header, self._limits)
+        tensor = view.read(
+            frame.shm_slot.seq, frame.shm_slot.offset, empty_like_header(frame.header)
+        )
+        self._metrics.inc("frames_total", direction="received", kind=self._direction)
+        return self._post(key, tensor)
 
     def _add_frame(self, key: MailKey, frame: stage_pb2.DataFrame) -> torch.Tensor | None:
         if frame.frame_index == 0:
@@ -259,31 +315,38 @@ class FrameReader:
             self._pending = None
         return tensor
 
-    def _read_slot(self, key: MailKey, frame: stage_pb2.DataFrame) -> torch.Tensor:
-        if self._view is None:
-            raise WireFormatError(f"{key} arrived in shared memory before an accepted offer")
-        if self._pending is not None:
-            raise WireFormatError(f"{key} started before {self._pending[0]} was complete")
-        if frame.frame_index != 0 or frame.data or frame.header.num_frames != 1:
-            raise WireFormatError(
-                f"{key} in shared memory must be one frame (index 0, num_frames 1, no data)"
-            )
-        check_header(frame.header, self._limits)
-        out = empty_like_header(frame.header)
-        return self._view.read(frame.shm_slot.seq, frame.shm_slot.offset, out)
-
     def _take_offer(self, offer: stage_pb2.ShmOffer) -> None:
-        self.close()
+        if self._view is not None:
+            raise WireFormatError(f"a second shared-memory offer ({offer.name}) on one stream")
         answer = stage_pb2.ShmAnswer(name=offer.name)
         try:
             self._view = ShmView(offer.name, offer.nonce, offer.size, MAX_AREA_BYTES)
             answer.accepted = True
         except OSError as exc:
             answer.reason = f"cannot map {offer.name}: {exc.strerror or exc}"
-        ident = _ident(
-            self._job_id, self._epoch, GRADIENT if self._direction == ACTIVATION else ACTIVATION
+        if self._view is not None:
+            threading.Thread(
+                target=self._read_bell, args=(self._view,), name="doorbell", daemon=True
+            ).start()
+        opposite = GRADIENT if self._direction == ACTIVATION else ACTIVATION
+        self._reply.put(
+            stage_pb2.DataFrame(id=_ident(self._job_id, self._epoch, opposite), shm_answer=answer)
         )
-        self._reply.put(stage_pb2.DataFrame(id=ident, shm_answer=answer))
+
+    def _read_bell(self, view: ShmView) -> None:
+        try:
+            while (message := view.read_bell()) is not None:
+                try:
+                    frame = stage_pb2.DataFrame.FromString(message)
+                except DecodeError as exc:
+                    raise WireFormatError(f"undecodable doorbell frame: {exc}") from None
+                accepted = self.feed_slot(view, frame)
+                if self._on_delivered is not None:
+                    self._on_delivered(accepted)
+        except PipesvcError as exc:
+            self._fail(exc)
+        finally:
+            view.close_bell()
 
 
 class DownstreamLink:
@@ -320,6 +383,7 @@ class DownstreamLink:
             limits=limits,
             metrics=metrics,
             reply=self._sender,
+            fail=self._fail,
         )
         stub = stage_pb2_grpc.StageServiceStub(channel)
         self._call = stub.Exchange(self._sender.frames(), wait_for_ready=True)
@@ -332,7 +396,7 @@ class DownstreamLink:
         return self._sender.uses_shm
 
     def send(self, key: MailKey, tensor: torch.Tensor) -> None:
-        """Queues an activation for sending (blocks while the queue is full)."""
+        """Sends an activation (blocks while the send queue is full)."""
         self._sender.put((key, tensor.detach()))
 
     def close(self) -> None:
@@ -340,6 +404,11 @@ class DownstreamLink:
         self._sender.put(None)
         self._call.cancel()
         self._thread.join(timeout=5)
+
+    def _fail(self, exc: PipesvcError) -> None:
+        logger.warning("bad frame from downstream %s: %s", self.address, exc)
+        self._mailbox.fail(exc)
+        self._call.cancel()
 
     def _read(self) -> None:
         try:
@@ -353,9 +422,7 @@ class DownstreamLink:
                     StageUnavailableError(f"data stream to {self.address} failed: {error}")
                 )
         except PipesvcError as exc:
-            logger.warning("bad frame from downstream %s: %s", self.address, exc)
-            self._mailbox.fail(exc)
-            self._call.cancel()
+            self._fail(exc)
         finally:
             self._reader.close()
 
@@ -376,6 +443,7 @@ class UpstreamLink:
         on_established: Callable[[UpstreamLink], None] | None = None,
     ) -> None:
         self._on_established = on_established
+        self._established = threading.Event()
         self.job_id = job_id
         self.epoch = epoch
         self._sender = Sender(
@@ -394,6 +462,8 @@ class UpstreamLink:
             limits=limits,
             metrics=metrics,
             reply=self._sender,
+            on_delivered=self._accepted,
+            fail=self._fail,
         )
 
     @property
@@ -402,7 +472,7 @@ class UpstreamLink:
         return self._sender.uses_shm
 
     def send(self, key: MailKey, tensor: torch.Tensor) -> None:
-        """Queues a gradient for the upstream stage."""
+        """Sends a gradient to the upstream stage."""
         self._sender.put((key, tensor.detach()))
 
     def close(self) -> None:
@@ -419,19 +489,24 @@ class UpstreamLink:
         thread.start()
         yield from self._sender.frames()
 
+    def _accepted(self, accepted: bool) -> None:
+        # Only a stream that delivers a tensor the mailbox accepts (a current run's, not
+        # stale, not a duplicate) becomes the link gradients go back on.
+        if accepted and not self._established.is_set():
+            self._established.set()
+            if self._on_established is not None:
+                self._on_established(self)
+
+    def _fail(self, exc: PipesvcError) -> None:
+        logger.warning("bad frame from upstream: %s", exc)
+        self._sender.put(exc)
+
     def _read(self, requests: Iterable[stage_pb2.DataFrame]) -> None:
-        established = False
         try:
             for frame in requests:
-                # Only a stream that delivers a tensor the mailbox accepts (a current run's,
-                # not stale, not a duplicate) becomes the link gradients go back on.
-                if self._reader.feed(frame) and not established:
-                    if self._on_established is not None:
-                        self._on_established(self)
-                    established = True
+                self._accepted(self._reader.feed(frame))
         except PipesvcError as exc:
-            logger.warning("bad frame from upstream: %s", exc)
-            self._sender.put(exc)
+            self._fail(exc)
             return
         except grpc.RpcError:
             pass  # the upstream went away; its own side reports the failure

@@ -325,7 +325,8 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
                 job.mailbox.finish(request.run_id)
             if training:
                 job.pending_commit = request.run_id
-                response.grad_norm_sq = rt.grad_norm_sq()
+                if rt.config.clip_grad_norm is not None:  # a pass over every gradient
+                    response.grad_norm_sq = rt.grad_norm_sq()
             return response
 
     def _execute(

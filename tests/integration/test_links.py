@@ -138,5 +138,5 @@ def test_a_slot_without_an_accepted_offer_is_a_wire_error() -> None:
         header=make_header(torch.ones(2)),
         shm_slot=stage_pb2.ShmSlot(seq=1, offset=4096),
     )
-    with pytest.raises(WireFormatError, match="before an accepted offer"):
+    with pytest.raises(WireFormatError, match="on the stream, not the doorbell"):
         _reader(Sender(job_id="j", epoch=1, direction=GRADIENT)).feed(frame)

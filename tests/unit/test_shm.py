@@ -159,3 +159,69 @@ def test_view_refuses_slots_out_of_order_or_outside_the_area() -> None:
 
 def test_no_area_when_the_limit_is_too_small() -> None:
     assert ShmArea.create(shm.MIN_AREA_BYTES - 1) is None
+
+
+def test_doorbell_carries_messages_in_order_and_ends_at_close() -> None:
+    area = _area()
+    view = ShmView(area.name, area.nonce, area.size, shm.MAX_AREA_BYTES)
+    try:
+        assert area.open_bell()
+        area.unlink()  # both ends stay open without the files
+        for i in range(100):
+            area.ring(f"message {i}".encode())
+        assert [view.read_bell() for _ in range(100)] == [
+            f"message {i}".encode() for i in range(100)
+        ]
+        area.close()
+        assert view.read_bell() is None  # end-of-file once the sender is gone
+    finally:
+        view.close_bell()
+        view.close()
+        area.close()
+
+
+def test_doorbell_reader_waits_for_its_first_writer() -> None:
+    """read() on a FIFO with no writer returns end-of-file at once; the reader must not take
+    that for the sender having gone before the sender has even opened it."""
+    import threading
+
+    area = _area()
+    view = ShmView(area.name, area.nonce, area.size, shm.MAX_AREA_BYTES)
+    got: list[bytes | None] = []
+    reader = threading.Thread(target=lambda: got.append(view.read_bell()))
+    reader.start()
+    reader.join(timeout=0.3)
+    assert reader.is_alive() and got == []
+    assert area.open_bell()
+    area.ring(b"first")
+    reader.join(timeout=10)
+    assert got == [b"first"]
+    view.close_bell()
+    view.close()
+    area.close()
+
+
+def test_doorbell_refuses_oversized_messages_and_unopened_bells() -> None:
+    area = _area()
+    try:
+        with pytest.raises(OSError):
+            area.ring(b"x")  # no receiver has opened it
+        assert not area.open_bell()  # nobody reads it
+        with pytest.raises(ValueError, match="at most"):
+            area.ring(b"x" * (shm.MAX_BELL_MESSAGE + 1))
+    finally:
+        area.close()
+
+
+def test_doorbell_length_prefix_is_checked() -> None:
+    area = _area()
+    view = ShmView(area.name, area.nonce, area.size, shm.MAX_AREA_BYTES)
+    try:
+        assert area.open_bell()
+        os.write(area._bell, (shm.MAX_BELL_MESSAGE + 1).to_bytes(4, "little"))
+        with pytest.raises(WireFormatError, match="doorbell message"):
+            view.read_bell()
+    finally:
+        view.close_bell()
+        view.close()
+        area.close()
