@@ -12,7 +12,7 @@ Usage::
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,6 +91,8 @@ class Client:
         partition: str = "parameters",
         clip_grad_norm: float | None = None,
         checkpoint_every: int = 10,
+        input_shape: Sequence[int] | None = None,
+        input_dtype: str = "float32",
         resume_from: str | Path | None = None,
     ) -> Job:
         """Plans and assigns a job; see JobConfig for each argument.
@@ -115,6 +117,8 @@ class Client:
             partition=partition,
             clip_grad_norm=clip_grad_norm,
             checkpoint_every=checkpoint_every,
+            input_shape=tuple(input_shape) if input_shape is not None else None,
+            input_dtype=input_dtype,
         )
         manifest = read_manifest(resume_from) if resume_from is not None else None
         if manifest is not None and resume_from is not None:

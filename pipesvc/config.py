@@ -12,6 +12,7 @@ from typing import Any
 from pipesvc.errors import InvalidArgumentError
 from pipesvc.loss import check_loss
 from pipesvc.models import check_model_args
+from pipesvc.models.registry import INPUT_DTYPES, MAX_INPUT_DIMS
 from pipesvc.optim import check_optimizer
 from pipesvc.partition import PARTITIONS
 from pipesvc.schedule import SCHEDULES
@@ -45,12 +46,19 @@ class JobConfig:
     loss: str = "cross_entropy"
     """``cross_entropy`` or ``mse``, mean-reduced."""
     partition: str = "parameters"
-    """How layers are split: ``parameters`` (balance parameter counts) or ``uniform``."""
+    """How layers are split: ``parameters`` (balance parameter counts), ``uniform`` (equal layer
+    counts) or ``memory`` (balance each stage's memory estimate against its budget)."""
     clip_grad_norm: float | None = None
     """Clip the global gradient norm over all stages to this value; None for no clipping."""
     checkpoint_every: int = 10
     """Checkpoint every this many steps (0: only at start and after loading state); recovery
     replays the steps since the newest checkpoint from the coordinator's step log."""
+    input_shape: tuple[int, ...] | None = None
+    """Shape of one micro-batch's input, batch dimension first (e.g. ``(8, 128)`` for 8
+    sequences of 128 tokens). With it the planner counts the activations each stage keeps
+    for its backward in its memory estimate; without it they are left out."""
+    input_dtype: str = "float32"
+    """Dtype of that input (``int64`` for token ids)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not _MODEL_NAME.fullmatch(self.model):
@@ -87,6 +95,7 @@ class JobConfig:
         if not isinstance(self.optimizer, Mapping):
             raise InvalidArgumentError(f"optimizer must be a mapping; got {self.optimizer!r}")
         check_optimizer(self.optimizer)
+        self._check_input()
         if self.clip_grad_norm is not None and not (
             isinstance(self.clip_grad_norm, int | float)
             and not isinstance(self.clip_grad_norm, bool)
@@ -95,6 +104,26 @@ class JobConfig:
         ):
             raise InvalidArgumentError(
                 f"clip_grad_norm ({self.clip_grad_norm!r}) must be a positive finite number"
+            )
+
+    def _check_input(self) -> None:
+        if self.input_dtype not in INPUT_DTYPES:
+            raise InvalidArgumentError(
+                f"input_dtype {self.input_dtype!r} is not supported; expected one of "
+                f"{', '.join(INPUT_DTYPES)}"
+            )
+        if self.input_shape is None:
+            return
+        shape = self.input_shape
+        if (
+            not isinstance(shape, tuple)
+            or not 1 <= len(shape) <= MAX_INPUT_DIMS
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape)
+            or math.prod(shape) > 2**40
+        ):
+            raise InvalidArgumentError(
+                f"input_shape {shape!r} must be a tuple of 1 to {MAX_INPUT_DIMS} positive ints "
+                "(batch dimension first) of at most 2**40 elements"
             )
 
     def model_args_json(self) -> str:
@@ -137,6 +166,8 @@ def config_to_dict(config: JobConfig) -> dict[str, Any]:
         "partition": config.partition,
         "clip_grad_norm": config.clip_grad_norm,
         "checkpoint_every": config.checkpoint_every,
+        "input_shape": list(config.input_shape) if config.input_shape else None,
+        "input_dtype": config.input_dtype,
     }
 
 
@@ -147,6 +178,9 @@ def config_from_dict(values: Mapping[str, Any]) -> JobConfig:
         InvalidArgumentError: unknown or invalid fields.
     """
     try:
+        shape = values.get("input_shape")
+        if isinstance(shape, list):
+            values = {**values, "input_shape": tuple(shape)}
         return JobConfig(**values)
     except TypeError as exc:
         raise InvalidArgumentError(f"job configuration {dict(values)!r}: {exc}") from exc
@@ -165,6 +199,8 @@ def config_to_proto(config: JobConfig) -> common_pb2.JobSpec:
         loss=config.loss,
         partition=config.partition,
         checkpoint_every=config.checkpoint_every,
+        input_shape=list(config.input_shape or ()),
+        input_dtype=config.input_dtype,
     )
     if config.clip_grad_norm is not None:
         spec.clip_grad_norm = float(config.clip_grad_norm)
@@ -189,4 +225,6 @@ def config_from_proto(spec: common_pb2.JobSpec) -> JobConfig:
         partition=spec.partition,
         clip_grad_norm=spec.clip_grad_norm if spec.HasField("clip_grad_norm") else None,
         checkpoint_every=spec.checkpoint_every,
+        input_shape=tuple(spec.input_shape) or None,
+        input_dtype=spec.input_dtype or "float32",
     )

@@ -139,32 +139,50 @@ def balanced(costs: Sequence[int], num_stages: int) -> list[tuple[int, int]]:
     return ranges
 
 
-def fit_capacities(costs: Sequence[int], capacities: Sequence[int]) -> list[tuple[int, int]]:
+def fit_capacities(
+    costs: Sequence[int],
+    capacities: Sequence[int],
+    *,
+    per_copy: Sequence[int] | None = None,
+    copies: Sequence[int] | None = None,
+) -> list[tuple[int, int]]:
     """Contiguous ranges, one per capacity in order, minimising the largest cost / capacity.
 
-    Exact (dynamic programming over cut points, O(stages x layers^2)); used by the ``memory``
-    partition, where costs are per-layer memory estimates and capacities the stages' budgets.
+    A stage's cost is the sum of its layers' ``costs`` plus, when given, ``copies[rank]`` times
+    the sum of their ``per_copy`` costs (the ``memory`` partition: weights, gradients and
+    optimizer state, plus the activations of each micro-batch the schedule keeps in flight on
+    that rank). Exact (dynamic programming over cut points, O(stages x layers^2)).
 
     Raises:
-        InvalidArgumentError: more stages than layers, or a capacity that is not positive.
+        InvalidArgumentError: more stages than layers, a capacity that is not positive, or
+            ``per_copy`` and ``copies`` of the wrong lengths.
     """
     num_layers, num_stages = len(costs), len(capacities)
     _check_counts(num_layers, num_stages)
     if any(c <= 0 for c in capacities):
         raise InvalidArgumentError(f"capacities {list(capacities)} must all be positive")
-    prefix = [0]
-    for cost in costs:
+    extra = list(per_copy) if per_copy is not None else [0] * num_layers
+    factors = list(copies) if copies is not None else [0] * num_stages
+    if len(extra) != num_layers or len(factors) != num_stages:
+        raise InvalidArgumentError(
+            f"per_copy ({len(extra)}) must have one entry per layer ({num_layers}) and copies "
+            f"({len(factors)}) one per stage ({num_stages})"
+        )
+    prefix, extra_prefix = [0], [0]
+    for cost, more in zip(costs, extra, strict=True):
         prefix.append(prefix[-1] + cost)
+        extra_prefix.append(extra_prefix[-1] + more)
     inf = float("inf")
     # best[j][i]: the least worst ratio placing layers [0, i) on the first j stages.
     best = [[inf] * (num_layers + 1) for _ in range(num_stages + 1)]
     cut = [[0] * (num_layers + 1) for _ in range(num_stages + 1)]
     best[0][0] = 0.0
     for j in range(1, num_stages + 1):
-        capacity = capacities[j - 1]
+        capacity, factor = capacities[j - 1], factors[j - 1]
         for i in range(j, num_layers - (num_stages - j) + 1):
             for k in range(j - 1, i):
-                worst = max(best[j - 1][k], (prefix[i] - prefix[k]) / capacity)
+                cost = prefix[i] - prefix[k] + factor * (extra_prefix[i] - extra_prefix[k])
+                worst = max(best[j - 1][k], cost / capacity)
                 if worst < best[j][i]:
                     best[j][i], cut[j][i] = worst, k
     ranges = []

@@ -308,3 +308,19 @@ def bubble_fraction(grid: Sequence[Sequence[Action | None]]) -> float:
         return 0.0
     idle = sum(1 for row in grid for slot in row if slot is None)
     return idle / total
+
+
+def max_in_flight(name: str, *, rank: int, num_stages: int, num_microbatches: int) -> int:
+    """Most micro-batches whose activations ``rank`` keeps at once under schedule ``name``:
+    every one with GPipe, ``num_stages - rank`` with 1F1B (capped at ``num_microbatches``).
+
+    Raises:
+        InvalidArgumentError: unknown schedule or rank out of range.
+    """
+    if name not in SCHEDULES:
+        raise InvalidArgumentError(f"unknown schedule {name!r}; expected one of {SCHEDULES}")
+    if not 0 <= rank < num_stages:
+        raise InvalidArgumentError(f"rank {rank} is not in [0, {num_stages})")
+    if name == "gpipe":
+        return num_microbatches
+    return min(num_microbatches, num_stages - rank)

@@ -64,18 +64,41 @@ def describe(
         registry,
         describer,
         "Describe",
-        stage_pb2.DescribeRequest(model=config.model, model_args_json=config.model_args_json()),
+        stage_pb2.DescribeRequest(
+            model=config.model,
+            model_args_json=config.model_args_json(),
+            input_shape=list(config.input_shape or ()),
+            input_dtype=config.input_dtype,
+        ),
         timeout_s,
     )
     return list(reply.layers)
 
 
 def memory_estimate(
-    layers: Sequence[stage_pb2.LayerDescription], start: int, end: int, optimizer: str
+    layers: Sequence[stage_pb2.LayerDescription],
+    start: int,
+    end: int,
+    optimizer: str,
+    in_flight: int = 0,
 ) -> int:
-    """Bytes a stage needs for layers [start, end): weights, gradients and optimizer state."""
+    """Bytes a stage needs for layers [start, end): weights, gradients and optimizer state,
+    plus ``in_flight`` micro-batches' activations (known when the job gave an input shape)."""
     weights = sum(int(layers[i].parameter_bytes) for i in range(start, end))
-    return weights * (2 + _OPTIMIZER_COPIES.get(optimizer, 1))
+    activations = sum(int(layers[i].activation_bytes) for i in range(start, end))
+    return weights * (2 + _OPTIMIZER_COPIES.get(optimizer, 1)) + in_flight * activations
+
+
+def _in_flight(config: JobConfig, num_stages: int) -> list[int]:
+    return [
+        schedule.max_in_flight(
+            config.schedule,
+            rank=rank,
+            num_stages=num_stages,
+            num_microbatches=config.num_microbatches,
+        )
+        for rank in range(num_stages)
+    ]
 
 
 def _ranges(
@@ -87,7 +110,12 @@ def _ranges(
     if config.partition == "memory":
         optimizer = str(config.optimizer.get("name"))
         costs = [memory_estimate(layers, i, i + 1, optimizer) for i in range(len(layers))]
-        return partition.fit_capacities(costs, [r.memory_bytes for r in records])
+        return partition.fit_capacities(
+            costs,
+            [r.memory_bytes for r in records],
+            per_copy=[int(layer.activation_bytes) for layer in layers],
+            copies=_in_flight(config, len(records)),
+        )
     costs = [int(layer.num_parameters) for layer in layers]
     return partition.partition(config.partition, costs, len(records))
 
@@ -99,12 +127,19 @@ def _place(
     records: Sequence[StageRecord],
 ) -> list[PipelineStage]:
     plan = []
+    in_flight = _in_flight(config, len(records))
     for rank, ((start, end), record) in enumerate(zip(ranges, records, strict=True)):
-        need = memory_estimate(layers, start, end, str(config.optimizer.get("name")))
+        optimizer = str(config.optimizer.get("name"))
+        need = memory_estimate(layers, start, end, optimizer, in_flight[rank])
         if need > record.memory_bytes:
+            held = (
+                f" (with {in_flight[rank]} micro-batches of activations in flight)"
+                if config.input_shape
+                else ""
+            )
             raise ResourceExhaustedError(
                 f"stage {record.address} would hold layers [{start}, {end}) needing about "
-                f"{need / 2**20:.0f} MiB; it has {record.memory_bytes / 2**20:.0f} MiB"
+                f"{need / 2**20:.0f} MiB{held}; it has {record.memory_bytes / 2**20:.0f} MiB"
             )
         plan.append(
             PipelineStage(start_layer=start, end_layer=end, rank=rank, address=record.address)

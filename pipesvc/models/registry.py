@@ -81,6 +81,11 @@ class LayerInfo:
     """Bytes of the parameters alone (buffers are listed in ``tensors`` but not counted)."""
     tensors: tuple[TensorInfo, ...]
     """The layer's ``state_dict`` entries: parameters and buffers."""
+    activation_bytes: int = 0
+    """Bytes autograd keeps for the layer's backward per micro-batch (storages of the tensors
+    it saves, its own parameters and buffers excluded), measured when ``describe`` is given an
+    input shape; 0 otherwise. A tensor saved by two neighbouring layers counts in both, so a
+    sum over layers errs high."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -307,17 +312,82 @@ def build(name: str, *, seed: int = 0, **model_args: object) -> nn.Sequential:
     return nn.Sequential(*(build_layer(s, seed=seed, index=i) for i, s in enumerate(specs)))
 
 
-def describe(name: str, model_args: Mapping[str, object]) -> ModelDescription:
+INPUT_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+}
+"""Dtypes a model input may be described with."""
+MAX_INPUT_DIMS = 8
+
+
+def _saved_bytes(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Runs ``module`` on ``x`` (meta tensors) and sums the storages autograd saves."""
+    own = {t.untyped_storage()._cdata for t in (*module.parameters(), *module.buffers())}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage._cdata not in own:
+            saved[storage._cdata] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = module(x)
+    return y, sum(saved.values())
+
+
+def describe(
+    name: str,
+    model_args: Mapping[str, object],
+    *,
+    input_shape: Sequence[int] | None = None,
+    input_dtype: str = "float32",
+) -> ModelDescription:
     """Describes every layer's tensors by building it on the meta device (no memory used).
+
+    With ``input_shape`` (one micro-batch's input, batch dimension first) a forward pass on the
+    meta device also measures each layer's ``activation_bytes``.
 
     Raises:
         UnknownModelError: ``name`` is not registered.
-        InvalidArgumentError: the arguments are invalid.
+        InvalidArgumentError: the arguments are invalid, or the layers do not accept an input
+            of that shape and dtype.
     """
+    x: torch.Tensor | None = None
+    if input_shape:
+        dtype = INPUT_DTYPES.get(input_dtype)
+        if dtype is None:
+            raise InvalidArgumentError(
+                f"input_dtype {input_dtype!r} is not supported; expected one of "
+                f"{', '.join(INPUT_DTYPES)}"
+            )
+        shape = tuple(input_shape)
+        if not 1 <= len(shape) <= MAX_INPUT_DIMS or not all(1 <= d <= 2**40 for d in shape):
+            raise InvalidArgumentError(
+                f"input_shape {list(shape)} must have 1 to {MAX_INPUT_DIMS} dimensions, each in "
+                "[1, 2**40]"
+            )
+        x = torch.empty(shape, dtype=dtype, device="meta")
+        if x.is_floating_point():
+            x.requires_grad_(True)
     layers = []
     for index, spec in enumerate(layer_specs(name, model_args)):
         with _RNG_LOCK, torch.random.fork_rng(devices=[]):
             module = _construct(spec, index, torch.device("meta"))
+        activation_bytes = 0
+        if x is not None:
+            in_shape = list(x.shape)
+            try:
+                x, activation_bytes = _saved_bytes(module, x)
+            except (RuntimeError, IndexError, ValueError, TypeError) as exc:
+                raise InvalidArgumentError(
+                    f"layer {index} of {name!r} does not accept an input of shape {in_shape} and "
+                    f"dtype {str(x.dtype).removeprefix('torch.')}: {exc}"
+                ) from exc
         tensors = tuple(
             TensorInfo(name=key, shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."))
             for key, t in module.state_dict().items()
@@ -329,6 +399,7 @@ def describe(name: str, model_args: Mapping[str, object]) -> ModelDescription:
                 num_parameters=sum(p.numel() for p in params),
                 parameter_bytes=sum(p.numel() * p.element_size() for p in params),
                 tensors=tensors,
+                activation_bytes=activation_bytes,
             )
         )
     return ModelDescription(name=name, layers=tuple(layers))

@@ -156,13 +156,19 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
     @handle_errors
     def Describe(self, request: stage_pb2.DescribeRequest, context: object) -> object:
         args = parse_json_object(request.model_args_json, "model_args_json")
-        description = models.describe(request.model, args)
+        description = models.describe(
+            request.model,
+            args,
+            input_shape=list(request.input_shape),
+            input_dtype=request.input_dtype or "float32",
+        )
         return stage_pb2.DescribeResponse(
             layers=[
                 stage_pb2.LayerDescription(
                     index=layer.index,
                     num_parameters=layer.num_parameters,
                     parameter_bytes=layer.parameter_bytes,
+                    activation_bytes=layer.activation_bytes,
                     tensors=[
                         stage_pb2.TensorDescription(name=t.name, shape=t.shape, dtype=t.dtype)
                         for t in layer.tensors

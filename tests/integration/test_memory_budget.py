@@ -61,3 +61,35 @@ def test_memory_partition_fits_budgets_no_single_stage_could() -> None:
             weights = job.state_dict()
             for key, value in reference.model.state_dict().items():
                 torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_memory_partition_counts_activations_in_flight() -> None:
+    """With an input shape the estimate adds the activations each rank keeps: 1F1B keeps two
+    micro-batches on rank 0 and one on rank 1 here, so rank 1 takes more layers than weights
+    alone would give it; GPipe keeps all four everywhere, which fits nowhere."""
+    budget = 2_000_000  # bytes; per layer: 0.79 MB of SGD state, 0.13 MB of activations a batch
+    with (
+        pipesvc.LocalCluster(
+            num_stages=2, threads_per_stage=1, stage_args=["--memory-budget", str(budget)]
+        ) as cluster,
+        cluster.connect() as client,
+    ):
+        options = {
+            "model": "mlp",
+            "model_args": WIDE.model_args,
+            "num_stages": 2,
+            "num_microbatches": 4,
+            "loss": "mse",
+            "optimizer": OPTIMIZER,
+            "partition": "memory",
+        }
+        with client.create_job(**options) as job:  # type: ignore[arg-type]
+            assert [(s.start_layer, s.end_layer) for s in job.plan] == [(0, 2), (2, 4)]
+        with pytest.raises(pipesvc.ResourceExhaustedError, match="4 micro-batches of activations"):
+            client.create_job(**options, schedule="gpipe", input_shape=(64, 256))  # type: ignore[arg-type]
+        reference = Reference(WIDE, seed=0, optimizer=OPTIMIZER, clip_grad_norm=None)
+        with client.create_job(**options, input_shape=(64, 256)) as job:  # type: ignore[arg-type]
+            assert [(s.start_layer, s.end_layer) for s in job.plan] == [(0, 1), (1, 4)]
+            for step in range(2):
+                x, y = WIDE.batch(4 * 64, seed=step)
+                assert job.train_step(x, y) == pytest.approx(reference.step(x, y), rel=1e-5)

@@ -8,7 +8,14 @@ from typing import Any
 import pytest
 import torch
 
-from pipesvc.config import JobConfig, config_from_proto, config_to_proto, parse_json_object
+from pipesvc.config import (
+    JobConfig,
+    config_from_dict,
+    config_from_proto,
+    config_to_dict,
+    config_to_proto,
+    parse_json_object,
+)
 from pipesvc.errors import InvalidArgumentError
 from pipesvc.loss import compute_loss
 from pipesvc.microbatch import loss_weights, split
@@ -42,6 +49,12 @@ from pipesvc.plan import PipelineStage, check_plan
         ({"clip_grad_norm": math.nan}, "clip_grad_norm (nan)"),
         ({"clip_grad_norm": math.inf}, "clip_grad_norm (inf)"),
         ({"clip_grad_norm": "1.0"}, "clip_grad_norm ('1.0')"),
+        ({"input_shape": (8, 0)}, "input_shape (8, 0)"),
+        ({"input_shape": [8, 16]}, "input_shape [8, 16]"),
+        ({"input_shape": ()}, "input_shape ()"),
+        ({"input_shape": (2,) * 9}, "1 to 8"),
+        ({"input_shape": (2**30, 2**30)}, "2**40"),
+        ({"input_dtype": "complex64"}, "input_dtype 'complex64'"),
     ],
     ids=repr,
 )
@@ -59,8 +72,12 @@ def test_job_config_accepts_its_limits() -> None:
         JobConfig(model="gpt", num_stages=1025)
 
 
-@pytest.mark.parametrize("clip_grad_norm", [None, 0.5, 2])
-def test_config_proto_round_trip(clip_grad_norm: float | None) -> None:
+@pytest.mark.parametrize(
+    ("clip_grad_norm", "input_shape"), [(None, None), (0.5, (8, 128)), (2, (4, 3, 32, 32))]
+)
+def test_config_proto_round_trip(
+    clip_grad_norm: float | None, input_shape: tuple[int, ...] | None
+) -> None:
     config = JobConfig(
         model="gpt",
         model_args={"num_layers": 3, "sizes": [4, 8], "nested": {"a": None}},
@@ -72,7 +89,10 @@ def test_config_proto_round_trip(clip_grad_norm: float | None) -> None:
         loss="mse",
         partition="uniform",
         clip_grad_norm=clip_grad_norm,
+        input_shape=input_shape,
+        input_dtype="int64" if input_shape else "float32",
     )
+    assert config_from_dict(config_to_dict(config)) == config
     spec = config_to_proto(config)
     assert spec.HasField("clip_grad_norm") == (clip_grad_norm is not None)
     wire = type(spec).FromString(spec.SerializeToString())

@@ -338,3 +338,34 @@ def test_concurrent_builds_are_deterministic() -> None:
     for layers in results[::2]:
         state = nn.Sequential(*layers).state_dict()
         assert all(torch.equal(state[k], expected[k]) for k in expected)
+
+
+INPUTS = {"mlp": ((5, 6), "float32"), "gpt": ((3, 12), "int64"), "cnn": ((2, 2, 8, 8), "float32")}
+
+
+@pytest.mark.parametrize("name", sorted(SMALL_ARGS))
+def test_describe_activation_bytes_match_a_real_forward(name: str) -> None:
+    """The meta-device measure is what autograd really keeps for each layer on the CPU; for
+    attention it errs high (on meta, scaled_dot_product_attention takes the math path and saves
+    the attention weights, where the CPU kernel saves the output and its log-sum-exp)."""
+    from pipesvc.models.registry import _saved_bytes
+
+    shape, dtype = INPUTS[name]
+    desc = models.describe(name, SMALL_ARGS[name], input_shape=shape, input_dtype=dtype)
+    net = models.build(name, seed=0, **SMALL_ARGS[name])
+    x = torch.randint(0, 32, shape) if dtype == "int64" else torch.randn(shape, requires_grad=True)
+    for info, layer in zip(desc.layers, net, strict=True):
+        x, real = _saved_bytes(layer, x)
+        # 0 for a layer that saves nothing (Flatten).
+        assert real <= info.activation_bytes <= 1.25 * real
+    assert sum(info.activation_bytes for info in desc.layers) > 0
+    assert models.describe(name, SMALL_ARGS[name]).layers[0].activation_bytes == 0
+
+
+def test_describe_rejects_inputs_the_model_cannot_take() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"layer 0 of 'mlp' does not accept .*\[5, 7\]"):
+        models.describe("mlp", SMALL_ARGS["mlp"], input_shape=(5, 7))
+    with pytest.raises(InvalidArgumentError, match="input_dtype 'complex64'"):
+        models.describe("mlp", SMALL_ARGS["mlp"], input_shape=(5, 6), input_dtype="complex64")
+    with pytest.raises(InvalidArgumentError, match="input_shape"):
+        models.describe("mlp", SMALL_ARGS["mlp"], input_shape=(0, 6))

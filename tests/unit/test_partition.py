@@ -163,3 +163,40 @@ def test_fit_capacities_gives_big_budgets_more() -> None:
     assert fit_capacities([1] * 8, [1, 3]) == [(0, 2), (2, 8)]
     with pytest.raises(InvalidArgumentError, match="positive"):
         fit_capacities([1, 2], [1, 0])
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_fit_capacities_with_per_rank_copies_is_optimal_against_brute_force(seed: int) -> None:
+    """Activations: each rank holds ``copies[rank]`` micro-batches of its layers' per-copy cost."""
+    from pipesvc.partition import fit_capacities
+
+    rng = random.Random(1000 + seed)
+    num_layers = rng.randint(1, 8)
+    num_stages = rng.randint(1, num_layers)
+    costs = [rng.randint(0, 50) for _ in range(num_layers)]
+    per_copy = [rng.randint(0, 20) for _ in range(num_layers)]
+    copies = [rng.randint(0, 4) for _ in range(num_stages)]
+    capacities = [rng.randint(1, 40) for _ in range(num_stages)]
+    ranges = fit_capacities(costs, capacities, per_copy=per_copy, copies=copies)
+
+    def worst(candidate: list[tuple[int, int]]) -> float:
+        return max(
+            (sum(costs[s:e]) + n * sum(per_copy[s:e])) / c
+            for (s, e), c, n in zip(candidate, capacities, copies, strict=True)
+        )
+
+    best = min(worst(c) for c in _all_cuts(num_layers, num_stages))
+    assert worst(ranges) == pytest.approx(best)
+
+
+def test_fit_capacities_moves_layers_off_ranks_that_hold_more_activations() -> None:
+    from pipesvc.partition import fit_capacities
+
+    # Equal weights and budgets; rank 0 holds 4 micro-batches in flight, rank 1 one (1F1B).
+    assert fit_capacities([10] * 6, [100, 100]) == [(0, 3), (3, 6)]
+    assert fit_capacities([10] * 6, [100, 100], per_copy=[5] * 6, copies=[4, 1]) == [
+        (0, 2),
+        (2, 6),
+    ]
+    with pytest.raises(InvalidArgumentError, match="one entry per layer"):
+        fit_capacities([1, 2], [1, 1], per_copy=[1], copies=[1, 1])

@@ -168,3 +168,19 @@ def test_stage_actions_argument_errors() -> None:
         stage_actions("gpipe", rank=0, num_stages=1, num_microbatches=0)
     with pytest.raises(InvalidArgumentError, match=r"num_microbatches \(0\)"):
         forward_only_actions(0)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("num_stages", "num_microbatches"), [(1, 1), (2, 8), (4, 3), (4, 8)])
+def test_max_in_flight_is_what_the_schedule_keeps(
+    schedule: str, num_stages: int, num_microbatches: int
+) -> None:
+    from pipesvc.schedule import max_in_flight
+
+    for rank in range(num_stages):
+        actions = stage_actions(
+            schedule, rank=rank, num_stages=num_stages, num_microbatches=num_microbatches
+        )
+        assert max_in_flight(
+            schedule, rank=rank, num_stages=num_stages, num_microbatches=num_microbatches
+        ) == max_live_activations(actions)
