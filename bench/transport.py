@@ -58,7 +58,7 @@ def _timed(plan: Plan, round_trip: Callable[[torch.Tensor], None]) -> list[float
 
 def _pipesvc_server(q: Queue, plan: Plan, shm_bytes: int = DEFAULT_SHM_BYTES) -> None:
     from pipesvc.allocator import tune_malloc
-    from pipesvc.stage.links import UpstreamLink
+    from pipesvc.stage.links import UpstreamLink, add_stage_service
     from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
     from pipesvc.tensor_codec import CodecLimits
     from pipesvc.transport import create_server
@@ -89,9 +89,7 @@ def _pipesvc_server(q: Queue, plan: Plan, shm_bytes: int = DEFAULT_SHM_BYTES) ->
             threading.Thread(target=echo, daemon=True).start()
             yield from link.serve(requests)
 
-    server, port, _ = create_server(
-        "127.0.0.1:0", [lambda s: stage_pb2_grpc.add_StageServiceServicer_to_server(Echo(), s)]
-    )
+    server, port, _ = create_server("127.0.0.1:0", [lambda s: add_stage_service(Echo(), s)])
     q.put(f"127.0.0.1:{port}")
     done.wait(900)
     time.sleep(1.0)  # let the last frames leave before the server stops

@@ -107,6 +107,23 @@ def encode_frames(
     return header, (bytes(view[i : i + frame_bytes]) for i in range(0, len(payload), frame_bytes))
 
 
+def frame_views(
+    tensor: torch.Tensor, frame_bytes: int = DEFAULT_FRAME_BYTES
+) -> tuple[common_pb2.TensorHeader, list[memoryview]]:
+    """A header and views of the tensor's host memory, one per frame: no copy of a CPU tensor
+    (a view keeps its memory alive; the tensor must not change until the views are sent)."""
+    flat = tensor.detach().to("cpu").contiguous()
+    bits = _BIT_VIEW.get(flat.dtype)
+    if bits is not None:
+        flat = flat.view(bits)
+    payload = memoryview(flat.numpy()).cast("B") if flat.numel() else memoryview(b"")  # type: ignore[arg-type]
+    num_frames = max(1, math.ceil(len(payload) / frame_bytes))
+    header = make_header(tensor, num_frames)
+    return header, [
+        payload[i : i + frame_bytes] for i in range(0, max(len(payload), 1), frame_bytes)
+    ]
+
+
 def check_header(header: common_pb2.TensorHeader, limits: CodecLimits = DEFAULT_LIMITS) -> None:
     """Validates a header against the wire rules and ``limits``.
 
@@ -200,7 +217,7 @@ class FrameAssembler:
         """Whether every frame has arrived."""
         return bool(self._next_frame == self._header.num_frames)
 
-    def add(self, frame_index: int, data: bytes) -> torch.Tensor | None:
+    def add(self, frame_index: int, data: bytes | memoryview) -> torch.Tensor | None:
         """Adds the next frame; returns the tensor once the last frame is in.
 
         Raises:

@@ -23,6 +23,7 @@ from pipesvc.errors import PipesvcError, StageUnavailableError, WireFormatError
 from pipesvc.metrics import NO_METRICS, Metrics
 from pipesvc.rpc_status import error_from_rpc
 from pipesvc.shm import DEFAULT_AREA_BYTES, MAX_AREA_BYTES, ShmArea, ShmView
+from pipesvc.stage.frame_wire import InFrame, OutFrame, parse, serialize
 from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
 from pipesvc.tensor_codec import (
     DEFAULT_FRAME_BYTES,
@@ -30,7 +31,7 @@ from pipesvc.tensor_codec import (
     FrameAssembler,
     check_header,
     empty_like_header,
-    encode_frames,
+    frame_views,
     make_header,
 )
 from pipesvc.v1 import stage_pb2, stage_pb2_grpc
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 _DIRECTIONS = {stage_pb2.ACTIVATION: ACTIVATION, stage_pb2.GRADIENT: GRADIENT}
 _WIRE_DIRECTIONS = {v: k for k, v in _DIRECTIONS.items()}
+EXCHANGE_METHOD = "/pipesvc.v1.StageService/Exchange"
 SEND_QUEUE_ITEMS = 64
 """Tensors waiting to be sent before a sender blocks (backpressure)."""
 
@@ -116,8 +118,8 @@ class Sender:
             )
         area.unlink()
 
-    def frames(self) -> Iterator[stage_pb2.DataFrame]:
-        """The stream's frames until None or an error is queued.
+    def frames(self) -> Iterator[OutFrame | stage_pb2.DataFrame]:
+        """The stream's frames until None or an error is queued (see [Note: frame wire]).
 
         Raises:
             PipesvcError: the queued error, to end the stream with its status.
@@ -182,16 +184,16 @@ class Sender:
             self._metrics.inc("bytes_total", header.num_bytes, direction="sent", kind=key.direction)
         return True
 
-    def _tensor_frames(self, key: MailKey, tensor: torch.Tensor) -> Iterator[stage_pb2.DataFrame]:
+    def _tensor_frames(self, key: MailKey, tensor: torch.Tensor) -> Iterator[OutFrame]:
         ident = _ident(self._job_id, self._epoch, self._direction, key)
-        header, payloads = encode_frames(tensor, DEFAULT_FRAME_BYTES)
+        header, payloads = frame_views(tensor, DEFAULT_FRAME_BYTES)
         self._metrics.inc("bytes_total", header.num_bytes, direction="sent", kind=key.direction)
         for index, data in enumerate(payloads):
-            frame = stage_pb2.DataFrame(id=ident, frame_index=index, data=data)
+            frame = stage_pb2.DataFrame(id=ident, frame_index=index)
             if index == 0:
                 frame.header.CopyFrom(header)
             self._metrics.inc("frames_total", direction="sent", kind=key.direction)
-            yield frame
+            yield OutFrame(frame, data)
 
 
 class FrameReader:
@@ -234,7 +236,7 @@ class FrameReader:
             self._view.close()
             self._view = None
 
-    def feed(self, frame: stage_pb2.DataFrame) -> bool:
+    def feed(self, item: InFrame | stage_pb2.DataFrame) -> bool:
         """Adds one frame; a completed tensor goes to the mailbox. Returns True when a tensor
         was completed and accepted (not stale, not a duplicate).
 
@@ -242,6 +244,7 @@ class FrameReader:
             WireFormatError: wrong job, epoch or direction, frames out of order, or a bad
                 shared-memory offer or slot.
         """
+        frame, data = (item.frame, item.data) if isinstance(item, InFrame) else (item, item.data)
         ident = frame.id
         if ident.job_id != self._job_id or ident.plan_epoch != self._epoch:
             raise WireFormatError(
@@ -262,7 +265,7 @@ class FrameReader:
             raise WireFormatError("a shared-memory slot arrived on the stream, not the doorbell")
         key = MailKey(ident.run_id, self._direction, ident.microbatch_index)
         self._metrics.inc("frames_total", direction="received", kind=self._direction)
-        tensor = self._add_frame(key, frame)
+        tensor = self._add_frame(key, frame, data)
         return tensor is not None and self._post(key, tensor)
 
     def _post(self, key: MailKey, tensor: torch.Tensor) -> bool:
@@ -303,14 +306,16 @@ class FrameReader:
         self._metrics.inc("frames_total", direction="received", kind=self._direction)
         return self._post(key, tensor)
 
-    def _add_frame(self, key: MailKey, frame: stage_pb2.DataFrame) -> torch.Tensor | None:
+    def _add_frame(
+        self, key: MailKey, frame: stage_pb2.DataFrame, data: bytes | memoryview
+    ) -> torch.Tensor | None:
         if frame.frame_index == 0:
             if self._pending is not None:
                 raise WireFormatError(f"{key} started before {self._pending[0]} was complete")
             self._pending = (key, FrameAssembler(frame.header, self._limits))
         if self._pending is None or self._pending[0] != key:
             raise WireFormatError(f"frame {frame.frame_index} of {key} without its frame 0")
-        tensor = self._pending[1].add(frame.frame_index, frame.data)
+        tensor = self._pending[1].add(frame.frame_index, data)
         if tensor is not None:
             self._pending = None
         return tensor
@@ -385,8 +390,10 @@ class DownstreamLink:
             reply=self._sender,
             fail=self._fail,
         )
-        stub = stage_pb2_grpc.StageServiceStub(channel)
-        self._call = stub.Exchange(self._sender.frames(), wait_for_ready=True)
+        exchange = channel.stream_stream(
+            EXCHANGE_METHOD, request_serializer=serialize, response_deserializer=parse
+        )
+        self._call = exchange(self._sender.frames(), wait_for_ready=True)
         self._thread = threading.Thread(target=self._read, name=f"from-{address}", daemon=True)
         self._thread.start()
 
@@ -479,7 +486,9 @@ class UpstreamLink:
         """Ends the response side of the stream."""
         self._sender.put(None)
 
-    def serve(self, requests: Iterable[stage_pb2.DataFrame]) -> Iterator[stage_pb2.DataFrame]:
+    def serve(
+        self, requests: Iterable[InFrame | stage_pb2.DataFrame]
+    ) -> Iterator[OutFrame | stage_pb2.DataFrame]:
         """Runs the stream: a thread reads activations, this generator yields gradients.
 
         Raises:
@@ -501,7 +510,7 @@ class UpstreamLink:
         logger.warning("bad frame from upstream: %s", exc)
         self._sender.put(exc)
 
-    def _read(self, requests: Iterable[stage_pb2.DataFrame]) -> None:
+    def _read(self, requests: Iterable[InFrame | stage_pb2.DataFrame]) -> None:
         try:
             for frame in requests:
                 self._accepted(self._reader.feed(frame))
@@ -513,3 +522,30 @@ class UpstreamLink:
         finally:
             self._reader.close()
         self._sender.put(None)
+
+
+def add_stage_service(servicer: stage_pb2_grpc.StageServiceServicer, server: grpc.Server) -> None:
+    """Registers the stage service on ``server`` with Exchange's frames (de)serialized without
+    copying payloads through protobuf (see [Note: frame wire])."""
+
+    class _Capture:
+        def __init__(self) -> None:
+            self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+        def add_generic_rpc_handlers(self, handlers: object) -> None:
+            pass
+
+        def add_registered_method_handlers(
+            self, service: str, handlers: dict[str, grpc.RpcMethodHandler]
+        ) -> None:
+            self.handlers = dict(handlers)
+
+    capture = _Capture()
+    stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, capture)
+    handlers = capture.handlers
+    handlers["Exchange"] = grpc.stream_stream_rpc_method_handler(
+        servicer.Exchange, request_deserializer=parse, response_serializer=serialize
+    )
+    service = EXCHANGE_METHOD.split("/")[1]
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)

@@ -5,6 +5,17 @@ This module owns no threads and no network; the stage service drives it.
 [Note: activation ownership] ``forward`` keeps the input (with grad) and output of each
 micro-batch until its ``backward``; the output tensor is handed to the sender as is and is never
 modified in place, so it can be sent while compute goes on.
+
+[Note: gradient buffers] A training run zeroes the previous step's gradients in place rather
+than dropping them (``zero_grad(set_to_none=True)``) and allocating new ones in backward. On
+glibc before 2.38 a freed block of exactly a tensor's size is too small for the next
+``posix_memalign`` of that size (torch aligns CPU tensors to 64 bytes, and glibc asks for the
+size plus the alignment), so dropped gradients would stay resident as holes beside their
+replacements; reusing the buffers also spares the page faults of fresh memory. A parameter that
+gets no gradient in a run still ends it with ``grad`` None, as after
+``zero_grad(set_to_none=True)``, so the optimizer skips it: ``_settle_grads`` drops the buffers
+that no backward has added to since they were zeroed (their version counter is unchanged). The
+sums are those of fresh buffers, since ``0 + g`` is ``g``.
 """
 
 from __future__ import annotations
@@ -67,6 +78,8 @@ class StageRuntime:
         self.step = 0
         self.max_live = 0
         self._saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Gradient buffers zeroed for this run, with their version after zeroing (see Note).
+        self._zeroed: list[tuple[torch.nn.Parameter, torch.Tensor, int]] = []
 
     @property
     def is_first(self) -> bool:
@@ -90,7 +103,28 @@ class StageRuntime:
         self._saved.clear()
         self.max_live = 0
         if training:
-            self.module.zero_grad(set_to_none=True)
+            self._zero_grads()
+
+    def _zero_grads(self) -> None:
+        """Zeroes the gradient buffers in place for the run to accumulate into (see Note)."""
+        self._zeroed = []
+        for p in self.module.parameters():
+            grad = p.grad
+            if grad is None:
+                continue
+            if grad.grad_fn is not None:
+                grad.detach_()
+            else:
+                grad.requires_grad_(False)
+            grad.zero_()
+            self._zeroed.append((p, grad, grad._version))
+
+    def _settle_grads(self) -> None:
+        """Drops the zeroed gradient buffers that no backward of the run accumulated into."""
+        for p, grad, version in self._zeroed:
+            if p.grad is grad and grad._version == version:
+                p.grad = None
+        self._zeroed = []
 
     def _apply(self, x: torch.Tensor) -> torch.Tensor:
         for index, layer in self.module.items():
@@ -153,6 +187,7 @@ class StageRuntime:
 
     def grad_norm_sq(self) -> float:
         """Sum over parameters of the squared gradient norm (for global clipping)."""
+        self._settle_grads()
         total = 0.0
         for p in self.module.parameters():
             if p.grad is not None:
@@ -165,6 +200,7 @@ class StageRuntime:
         Raises:
             InvalidArgumentError: ``grad_scale`` is not a finite non-negative number.
         """
+        self._settle_grads()
         if grad_scale is not None:
             if not (math.isfinite(grad_scale) and grad_scale >= 0):
                 raise InvalidArgumentError(f"grad_scale ({grad_scale}) must be finite and >= 0")
@@ -179,6 +215,7 @@ class StageRuntime:
     def abort(self) -> None:
         """Drops the run's activations and gradients; weights and optimizer are untouched."""
         self._saved.clear()
+        self._zeroed = []
         self.module.zero_grad(set_to_none=True)
 
     def tensors(self, kind: str) -> dict[str, torch.Tensor]:
@@ -188,6 +225,7 @@ class StageRuntime:
         step) or ``"checkpoint"`` (the state_dict plus optimizer state, see OPTIM_PREFIX).
         """
         if kind == "gradients":
+            self._settle_grads()
             return {
                 name: p.grad.detach()
                 for name, p in self.module.named_parameters()

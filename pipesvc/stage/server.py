@@ -14,9 +14,10 @@ from grpc_health.v1 import health_pb2
 from pipesvc import models
 from pipesvc.errors import StageUnavailableError
 from pipesvc.security import Security
+from pipesvc.stage.links import add_stage_service
 from pipesvc.stage.service import StageOptions, StageService
 from pipesvc.transport import check_health, create_server, open_channel, split_address
-from pipesvc.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2_grpc
+from pipesvc.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ def run_stage(
     service = StageService(options)
     server, port, health = create_server(
         listen,
-        [lambda s: stage_pb2_grpc.add_StageServiceServicer_to_server(service, s)],
+        [lambda s: add_stage_service(service, s)],
         security=options.security,
         limits=options.limits,
     )

@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from pipesvc.metrics import NO_METRICS
-from pipesvc.stage.links import DownstreamLink, FrameReader, Sender, UpstreamLink
+from pipesvc.stage.frame_wire import OutFrame
+from pipesvc.stage.links import (
+    DownstreamLink,
+    FrameReader,
+    Sender,
+    UpstreamLink,
+    add_stage_service,
+)
 from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
 from pipesvc.tensor_codec import CodecLimits
 from pipesvc.transport import create_server, open_channel
@@ -55,9 +62,7 @@ def _shm_files() -> set[str]:
 def test_echo_is_exact_on_every_path(down_shm: int, up_shm: int) -> None:
     before = _shm_files()
     echo = _Echo(up_shm)
-    server, port, _ = create_server(
-        "127.0.0.1:0", [lambda s: stage_pb2_grpc.add_StageServiceServicer_to_server(echo, s)]
-    )
+    server, port, _ = create_server("127.0.0.1:0", [lambda s: add_stage_service(echo, s)])
     channel = open_channel(f"127.0.0.1:{port}")
     mailbox = Mailbox()
     link = DownstreamLink(
@@ -105,7 +110,8 @@ def test_an_area_the_receiver_cannot_map_is_refused_and_frames_flow() -> None:
     sender.put((MailKey(1, ACTIVATION, 0), torch.ones(3)))
     offer = next(frames)
     assert offer.HasField("shm_offer")
-    assert not next(frames).HasField("shm_slot")  # the first tensor never waits for an answer
+    first = next(frames)  # the first tensor never waits for an answer: frames on the stream
+    assert isinstance(first, OutFrame) and len(first.data) == 12
 
     elsewhere = stage_pb2.DataFrame()
     elsewhere.CopyFrom(offer)
@@ -122,7 +128,7 @@ def test_an_area_the_receiver_cannot_map_is_refused_and_frames_flow() -> None:
     assert not os.path.exists("/dev/shm/" + offer.shm_offer.name)  # refused: removed at once
     sender.put((MailKey(1, ACTIVATION, 1), torch.ones(3)))
     frame = next(frames)
-    assert not frame.HasField("shm_slot") and len(frame.data) == 12
+    assert isinstance(frame, OutFrame) and len(frame.data) == 12
     sender.put(None)
     assert list(frames) == []
 

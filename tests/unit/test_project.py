@@ -33,11 +33,14 @@ PURE_MODULES = sorted(
                 "security",
                 "limits",
                 "plan",
+                "shm",
+                "allocator",
             )
         ),
         *(PACKAGE / "models").glob("*.py"),
         PACKAGE / "stage" / "runtime.py",
         PACKAGE / "stage" / "mailbox.py",
+        PACKAGE / "stage" / "frame_wire.py",
     ]
 )
 EDGE_MODULES = (

@@ -288,3 +288,17 @@ def test_named_frames_round_trip_and_order_rules() -> None:
         list(read_named_frames(first[1:]))
     with pytest.raises(WireFormatError, match="ended before its last frame"):
         list(read_named_frames(first[:-1]))
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [torch.randn(1000), torch.randn(7, 3).to(torch.bfloat16), torch.arange(12)[::3], torch.ones(0)],
+    ids=["f32", "bf16", "strided", "empty"],
+)
+def test_frame_views_carry_the_bytes_encode_frames_copies(tensor: torch.Tensor) -> None:
+    from pipesvc.tensor_codec import encode_frames, frame_views
+
+    header, views = frame_views(tensor, frame_bytes=256)
+    expected_header, payloads = encode_frames(tensor, frame_bytes=256)
+    assert header == expected_header
+    assert [bytes(v) for v in views] == list(payloads)
