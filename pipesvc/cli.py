@@ -405,6 +405,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``pipesvc`` console script."""
     args = build_parser().parse_args(argv)
+    if args.command == "stage":
+        from pipesvc.allocator import reexec_with_tunables
+
+        reexec_with_tunables(sys.argv[1:] if argv is None else list(argv))
     logs.install(args.log_level, args.log_format)
     try:
         return int(args.func(args))

@@ -12,36 +12,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
+from pipesvc.allocator import stage_environ
 from pipesvc.client import Client
 from pipesvc.errors import PipesvcError, StageUnavailableError
 from pipesvc.security import Security
-
-STAGE_GLIBC_TUNABLES = "glibc.malloc.tcache_count=0"
-"""glibc tunables a stage process starts with (see ``stage_environ``)."""
-
-
-def stage_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment to start a stage process in: ``environ`` (default ``os.environ``) with
-    ``STAGE_GLIBC_TUNABLES`` added to ``GLIBC_TUNABLES``, unless that already sets them.
-
-    [Note: stage malloc tunables] torch allocates every CPU tensor with ``posix_memalign`` (64-byte
-    alignment). glibc before 2.38 serves that from a block of the size plus the alignment and
-    frees the small leftovers on either side; freed small blocks go to the thread's cache
-    (tcache), where they count as in use, so when the tensor is freed its block cannot merge with
-    free neighbours, and alone it is too small for the next tensor of the same size. Every
-    temporary of backward and of the optimizer step (Adam makes two per parameter) can so leave
-    a resident hole of its size: with 48 x Linear(2048, 2048) and Adam over 4 stages (``python
-    bench/memory.py``) the largest stage peaked at 1.25-1.35 GiB instead of ~1.13 GiB. Without
-    the tcache the leftovers go to glibc's fastbins, which are merged before any large
-    allocation, and the holes are reused. glibc reads tunables only when a process starts, so
-    stages started any other way (``pipesvc stage``, containers) need ``GLIBC_TUNABLES`` in their
-    environment too; other C libraries ignore it.
-    """
-    env = dict(os.environ if environ is None else environ)
-    tunables = env.get("GLIBC_TUNABLES", "")
-    if "glibc.malloc.tcache_count" not in tunables:
-        env["GLIBC_TUNABLES"] = ":".join(t for t in (tunables, STAGE_GLIBC_TUNABLES) if t)
-    return env
 
 
 def default_threads_per_stage(num_stages: int) -> int:

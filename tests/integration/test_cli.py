@@ -131,3 +131,44 @@ def test_exposed_listen_without_auth_warns(tmp_path: Path) -> None:
     returncode, stderr = run_coordinator_briefly(tmp_path, "0.0.0.0:0")
     assert returncode == 0
     assert "0.0.0.0:0 without authentication" in stderr
+
+
+def test_a_plain_stage_restarts_itself_without_glibc_tcache() -> None:
+    """``pipesvc stage`` started by hand (or in a container) gets the malloc tunables of
+    [Note: stage malloc tunables] by re-executing itself: same pid, new environment."""
+    import socket
+
+    from pipesvc.allocator import STAGE_GLIBC_TUNABLES
+
+    with socket.socket() as probe:  # a port nobody listens on: the stage keeps retrying
+        probe.bind(("127.0.0.1", 0))
+        nobody = f"127.0.0.1:{probe.getsockname()[1]}"
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pipesvc",
+            "stage",
+            "--coordinator",
+            nobody,
+            "--listen",
+            "127.0.0.1:0",
+            "--register-timeout-s",
+            "60",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        environ = b""
+        while time.monotonic() < deadline and STAGE_GLIBC_TUNABLES.encode() not in environ:
+            time.sleep(0.1)
+            environ = Path(f"/proc/{proc.pid}/environ").read_bytes()
+        assert f"GLIBC_TUNABLES={STAGE_GLIBC_TUNABLES}".encode() in environ.split(b"\0")
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
