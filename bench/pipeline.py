@@ -1,13 +1,23 @@
 """Training steps/s: pipesvc vs torch.distributed.pipelining vs one process, same model.
 
-Model: 8 x (Linear(1024, 1024) + ReLU), batch 64 in 8 micro-batches, MSE loss, SGD, split
-uniformly (equal layer counts) over 2 or 4 stages, one torch thread per stage process.
+Two models, each split uniformly (``pipesvc.partition.uniform``: equal layer counts) over 2 or
+4 stages, 8 micro-batches, SGD (lr 1e-3), one torch thread per stage process:
+
+- mlp: 8 x (Linear(1024, 1024) + ReLU) (``bench-mlp``), batch 64, MSE loss.
+- gpt: the built-in ``gpt`` (vocabulary 128, sequence length 128, embedding 128, 4 heads,
+  6 blocks: 8 layers, embedding + 6 blocks + head, 1.2M parameters), batch 16 sequences of
+  128 random tokens, cross-entropy over the flattened logits (mean), as pipesvc's
+  ``cross_entropy`` loss computes it.
 
 - torch: ``PipelineStage`` + ``ScheduleGPipe`` / ``Schedule1F1B`` over gloo, one process per
-  stage (``init_method=tcp://127.0.0.1:PORT``).
+  stage (``init_method=tcp://127.0.0.1:PORT``), the stage's layers built with
+  ``pipesvc.models.build`` and sliced to pipesvc's ranges.
 - pipesvc: ``LocalCluster(num_stages=N, threads_per_stage=1)``, i.e. a coordinator plus N stage
   processes; timed from the client (``job.train_step``), checkpoints off (``checkpoint_every=0``).
 - one process: the unsplit model on the whole batch, 1 and 2 threads.
+
+Both pipelines start from the same weights and batch, so their step-1 losses (the gpt table
+shows them) must agree; a mismatch would mean they do not compute the same thing.
 
 Usage: ``python bench/pipeline.py [--quick]``
 """
@@ -22,6 +32,8 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -30,23 +42,57 @@ import torch
 import torch.nn.functional as F
 
 import pipesvc
+from pipesvc.partition import uniform
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WIDTH, DEPTH, BATCH, NUM_MICROBATCHES, LR = 1024, 8, 64, 8, 1e-3
+GPT_ARGS = {"vocab_size": 128, "block_size": 128, "embed_dim": 128, "num_heads": 4, "num_blocks": 6}
+GPT_BATCH, SEQ_LEN = 16, 128
 WARMUP_STEPS = 3
 SCHEDULES = ("gpipe", "1f1b")
 STAGE_COUNTS = (2, 4)
 Queue = Any  # multiprocessing.Queue
 
 
-def _model() -> torch.nn.Sequential:
+@dataclass(frozen=True)
+class Workload:
+    """A model, its batch and its loss, as both pipelines and the one-process run see them."""
+
+    name: str
+    model: str
+    """Registered model name (``pipesvc.models.build``)."""
+    model_args: dict[str, int] = field(hash=False)
+    loss: str
+    """pipesvc loss name; :func:`_loss_fn` is the same function for torch."""
+    num_layers: int
+
+
+MLP = Workload("mlp", "bench-mlp", {"width": WIDTH, "depth": DEPTH}, "mse", DEPTH)
+GPT = Workload("gpt", "gpt", GPT_ARGS, "cross_entropy", GPT_ARGS["num_blocks"] + 2)
+WORKLOADS = {w.name: w for w in (MLP, GPT)}
+
+
+def _model(w: Workload) -> torch.nn.Sequential:
     importlib.import_module("bench.bench_models")
-    return pipesvc.models.build("bench-mlp", seed=0, width=WIDTH, depth=DEPTH)
+    return pipesvc.models.build(w.model, seed=0, **w.model_args)
 
 
-def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(w: Workload) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
-    return torch.randn(BATCH, WIDTH, generator=gen), torch.randn(BATCH, WIDTH, generator=gen)
+    if w.name == "mlp":
+        return torch.randn(BATCH, WIDTH, generator=gen), torch.randn(BATCH, WIDTH, generator=gen)
+    vocab = GPT_ARGS["vocab_size"]
+    tokens = torch.randint(0, vocab, (GPT_BATCH, SEQ_LEN + 1), generator=gen)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """pipesvc's ``cross_entropy`` (``pipesvc.loss.compute_loss``): mean over all tokens."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _loss_fn(w: Workload) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    return F.mse_loss if w.loss == "mse" else _lm_loss
 
 
 def _time_steps(step: Any, num_steps: int, barrier: Any = None) -> float:
@@ -63,21 +109,22 @@ def _time_steps(step: Any, num_steps: int, barrier: Any = None) -> float:
     return time.perf_counter() - start
 
 
-def _one_process(q: Queue, num_threads: int, num_steps: int) -> None:
+def _one_process(q: Queue, workload: str, num_threads: int, num_steps: int) -> None:
     torch.set_num_threads(num_threads)
-    model, (x, y) = _model(), _batch()
+    w = WORKLOADS[workload]
+    model, (x, y), loss_fn = _model(w), _batch(w), _loss_fn(w)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
 
     def step() -> None:
         opt.zero_grad()
-        torch.autograd.backward(F.mse_loss(model(x), y))
+        torch.autograd.backward(loss_fn(model(x), y))
         opt.step()
 
-    q.put(("ok", _time_steps(step, num_steps)))
+    q.put(("seconds", _time_steps(step, num_steps)))
 
 
 def _torch_stage(
-    q: Queue, rank: int, world: int, address: str, schedule: str, num_steps: int
+    q: Queue, workload: str, rank: int, world: int, address: str, schedule: str, num_steps: int
 ) -> None:
     try:
         import torch.distributed as dist
@@ -91,20 +138,25 @@ def _torch_stage(
             world_size=world,
             timeout=timedelta(seconds=120),
         )
-        per_stage = DEPTH // world
-        submodule = _model()[rank * per_stage : (rank + 1) * per_stage]
+        w = WORKLOADS[workload]
+        start, end = uniform(w.num_layers, world)[rank]
+        submodule = _model(w)[start:end]
         stage = PipelineStage(submodule, rank, world, torch.device("cpu"))
         schedule_cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-        pipe = schedule_cls(stage, n_microbatches=NUM_MICROBATCHES, loss_fn=F.mse_loss)
+        pipe = schedule_cls(stage, n_microbatches=NUM_MICROBATCHES, loss_fn=_loss_fn(w))
         opt = torch.optim.SGD(submodule.parameters(), lr=LR)
-        x, y = _batch()
+        x, y = _batch(w)
+        first_losses: list[float] = []
 
         def step() -> None:
             opt.zero_grad()
             if rank == 0:
                 pipe.step(x)
             elif rank == world - 1:
-                pipe.step(target=y, losses=[])
+                losses: list[torch.Tensor] = []
+                pipe.step(target=y, losses=losses)
+                if not first_losses:  # equal micro-batches: their mean is the batch mean
+                    first_losses.append(sum(v.item() for v in losses) / len(losses))
             else:
                 pipe.step()
             opt.step()
@@ -112,7 +164,9 @@ def _torch_stage(
         seconds = _time_steps(step, num_steps, dist.barrier)
         dist.destroy_process_group()
         if rank == 0:
-            q.put(("ok", seconds))
+            q.put(("seconds", seconds))
+        if rank == world - 1:
+            q.put(("loss", first_losses[0]))
     except Exception as exc:
         q.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
@@ -123,65 +177,97 @@ def _free_address() -> str:
         return f"127.0.0.1:{probe.getsockname()[1]}"
 
 
-def _run_children(targets: list[tuple[Any, tuple[Any, ...]]]) -> float | str:
-    """Runs the processes; returns rank 0's seconds, or the first error message."""
+def _run_children(
+    targets: list[tuple[Any, tuple[Any, ...]]], expect: tuple[str, ...] = ("seconds",)
+) -> dict[str, float] | str:
+    """Runs the processes; returns the ``expect``ed results, or the first error message."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=t, args=(q, *a), daemon=True) for t, a in targets]
     for proc in procs:
         proc.start()
-    try:
-        status, value = q.get(timeout=900)
-    except Exception as exc:
-        status, value = "error", f"no result within 900 s ({type(exc).__name__})"
+    results: dict[str, float] = {}
+    error = ""
+    while not error and not all(k in results for k in expect):
+        try:
+            kind, value = q.get(timeout=900)
+        except Exception as exc:
+            kind, value = "error", f"no result within 900 s ({type(exc).__name__})"
+        if kind == "error":
+            error = str(value)
+        else:
+            results[kind] = float(value)
     for proc in procs:
-        proc.join(timeout=30 if status == "ok" else 1)
+        proc.join(timeout=1 if error else 30)
         if proc.is_alive():
             proc.terminate()
-    return float(value) if status == "ok" else str(value)
+    return error or results
 
 
-def torch_pipelining(schedule: str, world: int, num_steps: int) -> float | str:
-    """Steps/s of torch.distributed.pipelining, or why it failed."""
+def torch_pipelining(
+    w: Workload, schedule: str, world: int, num_steps: int
+) -> tuple[float, float] | str:
+    """(steps/s, step-1 loss) of torch.distributed.pipelining, or why it failed."""
     address = _free_address()
-    targets = [(_torch_stage, (r, world, address, schedule, num_steps)) for r in range(world)]
-    result = _run_children(targets)
-    return num_steps / result if isinstance(result, float) else result
+    targets = [
+        (_torch_stage, (w.name, r, world, address, schedule, num_steps)) for r in range(world)
+    ]
+    result = _run_children(targets, expect=("seconds", "loss"))
+    if isinstance(result, str):
+        return result
+    return num_steps / result["seconds"], result["loss"]
 
 
-def one_process(num_threads: int, num_steps: int) -> float:
+def one_process(w: Workload, num_threads: int, num_steps: int) -> float:
     """Steps/s of the unsplit model in a fresh process."""
-    result = _run_children([(_one_process, (num_threads, num_steps))])
+    result = _run_children([(_one_process, (w.name, num_threads, num_steps))])
     if isinstance(result, str):
         raise RuntimeError(result)
-    return num_steps / result
+    return num_steps / result["seconds"]
 
 
-def pipesvc_steps_per_s(num_stages: int, num_steps: int) -> dict[str, float]:
-    """Steps/s per schedule on a fresh local cluster of ``num_stages`` stages."""
-    x, y = _batch()
-    rates = {}
+def _time_job(
+    job: pipesvc.Job, x: torch.Tensor, y: torch.Tensor, num_steps: int
+) -> tuple[float, float]:
+    """(steps/s, step-1 loss) of ``job.train_step`` timed from the client."""
+    losses: list[float] = []
+    seconds = _time_steps(lambda: losses.append(job.train_step(x, y)), num_steps)
+    return num_steps / seconds, losses[0]
+
+
+def pipesvc_steps_per_s(
+    num_stages: int, steps: dict[str, int]
+) -> dict[tuple[str, str], tuple[float, float]]:
+    """``{(workload, schedule): (steps/s, step-1 loss)}`` on one fresh local cluster of
+    ``num_stages`` stages, timing ``steps[workload]`` steps of each job."""
+    results = {}
     with pipesvc.LocalCluster(
         num_stages=num_stages, models=["bench.bench_models"], threads_per_stage=1
     ) as cluster:
         client = cluster.connect()
-        for schedule in SCHEDULES:
-            job = client.create_job(
-                model="bench-mlp",
-                model_args={"width": WIDTH, "depth": DEPTH},
-                num_stages=num_stages,
-                num_microbatches=NUM_MICROBATCHES,
-                schedule=schedule,
-                optimizer={"name": "sgd", "lr": LR},
-                loss="mse",
-                partition="uniform",
-                checkpoint_every=0,
-            )
-            seconds = _time_steps(lambda j=job: j.train_step(x, y), num_steps)
-            rates[schedule] = num_steps / seconds
-            job.close()
+        for name, num_steps in steps.items():
+            w = WORKLOADS[name]
+            x, y = _batch(w)
+            expected_plan = uniform(w.num_layers, num_stages)
+            for schedule in SCHEDULES:
+                job = client.create_job(
+                    model=w.model,
+                    model_args=w.model_args,
+                    num_stages=num_stages,
+                    num_microbatches=NUM_MICROBATCHES,
+                    schedule=schedule,
+                    optimizer={"name": "sgd", "lr": LR},
+                    loss=w.loss,
+                    partition="uniform",
+                    checkpoint_every=0,
+                )
+                plan = [(s.start_layer, s.end_layer) for s in job.plan]
+                if plan != expected_plan:  # the torch side slices the model this way
+                    raise RuntimeError(f"pipesvc planned {plan}, torch uses {expected_plan}")
+                results[name, schedule] = _time_job(job, x, y, num_steps)
+                job.close()
         client.close()
-    return rates
+    return results
 
 
 def _print_table(rows: list[list[str]]) -> None:
@@ -192,50 +278,69 @@ def _print_table(rows: list[list[str]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="10 timed steps instead of 20")
+    parser.add_argument(
+        "--quick", action="store_true", help="10 (mlp) and 5 (gpt) timed steps instead of 20, 10"
+    )
     args = parser.parse_args()
-    num_steps = 10 if args.quick else 20
+    steps = {"mlp": 10, "gpt": 5} if args.quick else {"mlp": 20, "gpt": 10}
     sys.path.insert(0, str(REPO_ROOT))  # spawned children inherit sys.path
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p
     )  # for the stage processes, which import bench.bench_models
-    single = {n: one_process(n, num_steps) for n in (1, 2)}
+    single = {
+        (name, n): one_process(WORKLOADS[name], n, num_steps)
+        for name, num_steps in steps.items()
+        for n in (1, 2)
+    }
     errors: dict[str, str] = {}
-    rows = [["schedule", "stages", "torch steps/s", "pipesvc steps/s", "pipesvc/torch"]]
-    rows[0].append("pipesvc/1proc(2thr)")
+    header = ["schedule", "stages", "torch steps/s", "pipesvc steps/s", "pipesvc/torch"]
+    header.append("pipesvc/1proc(2thr)")
+    tables: dict[str, list[list[str]]] = {
+        "mlp": [header],
+        "gpt": [[*header, "step-1 loss torch", "step-1 loss pipesvc"]],
+    }
     for num_stages in STAGE_COUNTS:
-        ours = pipesvc_steps_per_s(num_stages, num_steps)
-        for schedule in SCHEDULES:
-            theirs = torch_pipelining(schedule, num_stages, num_steps)
-            if isinstance(theirs, str):
-                errors[f"{schedule} x {num_stages}"] = theirs
-            ratio = f"{ours[schedule] / theirs:.2f}" if isinstance(theirs, float) else "n/a"
-            torch_cell = f"{theirs:.2f}" if isinstance(theirs, float) else "failed"
-            rows.append(
-                [
-                    schedule,
-                    str(num_stages),
-                    torch_cell,
-                    f"{ours[schedule]:.2f}",
-                    ratio,
-                    f"{ours[schedule] / single[2]:.2f}",
-                ]
-            )
+        ours = pipesvc_steps_per_s(num_stages, steps)
+        for name, num_steps in steps.items():
+            for schedule in SCHEDULES:
+                rate, loss = ours[name, schedule]
+                theirs = torch_pipelining(WORKLOADS[name], schedule, num_stages, num_steps)
+                if isinstance(theirs, str):
+                    errors[f"{name}, {schedule} x {num_stages}"] = theirs
+                    cells = ["failed", "n/a"]
+                    their_loss = "n/a"
+                else:
+                    cells = [f"{theirs[0]:.2f}", f"{rate / theirs[0]:.2f}"]
+                    their_loss = f"{theirs[1]:.5f}"
+                row = [schedule, str(num_stages), cells[0], f"{rate:.2f}", cells[1]]
+                row.append(f"{rate / single[name, 2]:.2f}")
+                if name == "gpt":
+                    row += [their_loss, f"{loss:.5f}"]
+                tables[name].append(row)
+    common = (
+        f"{NUM_MICROBATCHES} micro-batches, SGD; {WARMUP_STEPS} warm-up + {steps['mlp']} (mlp), "
+        f"{steps['gpt']} (gpt) timed steps;\n1 thread per stage process (pipesvc adds a "
+        f"coordinator process); {os.cpu_count()} CPU cores."
+    )
     print(
-        f"\nTraining steps/s, {DEPTH} x (Linear({WIDTH}, {WIDTH}) + ReLU), batch {BATCH} in "
-        f"{NUM_MICROBATCHES} micro-batches, MSE, SGD; {WARMUP_STEPS} warm-up + {num_steps} "
-        f"timed steps;\n1 thread per stage process (pipesvc adds a coordinator process); "
-        f"{os.cpu_count()} CPU cores.\n"
+        f"\nTraining steps/s, mlp: {DEPTH} x (Linear({WIDTH}, {WIDTH}) + ReLU), batch {BATCH}, "
+        f"MSE; gpt: {GPT.num_layers} layers ({GPT_ARGS['num_blocks']} blocks, embedding "
+        f"{GPT_ARGS['embed_dim']}, {GPT_ARGS['num_heads']} heads, vocabulary "
+        f"{GPT_ARGS['vocab_size']}), batch {GPT_BATCH} x {SEQ_LEN} tokens, cross-entropy;\n"
+        f"{common}\n\nmlp:\n"
     )
-    _print_table(rows)
+    _print_table(tables["mlp"])
+    print("\ngpt:\n")
+    _print_table(tables["gpt"])
     print()
-    _print_table(
-        [
-            ["one process, whole batch", "steps/s", "vs 2 threads"],
-            ["1 thread", f"{single[1]:.2f}", f"{single[1] / single[2]:.2f}"],
-            ["2 threads", f"{single[2]:.2f}", "1.00"],
-        ]
-    )
+    rows = [["one process, whole batch", "mlp steps/s", "vs 2 threads"]]
+    rows[0] += ["gpt steps/s", "vs 2 threads"]
+    for n in (1, 2):
+        row = [f"{n} thread{'s' if n > 1 else ''}"]
+        for name in ("mlp", "gpt"):
+            row += [f"{single[name, n]:.2f}", f"{single[name, n] / single[name, 2]:.2f}"]
+        rows.append(row)
+    _print_table(rows)
     for where, message in errors.items():
         print(f"\ntorch.distributed.pipelining failed ({where}):\n{message}")
 

@@ -10,9 +10,10 @@ stops glibc from handing the freed top of the heap back after each step. Threads
 main arena (``M_ARENA_MAX`` 1): a thread's own arena is made of 64 MiB heaps, so a tensor
 received on a reader thread that is larger than that would be mapped afresh every time anyway.
 
-Peak resident memory is unchanged in the common case (the pages are reused rather than
-re-faulted); memory freed by a stage stays in its heap until the process exits or the heap's top
-grows past the trim threshold.
+Memory freed by a stage stays in its heap for the next tensors until the process exits or the
+heap's top grows past the trim threshold. Reuse only works if freed blocks can merge, which on
+glibc before 2.38 needs the tunables of [Note: stage malloc tunables] below; with both, the
+largest stage of ``bench/memory.py`` peaks at 1122 MiB, against 1283 MiB with neither.
 """
 
 from __future__ import annotations
