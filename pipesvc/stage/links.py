@@ -354,6 +354,43 @@ class FrameReader:
             view.close_bell()
 
 
+def _stream_ends(
+    *,
+    job_id: str,
+    epoch: int,
+    sends: str,
+    mailbox: Mailbox,
+    limits: CodecLimits,
+    duplicate_sends: bool,
+    shm_bytes: int,
+    metrics: Metrics,
+    fail: Callable[[PipesvcError], None],
+    on_delivered: Callable[[bool], None] | None = None,
+) -> tuple[Sender, FrameReader]:
+    """One side of an Exchange stream: a sender for direction ``sends`` and a reader for the
+    other, wired so the reader answers shared-memory offers through the sender."""
+    sender = Sender(
+        job_id=job_id,
+        epoch=epoch,
+        direction=sends,
+        copies=2 if duplicate_sends else 1,
+        shm_bytes=shm_bytes,
+        metrics=metrics,
+    )
+    reader = FrameReader(
+        job_id=job_id,
+        epoch=epoch,
+        direction=GRADIENT if sends == ACTIVATION else ACTIVATION,
+        mailbox=mailbox,
+        limits=limits,
+        metrics=metrics,
+        reply=sender,
+        on_delivered=on_delivered,
+        fail=fail,
+    )
+    return sender, reader
+
+
 class DownstreamLink:
     """This stage's stream to rank + 1: sends activations, receives gradients."""
 
@@ -372,22 +409,15 @@ class DownstreamLink:
     ) -> None:
         self.address = address
         self._mailbox = mailbox
-        self._sender = Sender(
+        self._sender, self._reader = _stream_ends(
             job_id=job_id,
             epoch=epoch,
-            direction=ACTIVATION,
-            copies=2 if duplicate_sends else 1,
-            shm_bytes=shm_bytes,
-            metrics=metrics,
-        )
-        self._reader = FrameReader(
-            job_id=job_id,
-            epoch=epoch,
-            direction=GRADIENT,
+            sends=ACTIVATION,
             mailbox=mailbox,
             limits=limits,
+            duplicate_sends=duplicate_sends,
+            shm_bytes=shm_bytes,
             metrics=metrics,
-            reply=self._sender,
             fail=self._fail,
         )
         exchange = channel.stream_stream(
@@ -453,24 +483,17 @@ class UpstreamLink:
         self._established = threading.Event()
         self.job_id = job_id
         self.epoch = epoch
-        self._sender = Sender(
+        self._sender, self._reader = _stream_ends(
             job_id=job_id,
             epoch=epoch,
-            direction=GRADIENT,
-            copies=2 if duplicate_sends else 1,
-            shm_bytes=shm_bytes,
-            metrics=metrics,
-        )
-        self._reader = FrameReader(
-            job_id=job_id,
-            epoch=epoch,
-            direction=ACTIVATION,
+            sends=GRADIENT,
             mailbox=mailbox,
             limits=limits,
+            duplicate_sends=duplicate_sends,
+            shm_bytes=shm_bytes,
             metrics=metrics,
-            reply=self._sender,
-            on_delivered=self._accepted,
             fail=self._fail,
+            on_delivered=self._accepted,
         )
 
     @property
