@@ -99,9 +99,11 @@ def _warn_if_exposed(listen: str, security: Security) -> None:
 
 
 def _cmd_coordinator(args: argparse.Namespace) -> int:
+    from pipesvc.allocator import single_arena
     from pipesvc.coordinator.server import run_coordinator
     from pipesvc.coordinator.stage_calls import Deadlines
 
+    single_arena()
     security = _security(args)
     _warn_if_exposed(args.listen, security)
     run_coordinator(
