@@ -243,14 +243,22 @@ def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> dict[str, float]
         file=out,
     )
     print(f"  step 1 check   max |weight diff| {weight_diff:.2e} vs one process", file=out)
-    idle = busy_idle(timelines)
+    # Each step's own window (first to last event across stages), summed over the traced
+    # steps: the time between steps (client, coordinator, commit) is not a pipeline bubble.
+    traced_steps = sorted({e.step for t in timelines for e in t.events if e.step > 0})
+    busy: dict[int, float] = {}
+    idle: dict[int, float] = {}
+    for traced in traced_steps:
+        for rank, (b, i) in busy_idle(timelines, step=traced).items():
+            busy[rank] = busy.get(rank, 0.0) + b
+            idle[rank] = idle.get(rank, 0.0) + i
     ideal = ideal_bubble(options.num_stages, options.num_microbatches)
     print(
         "  bubble         "
         + ", ".join(
-            f"rank {r} idle {i / max(b + i, 1e-9):.0%}" for r, (b, i) in sorted(idle.items())
+            f"rank {r} idle {idle[r] / max(busy[r] + idle[r], 1e-9):.0%}" for r in sorted(busy)
         )
-        + f" (ideal {ideal:.0%}, last 3 steps)",
+        + f" (ideal {ideal:.0%}, last {len(traced_steps)} steps)",
         file=out,
     )
     print(f"  trace          {trace_json} (open in https://ui.perfetto.dev), {trace_png}", file=out)

@@ -146,3 +146,39 @@ def test_a_slot_without_an_accepted_offer_is_a_wire_error() -> None:
     )
     with pytest.raises(WireFormatError, match="on the stream, not the doorbell"):
         _reader(Sender(job_id="j", epoch=1, direction=GRADIENT)).feed(frame)
+
+
+def test_doorbell_chunks_are_checked() -> None:
+    from pipesvc.errors import WireFormatError
+    from pipesvc.shm import MAX_AREA_BYTES, ShmArea, ShmView
+    from pipesvc.tensor_codec import make_header
+
+    area = ShmArea.create(4 << 20)
+    assert area is not None
+    view = ShmView(area.name, area.nonce, area.size, MAX_AREA_BYTES)
+    reader = _reader(Sender(job_id="j", epoch=1, direction=GRADIENT))
+    ident = stage_pb2.MicrobatchId(
+        job_id="j", plan_epoch=1, run_id=1, direction=stage_pb2.ACTIVATION
+    )
+    tensor = torch.arange(8, dtype=torch.float32)
+    try:
+        slot = area.write(tensor.view(torch.uint8)[:16])
+        assert slot is not None
+        first = stage_pb2.DataFrame(
+            id=ident,
+            header=make_header(tensor, num_frames=2),
+            frame_index=0,
+            shm_slot=stage_pb2.ShmSlot(seq=slot.seq, offset=slot.offset, length=16),
+        )
+        assert reader.feed_slot(view, first) is False  # half the tensor: not delivered yet
+        skipped = stage_pb2.DataFrame(id=ident, frame_index=2, shm_slot=first.shm_slot)
+        with pytest.raises(WireFormatError, match="out of order"):
+            reader.feed_slot(view, skipped)
+        too_long = stage_pb2.DataFrame(id=ident, frame_index=1, shm_slot=first.shm_slot)
+        too_long.shm_slot.length = 17
+        with pytest.raises(WireFormatError, match="17 bytes"):
+            reader.feed_slot(view, too_long)
+    finally:
+        view.close_bell()
+        view.close()
+        area.close()
