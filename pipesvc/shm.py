@@ -3,22 +3,25 @@
 [Note: the shared-memory path] A sender creates one area, a file under ``/dev/shm``, and offers
 its name and a random nonce on the stream. A receiver that can open the file and finds the nonce
 at its start shares the sender's host and ``/dev/shm``; it maps the area and accepts, and from
-then on a payload is one ``memcpy`` into the area by the sender and one out of it by the
-receiver, while the stream carries only the header and the slot. A receiver that cannot open it
+then on a payload is one ``memcpy`` into the area by the sender, and the receiver's tensor is the
+area's memory itself, while the stream carries neither. A receiver that cannot open it
 (another host, another container) refuses, and the stream keeps carrying frames. After the answer
 the sender unlinks the file: both ends keep their mappings, and no file outlives a crash.
 
-The area is a ring of slots. Slots are numbered in sending order; after copying slot ``n`` out
-the receiver stores ``n`` in the area's header, which frees slot ``n`` and every earlier one.
-The sender places a slot after the newest live one, wraps to the start when the end is reached,
-and starts over at the start whenever nothing is live, so a link whose receiver keeps up touches
-(and keeps resident) only as many pages as one payload needs. When there is no room, or a
-payload is larger than the area, ``ShmArea.write`` returns None and the caller sends frames.
+The area holds slots, one per tensor, numbered in sending order. A received tensor is handed to
+the stage as its slot's memory itself (``ShmView.take``: no copy), and the slot is freed when the
+stage drops the tensor, e.g. an activation after its backward; slots freed out of order are
+published in order: the receiver stores in the area's header the highest ``n`` such that slot
+``n`` and every earlier one are free. The sender places each slot at the lowest offset that
+overlaps no live slot, so a link touches (and keeps resident) only as many pages as it has in
+flight. When there is no room, or a payload is larger than the area, ``ShmArea.write`` returns
+None and the caller sends frames: a sender never waits for room, since the receiver may hold
+its slots until a backward that needs the very tensor being sent.
 
 Beside the area the sender makes a FIFO (the area's name plus ``.bell``), the *doorbell*: once
 the offer is accepted, a tensor's header and slot (a few hundred bytes) are written to it by the
-sending thread itself, and a thread of the receiver blocked on it wakes and copies the payload
-out. The stream stays the control path (offer, answer, fallback frames) and the liveness signal;
+sending thread itself, and a thread of the receiver blocked on it wakes and delivers the tensor.
+The stream stays the control path (offer, answer, fallback frames) and the liveness signal;
 the doorbell takes gRPC's per-message cost (queues, its threads and completion queues on both
 sides) off every activation and gradient, which is what small micro-batches are bound by. A
 message is one ``write`` of at most ``PIPE_BUF`` bytes, so it is atomic; the writer blocks while
@@ -29,8 +32,11 @@ raises SIGBUS. The sender therefore reserves pages with ``posix_fallocate`` befo
 writes past its high-water mark, which fails with an ordinary error instead.
 
 Trust: a peer that has passed authentication and runs on the same host as the receiver could
-shrink its file under the receiver's mapping and crash it (SIGBUS on the read); such a peer
-could equally signal the process. Names, offsets and sizes from the stream are checked.
+shrink its file under the receiver's mapping and crash it (SIGBUS on a read), or change a
+tensor it already sent; such a peer could equally signal the process. Names, offsets and sizes
+from the stream are checked. The published counter is a plain aligned 8-byte store, read by the
+sender after the receiver is done with the slot; x86-64 keeps that order, and the Python and
+torch calls between the two are full barriers in practice elsewhere.
 """
 
 from __future__ import annotations
@@ -45,8 +51,11 @@ import secrets
 import select
 import stat
 import struct
+import threading
+import weakref
 from dataclasses import dataclass
 
+import numpy
 import torch
 
 from pipesvc.errors import WireFormatError
@@ -107,20 +116,15 @@ class Ring:
         self._next_seq -= 1
 
     def place(self, num_bytes: int) -> Slot | None:
-        """A slot for ``num_bytes`` that overlaps no live slot, or None when none fits now."""
+        """The lowest slot for ``num_bytes`` that overlaps no live slot, or None when none fits
+        now. Lowest first keeps a link's touched (resident) pages to what it has in flight."""
         size = _round_up(max(num_bytes, 1))
-        if not self._live:
-            start = 0 if size <= self.capacity else None
-        else:
-            head, tail = self._live[0][1], self._live[-1][2]
-            wrapped = self._live[-1][1] < head
-            if wrapped:
-                start = tail if tail + size <= head else None
-            elif tail + size <= self.capacity:
-                start = tail
-            else:
-                start = 0 if size <= head else None
-        if start is None:
+        start = 0
+        for begin, end in sorted((begin, end) for _, begin, end in self._live):
+            if begin - start >= size:
+                break
+            start = max(start, end)
+        if start + size > self.capacity:
             return None
         slot = Slot(self._next_seq, start)
         self._live.append((slot.seq, start, start + size))
@@ -147,12 +151,14 @@ class _Mapping:
 
     def __init__(self, fd: int, size: int) -> None:
         self._mmap: mmap.mmap | None = mmap.mmap(fd, size)
+        self.mmap: mmap.mmap | None = self._mmap
         self.bytes: torch.Tensor | None = torch.frombuffer(self._mmap, dtype=torch.uint8)
         self.consumed = self.bytes[_CONSUMED_OFFSET : _CONSUMED_OFFSET + 8].view(torch.int64)
         self.size = size
 
     def close(self) -> None:
         self.bytes = None
+        self.mmap = None
         self.consumed = torch.zeros(1, dtype=torch.int64)
         if self._mmap is not None:
             # A copy in flight may still hold a view; then the mapping goes with it.
@@ -308,6 +314,11 @@ class ShmView:
         self.size = size
         self._map = mapping
         self._last_seq = 0
+        # Slots freed (by copies, or by the last tensor over them) and the highest number up
+        # to which all are: what the sender may reuse. Freed from any thread, so an RLock.
+        self._released: set[int] = set()
+        self._published = 0
+        self._release_lock = threading.RLock()
         try:
             self._bell = _open_bell_reader(os.path.join(SHM_DIR, name + BELL_SUFFIX))
         except OSError:
@@ -341,28 +352,37 @@ class ShmView:
             os.close(self._bell)
             self._bell = -1
 
-    def read(self, slot_seq: int, offset: int, out: torch.Tensor) -> torch.Tensor:
-        """Copies a slot into ``out`` (whose byte size is the payload's) and frees the slot.
+    def take(self, slot_seq: int, offset: int, num_bytes: int) -> torch.Tensor:
+        """A byte tensor over a slot itself, no copy: the slot is freed when the last tensor
+        sharing that memory is (slots freed out of order are published in order).
 
         Raises:
             WireFormatError: the slot is out of order or outside the area.
         """
-        area = self._map.bytes
-        if area is None:
+        mapped = self._map.mmap
+        if mapped is None:
             raise WireFormatError(f"shared-memory area {self.name} is closed")
         if slot_seq != self._last_seq + 1:
             raise WireFormatError(f"shared-memory slot {slot_seq}; expected {self._last_seq + 1}")
-        target = _byte_view(out)
-        end = offset + target.numel()
-        if offset < HEADER_BYTES or end > self.size:
+        end = offset + num_bytes
+        if offset < HEADER_BYTES or end > self.size or num_bytes < 1:
             raise WireFormatError(
                 f"shared-memory slot [{offset}, {end}) lies outside the area's data "
                 f"[{HEADER_BYTES}, {self.size})"
             )
-        target.copy_(area[offset:end])
+        array = numpy.frombuffer(mapped, dtype=numpy.uint8, count=num_bytes, offset=offset)
+        weakref.finalize(array, self._release, slot_seq)
         self._last_seq = slot_seq
-        self._map.consumed[0] = slot_seq
-        return out
+        return torch.from_numpy(array)
+
+    def _release(self, slot_seq: int) -> None:
+        with self._release_lock:
+            self._released.add(slot_seq)
+            while self._published + 1 in self._released:
+                self._published += 1
+                self._released.remove(self._published)
+            if self._map.mmap is not None:
+                self._map.consumed[0] = self._published
 
     def close(self) -> None:
         """Unmaps (the doorbell is closed by its reading thread)."""

@@ -166,9 +166,10 @@ def check_header(header: common_pb2.TensorHeader, limits: CodecLimits = DEFAULT_
         )
 
 
-def empty_like_header(header: common_pb2.TensorHeader) -> torch.Tensor:
-    """An uninitialised tensor of a (checked) header's dtype and shape."""
-    return torch.empty(tuple(header.shape), dtype=_TO_TORCH[header.dtype])
+def view_as_header(raw: torch.Tensor, header: common_pb2.TensorHeader) -> torch.Tensor:
+    """The bytes ``raw`` (uint8, exactly ``header.num_bytes``, checked header) viewed as the
+    header's dtype and shape, no copy."""
+    return raw.view(_TO_TORCH[header.dtype]).reshape(tuple(header.shape))
 
 
 def _from_buffer(buffer: bytearray, header: common_pb2.TensorHeader) -> torch.Tensor:

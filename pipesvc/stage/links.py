@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeAlias
 
@@ -23,7 +22,7 @@ from google.protobuf.message import DecodeError
 from pipesvc.errors import PipesvcError, StageUnavailableError, WireFormatError
 from pipesvc.metrics import NO_METRICS, Metrics
 from pipesvc.rpc_status import error_from_rpc
-from pipesvc.shm import DEFAULT_AREA_BYTES, MAX_AREA_BYTES, ShmArea, ShmView, Slot
+from pipesvc.shm import DEFAULT_AREA_BYTES, MAX_AREA_BYTES, ShmArea, ShmView
 from pipesvc.stage.frame_wire import InFrame, OutFrame, parse, serialize
 from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
 from pipesvc.tensor_codec import (
@@ -31,9 +30,9 @@ from pipesvc.tensor_codec import (
     CodecLimits,
     FrameAssembler,
     check_header,
-    empty_like_header,
     frame_views,
     make_header,
+    view_as_header,
 )
 from pipesvc.v1 import stage_pb2, stage_pb2_grpc
 
@@ -42,11 +41,6 @@ logger = logging.getLogger(__name__)
 _DIRECTIONS = {stage_pb2.ACTIVATION: ACTIVATION, stage_pb2.GRADIENT: GRADIENT}
 _WIRE_DIRECTIONS = {v: k for k, v in _DIRECTIONS.items()}
 EXCHANGE_METHOD = "/pipesvc.v1.StageService/Exchange"
-SHM_CHUNK_BYTES = 2 << 20
-"""A tensor goes through shared memory in chunks of this size, so the receiver copies one out
-while the sender copies the next one in."""
-SHM_ROOM_TIMEOUT_S = 60.0
-"""Longest wait for room in the area once a tensor's first chunk is out."""
 SEND_QUEUE_ITEMS = 64
 """Tensors waiting to be sent before a sender blocks (backpressure)."""
 
@@ -163,64 +157,35 @@ class Sender:
         )
 
     def _send_shared(self, key: MailKey, tensor: torch.Tensor) -> bool:
-        """Writes ``tensor`` into the area chunk by chunk, ringing the doorbell after each; False
-        when its first chunk finds no room (or the receiver is gone), so the caller queues frames
-        instead. Once a chunk is out, the rest wait for room.
-
-        Raises:
-            StageUnavailableError: the receiver stopped taking chunks mid-tensor.
-        """
+        """Writes ``tensor`` into one slot of the area and rings the doorbell; False when the
+        area has no room now (or the receiver is gone), so the caller queues frames instead.
+        It never waits for room: the receiver may hold slots until its backward."""
         area = self._area
         if area is None or tensor.numel() == 0:
             return False
         flat = tensor.detach().contiguous().reshape(-1)
         raw = flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
-        starts = range(0, raw.numel(), SHM_CHUNK_BYTES)
-        header = make_header(tensor, len(starts))
+        header = make_header(tensor)
         ident = _ident(self._job_id, self._epoch, self._direction, key)
         for copy in range(self._copies):
-            for index, start in enumerate(starts):
-                chunk = raw[start : start + SHM_CHUNK_BYTES]
-                slot = area.write(chunk)
-                if slot is None:
-                    if index == 0:
-                        return copy > 0
-                    slot = self._wait_for_room(area, chunk)
-                frame = stage_pb2.DataFrame(
-                    id=ident,
-                    frame_index=index,
-                    shm_slot=stage_pb2.ShmSlot(
-                        seq=slot.seq, offset=slot.offset, length=chunk.numel()
-                    ),
-                )
-                if index == 0:
-                    frame.header.CopyFrom(header)
-                try:
-                    area.ring(frame.SerializeToString())
-                except OSError as exc:
-                    # The receiver closed its end: it is gone; the stream reports why.
-                    self._bell_open = False
-                    if index == 0:
-                        logger.info("doorbell to the peer failed (%s); sending frames", exc)
-                        return copy > 0
-                    raise StageUnavailableError(
-                        f"the peer stopped reading shared memory mid-tensor ({exc})"
-                    ) from exc
-                self._metrics.inc("frames_total", direction="sent", kind=key.direction)
+            slot = area.write(raw)
+            if slot is None:
+                return copy > 0
+            frame = stage_pb2.DataFrame(
+                id=ident,
+                header=header,
+                shm_slot=stage_pb2.ShmSlot(seq=slot.seq, offset=slot.offset, length=raw.numel()),
+            )
+            try:
+                area.ring(frame.SerializeToString())
+            except OSError as exc:
+                # The receiver closed its end: it is gone; the stream reports why.
+                logger.info("doorbell to the peer failed (%s); sending frames", exc)
+                self._bell_open = False
+                return copy > 0
+            self._metrics.inc("frames_total", direction="sent", kind=key.direction)
             self._metrics.inc("bytes_total", header.num_bytes, direction="sent", kind=key.direction)
         return True
-
-    @staticmethod
-    def _wait_for_room(area: ShmArea, chunk: torch.Tensor) -> Slot:
-        deadline = time.monotonic() + SHM_ROOM_TIMEOUT_S
-        while time.monotonic() < deadline:
-            time.sleep(0.0002)
-            slot = area.write(chunk)
-            if slot is not None:
-                return slot
-        raise StageUnavailableError(
-            f"the peer took no shared-memory chunk for {SHM_ROOM_TIMEOUT_S:.0f} s"
-        )
 
     def _tensor_frames(self, key: MailKey, tensor: torch.Tensor) -> Iterator[OutFrame]:
         ident = _ident(self._job_id, self._epoch, self._direction, key)
@@ -232,41 +197,6 @@ class Sender:
                 frame.header.CopyFrom(header)
             self._metrics.inc("frames_total", direction="sent", kind=key.direction)
             yield OutFrame(frame, data)
-
-
-class _Chunks:
-    """A tensor arriving through shared memory, chunk by chunk, into its own buffer."""
-
-    def __init__(self, key: MailKey, out: torch.Tensor, num_chunks: int) -> None:
-        self.key = key
-        self.out = out
-        self._bytes = out.reshape(-1).view(torch.uint8) if out.numel() else out
-        self._num_chunks = num_chunks
-        self._filled = 0
-        self.next_index = 0
-
-    def add(self, view: ShmView, slot: stage_pb2.ShmSlot) -> torch.Tensor | None:
-        """Copies one chunk out of the area; returns the tensor after its last chunk.
-
-        Raises:
-            WireFormatError: a chunk of no bytes, or more bytes than the header announced.
-        """
-        end = self._filled + slot.length
-        if slot.length == 0 or end > self._bytes.numel():
-            raise WireFormatError(
-                f"chunk of {slot.length} bytes at {self._filled} for {self.key}; the tensor has "
-                f"{self._bytes.numel()}"
-            )
-        view.read(slot.seq, slot.offset, self._bytes[self._filled : end])
-        self._filled = end
-        self.next_index += 1
-        if self.next_index < self._num_chunks:
-            return None
-        if self._filled != self._bytes.numel():
-            raise WireFormatError(
-                f"{self.key} ended after {self._filled} of {self._bytes.numel()} bytes"
-            )
-        return self.out
 
 
 class FrameReader:
@@ -302,7 +232,6 @@ class FrameReader:
         self._fail = fail or mailbox.fail
         self._pending: tuple[MailKey, FrameAssembler] | None = None
         self._view: ShmView | None = None
-        self._chunks: _Chunks | None = None  # the doorbell thread's tensor in progress
 
     def close(self) -> None:
         """Unmaps the peer's area, if any (its doorbell thread ends when the peer closes)."""
@@ -373,20 +302,19 @@ class FrameReader:
         key = MailKey(ident.run_id, self._direction, ident.microbatch_index)
         if not frame.HasField("shm_slot") or frame.data:
             raise WireFormatError(f"{key} on the doorbell must be a shared-memory slot")
-        if frame.frame_index == 0:
-            if self._chunks is not None:
-                raise WireFormatError(f"{key} started before {self._chunks.key} was complete")
-            check_header(frame.header, self._limits)
-            self._chunks = _Chunks(key, empty_like_header(frame.header), frame.header.num_frames)
-        chunks = self._chunks
-        if chunks is None or chunks.key != key or frame.frame_index != chunks.next_index:
-            raise WireFormatError(f"chunk {frame.frame_index} of {key} out of order")
+        header, slot = frame.header, frame.shm_slot
+        if frame.frame_index != 0 or header.num_frames != 1:
+            raise WireFormatError(f"{key} on the doorbell must be a single frame")
+        check_header(header, self._limits)
+        if slot.length != header.num_bytes:
+            raise WireFormatError(
+                f"{key}'s slot holds {slot.length} bytes; its header says {header.num_bytes}"
+            )
         self._metrics.inc("frames_total", direction="received", kind=self._direction)
-        tensor = chunks.add(view, frame.shm_slot)
-        if tensor is None:
-            return False
-        self._chunks = None
-        return self._post(key, tensor)
+        # The tensor is the slot's memory itself (no copy); the slot is freed for the sender
+        # when the stage drops the tensor.
+        raw = view.take(slot.seq, slot.offset, slot.length)
+        return self._post(key, view_as_header(raw, header))
 
     def _add_frame(
         self, key: MailKey, frame: stage_pb2.DataFrame, data: bytes | memoryview

@@ -148,7 +148,7 @@ def test_a_slot_without_an_accepted_offer_is_a_wire_error() -> None:
         _reader(Sender(job_id="j", epoch=1, direction=GRADIENT)).feed(frame)
 
 
-def test_doorbell_chunks_are_checked() -> None:
+def test_doorbell_frames_are_checked() -> None:
     from pipesvc.errors import WireFormatError
     from pipesvc.shm import MAX_AREA_BYTES, ShmArea, ShmView
     from pipesvc.tensor_codec import make_header
@@ -162,22 +162,24 @@ def test_doorbell_chunks_are_checked() -> None:
     )
     tensor = torch.arange(8, dtype=torch.float32)
     try:
-        slot = area.write(tensor.view(torch.uint8)[:16])
+        slot = area.write(tensor)
         assert slot is not None
-        first = stage_pb2.DataFrame(
+        good = stage_pb2.DataFrame(
             id=ident,
-            header=make_header(tensor, num_frames=2),
-            frame_index=0,
-            shm_slot=stage_pb2.ShmSlot(seq=slot.seq, offset=slot.offset, length=16),
+            header=make_header(tensor),
+            shm_slot=stage_pb2.ShmSlot(seq=slot.seq, offset=slot.offset, length=32),
         )
-        assert reader.feed_slot(view, first) is False  # half the tensor: not delivered yet
-        skipped = stage_pb2.DataFrame(id=ident, frame_index=2, shm_slot=first.shm_slot)
-        with pytest.raises(WireFormatError, match="out of order"):
-            reader.feed_slot(view, skipped)
-        too_long = stage_pb2.DataFrame(id=ident, frame_index=1, shm_slot=first.shm_slot)
-        too_long.shm_slot.length = 17
-        with pytest.raises(WireFormatError, match="17 bytes"):
-            reader.feed_slot(view, too_long)
+        split = stage_pb2.DataFrame()
+        split.CopyFrom(good)
+        split.header.num_frames = 2
+        with pytest.raises(WireFormatError, match="single frame"):
+            reader.feed_slot(view, split)
+        short = stage_pb2.DataFrame()
+        short.CopyFrom(good)
+        short.shm_slot.length = 16
+        with pytest.raises(WireFormatError, match="holds 16 bytes"):
+            reader.feed_slot(view, short)
+        assert reader.feed_slot(view, good) is True
     finally:
         view.close_bell()
         view.close()

@@ -88,12 +88,17 @@ def test_ring_never_overlaps_live_slots(ops: list[tuple[int, int]]) -> None:
 def test_area_to_view_is_byte_exact(tensor: torch.Tensor) -> None:
     area = _area()
     view = ShmView(area.name, area.nonce, area.size, shm.MAX_AREA_BYTES)
+    nbytes = tensor.numel() * tensor.element_size()
     try:
-        for _ in range(3):  # slots are freed by the reads, so the area is reused
+        offsets = set()
+        for _ in range(3):  # each slot is freed with its tensor, so the area is reused
             slot = area.write(tensor)
             assert slot is not None
-            out = view.read(slot.seq, slot.offset, torch.empty(tensor.shape, dtype=tensor.dtype))
+            offsets.add(slot.offset)
+            out = view.take(slot.seq, slot.offset, nbytes).view(tensor.dtype).reshape(tensor.shape)
             assert torch.equal(out, tensor)
+            del out
+        assert offsets == {shm.HEADER_BYTES}
     finally:
         view.close()
         area.close()
@@ -108,7 +113,7 @@ def test_area_file_is_gone_after_unlink_and_close() -> None:
     assert not os.path.exists(path)
     slot = area.write(torch.ones(4))  # both mappings outlive the file
     assert slot is not None
-    assert torch.equal(view.read(slot.seq, slot.offset, torch.empty(4)), torch.ones(4))
+    assert torch.equal(view.take(slot.seq, slot.offset, 16).view(torch.float32), torch.ones(4))
     view.close()
     area.close()
 
@@ -146,12 +151,12 @@ def test_view_refuses_slots_out_of_order_or_outside_the_area() -> None:
         slot = area.write(torch.ones(4))
         assert slot is not None
         with pytest.raises(WireFormatError, match="expected 1"):
-            view.read(slot.seq + 1, slot.offset, torch.empty(4))
+            view.take(slot.seq + 1, slot.offset, 16)
         with pytest.raises(WireFormatError, match="outside"):
-            view.read(slot.seq, 0, torch.empty(4))
+            view.take(slot.seq, 0, 16)
         with pytest.raises(WireFormatError, match="outside"):
-            view.read(slot.seq, area.size - 8, torch.empty(4))
-        assert torch.equal(view.read(slot.seq, slot.offset, torch.empty(4)), torch.ones(4))
+            view.take(slot.seq, area.size - 8, 16)
+        assert torch.equal(view.take(slot.seq, slot.offset, 16).view(torch.float32), torch.ones(4))
     finally:
         view.close()
         area.close()
@@ -223,5 +228,28 @@ def test_doorbell_length_prefix_is_checked() -> None:
             view.read_bell()
     finally:
         view.close_bell()
+        view.close()
+        area.close()
+
+
+def test_slots_freed_out_of_order_are_published_in_order() -> None:
+    """The sender may reuse a slot only once it and every earlier one are free."""
+    area = _area()
+    view = ShmView(area.name, area.nonce, area.size, shm.MAX_AREA_BYTES)
+    try:
+        taken = []
+        for value in range(3):
+            slot = area.write(torch.full((4,), float(value)))
+            assert slot is not None
+            taken.append(view.take(slot.seq, slot.offset, 16))
+        consumed = view._map.consumed
+        del taken[1]  # slot 2 freed first: slot 1 still held, nothing published
+        assert int(consumed[0]) == 0
+        del taken[0]  # slot 1 freed: 1 and 2 published
+        assert int(consumed[0]) == 2
+        again = area.write(torch.zeros(4))  # the lowest free offset is reused
+        assert again is not None and again.offset == shm.HEADER_BYTES
+        taken.clear()
+    finally:
         view.close()
         area.close()
