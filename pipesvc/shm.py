@@ -150,25 +150,25 @@ class _Mapping:
     """A mapped area file and a byte tensor over it."""
 
     def __init__(self, fd: int, size: int) -> None:
-        self._mmap: mmap.mmap | None = mmap.mmap(fd, size)
-        self.mmap: mmap.mmap | None = self._mmap
-        self.bytes: torch.Tensor | None = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        mapped = mmap.mmap(fd, size)
+        self.mmap: mmap.mmap | None = mapped
+        self.bytes: torch.Tensor | None = torch.frombuffer(mapped, dtype=torch.uint8)
         self.consumed = self.bytes[_CONSUMED_OFFSET : _CONSUMED_OFFSET + 8].view(torch.int64)
         self.size = size
 
     def close(self) -> None:
+        mapped, self.mmap = self.mmap, None
         self.bytes = None
-        self.mmap = None
         self.consumed = torch.zeros(1, dtype=torch.int64)
-        if self._mmap is not None:
-            # A copy in flight may still hold a view; then the mapping goes with it.
+        if mapped is not None:
+            # Tensors over its slots (or a copy in flight) may still use the mapping; then it
+            # goes with the last of them.
             with contextlib.suppress(BufferError):
-                self._mmap.close()
-            self._mmap = None
+                mapped.close()
 
 
 class ShmArea:
-    """The sender's area: it writes payloads in; the receiver copies them out."""
+    """The sender's area: it writes payloads in; the receiver's tensors are its slots."""
 
     def __init__(self, fd: int, path: str, size: int) -> None:
         self.path = path

@@ -71,12 +71,19 @@ def wire_dtype(dtype: torch.dtype) -> int:
         raise WireFormatError(f"dtype {dtype} cannot be sent; expected one of {known}") from None
 
 
-def _host_bytes(tensor: torch.Tensor) -> bytes:
+def _host_view(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes in host memory: a view, no copy, of a contiguous CPU tensor."""
     flat = tensor.detach().to("cpu").contiguous()
-    view = _BIT_VIEW.get(flat.dtype)
-    if view is not None:
-        flat = flat.view(view)
-    return flat.numpy().tobytes()
+    bits = _BIT_VIEW.get(flat.dtype)
+    if bits is not None:
+        flat = flat.view(bits)
+    if not flat.numel():
+        return memoryview(b"")
+    return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]
+
+
+def _host_bytes(tensor: torch.Tensor) -> bytes:
+    return bytes(_host_view(tensor))
 
 
 def make_header(tensor: torch.Tensor, num_frames: int = 1) -> common_pb2.TensorHeader:
@@ -112,11 +119,7 @@ def frame_views(
 ) -> tuple[common_pb2.TensorHeader, list[memoryview]]:
     """A header and views of the tensor's host memory, one per frame: no copy of a CPU tensor
     (a view keeps its memory alive; the tensor must not change until the views are sent)."""
-    flat = tensor.detach().to("cpu").contiguous()
-    bits = _BIT_VIEW.get(flat.dtype)
-    if bits is not None:
-        flat = flat.view(bits)
-    payload = memoryview(flat.numpy()).cast("B") if flat.numel() else memoryview(b"")  # type: ignore[arg-type]
+    payload = _host_view(tensor)
     num_frames = max(1, math.ceil(len(payload) / frame_bytes))
     header = make_header(tensor, num_frames)
     return header, [

@@ -47,6 +47,10 @@ SEND_QUEUE_ITEMS = 64
 _Outgoing: TypeAlias = "tuple[MailKey, torch.Tensor] | stage_pb2.DataFrame | PipesvcError | None"
 
 
+def _opposite(direction: str) -> str:
+    return GRADIENT if direction == ACTIVATION else ACTIVATION
+
+
 def _ident(
     job_id: str, epoch: int, direction: str, key: MailKey | None = None
 ) -> stage_pb2.MicrobatchId:
@@ -161,20 +165,20 @@ class Sender:
         area has no room now (or the receiver is gone), so the caller queues frames instead.
         It never waits for room: the receiver may hold slots until its backward."""
         area = self._area
-        if area is None or tensor.numel() == 0:
+        if area is None:
             return False
-        flat = tensor.detach().contiguous().reshape(-1)
-        raw = flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
         header = make_header(tensor)
         ident = _ident(self._job_id, self._epoch, self._direction, key)
         for copy in range(self._copies):
-            slot = area.write(raw)
+            slot = area.write(tensor)  # None also for an empty tensor: frames carry those
             if slot is None:
                 return copy > 0
             frame = stage_pb2.DataFrame(
                 id=ident,
                 header=header,
-                shm_slot=stage_pb2.ShmSlot(seq=slot.seq, offset=slot.offset, length=raw.numel()),
+                shm_slot=stage_pb2.ShmSlot(
+                    seq=slot.seq, offset=slot.offset, length=header.num_bytes
+                ),
             )
             try:
                 area.ring(frame.SerializeToString())
@@ -248,7 +252,25 @@ class FrameReader:
                 shared-memory offer or slot.
         """
         frame, data = (item.frame, item.data) if isinstance(item, InFrame) else (item, item.data)
-        ident = frame.id
+        key = self._key(frame.id)
+        if frame.HasField("shm_offer"):
+            self._take_offer(frame.shm_offer)
+            return False
+        if frame.HasField("shm_answer"):
+            self._reply.on_answer(frame.shm_answer)
+            return False
+        if frame.HasField("shm_slot"):
+            raise WireFormatError("a shared-memory slot arrived on the stream, not the doorbell")
+        self._metrics.inc("frames_total", direction="received", kind=self._direction)
+        tensor = self._add_frame(key, frame, data)
+        return tensor is not None and self._post(key, tensor)
+
+    def _key(self, ident: stage_pb2.MicrobatchId) -> MailKey:
+        """The mailbox key of a frame of this stream's job, epoch and direction.
+
+        Raises:
+            WireFormatError: another job, epoch or direction.
+        """
         if ident.job_id != self._job_id or ident.plan_epoch != self._epoch:
             raise WireFormatError(
                 f"frame for job {ident.job_id!r} epoch {ident.plan_epoch}; this stream carries "
@@ -258,18 +280,7 @@ class FrameReader:
             raise WireFormatError(
                 f"frame direction {ident.direction} on a stream carrying {self._direction}"
             )
-        if frame.HasField("shm_offer"):
-            self._take_offer(frame.shm_offer)
-            return False
-        if frame.HasField("shm_answer"):
-            self._reply.on_answer(frame.shm_answer)
-            return False
-        if frame.HasField("shm_slot"):
-            raise WireFormatError("a shared-memory slot arrived on the stream, not the doorbell")
-        key = MailKey(ident.run_id, self._direction, ident.microbatch_index)
-        self._metrics.inc("frames_total", direction="received", kind=self._direction)
-        tensor = self._add_frame(key, frame, data)
-        return tensor is not None and self._post(key, tensor)
+        return MailKey(ident.run_id, self._direction, ident.microbatch_index)
 
     def _post(self, key: MailKey, tensor: torch.Tensor) -> bool:
         self._metrics.inc(
@@ -283,23 +294,12 @@ class FrameReader:
         return accepted
 
     def feed_slot(self, view: ShmView, frame: stage_pb2.DataFrame) -> bool:
-        """A doorbell frame: copies the tensor out of the peer's area into the mailbox.
+        """A doorbell frame: its tensor, the slot of the peer's area itself, to the mailbox.
 
         Raises:
             WireFormatError: wrong identity, or a malformed header or slot.
         """
-        ident = frame.id
-        if (
-            ident.job_id != self._job_id
-            or ident.plan_epoch != self._epoch
-            or _DIRECTIONS.get(ident.direction) != self._direction
-        ):
-            raise WireFormatError(
-                f"doorbell frame for job {ident.job_id!r} epoch {ident.plan_epoch} direction "
-                f"{ident.direction}; it carries job {self._job_id!r} epoch {self._epoch} "
-                f"{self._direction}"
-            )
-        key = MailKey(ident.run_id, self._direction, ident.microbatch_index)
+        key = self._key(frame.id)
         if not frame.HasField("shm_slot") or frame.data:
             raise WireFormatError(f"{key} on the doorbell must be a shared-memory slot")
         header, slot = frame.header, frame.shm_slot
@@ -343,9 +343,11 @@ class FrameReader:
             threading.Thread(
                 target=self._read_bell, args=(self._view,), name="doorbell", daemon=True
             ).start()
-        opposite = GRADIENT if self._direction == ACTIVATION else ACTIVATION
         self._reply.put(
-            stage_pb2.DataFrame(id=_ident(self._job_id, self._epoch, opposite), shm_answer=answer)
+            stage_pb2.DataFrame(
+                id=_ident(self._job_id, self._epoch, _opposite(self._direction)),
+                shm_answer=answer,
+            )
         )
 
     def _read_bell(self, view: ShmView) -> None:
@@ -390,7 +392,7 @@ def _stream_ends(
     reader = FrameReader(
         job_id=job_id,
         epoch=epoch,
-        direction=GRADIENT if sends == ACTIVATION else ACTIVATION,
+        direction=_opposite(sends),
         mailbox=mailbox,
         limits=limits,
         metrics=metrics,

@@ -455,18 +455,15 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
                 f"state kind {request.kind} must be PARAMETERS, GRADIENTS or CHECKPOINT"
             )
         with job.run_lock:
-            names = list(job.runtime.tensors(_STATE_KINDS[request.kind]))
+            tensors = job.runtime.tensors(_STATE_KINDS[request.kind])
         # One tensor copied at a time (under the run lock, so never mid-commit), not the whole
         # state up front: a stage's peak while it is saved grows by one tensor, not by all of
         # its weights and optimizer state. The coordinator runs no step while it reads state.
-        for name in names:
+        for name, live in tensors.items():
             with job.run_lock:
-                tensor = job.runtime.tensors(_STATE_KINDS[request.kind]).get(name)
-                if tensor is None:
-                    raise FailedPreconditionError(f"{name!r} changed while it was being read")
-                tensor = tensor.to("cpu", copy=True)
-            yield from named_frames(name, tensor)
-            del tensor
+                copied = live.to("cpu", copy=True)
+            yield from named_frames(name, copied)
+            del copied
 
     @handle_errors
     def LoadState(
