@@ -139,7 +139,7 @@ class StageRuntime:
 
     def _set_mode(self, training: bool) -> None:
         """Training or eval mode for every layer (see [Note: train and eval mode])."""
-        if training is not self._training:
+        if training != self._training:
             self.module.train(training)
             self._training = training
 
