@@ -2,6 +2,8 @@
 
 A model is a registered factory returning unbuilt ``LayerSpec``s, so a stage builds only its
 own layer range, with weights identical to a local ``build(name, seed=..., **args)``.
+``layer_rng`` and ``seeded_forward`` reproduce a job's dropout masks in one process (see
+[Note: training randomness] in ``pipesvc.models.rng``).
 """
 
 from __future__ import annotations
@@ -23,22 +25,34 @@ from pipesvc.models.registry import (
     layer_specs,
     register_model,
 )
+from pipesvc.models.rng import (
+    batch_statistics,
+    dropout_seed,
+    layer_rng,
+    seeded_forward,
+    uses_rng,
+)
 
 __all__ = [
     "LayerInfo",
     "LayerSpec",
     "ModelDescription",
     "TensorInfo",
+    "batch_statistics",
     "build",
     "build_layer",
     "build_layers",
     "check_model_args",
     "describe",
+    "dropout_seed",
     "import_model_modules",
     "known_models",
+    "layer_rng",
     "layer_seed",
     "layer_specs",
     "register_model",
+    "seeded_forward",
+    "uses_rng",
 ]
 
 del cnn, gpt, mlp

@@ -75,6 +75,8 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.num_heads = num_heads
         self.dropout = dropout
+        # The attention dropout is drawn inside scaled_dot_product_attention, not by a module.
+        self.uses_rng = dropout > 0
         # No bias: a key bias adds the same logit to every key, so softmax cancels it and its
         # gradient is zero up to rounding, which Adam would amplify into noise-driven updates.
         self.qkv = nn.Linear(embed_dim, 3 * embed_dim, bias=False)

@@ -4,7 +4,9 @@
 ``layer_seed(seed, i)`` alone, so a stage that builds ``[start, end)`` gets exactly the weights
 of layers ``start..end-1`` of ``build(name, seed=seed, **args)``. Module constructors draw from
 torch's global CPU generator, so builds in this process are serialised by ``_RNG_LOCK``; other
-threads must not draw from the global CPU generator while a layer is being built.
+threads must not draw from the global CPU generator while a layer is being built (a training
+call of a stochastic layer takes the same lock, see [Note: training randomness] in
+``pipesvc.models.rng``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 
 from pipesvc.errors import InternalError, InvalidArgumentError, UnknownModelError
+from pipesvc.models.rng import RNG_LOCK as _RNG_LOCK
 
 ModelFactory = Callable[..., list["LayerSpec"]]
 """A factory takes JSON-typed keyword arguments and returns the model's unbuilt layers."""
@@ -37,7 +40,6 @@ MAX_ARG_DEPTH = 8
 _JSON_SCALARS = (str, int, float, bool, type(None))
 _FACTORIES: dict[str, ModelFactory] = {}
 _LOCK = threading.Lock()
-_RNG_LOCK = threading.Lock()
 
 
 class LayerSpec:

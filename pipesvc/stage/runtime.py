@@ -16,6 +16,12 @@ gets no gradient in a run still ends it with ``grad`` None, as after
 ``zero_grad(set_to_none=True)``, so the optimizer skips it: ``_settle_grads`` drops the buffers
 that no backward has added to since they were zeroed (their version counter is unchanged). The
 sums are those of fresh buffers, since ``0 + g`` is ``g``.
+
+[Note: train and eval mode] A training run puts the layers in training mode and runs each
+layer that draws random numbers under the seed of [Note: training randomness]
+(``pipesvc.models.rng``), for the step being computed (``step + 1``), so a replayed step draws
+the masks of its first attempt. An inference run (``Job.forward``, generation) puts them in eval
+mode: no dropout, BatchNorm's running statistics; the mode is switched only when it changes.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from pipesvc.checkpoint import OPTIM_PREFIX, group_by_layer
 from pipesvc.config import JobConfig
 from pipesvc.errors import FailedPreconditionError, InvalidArgumentError
 from pipesvc.loss import compute_loss
-from pipesvc.models import build_layers
+from pipesvc.models import batch_statistics, build_layers, layer_rng, uses_rng
 from pipesvc.optim import build_optimizer
 
 
@@ -72,6 +78,11 @@ class StageRuntime:
         )
         # Keys "{global layer}.{param}" match build(...).state_dict() (DESIGN section 4).
         self.module = nn.ModuleDict({str(start_layer + i): layer for i, layer in enumerate(layers)})
+        if config.num_microbatches > 1:
+            _refuse_batch_statistics(start_layer, layers, config.num_microbatches)
+        # (global index, layer, whether its training call is seeded), fixed at build time.
+        self._layers = [(start_layer + i, layer, uses_rng(layer)) for i, layer in enumerate(layers)]
+        self._training = True  # modules are built in training mode
         params = list(self.module.parameters())
         # A stage of parameter-free layers (e.g. only a Flatten) has nothing to optimise.
         self.optimizer = build_optimizer(config.optimizer, params) if params else None
@@ -126,10 +137,22 @@ class StageRuntime:
                 p.grad = None
         self._zeroed = []
 
-    def _apply(self, x: torch.Tensor) -> torch.Tensor:
-        for index, layer in self.module.items():
+    def _set_mode(self, training: bool) -> None:
+        """Training or eval mode for every layer (see [Note: train and eval mode])."""
+        if training != self._training:
+            self.module.train(training)
+            self._training = training
+
+    def _apply(self, x: torch.Tensor, microbatch: int | None) -> torch.Tensor:
+        """Runs the layers; with ``microbatch`` (training) stochastic ones run seeded."""
+        seed, step = self.config.seed, self.step + 1
+        for index, layer, seeded in self._layers:
             try:
-                x = layer(x)
+                if seeded and microbatch is not None:
+                    with layer_rng(seed, step, microbatch, index, self.device):
+                        x = layer(x)
+                else:
+                    x = layer(x)
             except (RuntimeError, IndexError, ValueError) as exc:
                 raise InvalidArgumentError(
                     f"layer {index} failed on an input of shape {list(x.shape)} and dtype "
@@ -140,9 +163,10 @@ class StageRuntime:
     def forward(self, microbatch: int, x: torch.Tensor, *, training: bool) -> torch.Tensor:
         """Runs this stage's layers on ``x``; in training keeps what backward needs."""
         x = x.to(self.device)
+        self._set_mode(training)
         if not training:
             with torch.no_grad():
-                return self._apply(x)
+                return self._apply(x, None)
         if not self.is_first:
             if not x.is_floating_point():
                 raise InvalidArgumentError(
@@ -150,7 +174,7 @@ class StageRuntime:
                     "a floating-point tensor is needed for its gradient"
                 )
             x = x.detach().requires_grad_(True)
-        y = self._apply(x)
+        y = self._apply(x, microbatch)
         self._saved[microbatch] = (x, y)
         self.max_live = max(self.max_live, len(self._saved))
         return y
@@ -301,3 +325,24 @@ class StageRuntime:
                 self.optimizer.state[param] = slots
         if step is not None:
             self.step = step
+
+
+def _refuse_batch_statistics(
+    start_layer: int, layers: list[nn.Module], num_microbatches: int
+) -> None:
+    """Raises InvalidArgumentError if a layer computes statistics across its batch.
+
+    Such a layer normalises each micro-batch with that micro-batch's statistics (and updates
+    its running averages once per micro-batch), so training it over more than one micro-batch
+    cannot equal one-process training on the whole batch.
+    """
+    for offset, layer in enumerate(layers):
+        found = batch_statistics(layer)
+        if found:
+            raise InvalidArgumentError(
+                f"layer {start_layer + offset} ({type(layer).__name__}) computes statistics "
+                f"across the batch ({', '.join(found)}): with num_microbatches "
+                f"({num_microbatches}) > 1 it would see micro-batches, not the batch, and "
+                "training would differ from one-process training; use num_microbatches=1, "
+                "or a per-sample normalisation (LayerNorm, GroupNorm)"
+            )
