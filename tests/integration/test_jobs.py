@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -180,7 +182,7 @@ def test_no_free_stage_says_which_jobs_hold_them_and_how_to_free_them(
         with _mlp_job(client, num_stages=2) as again:
             assert [j.id for j in client.jobs()] == [again.id]
     finally:
-        if any(j.id == holder.id for j in client.jobs()):
+        with contextlib.suppress(pipesvc.NotFoundError):  # closed above unless a check failed
             holder.close()
 
 

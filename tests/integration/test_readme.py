@@ -29,3 +29,16 @@ def test_readme_python_example_runs(
     )
     assert re.fullmatch(r"step 1: loss \d+\.\d{4}", lines[1]), lines[1]
     assert lines[2:] == ["outputs (4, 8)", "resumed at step 1 on 2 stages", "True"]
+
+
+def test_every_test_file_the_docs_name_exists() -> None:
+    root = README.parent
+    docs = [README, *sorted((root / "docs").glob("*.md"))]
+    named = {
+        (doc.name, path)
+        for doc in docs
+        for path in re.findall(r"tests/[\w/]+\.py", doc.read_text(encoding="utf-8"))
+    }
+    assert named, "the docs name no test files"
+    missing = sorted((doc, path) for doc, path in named if not (root / path).is_file())
+    assert missing == []
