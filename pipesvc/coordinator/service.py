@@ -36,15 +36,22 @@ def _in_terms_of_the_batch(
     targets: torch.Tensor | None,
 ) -> InvalidArgumentError:
     """The error with the batch the caller sent in front: a stage only sees its micro-batch,
-    whose shape alone would not say which of the caller's tensors is wrong."""
+    whose shape alone would not say which of the caller's tensors is wrong. Errors that
+    already name the batch, or that come before it is split, are returned as they are."""
+    rows = inputs.shape[0] if inputs.dim() else 0
+    m = (
+        job.config.num_microbatches
+        if targets is not None
+        else min(job.config.num_microbatches, rows)
+    )
+    if rows < m or m < 1 or str(list(inputs.shape)) in str(error):
+        return error
     sent = f"inputs of shape {list(inputs.shape)}"
     if targets is not None:
         sent += f" and targets of shape {list(targets.shape)}"
-    rows = inputs.shape[0] if inputs.dim() else 0
-    m = min(job.config.num_microbatches, rows) if targets is None else job.config.num_microbatches
-    return type(error)(
-        f"{sent}, run as {m} micro-batches of about {-(-rows // max(1, m))} rows: {error}"
-    )
+    per_mb = -(-rows // m)
+    size = f"{'about ' if rows % m else ''}{per_mb} row{'s' if per_mb > 1 else ''}"
+    return type(error)(f"{sent}, run as {m} micro-batches of {size}: {error}")
 
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):  # type: ignore[misc]
@@ -196,7 +203,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):  # ty
         try:
             loss, step = job.train_step(inputs, targets)
         except InvalidArgumentError as exc:
-            raise _in_terms_of_the_batch(exc, job, inputs, targets) from exc
+            better = _in_terms_of_the_batch(exc, job, inputs, targets)
+            if better is exc:
+                raise
+            raise better from exc
         return coordinator_pb2.TrainStepResponse(loss=loss, step=step, job=job.info())
 
     @handle_errors
@@ -208,7 +218,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):  # ty
         try:
             outputs = encode(job.forward(inputs))
         except InvalidArgumentError as exc:
-            raise _in_terms_of_the_batch(exc, job, inputs, None) from exc
+            better = _in_terms_of_the_batch(exc, job, inputs, None)
+            if better is exc:
+                raise
+            raise better from exc
         return coordinator_pb2.ForwardResponse(outputs=outputs, job=job.info())
 
     @handle_errors

@@ -159,9 +159,12 @@ def test_a_wrong_input_width_names_the_batch_the_caller_sent(client: pipesvc.Cli
             job.train_step(torch.randn(8, 5), y)
         message = str(info.value)
         assert message.startswith("inputs of shape [8, 5] and targets of shape [8, 3]"), message
-        assert "4 micro-batches of about 2 rows" in message
+        assert "4 micro-batches of 2 rows" in message
         with pytest.raises(pipesvc.InvalidArgumentError, match=r"^inputs of shape \[6, 5\],"):
             job.forward(torch.randn(6, 5))
+        with pytest.raises(pipesvc.InvalidArgumentError) as info:  # names the batch already
+            job.train_step(torch.randn(8, 6), y[:7])
+        assert str(info.value).startswith("inputs [8, 6] and targets [7, 3]"), info.value
         assert job.step == 0
 
 
