@@ -20,6 +20,8 @@ from pipesvc.metrics import NO_METRICS, Metrics
 from pipesvc.security import Security
 
 logger = logging.getLogger("pipesvc")
+DEFAULT_COORDINATOR = "127.0.0.1:7070"
+"""Where `coordinator` and `up` listen and `status` and `trace` look unless told otherwise."""
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
 
 
@@ -183,6 +185,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_ca=args.tls_ca,
+        listen=args.listen,
     )
     with cluster:
         print(
@@ -200,7 +203,17 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
     with Client(args.coordinator, security=_security(args), timeout_s=args.timeout_s) as client:
         stages = client.stages()
-    header = ("ADDRESS", "DEVICE", "MEMORY", "RSS", "JOB", "LAYERS", "RANK", "MB/S", "HEALTH")
+    header = (
+        "ADDRESS",
+        "DEVICE",
+        "MEMORY",
+        "RSS",
+        "JOB",
+        "LAYERS",
+        "RANK",
+        "MICROBATCH/S",
+        "HEALTH",
+    )
     rows = [header]
     for s in stages:
         layers = f"[{s.start_layer}, {s.end_layer})" if s.job_id else "-"
@@ -272,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("coordinator", help="run the coordinator server")
-    p.add_argument("--listen", default="127.0.0.1:7070", help="HOST:PORT (default %(default)s)")
+    p.add_argument("--listen", default=DEFAULT_COORDINATOR, help="HOST:PORT (default %(default)s)")
     p.add_argument("--state-dir", default="pipesvc-state", help="state directory")
     p.add_argument("--address-file", help="write the bound HOST:PORT here once serving")
     p.add_argument(
@@ -362,6 +375,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_stage)
 
     p = sub.add_parser("up", help="run a local cluster in the foreground until Ctrl-C")
+    p.add_argument(
+        "--listen",
+        default=DEFAULT_COORDINATOR,
+        help="the coordinator's HOST:PORT, where `status` and `trace` look by default "
+        "(default %(default)s; HOST:0 for any free port)",
+    )
     p.add_argument("--stages", type=int, default=4, help="stage processes (default %(default)s)")
     p.add_argument("--models", action="append", default=[], help="model module (repeatable)")
     p.add_argument("--threads-per-stage", type=int, help="default: cores / stages")
@@ -382,13 +401,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("status", help="print the stages registered with a coordinator")
-    p.add_argument("--coordinator", default="127.0.0.1:7070", help="HOST:PORT")
+    p.add_argument(
+        "--coordinator", default=DEFAULT_COORDINATOR, help="HOST:PORT (default %(default)s)"
+    )
     p.add_argument("--timeout-s", type=float, default=10.0)
     _add_security_flags(p)
     p.set_defaults(func=_cmd_status)
 
     p = sub.add_parser("trace", help="write a job's recent runs as Chrome trace JSON and a PNG")
-    p.add_argument("--coordinator", default="127.0.0.1:7070", help="HOST:PORT")
+    p.add_argument(
+        "--coordinator", default=DEFAULT_COORDINATOR, help="HOST:PORT (default %(default)s)"
+    )
     p.add_argument("--job", required=True, help="job id")
     p.add_argument("--out", required=True, help="output stem: OUT.json and OUT.png")
     p.add_argument("--runs", type=int, default=5, help="newest runs to include (default 5)")

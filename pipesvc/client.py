@@ -155,6 +155,11 @@ class Client:
         """
         return Job(self, self._call("GetJob", coordinator_pb2.GetJobRequest(job_id=job_id)))
 
+    def jobs(self) -> list[Job]:
+        """Every open job, oldest first; ``job.close()`` on one frees its stages."""
+        reply = self._call("ListJobs", coordinator_pb2.ListJobsRequest())
+        return [Job(self, info) for info in reply.jobs]
+
     def stages(self) -> list[StageStatus]:
         """Every registered stage with its health and assignment."""
         reply = self._call("ListStages", coordinator_pb2.ListStagesRequest())
@@ -194,15 +199,41 @@ class Job:
         self.id: str = info.job_id
         self.config: JobConfig = config_from_proto(info.spec)
         self.num_layers: int = info.num_layers
-        self.plan: list[PipelineStage] = [
+        self.plan: list[PipelineStage] = []
+        """Which stage holds which layers (as of the last reply about this job)."""
+        self.plan_epoch: int = 0
+        """Bumped by the coordinator each time the plan changes."""
+        self.step: int = 0
+        """Committed steps."""
+        self.recoveries: int = 0
+        """Times the job recovered from a lost stage."""
+        self._update(info)
+
+    def _update(self, info: coordinator_pb2.JobInfo) -> None:
+        """Takes the plan, step and recovery count from a reply that carries the job.
+
+        [Note: fresh handle] Every reply about a job (create, get, train_step, forward)
+        carries its JobInfo, so a recovery during a call shows in ``plan`` and
+        ``recoveries`` as soon as that call returns; ``refresh()`` is only needed to see
+        what other clients did since.
+        """
+        self.plan = [
             PipelineStage(
                 start_layer=s.start_layer, end_layer=s.end_layer, rank=s.rank, address=s.address
             )
             for s in info.plan
         ]
-        self.step: int = info.step
-        self.recoveries: int = info.recoveries
-        """Times the job recovered from a lost stage (as of this handle's last refresh)."""
+        self.plan_epoch = info.plan_epoch
+        self.step = info.step
+        self.recoveries = info.recoveries
+
+    def __repr__(self) -> str:
+        ranges = ", ".join(f"[{s.start_layer}, {s.end_layer}) at {s.address}" for s in self.plan)
+        return (
+            f"Job(id={self.id!r}, model={self.config.model!r}, step={self.step}, "
+            f"schedule={self.config.schedule!r}, num_microbatches={self.config.num_microbatches}, "
+            f"plan=[{ranges}], recoveries={self.recoveries})"
+        )
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """One optimizer step on the mini-batch; returns its mean loss.
@@ -219,13 +250,15 @@ class Job:
                 job_id=self.id, inputs=encode(inputs), targets=encode(targets)
             ),
         )
-        self.step = reply.step
+        if reply.HasField("job"):
+            self._update(reply.job)
+        else:  # a coordinator from before replies carried the job
+            self.step = reply.step
         return float(reply.loss)
 
     def refresh(self) -> Job:
-        """Re-reads the job's plan, step and recovery count from the coordinator."""
-        fresh = self._client.get_job(self.id)
-        self.plan, self.step, self.recoveries = fresh.plan, fresh.step, fresh.recoveries
+        """Re-reads the job's plan, step and recovery count (to see other clients' calls)."""
+        self._update(self._client._call("GetJob", coordinator_pb2.GetJobRequest(job_id=self.id)))
         return self
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -237,6 +270,8 @@ class Job:
         reply = self._client._call(
             "Forward", coordinator_pb2.ForwardRequest(job_id=self.id, inputs=encode(inputs))
         )
+        if reply.HasField("job"):
+            self._update(reply.job)
         return decode(reply.outputs)
 
     def _read_state(self, kind: int) -> dict[str, torch.Tensor]:
@@ -287,7 +322,12 @@ class Job:
         stem = Path(path)
         if stem.suffix in (".json", ".png"):
             stem = stem.with_suffix("")
-        return write_trace_files(self.timelines(max_runs), stem)
+        c = self.config
+        title = (
+            f"job {self.id}: {c.model}, {c.schedule}, {len(self.plan)} stages x "
+            f"{c.num_microbatches} micro-batches"
+        )
+        return write_trace_files(self.timelines(max_runs), stem, title=title)
 
     def save(self, path: str | Path) -> None:
         """Writes a checkpoint (weights, optimizer state, step) to the directory ``path``.

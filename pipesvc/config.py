@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipesvc.errors import InvalidArgumentError
+from pipesvc.limits import MAX_MICROBATCHES
 from pipesvc.loss import check_loss
 from pipesvc.models import check_model_args
 from pipesvc.models.registry import INPUT_DTYPES, MAX_INPUT_DIMS
@@ -79,9 +80,9 @@ class JobConfig:
             raise InvalidArgumentError(
                 f"checkpoint_every ({self.checkpoint_every}) must be in [0, 2**31)"
             )
-        if not 1 <= self.num_microbatches <= 65536:
+        if not 1 <= self.num_microbatches <= MAX_MICROBATCHES:
             raise InvalidArgumentError(
-                f"num_microbatches ({self.num_microbatches}) must be in [1, 65536]"
+                f"num_microbatches ({self.num_microbatches}) must be in [1, {MAX_MICROBATCHES}]"
             )
         if self.schedule not in SCHEDULES:
             raise InvalidArgumentError(

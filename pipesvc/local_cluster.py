@@ -50,6 +50,7 @@ class LocalCluster:
         tls_ca: str | Path | None = None,
         stage_args: Sequence[str] = (),
         coordinator_args: Sequence[str] = (),
+        listen: str = "127.0.0.1:0",
     ) -> None:
         if num_stages < 1:
             raise ValueError(f"num_stages ({num_stages}) must be at least 1")
@@ -73,6 +74,8 @@ class LocalCluster:
                 self._security_args += [flag, str(value)]
         self.stage_args = list(stage_args)
         self.coordinator_args = list(coordinator_args)
+        self.listen = listen
+        """The coordinator's HOST:PORT (port 0: any free one; ``address`` has the real one)."""
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._procs: list[subprocess.Popen[bytes]] = []
         self.address = ""
@@ -203,7 +206,7 @@ class LocalCluster:
         self._tmp = tempfile.TemporaryDirectory(prefix="pipesvc-cluster-")
         self.log_dir = Path(self._tmp.name)
         try:
-            self._start_coordinator("127.0.0.1:0")
+            self._start_coordinator(self.listen)
             for _ in range(self.num_stages):
                 self._spawn_stage([])
             with self.connect(timeout_s=5.0) as client:

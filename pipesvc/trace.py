@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -13,6 +14,7 @@ from pipesvc.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 __all__ = [
     "EVENT_NAMES",
@@ -23,6 +25,9 @@ __all__ = [
     "ideal_bubble",
     "order_of",
     "plot_timeline",
+    "run_spans",
+    "runs_label",
+    "timeline_figure",
     "write_chrome_trace",
     "write_trace_files",
 ]
@@ -32,6 +37,8 @@ EVENT_NAMES: tuple[str, ...] = ("forward", "backward", "wait", "send")
 
 _COMPUTE = {"forward": "F", "backward": "B"}
 _COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "wait": "#d9d9d9", "send": "#7f7f7f"}
+BETWEEN_RUNS = "between steps: coordinator (commit, step log, next batch)"
+"""What the shaded gaps of the PNG are: no stage runs a schedule there."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -148,17 +155,53 @@ def write_chrome_trace(timelines: Sequence[StageTimeline], path: str | os.PathLi
         json.dump(trace, file)
 
 
-def plot_timeline(
-    timelines: Sequence[StageTimeline], path: str | os.PathLike[str], *, title: str = ""
-) -> None:
-    """Draws one row per rank (rank 0 on top) against time in ms and saves it as a PNG.
+@dataclass(frozen=True, slots=True)
+class RunSpan:
+    """One run across every stage: from its first event's start to its last event's end."""
 
-    Forward and backward bars are coloured apart and carry the micro-batch number where it
-    fits; waits are light grey, sends a thin dark strip. Gaps are the pipeline bubble. Uses an
-    Agg canvas directly, without pyplot, so the caller's backend and figures are untouched.
+    run_id: int
+    step: int
+    """Training step (0 for an inference run)."""
+    start_ns: int
+    end_ns: int
 
-    Raises:
-        InvalidArgumentError: If two timelines share a rank.
+
+def run_spans(timelines: Sequence[StageTimeline]) -> list[RunSpan]:
+    """Every run's span over all stages, in run order."""
+    spans: dict[int, RunSpan] = {}
+    for e in (e for t in timelines for e in t.events):
+        old = spans.get(e.run_id)
+        start = e.start_ns if old is None else min(old.start_ns, e.start_ns)
+        end = e.end_ns if old is None else max(old.end_ns, e.end_ns)
+        spans[e.run_id] = RunSpan(e.run_id, e.step, start, end)
+    return [spans[r] for r in sorted(spans)]
+
+
+def runs_label(timelines: Sequence[StageTimeline]) -> str:
+    """``"steps 3 to 7"``, ``"step 3 and 1 inference run"``: what a trace shows."""
+    spans = run_spans(timelines)
+    steps = sorted({s.step for s in spans if s.step > 0})
+    inference = sum(1 for s in spans if s.step == 0)
+    parts = []
+    if steps:
+        contiguous = steps == list(range(steps[0], steps[-1] + 1))
+        if len(steps) == 1:
+            parts.append(f"step {steps[0]}")
+        elif contiguous:
+            parts.append(f"steps {steps[0]} to {steps[-1]}")
+        else:
+            parts.append("steps " + ", ".join(map(str, steps)))
+    if inference:
+        parts.append(f"{inference} inference run{'s' if inference > 1 else ''}")
+    return " and ".join(parts) or "no runs"
+
+
+def timeline_figure(timelines: Sequence[StageTimeline], *, title: str = "") -> Figure:
+    """The timeline as a matplotlib Figure (on an Agg canvas, never pyplot); see plot_timeline.
+
+    The title line is ``title`` followed by the steps shown. Each run's span is labelled
+    with its step above the rows, and the gaps between runs, where no stage has work because
+    the coordinator commits, logs and sends the next batch, are shaded and labelled.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -169,15 +212,16 @@ def plot_timeline(
     origin = _origin_ns(events)
     span_ms = max((max((e.end_ns for e in events), default=0) - origin) / 1e6, 1e-3)
     width_in, dpi, left, right = 12.0, 100, 0.14, 0.98
-    height_in = 1.3 + 0.55 * max(len(ordered), 1)
+    height_in = 1.6 + 0.55 * max(len(ordered), 1)
     figure = Figure(figsize=(width_in, height_in), dpi=dpi)
     FigureCanvasAgg(figure)
-    figure.subplots_adjust(left=left, right=right, bottom=0.55 / height_in, top=1 - 0.7 / height_in)
+    figure.subplots_adjust(left=left, right=right, bottom=0.55 / height_in, top=1 - 1.0 / height_in)
     ax = figure.add_subplot()
     # Rough width of one 7 pt digit, in ms of x axis, to skip labels that would spill over.
     char_ms = 0.6 * 7 / 72 * span_ms / ((right - left) * width_in)
     for row, t in enumerate(ordered):
         _draw_row(ax, row, t.events, origin, char_ms)
+    _draw_runs(ax, run_spans(ordered), origin, len(ordered), char_ms)
     ax.set_yticks(range(len(ordered)), [f"rank {t.rank}\n{t.address}" for t in ordered])
     ax.set_ylim(len(ordered) - 0.5, -0.5)
     ax.set_xlim(0, span_ms)
@@ -185,10 +229,51 @@ def plot_timeline(
     ax.grid(axis="x", alpha=0.3)
     ax.set_axisbelow(True)
     handles = [Patch(color=_COLOURS[name], label=name) for name in EVENT_NAMES]
-    ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1, 1), ncols=4, frameon=False)
-    ax.set_title(title, loc="left")
+    handles.append(Patch(color=_GAP_COLOUR, label=BETWEEN_RUNS))
+    ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1, 1), ncols=5, frameon=False)
+    shown = runs_label(ordered)
+    ax.set_title(f"{title}: {shown}" if title else shown, loc="left", pad=22)
+    return figure
+
+
+def plot_timeline(
+    timelines: Sequence[StageTimeline], path: str | os.PathLike[str], *, title: str = ""
+) -> None:
+    """Draws one row per rank (rank 0 on top) against time in ms and saves it as a PNG.
+
+    Forward and backward bars are coloured apart and carry the micro-batch number where it
+    fits; waits are light grey, sends a thin dark strip. Gaps inside a run are the pipeline
+    bubble; gaps between runs are shaded and labelled as the coordinator's time between
+    steps. Uses an Agg canvas directly, without pyplot, so the caller's backend and figures
+    are untouched.
+
+    Raises:
+        InvalidArgumentError: If two timelines share a rank.
+    """
+    figure = timeline_figure(timelines, title=title)
     figure.savefig(path, format="png")
     figure.clear()  # no pyplot manager holds it; dropping the artists frees it now
+
+
+_GAP_COLOUR = "#fbe7a1"
+
+
+def _draw_runs(ax: Axes, spans: Sequence[RunSpan], x0: int, num_rows: int, char_ms: float) -> None:
+    """Labels each run above the rows and shades the gaps between consecutive runs."""
+    top = -0.5
+    for span in spans:
+        start, end = (span.start_ns - x0) / 1e6, (span.end_ns - x0) / 1e6
+        text = f"step {span.step}" if span.step else "inference"
+        if end - start >= (len(text) + 1) * char_ms:
+            ax.text((start + end) / 2, top, text, ha="center", va="bottom", size=8)
+    for before, after in itertools.pairwise(spans):
+        start, end = (before.end_ns - x0) / 1e6, (after.start_ns - x0) / 1e6
+        if end <= start:
+            continue
+        ax.axvspan(start, end, color=_GAP_COLOUR, zorder=0)
+        label = "between steps"
+        if end - start >= (len(label) + 1) * char_ms:
+            ax.text((start + end) / 2, num_rows / 2 - 0.5, label, ha="center", va="center", size=7)
 
 
 def _draw_row(ax: Axes, row: int, events: Sequence[TraceEvent], x0: int, char_ms: float) -> None:
@@ -278,9 +363,10 @@ def order_of(timeline: StageTimeline, run_id: int) -> list[str]:
 
 
 def write_trace_files(
-    timelines: Sequence[StageTimeline], stem: str | os.PathLike[str]
+    timelines: Sequence[StageTimeline], stem: str | os.PathLike[str], *, title: str = ""
 ) -> tuple[Path, Path]:
-    """Writes ``stem + ".json"`` (Chrome trace) and ``stem + ".png"`` (timeline).
+    """Writes ``stem + ".json"`` (Chrome trace) and ``stem + ".png"`` (timeline, titled
+    ``title`` or the stem's name, then the steps shown).
 
     Returns:
         The JSON path and the PNG path.
@@ -291,5 +377,5 @@ def write_trace_files(
     base = os.fspath(stem)
     json_path, png_path = Path(base + ".json"), Path(base + ".png")
     write_chrome_trace(timelines, json_path)
-    plot_timeline(timelines, png_path, title=Path(base).name)
+    plot_timeline(timelines, png_path, title=title or Path(base).name)
     return json_path, png_path

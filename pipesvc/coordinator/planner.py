@@ -58,7 +58,14 @@ def describe(
                 f"model {config.model!r} is not registered on any stage; known models: "
                 f"{', '.join(known) or 'none (no stages registered)'}"
             )
-        raise PlanError(f"no free stage can build {config.model!r}; all are serving jobs")
+        holders = sorted(
+            {r.job_id for r in registry.all() if r.job_id and config.model in r.models}
+        )
+        raise PlanError(
+            f"no free stage can build {config.model!r}; every one that can is serving a job "
+            f"({', '.join(holders) or 'none: they are unreachable'}). Free stages by closing a "
+            "job: client.jobs() lists them, client.get_job(job_id).close() closes one"
+        )
     describer = PipelineStage(start_layer=0, end_layer=0, rank=0, address=candidates[0].address)
     reply = call_stage(
         registry,

@@ -10,6 +10,7 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+import torch
 
 from pipesvc.config import config_from_proto
 from pipesvc.coordinator.job import JobDriver, create_job
@@ -26,6 +27,31 @@ from pipesvc.tensor_codec import decode, encode
 from pipesvc.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 
 logger = logging.getLogger(__name__)
+
+
+def _in_terms_of_the_batch(
+    error: InvalidArgumentError,
+    job: JobDriver,
+    inputs: torch.Tensor,
+    targets: torch.Tensor | None,
+) -> InvalidArgumentError:
+    """The error with the batch the caller sent in front: a stage only sees its micro-batch,
+    whose shape alone would not say which of the caller's tensors is wrong. Errors that
+    already name the batch, or that come before it is split, are returned as they are."""
+    rows = inputs.shape[0] if inputs.dim() else 0
+    m = (
+        job.config.num_microbatches
+        if targets is not None
+        else min(job.config.num_microbatches, rows)
+    )
+    if rows < m or m < 1 or str(list(inputs.shape)) in str(error):
+        return error
+    sent = f"inputs of shape {list(inputs.shape)}"
+    if targets is not None:
+        sent += f" and targets of shape {list(targets.shape)}"
+    per_mb = -(-rows // m)
+    size = f"{'about ' if rows % m else ''}{per_mb} row{'s' if per_mb > 1 else ''}"
+    return type(error)(f"{sent}, run as {m} micro-batches of {size}: {error}")
 
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):  # type: ignore[misc]
@@ -162,22 +188,41 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):  # ty
         return self._job(request.job_id).info()
 
     @handle_errors
+    def ListJobs(self, request: coordinator_pb2.ListJobsRequest, context: object) -> object:
+        with self._lock:
+            jobs = [j for j in self._jobs.values() if not j.closed]
+        return coordinator_pb2.ListJobsResponse(jobs=[j.info() for j in jobs])
+
+    @handle_errors
     def TrainStep(self, request: coordinator_pb2.TrainStepRequest, context: object) -> object:
         if not request.HasField("inputs") or not request.HasField("targets"):
             raise InvalidArgumentError("a training step needs both inputs and targets")
         inputs = decode(request.inputs, self._codec)
         targets = decode(request.targets, self._codec)
-        loss, step = self._job(request.job_id).train_step(inputs, targets)
-        return coordinator_pb2.TrainStepResponse(loss=loss, step=step)
+        job = self._job(request.job_id)
+        try:
+            loss, step = job.train_step(inputs, targets)
+        except InvalidArgumentError as exc:
+            better = _in_terms_of_the_batch(exc, job, inputs, targets)
+            if better is exc:
+                raise
+            raise better from exc
+        return coordinator_pb2.TrainStepResponse(loss=loss, step=step, job=job.info())
 
     @handle_errors
     def Forward(self, request: coordinator_pb2.ForwardRequest, context: object) -> object:
         if not request.HasField("inputs"):
             raise InvalidArgumentError("forward needs inputs")
         inputs = decode(request.inputs, self._codec)
-        return coordinator_pb2.ForwardResponse(
-            outputs=encode(self._job(request.job_id).forward(inputs))
-        )
+        job = self._job(request.job_id)
+        try:
+            outputs = encode(job.forward(inputs))
+        except InvalidArgumentError as exc:
+            better = _in_terms_of_the_batch(exc, job, inputs, None)
+            if better is exc:
+                raise
+            raise better from exc
+        return coordinator_pb2.ForwardResponse(outputs=outputs, job=job.info())
 
     @handle_errors
     def GetState(

@@ -15,11 +15,24 @@ from dataclasses import dataclass
 import torch
 
 from pipesvc.errors import PipelineTimeoutError, ResourceExhaustedError, StepAbortedError
+from pipesvc.limits import MAX_MICROBATCHES
 
 logger = logging.getLogger(__name__)
 
 ACTIVATION = "activation"
 GRADIENT = "gradient"
+
+MAX_ITEMS = 3 * MAX_MICROBATCHES
+"""What a mailbox holds at most, derived from the largest run a job may ask for.
+
+[Note: mailbox bound] A run of m micro-batches delivers at most one activation and one gradient
+per micro-batch, and each is removed when the schedule takes it: at most 2m items of the
+current run. The neighbours may start the next run before this stage has finished the
+current one (a run is over for the coordinator when every stage answered; an aborted run's
+stage may still be winding down), so up to m activations of the next run can arrive early;
+its gradients cannot, since they answer this stage's own activations of that run. Mail of a
+finished or aborted run is dropped. Hence 3 * MAX_MICROBATCHES; more means a peer sends
+tensors no schedule asked for."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +50,7 @@ class MailKey:
 class Mailbox:
     """A bounded, thread-safe map from MailKey to tensor with blocking, cancellable gets."""
 
-    def __init__(self, max_items: int = 4096) -> None:
+    def __init__(self, max_items: int = MAX_ITEMS) -> None:
         self._cond = threading.Condition()
         self._items: dict[MailKey, torch.Tensor] = {}
         self._consumed: set[MailKey] = set()

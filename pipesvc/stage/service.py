@@ -20,7 +20,7 @@ from pipesvc.errors import (
     PipesvcError,
     StepAbortedError,
 )
-from pipesvc.limits import Limits
+from pipesvc.limits import MAX_MICROBATCHES, Limits
 from pipesvc.metrics import Metrics
 from pipesvc.rpc_status import abort_with, handle_errors
 from pipesvc.schedule import Action, ActionKind, forward_only_actions, stage_actions
@@ -36,7 +36,6 @@ from pipesvc.transport import open_channel
 from pipesvc.v1 import common_pb2, stage_pb2, stage_pb2_grpc
 
 logger = logging.getLogger(__name__)
-MAX_MICROBATCHES = 65536
 _STATE_KINDS = {
     common_pb2.PARAMETERS: "parameters",
     common_pb2.GRADIENTS: "gradients",

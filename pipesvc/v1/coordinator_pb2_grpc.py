@@ -56,6 +56,11 @@ class CoordinatorServiceStub:
                 request_serializer=pipesvc_dot_v1_dot_coordinator__pb2.GetJobRequest.SerializeToString,
                 response_deserializer=pipesvc_dot_v1_dot_coordinator__pb2.JobInfo.FromString,
                 _registered_method=True)
+        self.ListJobs = channel.unary_unary(
+                '/pipesvc.v1.CoordinatorService/ListJobs',
+                request_serializer=pipesvc_dot_v1_dot_coordinator__pb2.ListJobsRequest.SerializeToString,
+                response_deserializer=pipesvc_dot_v1_dot_coordinator__pb2.ListJobsResponse.FromString,
+                _registered_method=True)
         self.TrainStep = channel.unary_unary(
                 '/pipesvc.v1.CoordinatorService/TrainStep',
                 request_serializer=pipesvc_dot_v1_dot_coordinator__pb2.TrainStepRequest.SerializeToString,
@@ -115,6 +120,13 @@ class CoordinatorServiceServicer:
 
     def GetJob(self, request, context):
         """A job's spec, plan and step counter.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListJobs(self, request, context):
+        """Every open job, oldest first (to find the jobs holding stages and close them).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -184,6 +196,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     servicer.GetJob,
                     request_deserializer=pipesvc_dot_v1_dot_coordinator__pb2.GetJobRequest.FromString,
                     response_serializer=pipesvc_dot_v1_dot_coordinator__pb2.JobInfo.SerializeToString,
+            ),
+            'ListJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListJobs,
+                    request_deserializer=pipesvc_dot_v1_dot_coordinator__pb2.ListJobsRequest.FromString,
+                    response_serializer=pipesvc_dot_v1_dot_coordinator__pb2.ListJobsResponse.SerializeToString,
             ),
             'TrainStep': grpc.unary_unary_rpc_method_handler(
                     servicer.TrainStep,
@@ -325,6 +342,33 @@ class CoordinatorService:
             '/pipesvc.v1.CoordinatorService/GetJob',
             pipesvc_dot_v1_dot_coordinator__pb2.GetJobRequest.SerializeToString,
             pipesvc_dot_v1_dot_coordinator__pb2.JobInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pipesvc.v1.CoordinatorService/ListJobs',
+            pipesvc_dot_v1_dot_coordinator__pb2.ListJobsRequest.SerializeToString,
+            pipesvc_dot_v1_dot_coordinator__pb2.ListJobsResponse.FromString,
             options,
             channel_credentials,
             insecure,

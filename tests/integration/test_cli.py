@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ import torch
 
 import pipesvc
 from pipesvc import models
+from pipesvc.cli import build_parser
 from tests.integration.processes import run_coordinator_briefly
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,10 +32,29 @@ def _pipesvc(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[s
     )
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 @pytest.fixture
 def up_process() -> Iterator[tuple[subprocess.Popen[str], str]]:
+    # A free port rather than the default 7070, which another cluster on this host may hold.
+    listen = f"127.0.0.1:{_free_port()}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pipesvc", "up", "--stages", "2", "--threads-per-stage", "1"],
+        [
+            sys.executable,
+            "-m",
+            "pipesvc",
+            "up",
+            "--stages",
+            "2",
+            "--threads-per-stage",
+            "1",
+            "--listen",
+            listen,
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -48,7 +69,7 @@ def up_process() -> Iterator[tuple[subprocess.Popen[str], str]]:
                 break
             if "coordinator at" in line:
                 address = line.split("coordinator at ")[1].split(",")[0].strip()
-        assert address, "pipesvc up did not report its address"
+        assert address == listen, f"pipesvc up reported {address!r}, not {listen!r}"
         yield proc, address
     finally:
         if proc.poll() is None:
@@ -70,6 +91,7 @@ def test_up_status_health_and_clean_stop(up_process: tuple[subprocess.Popen[str]
     assert len(rows) == 2
     assert all(row.rstrip().endswith("SERVING") for row in rows)
     assert "ADDRESS" in status.stdout and "LAYERS" in status.stdout
+    assert "MICROBATCH/S" in status.stdout and "MB/S" not in status.stdout
     stage_addresses = [row.split()[0] for row in rows]
 
     assert _pipesvc("health", "--target", address).returncode == 0
@@ -83,6 +105,15 @@ def test_up_status_health_and_clean_stop(up_process: tuple[subprocess.Popen[str]
         result = _pipesvc("health", "--target", target, "--timeout-s", "1")
         assert result.returncode == 1
         assert "UNREACHABLE" in result.stdout
+
+
+def test_up_listens_where_status_and_trace_look() -> None:
+    # `pipesvc up` then `pipesvc status` with no flags: both mean the same coordinator.
+    parser = build_parser()
+    up = parser.parse_args(["up"])
+    assert up.listen == parser.parse_args(["status"]).coordinator
+    assert up.listen == parser.parse_args(["trace", "--job", "j", "--out", "o"]).coordinator
+    assert up.listen == parser.parse_args(["coordinator"]).listen
 
 
 def test_health_of_nothing_fails() -> None:

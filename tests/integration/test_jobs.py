@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 import pipesvc
 from pipesvc import models
+from pipesvc.limits import MAX_MICROBATCHES
 from tests.integration.conftest import NUM_STAGES
-from tests.integration.reference import PROBLEMS
+from tests.integration.reference import PROBLEMS, Reference
 from tests.integration.stage_probe import stage_info
 
 MLP = PROBLEMS["mlp"]
@@ -72,6 +75,28 @@ def test_schedule_bounds_live_activations(client: pipesvc.Client, schedule: str)
                 assert live == num_microbatches
 
 
+def test_the_largest_allowed_number_of_microbatches_trains(client: pipesvc.Client) -> None:
+    # One row per micro-batch, GPipe (rank 0 runs every forward before any backward, so the
+    # most mail waits at rank 1): the step equals one-process training.
+    optimizer = {"name": "sgd", "lr": 0.1}
+    reference = Reference(MLP, seed=0, optimizer=optimizer, clip_grad_norm=None)
+    with _mlp_job(
+        client,
+        num_stages=2,
+        num_microbatches=MAX_MICROBATCHES,
+        schedule="gpipe",
+        optimizer=optimizer,
+        checkpoint_every=0,
+    ) as job:
+        x, y = MLP.batch(MAX_MICROBATCHES, seed=3)
+        loss = job.train_step(x, y)
+        assert loss == pytest.approx(reference.step(x, y), rel=1e-5)
+        weights = job.state_dict()
+        for name, value in reference.model.state_dict().items():
+            torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5)
+        assert job.step == 1
+
+
 def test_state_dict_round_trip(client: pipesvc.Client) -> None:
     with _mlp_job(client) as job:
         other = models.build("mlp", seed=7, **MLP.model_args)
@@ -125,6 +150,53 @@ def test_bad_batch_changes_nothing_and_the_job_still_trains(client: pipesvc.Clie
         assert job.step == 0
         job.train_step(x, y)
         assert job.step == 1
+
+
+def test_a_wrong_input_width_names_the_batch_the_caller_sent(client: pipesvc.Client) -> None:
+    with _mlp_job(client) as job:
+        _, y = MLP.batch(8, seed=0)
+        with pytest.raises(pipesvc.InvalidArgumentError) as info:
+            job.train_step(torch.randn(8, 5), y)
+        message = str(info.value)
+        assert message.startswith("inputs of shape [8, 5] and targets of shape [8, 3]"), message
+        assert "4 micro-batches of 2 rows" in message
+        with pytest.raises(pipesvc.InvalidArgumentError, match=r"^inputs of shape \[6, 5\],"):
+            job.forward(torch.randn(6, 5))
+        with pytest.raises(pipesvc.InvalidArgumentError) as info:  # names the batch already
+            job.train_step(torch.randn(8, 6), y[:7])
+        assert str(info.value).startswith("inputs [8, 6] and targets [7, 3]"), info.value
+        assert job.step == 0
+
+
+def test_no_free_stage_says_which_jobs_hold_them_and_how_to_free_them(
+    client: pipesvc.Client,
+) -> None:
+    holder = _mlp_job(client, num_stages=NUM_STAGES)
+    try:
+        assert [j.id for j in client.jobs()] == [holder.id]
+        with pytest.raises(pipesvc.PlanError) as info:
+            _mlp_job(client, num_stages=2)
+        message = str(info.value)
+        assert holder.id in message
+        assert "client.jobs()" in message and "client.get_job(job_id).close()" in message
+        for job in client.jobs():  # what the message suggests
+            job.close()
+        assert client.jobs() == []
+        with _mlp_job(client, num_stages=2) as again:
+            assert [j.id for j in client.jobs()] == [again.id]
+    finally:
+        with contextlib.suppress(pipesvc.NotFoundError):  # closed above unless a check failed
+            holder.close()
+
+
+def test_job_repr_names_id_model_plan_and_step(client: pipesvc.Client) -> None:
+    with _mlp_job(client, num_stages=2) as job:
+        text = repr(job)
+        assert text.startswith(f"Job(id={job.id!r}, model='mlp', step=0,")
+        for stage in job.plan:
+            assert f"[{stage.start_layer}, {stage.end_layer}) at {stage.address}" in text
+        job.train_step(*MLP.batch(8, seed=0))
+        assert "step=1," in repr(job)
 
 
 def test_unknown_model_lists_the_known_ones(client: pipesvc.Client) -> None:

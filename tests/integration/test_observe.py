@@ -133,7 +133,7 @@ def test_trace_command_and_status_columns(cluster: pipesvc.LocalCluster, tmp_pat
             check=False,
         )
         assert status.returncode == 0
-        assert "MB/S" in status.stdout and "RSS" in status.stdout
+        assert "MICROBATCH/S" in status.stdout and "RSS" in status.stdout
         busy = [line for line in status.stdout.splitlines() if job.id in line]
         assert len(busy) == 2
         assert all(re.search(r"\d+ MiB", line) for line in busy)

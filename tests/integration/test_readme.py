@@ -10,7 +10,9 @@ import pytest
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
-def test_readme_python_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_readme_python_example_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
     assert blocks, "README has no python example"
     monkeypatch.chdir(tmp_path)  # job.save("ckpt") writes here
@@ -19,3 +21,24 @@ def test_readme_python_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert (tmp_path / "ckpt" / "manifest.json").exists()
     assert namespace["again"].step == 1  # type: ignore[attr-defined]
     assert len(namespace["again"].plan) == 2  # type: ignore[attr-defined]
+    # It shows that it worked: the job, the step's loss, the output and the resumed job.
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 5, lines
+    assert re.fullmatch(
+        r"Job\(id='\w+', model='mlp', step=0, .*plan=\[\[0, \d+\) at .*\], recoveries=0\)", lines[0]
+    )
+    assert re.fullmatch(r"step 1: loss \d+\.\d{4}", lines[1]), lines[1]
+    assert lines[2:] == ["outputs (4, 8)", "resumed at step 1 on 2 stages", "True"]
+
+
+def test_every_test_file_the_docs_name_exists() -> None:
+    root = README.parent
+    docs = [README, *sorted((root / "docs").glob("*.md"))]
+    named = {
+        (doc.name, path)
+        for doc in docs
+        for path in re.findall(r"tests/[\w/]+\.py", doc.read_text(encoding="utf-8"))
+    }
+    assert named, "the docs name no test files"
+    missing = sorted((doc, path) for doc, path in named if not (root / path).is_file())
+    assert missing == []

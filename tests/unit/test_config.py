@@ -17,10 +17,12 @@ from pipesvc.config import (
     parse_json_object,
 )
 from pipesvc.errors import InvalidArgumentError
+from pipesvc.limits import MAX_MICROBATCHES
 from pipesvc.loss import compute_loss
 from pipesvc.microbatch import loss_weights, split
 from pipesvc.optim import build_optimizer
 from pipesvc.plan import PipelineStage, check_plan
+from pipesvc.stage import mailbox
 
 
 @pytest.mark.parametrize(
@@ -66,10 +68,21 @@ def test_job_config_rejects_bad_fields(overrides: dict[str, Any], named: str) ->
 
 
 def test_job_config_accepts_its_limits() -> None:
-    config = JobConfig(model="gpt", num_stages=1024, num_microbatches=65536, seed=2**63 - 1)
+    config = JobConfig(
+        model="gpt", num_stages=1024, num_microbatches=MAX_MICROBATCHES, seed=2**63 - 1
+    )
     assert config.num_stages == 1024
     with pytest.raises(InvalidArgumentError, match="1025"):
         JobConfig(model="gpt", num_stages=1025)
+
+
+def test_the_microbatch_limit_is_one_number_everywhere() -> None:
+    # The config refuses one micro-batch more than the stages and their mailboxes are sized
+    # for (tests/unit/test_mailbox.py fills a mailbox with the largest run).
+    assert mailbox.MAX_ITEMS == 3 * MAX_MICROBATCHES
+    too_many = MAX_MICROBATCHES + 1
+    with pytest.raises(InvalidArgumentError, match=rf"\({too_many}\).*{MAX_MICROBATCHES}"):
+        JobConfig(model="mlp", num_microbatches=too_many)
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ from pipesvc.errors import (
     StageUnavailableError,
     StepAbortedError,
 )
+from pipesvc.limits import MAX_MICROBATCHES
 from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
 
 SHORT_S = 0.05
@@ -211,3 +212,16 @@ def test_max_items_is_enforced() -> None:
     assert len(mailbox) == 2
     mailbox.get(key(microbatch_index=0), timeout_s=1.0)
     assert mailbox.put(key(microbatch_index=2), torch.tensor(2.0))
+
+
+def test_default_mailbox_holds_the_largest_run_and_the_next_runs_early_activations() -> None:
+    # A stage of a run with the most micro-batches a job may ask for can hold every activation
+    # and gradient of it before taking any, plus the next run's activations arriving early.
+    mailbox = Mailbox()
+    for index in range(MAX_MICROBATCHES):
+        for direction in (ACTIVATION, GRADIENT):
+            assert mailbox.put(key(1, direction, index), torch.tensor(0.0))
+        assert mailbox.put(key(2, ACTIVATION, index), torch.tensor(0.0))
+    assert len(mailbox) == 3 * MAX_MICROBATCHES
+    with pytest.raises(ResourceExhaustedError, match=f"limit is {3 * MAX_MICROBATCHES}"):
+        mailbox.put(key(3, ACTIVATION, 0), torch.tensor(0.0))

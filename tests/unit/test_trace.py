@@ -14,6 +14,7 @@ import pytest
 from pipesvc.errors import InvalidArgumentError
 from pipesvc.schedule import Action, ActionKind, bubble_fraction, simulate, stage_actions
 from pipesvc.trace import (
+    BETWEEN_RUNS,
     StageTimeline,
     TraceEvent,
     busy_idle,
@@ -21,6 +22,9 @@ from pipesvc.trace import (
     ideal_bubble,
     order_of,
     plot_timeline,
+    run_spans,
+    runs_label,
+    timeline_figure,
     write_chrome_trace,
     write_trace_files,
 )
@@ -279,3 +283,38 @@ def test_write_trace_files_writes_both_next_to_the_stem(tmp_path: Path) -> None:
     assert (json_path, png_path) == (tmp_path / "run.step3.json", tmp_path / "run.step3.png")
     assert json.loads(json_path.read_text(encoding="utf-8"))["displayTimeUnit"] == "ms"
     assert png_path.read_bytes().startswith(PNG_MAGIC)
+
+
+def _two_steps_with_a_gap() -> list[StageTimeline]:
+    grid = simulate(plan("1f1b"))
+    first = timelines_from_grid(grid, run_id=3, step=3)
+    second = timelines_from_grid(grid, run_id=4, step=4, offset_ns=50 * TICK_NS)
+    return [
+        StageTimeline(rank=a.rank, address=a.address, events=a.events + b.events)
+        for a, b in zip(first, second, strict=True)
+    ]
+
+
+def test_runs_label_names_the_steps_shown() -> None:
+    timelines = _two_steps_with_a_gap()
+    assert runs_label(timelines) == "steps 3 to 4"
+    spans = run_spans(timelines)
+    assert [(s.run_id, s.step) for s in spans] == [(3, 3), (4, 4)]
+    assert spans[0].end_ns < spans[1].start_ns
+    inference = timelines_from_grid(simulate(plan("gpipe")), run_id=9, step=0)
+    assert runs_label(inference) == "1 inference run"
+    assert runs_label([]) == "no runs"
+
+
+def test_timeline_png_has_a_title_with_schedule_and_steps_and_explains_gaps() -> None:
+    pytest.importorskip("matplotlib")
+    figure = timeline_figure(_two_steps_with_a_gap(), title="job j: mlp, 1f1b, 3 stages x 4")
+    ax = figure.axes[0]
+    assert ax.get_title(loc="left") == "job j: mlp, 1f1b, 3 stages x 4: steps 3 to 4"
+    texts = [t.get_text() for t in ax.texts]
+    assert "step 3" in texts and "step 4" in texts
+    assert "between steps" in texts  # the shaded gap is labelled on the plot
+    legend = ax.get_legend()
+    assert legend is not None
+    assert BETWEEN_RUNS in [t.get_text() for t in legend.get_texts()]
+    figure.clear()
