@@ -94,8 +94,12 @@ class Client:
         input_shape: Sequence[int] | None = None,
         input_dtype: str = "float32",
         resume_from: str | Path | None = None,
+        wait_for_stages_s: float = 0.0,
     ) -> Job:
         """Plans and assigns a job; see JobConfig for each argument.
+
+        With ``wait_for_stages_s``, the coordinator first waits up to that long (and at most
+        half this client's ``timeout_s``) for enough free stages that can build the model.
 
         With ``resume_from`` (a directory written by ``Job.save``), the job starts from that
         checkpoint's weights, optimizer state and step count; the checkpoint loads under any
@@ -136,7 +140,10 @@ class Client:
                     f"optimizer state; the job asks for {config.optimizer.get('name')!r}"
                 )
         info = self._call(
-            "CreateJob", coordinator_pb2.CreateJobRequest(spec=config_to_proto(config))
+            "CreateJob",
+            coordinator_pb2.CreateJobRequest(
+                spec=config_to_proto(config), wait_for_stages_s=wait_for_stages_s
+            ),
         )
         job = Job(self, info)
         if manifest is not None and resume_from is not None:

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 
 from pipesvc import partition, schedule
 from pipesvc.config import JobConfig
 from pipesvc.coordinator.registry import StageRecord, StageRegistry
 from pipesvc.coordinator.stage_calls import call_stage, health_of
-from pipesvc.errors import PlanError, ResourceExhaustedError, UnknownModelError
+from pipesvc.errors import (
+    InvalidArgumentError,
+    PlanError,
+    ResourceExhaustedError,
+    UnknownModelError,
+)
 from pipesvc.plan import PipelineStage, check_plan
 from pipesvc.v1 import stage_pb2
 
@@ -17,6 +23,9 @@ logger = logging.getLogger(__name__)
 
 MAX_SIMULATED_ACTIONS = 1 << 14
 """Largest schedule (stages x micro-batches) dry-run at job creation; bigger ones are trusted."""
+
+MAX_WAIT_FOR_STAGES_S = 3600.0
+"""Longest a job creation waits for stages when the call itself has no deadline."""
 
 # Bytes per parameter byte a stage holds while training: weights, gradients, optimizer state.
 _OPTIMIZER_COPIES = {"adam": 2, "adamw": 2}
@@ -39,6 +48,40 @@ def check_schedule(name: str, num_stages: int, num_microbatches: int) -> None:
         ],
         num_microbatches,
     )
+
+
+def wait_for_stages(
+    registry: StageRegistry,
+    config: JobConfig,
+    wait_for_stages_s: float,
+    call_remaining_s: float | None = None,
+) -> None:
+    """Waits, up to ``wait_for_stages_s``, until ``config.num_stages`` free stages can build
+    the model: for a job created while its stages are still starting and registering. The
+    wait takes at most half of what is left of the caller's deadline (``call_remaining_s``),
+    so planning still has time, and at most :data:`MAX_WAIT_FOR_STAGES_S`. Returning does not
+    promise enough stages: planning then reports what is missing as before.
+
+    Raises:
+        InvalidArgumentError: ``wait_for_stages_s`` is negative or not finite.
+    """
+    if not math.isfinite(wait_for_stages_s) or wait_for_stages_s < 0:
+        raise InvalidArgumentError(
+            f"wait_for_stages_s ({wait_for_stages_s}) must be a finite number of seconds >= 0"
+        )
+    limit_s = MAX_WAIT_FOR_STAGES_S if call_remaining_s is None else call_remaining_s / 2
+    timeout_s = min(wait_for_stages_s, limit_s)
+    if timeout_s <= 0:
+        return
+    free = registry.wait_free(config.model, config.num_stages, timeout_s)
+    if free < config.num_stages:
+        logger.info(
+            "waited %.1f s for %d free stages that can build %r; %d are free",
+            timeout_s,
+            config.num_stages,
+            config.model,
+            free,
+        )
 
 
 def describe(

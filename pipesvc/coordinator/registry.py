@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -42,6 +43,11 @@ class StageRegistry:
     _channels: dict[str, grpc.Channel] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _counter: int = 0
+    _changed: threading.Condition = field(init=False)
+    """Notified when a stage registers or a job frees its stages (on ``_lock``)."""
+
+    def __post_init__(self) -> None:
+        self._changed = threading.Condition(self._lock)
 
     def register(self, record: StageRecord) -> bool:
         """Adds or refreshes a stage (its address is its identity); True if it is new or was
@@ -61,6 +67,7 @@ class StageRegistry:
                 record.job_id, record.rank = old.job_id, old.rank
                 record.start_layer, record.end_layer = old.start_layer, old.end_layer
             self._records[record.address] = record
+            self._changed.notify_all()
             return old is None or not old.alive
 
     def all(self) -> list[StageRecord]:
@@ -71,6 +78,23 @@ class StageRegistry:
     def free(self, model: str) -> list[StageRecord]:
         """Stages with no job that can build ``model``, in registration order."""
         return [r for r in self.all() if r.alive and not r.job_id and model in r.models]
+
+    def wait_free(self, model: str, count: int, timeout_s: float) -> int:
+        """Waits until ``count`` stages are free to build ``model``, or ``timeout_s`` passes;
+        returns how many are free then. A stage registering or a job's stages being released
+        wakes it; nothing is claimed, so another job may still take them first."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while True:
+                free = sum(
+                    1
+                    for r in self._records.values()
+                    if r.alive and not r.job_id and model in r.models
+                )
+                left_s = deadline - time.monotonic()
+                if free >= count or left_s <= 0:
+                    return free
+                self._changed.wait(left_s)
 
     def claim(self, addresses: list[str], job_id: str) -> bool:
         """Marks the stages as serving ``job_id``; False (and no change) if one is taken."""
@@ -101,6 +125,7 @@ class StageRegistry:
             for record in self._records.values():
                 if record.job_id == job_id:
                     record.job_id = ""
+            self._changed.notify_all()
 
     def stub(self, address: str) -> stage_pb2_grpc.StageServiceStub:
         """A stub on the (cached) channel to ``address``."""

@@ -13,6 +13,7 @@ import grpc
 import torch
 
 from pipesvc.config import config_from_proto
+from pipesvc.coordinator import planner
 from pipesvc.coordinator.job import JobDriver, create_job
 from pipesvc.coordinator.recovery import JobStorage
 from pipesvc.coordinator.registry import StageRecord, StageRegistry
@@ -175,6 +176,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):  # ty
     @handle_errors
     def CreateJob(self, request: coordinator_pb2.CreateJobRequest, context: object) -> object:
         config = config_from_proto(request.spec)
+        remaining = getattr(context, "time_remaining", lambda: None)()
+        planner.wait_for_stages(self.registry, config, request.wait_for_stages_s, remaining)
         job_id = uuid.uuid4().hex[:12]
         job = create_job(
             job_id, config, self.registry, self._deadlines, self._storage(job_id), self._metrics

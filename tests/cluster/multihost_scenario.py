@@ -1,5 +1,7 @@
-"""Runs inside the coordinator's network namespace: trains, takes a stage host's link down,
-trains on, and checks the weights against one process. Prints a JSON summary."""
+"""Runs inside the coordinator's network namespace. ``wait COORDINATOR TOKEN COUNT``: waits
+until COUNT stages are registered and serving, then prints their addresses in registration
+order as JSON. Otherwise: trains, takes a stage host's link down, trains on, and checks the
+weights against one process; prints a JSON summary."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import sys
 import time
 
 import pipesvc
+from pipesvc.errors import PipesvcError
 from pipesvc.security import Security
 from pipesvc.transport import open_channel
 from pipesvc.v1 import stage_pb2, stage_pb2_grpc
@@ -23,6 +26,24 @@ def _shm_flags(address: str, token: str) -> list[bool]:
     finally:
         channel.close()
     return [info.downstream_shm, info.upstream_shm]
+
+
+def wait_for_stages(coordinator: str, token: str, count: int, timeout_s: float = 120.0) -> None:
+    """Polls the coordinator (it may not be up yet) until ``count`` stages are serving, as a
+    user's script must before creating a job on stages that are still starting."""
+    deadline = time.monotonic() + timeout_s
+    with pipesvc.connect(coordinator, token=token, timeout_s=5) as client:
+        while time.monotonic() < deadline:
+            try:
+                stages = client.stages()
+            except PipesvcError:
+                stages = []
+            serving = [s.address for s in stages if s.health == "SERVING"]
+            if len(serving) >= count:
+                print(json.dumps(serving))
+                return
+            time.sleep(0.2)
+    sys.exit(f"timed out after {timeout_s} s waiting for {count} stages to register")
 
 
 def main(coordinator: str, token: str, down_netns: str, down_link: str) -> None:
@@ -55,4 +76,7 @@ def main(coordinator: str, token: str, down_netns: str, down_link: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    if sys.argv[1] == "wait":
+        wait_for_stages(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    else:
+        main(*sys.argv[1:5])

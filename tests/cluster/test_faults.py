@@ -6,6 +6,7 @@ atol 1e-6), so a recovery that lost, repeated or reordered a step would fail.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -15,7 +16,16 @@ import pytest
 import torch
 
 import pipesvc
-from tests.cluster.faults import FAULT_TOL, MLP, Run, TcpProxy, free_port, stage_pid
+from tests.cluster.faults import (
+    FAULT_TOL,
+    MLP,
+    Cut,
+    Http2Scanner,
+    Run,
+    TcpProxy,
+    free_port,
+    stage_pid,
+)
 
 
 @pytest.fixture
@@ -30,8 +40,11 @@ def _is_zombie(pid: int) -> bool:
         return False
 
 
-def _cluster(num_stages: int, fault: str | None = None) -> pipesvc.LocalCluster:
+def _cluster(
+    num_stages: int, fault: str | None = None, *, shm: bool = True
+) -> pipesvc.LocalCluster:
     args = ["--fault-kill", fault] if fault else []
+    args += [] if shm else ["--shm-bytes", "0"]
     return pipesvc.LocalCluster(num_stages=num_stages, threads_per_stage=1, stage_args=args)
 
 
@@ -106,9 +119,17 @@ def test_forward_survives_a_killed_stage() -> None:
         assert run.job.refresh().recoveries == 1
 
 
+# Activations of 2-3 rows x 1024 floats: 8-12 KiB DATA frames, where nothing else a client
+# sends a stage mid-step (run requests, targets of 3 columns) comes near 4 KiB.
+WIDE_MLP = dataclasses.replace(MLP, model_args={**MLP.model_args, "hidden_features": 1024})
+LARGE_FRAME_BYTES = 4096
+
+
 @pytest.mark.parametrize("fault", ["hang", "reset"])
 def test_cut_link_to_a_stage(fault: str) -> None:
-    with _cluster(1) as cluster, cluster.connect() as client:
+    """Rank 1 is reached only through the proxy. Shared memory is off, so activations and
+    gradients are frames on the proxied stream (on one host they would bypass the proxy)."""
+    with _cluster(1, shm=False) as cluster, cluster.connect() as client:
         real = free_port()
         proxy = TcpProxy(real)
         try:
@@ -116,27 +137,48 @@ def test_cut_link_to_a_stage(fault: str) -> None:
                 ["--listen", f"127.0.0.1:{real}", "--advertise", f"127.0.0.1:{proxy.port}"]
             )
             cluster.add_stage()  # the spare
-            run = Run.start(client)
+            run = Run.start(client, problem=WIDE_MLP)
             assert run.job.plan[1].address == f"127.0.0.1:{proxy.port}"
             run.step()
             run.step()
             if fault == "hang":
                 proxy.hang()
             else:
-                # Mid-step and mid-frame: 100 bytes into the next step's traffic.
-                proxy.reset_after(100)
+                # Mid-step and mid-message: 1000 bytes into the next large frame rank 0
+                # sends rank 1, an activation.
+                proxy.cut_data_frame(min_payload_bytes=LARGE_FRAME_BYTES, into_bytes=1000)
             for _ in range(3):
                 run.step()
-            # A reset that lands on an idle health check heals by reconnecting, without a
-            # recovery; one that lands in a step's traffic costs one.
-            assert run.job.refresh().recoveries <= 1
+            assert run.job.refresh().recoveries == 1
             if fault == "reset":
                 assert proxy.resets == 1
-            if fault == "hang":
+                [cut] = proxy.cuts
+                assert cut.payload_bytes >= LARGE_FRAME_BYTES and cut.forwarded_bytes == 1000
+            else:
                 assert run.job.plan[1].address != f"127.0.0.1:{proxy.port}"
             run.check_weights()
         finally:
             proxy.close()
+
+
+def test_proxy_cuts_inside_the_large_data_frame() -> None:
+    """The proxy's frame scanner, on bytes laid out by hand: preface, SETTINGS, a small and a
+    large DATA frame, fed in awkward chunks."""
+
+    def frame(kind: int, payload: bytes) -> bytes:
+        return len(payload).to_bytes(3, "big") + bytes([kind, 0]) + (1).to_bytes(4, "big") + payload
+
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+    small, large = frame(0, b"s" * 50), frame(0, b"L" * 5000)
+    stream = preface + frame(4, b"x" * 6) + small + large
+    scanner = Http2Scanner()
+    cut_at = None
+    for start in range(0, len(stream), 7):
+        found = scanner.cut_offset(stream[start : start + 7], 1000, 300)
+        if found is not None:
+            cut_at = (start + found[0], found[1])
+            break
+    assert cut_at == (len(stream) - 5000 + 300, Cut(payload_bytes=5000, forwarded_bytes=300))
 
 
 def test_killed_coordinator_resumes_from_its_state_dir() -> None:

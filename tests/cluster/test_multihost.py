@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -103,6 +102,35 @@ def _spawn(ns: str, args: list[str], log: Path) -> subprocess.Popen[bytes]:
         )
 
 
+def _registered(coord_ns: str, coordinator: str, count: int) -> list[str]:
+    """Waits, from inside the coordinator's namespace, until ``count`` stages are registered
+    and serving; returns their addresses in registration order."""
+    result = subprocess.run(
+        [
+            "ip",
+            "netns",
+            "exec",
+            coord_ns,
+            sys.executable,
+            "-m",
+            "tests.cluster.multihost_scenario",
+            "wait",
+            coordinator,
+            TOKEN,
+            str(count),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    addresses: list[str] = json.loads(result.stdout.strip().splitlines()[-1])
+    return addresses
+
+
 def test_stage_host_link_down_mid_training(hosts: dict[str, str], tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
@@ -116,8 +144,9 @@ def test_stage_host_link_down_mid_training(hosts: dict[str, str], tmp_path: Path
         )
     ]
     try:
-        time.sleep(1.0)
-        for host in ("s0", "s1", "s2"):  # s2 registers last: the spare
+        # Each stage is registered before the next starts, so s2 registers last (the spare)
+        # and the job is created only once all three are there.
+        for count, host in enumerate(("s0", "s1", "s2"), start=1):
             procs.append(
                 _spawn(
                     hosts[host],
@@ -134,7 +163,8 @@ def test_stage_host_link_down_mid_training(hosts: dict[str, str], tmp_path: Path
                     tmp_path / f"{host}.log",
                 )
             )
-            time.sleep(1.5)
+            registered = _registered(hosts["coord"], coordinator, count)
+            assert registered[-1] == f"{HOSTS[host]}:50051", registered
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         result = subprocess.run(
             [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -42,15 +43,23 @@ def test_training_matches_one_process(
     assert all(i.upstream_shm for i in infos if i.rank > 0), infos
 
 
+@dataclass(frozen=True)
+class MixedCluster:
+    client: pipesvc.Client
+    frame_only_pids: frozenset[int]
+    """Stages started with ``--shm-bytes 0``: they never offer shared memory, so what they send
+    travels as frames on the stream (they still accept a neighbour's offer)."""
+
+
 @pytest.fixture(scope="module")
-def mixed_client() -> Iterator[pipesvc.Client]:
-    """Four stages, two of which never offer shared memory: on every link one direction
-    travels through shared memory and the other as frames on the stream."""
+def mixed() -> Iterator[MixedCluster]:
+    """Four stages, two of which never offer shared memory: wherever one of each kind are
+    neighbours, one direction of their link travels through shared memory and the other as
+    frames; between two of a kind both directions take the same path."""
     with pipesvc.LocalCluster(num_stages=2, threads_per_stage=1) as cluster:
-        cluster.add_stage(["--shm-bytes", "0"])
-        cluster.add_stage(["--shm-bytes", "0"])
+        frame_only = {cluster.add_stage(["--shm-bytes", "0"]) for _ in range(2)}
         with pipesvc.connect(cluster.address, timeout_s=120) as connected:
-            yield connected
+            yield MixedCluster(connected, frozenset(frame_only))
 
 
 def _infos(client: pipesvc.Client) -> list[stage_pb2.StageInfo]:
@@ -62,12 +71,22 @@ def _infos(client: pipesvc.Client) -> list[stage_pb2.StageInfo]:
     [("mlp", "1f1b", 4), ("gpt", "gpipe", 4), ("cnn", "1f1b", 3)],
 )
 def test_training_matches_one_process_on_mixed_paths(
-    mixed_client: pipesvc.Client, model: str, schedule: str, num_stages: int
+    mixed: MixedCluster, model: str, schedule: str, num_stages: int
 ) -> None:
-    infos = _check_training(mixed_client, model, schedule, num_stages)
-    sends = [i.downstream_shm for i in infos if i.rank < num_stages - 1]
-    sends += [i.upstream_shm for i in infos if i.rank > 0]
-    assert True in sends and False in sends, infos
+    """Each direction of each link took the path its sender allows: activations from rank r
+    through shared memory exactly when rank r offers it, gradients from rank r + 1 likewise;
+    and at least one link is mixed (any 3 or 4 of these stages put two kinds side by side)."""
+    infos = sorted(_check_training(mixed.client, model, schedule, num_stages), key=_rank)
+    assert [i.rank for i in infos] == list(range(num_stages))
+    offers = [i.pid not in mixed.frame_only_pids for i in infos]
+    paths = [(i.upstream_shm, i.downstream_shm) for i in infos]
+    expected = [(offers[r] and r > 0, offers[r] and r < num_stages - 1) for r in range(num_stages)]
+    assert paths == expected, f"(upstream_shm, downstream_shm) per rank; offers {offers}"
+    assert any(offers[r] != offers[r + 1] for r in range(num_stages - 1)), offers
+
+
+def _rank(info: stage_pb2.StageInfo) -> int:
+    return int(info.rank)
 
 
 def _check_training(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 
 import pipesvc
 from pipesvc.schedule import stage_actions
-from pipesvc.trace import order_of
+from pipesvc.trace import StageTimeline, TraceEvent, busy_idle, order_of
 from tests.cluster.faults import free_port
 from tests.integration.processes import run_coordinator_briefly
 from tests.integration.reference import PROBLEMS
@@ -53,6 +54,8 @@ def test_metrics_move_during_training() -> None:
             for _ in range(3):
                 job.train_step(x, y)
             after = (_scrape(coordinator_port), _scrape(stage_port))
+            job.train_step(x, y)  # a successor for the gauged run, to bound when it ended
+            [timeline] = [t for t in job.timelines(max_runs=3) if t.rank == 1]
     coordinator = {k: after[0][k] - before[0].get(k, 0.0) for k in after[0]}
     stage = {k: after[1][k] - before[1].get(k, 0.0) for k in after[1]}
     assert coordinator["pipesvc_steps_committed_total"] == 3
@@ -66,7 +69,24 @@ def test_metrics_move_during_training() -> None:
     assert stage['pipesvc_action_seconds_count{action="forward"}'] == 12
     assert stage['pipesvc_action_seconds_count{action="backward"}'] == 12
     assert stage['pipesvc_runs_total{mode="train"}'] == 3
-    assert 0.0 <= after[1]["pipesvc_bubble_fraction"] < 1.0
+    _check_bubble_gauge(after[1]["pipesvc_bubble_fraction"], timeline.events)
+
+
+def _check_bubble_gauge(gauge: float, events: tuple[TraceEvent, ...]) -> None:
+    """The gauge is ``1 - busy / window`` of the stage's last training run (the middle of the
+    three runs in ``events``). Busy is the run's forward and backward time, which the trace
+    holds to the nanosecond; the window is unknown but lies between the run's own first and
+    last event and the end of the run before and the start of the run after (one thread
+    runs them in turn). So the gauge has exact bounds, whatever the timing."""
+    before, gauged, after = (
+        [e for e in events if e.run_id == run] for run in sorted({e.run_id for e in events})
+    )
+    busy_ns = sum(e.end_ns - e.start_ns for e in gauged if e.name in ("forward", "backward"))
+    narrowest_ns = max(e.end_ns for e in gauged) - min(e.start_ns for e in gauged)
+    widest_ns = min(e.start_ns for e in after) - max(e.end_ns for e in before)
+    assert 1 - busy_ns / narrowest_ns - 1e-9 <= gauge <= 1 - busy_ns / widest_ns + 1e-9, (
+        f"gauge {gauge}; busy {busy_ns} ns in a run of {narrowest_ns} to {widest_ns} ns"
+    )
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -88,6 +108,7 @@ def test_trace_follows_the_schedule(client: pipesvc.Client, schedule: str, tmp_p
             run_id = max(e.run_id for e in timeline.events)
             expected = stage_actions(schedule, rank=timeline.rank, num_stages=3, num_microbatches=4)
             assert order_of(timeline, run_id) == [str(a) for a in expected]
+        _check_timeline_structure(timelines)
         json_path, png_path = job.trace(tmp_path / "trace")
     trace = json.loads(json_path.read_text())
     names = [e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"]
@@ -95,6 +116,37 @@ def test_trace_follows_the_schedule(client: pipesvc.Client, schedule: str, tmp_p
         assert names.count(f"F{mb}") == 2 * 3
         assert names.count(f"B{mb}") == 2 * 3
     assert png_path.read_bytes().startswith(b"\x89PNG")
+
+
+def _check_timeline_structure(timelines: list[StageTimeline]) -> None:
+    """One run on every rank: each rank's events follow one another without overlap (one
+    thread runs them), each compute starts after the neighbour's compute it needs has ended
+    (one host, one clock), and busy_idle's figures equal busy and idle summed by hand."""
+    assert len({e.run_id for t in timelines for e in t.events}) == 1
+    [step] = {e.step for t in timelines for e in t.events}
+    ends: dict[tuple[int, str], int] = {}
+    for t in timelines:
+        ordered = sorted(t.events, key=lambda e: (e.start_ns, e.end_ns))
+        for earlier, later in itertools.pairwise(ordered):
+            assert earlier.end_ns <= later.start_ns, f"rank {t.rank}: {earlier} overlaps {later}"
+        for e in ordered:
+            if e.name in ("forward", "backward"):
+                ends[(t.rank, f"{e.name[0].upper()}{e.microbatch}")] = e.end_ns
+    for t in timelines:
+        for e in t.events:
+            needs = {"forward": t.rank - 1, "backward": t.rank + 1}.get(e.name)
+            key = (needs, f"{e.name[0].upper()}{e.microbatch}") if needs is not None else None
+            if key in ends:
+                assert e.start_ns >= ends[key], f"rank {t.rank} ran {key[1]} before rank {needs}"
+    window_ns = max(e.end_ns for t in timelines for e in t.events) - min(
+        e.start_ns for t in timelines for e in t.events
+    )
+    figures = busy_idle(timelines, step=step)
+    for t in timelines:
+        busy_ns = sum(e.end_ns - e.start_ns for e in t.events if e.name in ("forward", "backward"))
+        assert figures[t.rank] == pytest.approx(
+            (busy_ns / 1e9, (window_ns - busy_ns) / 1e9), rel=1e-9, abs=1e-12
+        )
 
 
 def test_trace_command_and_status_columns(cluster: pipesvc.LocalCluster, tmp_path: Path) -> None:

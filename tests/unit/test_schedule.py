@@ -68,22 +68,79 @@ def test_gpipe_and_1f1b_lists() -> None:
     assert plan("1f1b", 4, 2)[0] == parse_all("F0 F1 B0 B1")
 
 
+def earliest_ticks(actions_per_stage: list[list[Action]]) -> dict[tuple[int, Action], int]:
+    """The oracle for the simulator, computed another way: each action's tick as a longest
+    path, ``tick = 1 + max(tick of the previous action of its rank, ticks of what it needs)``
+    (a forward needs rank - 1's forward; a backward its own forward and rank + 1's backward),
+    resolved by recursion rather than by stepping a clock."""
+    num_stages = len(actions_per_stage)
+    position = {(r, a): i for r, row in enumerate(actions_per_stage) for i, a in enumerate(row)}
+    ticks: dict[tuple[int, Action], int] = {}
+
+    def tick(rank: int, action: Action) -> int:
+        if (rank, action) not in ticks:
+            index = position[(rank, action)]
+            before = [tick(rank, actions_per_stage[rank][index - 1])] if index else []
+            i = action.microbatch_index
+            if action.kind is ActionKind.FORWARD:
+                needs = [(rank - 1, action)] if rank > 0 else []
+            else:
+                needs = [(rank, Action(ActionKind.FORWARD, i))]
+                needs += [(rank + 1, action)] if rank < num_stages - 1 else []
+            ticks[(rank, action)] = 1 + max([-1, *before, *(tick(*n) for n in needs)])
+        return ticks[(rank, action)]
+
+    for rank, row in enumerate(actions_per_stage):
+        for action in row:
+            tick(rank, action)
+    return ticks
+
+
+def oracle_grid(actions_per_stage: list[list[Action]]) -> list[list[Action | None]]:
+    ticks = earliest_ticks(actions_per_stage)
+    width = 1 + max(ticks.values())
+    grid: list[list[Action | None]] = [[None] * width for _ in actions_per_stage]
+    for (rank, action), t in ticks.items():
+        assert grid[rank][t] is None, f"rank {rank} runs two actions at tick {t}"
+        grid[rank][t] = action
+    return grid
+
+
+def test_oracle_agrees_with_hand_computed_grids() -> None:
+    """The oracle itself, against grids worked out by hand (so it is not circular)."""
+    assert format_grid(oracle_grid(plan("gpipe", 3, 2))) == (
+        "rank 0 | F0 F1 .  .  .  .  B0 B1\n"
+        "rank 1 | .  F0 F1 .  .  B0 B1 .\n"
+        "rank 2 | .  .  F0 F1 B0 B1 .  ."
+    )
+    assert format_grid(oracle_grid(plan("1f1b", 3, 3))) == (
+        "rank 0 | F0 F1 F2 .  .  B0 .  B1 .  B2\n"
+        "rank 1 | .  F0 F1 .  B0 F2 B1 .  B2 .\n"
+        "rank 2 | .  .  F0 B0 F1 B1 F2 B2 .  ."
+    )
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("num_stages", range(1, 6))
 @pytest.mark.parametrize("num_microbatches", range(1, 10))
 def test_schedules_validate_without_deadlock(
     schedule: str, num_stages: int, num_microbatches: int
 ) -> None:
+    """validate and simulate each give the oracle's grid: every action in its rank's order,
+    after what it depends on (strictly earlier ticks) and at the earliest such tick."""
     actions = plan(schedule, num_stages, num_microbatches)
-    grid = validate(actions, num_microbatches)
-    assert grid == simulate(actions)
-    for rank, row in enumerate(grid):
+    expected = oracle_grid(actions)
+    assert validate(actions, num_microbatches) == expected
+    assert simulate(actions) == expected
+    for rank, row in enumerate(expected):
         assert [a for a in row if a is not None] == actions[rank]
         live = max_live_activations(actions[rank])
         if schedule == "1f1b":
             assert live == min(num_stages - rank, num_microbatches)
         else:
             assert live == num_microbatches
+    # Both schedules finish in 2(m + p - 1) ticks when every action takes one.
+    assert len(expected[0]) == 2 * (num_microbatches + num_stages - 1)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
