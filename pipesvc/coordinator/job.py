@@ -247,7 +247,9 @@ class JobDriver(RecoveryMixin):
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
         """Runs one training step and commits it on every stage; returns (loss, step).
 
-        A lost stage is recovered from (see [Note: recovery]) and the step still returns.
+        A lost stage is recovered from (see [Note: recovery]) and the step still returns. Once
+        its commit has started the step counts as committed (see [Note: commit invariant]): if
+        this call still fails after that, the next call first rebuilds every stage to it.
 
         Raises:
             InvalidArgumentError: the batch does not fit the job (nothing changed).
