@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 from dataclasses import dataclass
 
 from pipesvc.errors import InvalidArgumentError, ResourceExhaustedError
@@ -72,4 +73,7 @@ class FaultKill:
         logger.warning("fault injection: %s at %s of step %d", self.action, when, step)
         if self.action == "fail":
             raise ResourceExhaustedError(f"fault injection: {when} of step {step} refused")
-        os.kill(os.getpid(), signal.SIGSTOP if self.action == "stop" else signal.SIGKILL)
+        # Sent to this thread, so that it stops (or dies) before it can go on: a signal sent to
+        # the process may be taken by another thread, and this one could finish the call first.
+        signum = signal.SIGSTOP if self.action == "stop" else signal.SIGKILL
+        signal.pthread_kill(threading.get_ident(), signum)
