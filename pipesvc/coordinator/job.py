@@ -108,6 +108,9 @@ class JobDriver(RecoveryMixin):
         self._replay_target: int | None = None
         self._checked_at = 0.0  # when _ensure_ready last found every stage serving
         self._last_loss = (0, 0.0)  # (step, loss) of the newest run phase that succeeded
+        # False after an aborted training run: stages that began it zeroed the last committed
+        # step's gradients in place, others kept them; none are reported until a commit.
+        self._gradients_valid = True
         self._lock = threading.Lock()
         self._pool = futures.ThreadPoolExecutor(max_workers=16)
 
@@ -207,6 +210,8 @@ class JobDriver(RecoveryMixin):
             )
         except PipesvcError:
             self._metrics.inc("steps_aborted_total")
+            if mode == stage_pb2.TRAIN:
+                self._gradients_valid = False
             self._abort(run_id)
             raise
         return run_id, replies
@@ -242,6 +247,7 @@ class JobDriver(RecoveryMixin):
             self._replay_target = max(self._replay_target or 0, self.step + 1)
             raise
         self.step += 1
+        self._gradients_valid = True
         return loss
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
@@ -358,10 +364,16 @@ class JobDriver(RecoveryMixin):
                 raise error_from_rpc(exc, where(stage)) from exc
 
     def stream_state(self, kind: int) -> Iterator[common_pb2.TensorFrame]:
-        """Every stage's tensors in layer order, frame by frame (never the whole model)."""
+        """Every stage's tensors in layer order, frame by frame (never the whole model).
+
+        Gradients are the last committed step's; after an aborted training step there are
+        none until the next commit (an inference run, aborted or not, leaves them).
+        """
         with self._lock:
             self._check_open()
             self._resilient(lambda: None, "reading state")
+            if kind == common_pb2.GRADIENTS and not self._gradients_valid:
+                return
             yield from self._stream(kind)
 
     def load_state(self, frames: Iterable[common_pb2.TensorFrame], step: int | None) -> int:
