@@ -1,10 +1,19 @@
-"""Checkpoints on disk: one safetensors file per layer plus a JSON manifest (no gRPC here).
+"""Checkpoints on disk: one safetensors file per layer that has tensors, plus a JSON manifest
+(no gRPC here).
 
 [Note: plan-independent checkpoints] Files are per layer, not per stage, so a checkpoint loads
 under any plan: each stage reads the files of its own layers. A layer file holds the layer's
 state_dict entries ("{layer}.{param}") and its optimizer state
 ("__optim__.{layer}.{param}.{slot}"). The manifest lists each file with its SHA-256, and a
 checkpoint directory appears only once complete (written under a temporary name, then renamed).
+
+[Note: checkpoint coverage] A checkpoint covers whole models: the manifest states the layers it
+covers ("covers": [0, num_layers)), and coverage is checked against the model's layer count, never
+inferred from which layers have files. A layer without tensors (a Flatten, a ReLU) is covered
+but has no file, so "files" may skip it; every file's layer lies in the covered range. Whether
+each layer with tensors sent them all is checked by whoever knows the model (the coordinator
+compares the keys against the model's description before it keeps a checkpoint; a load refuses
+a state with missing keys). Format 1 manifests, which had a file for every layer, still load.
 """
 
 from __future__ import annotations
@@ -24,7 +33,8 @@ import torch
 from pipesvc.errors import InvalidArgumentError, NotFoundError
 from pipesvc.weights import load_weights, save_weights
 
-FORMAT = 1
+FORMAT = 2
+READABLE_FORMATS = (1, 2)
 MANIFEST = "manifest.json"
 OPTIM_PREFIX = "__optim__."
 """Prefix of optimizer-state keys: ``__optim__.{layer}.{param}.{slot}``."""
@@ -62,11 +72,16 @@ class Manifest:
     spec: dict[str, Any]
     """The job's configuration (model, arguments, seed, optimizer, ...)."""
     num_layers: int
-    """Layers of the model; there is one file per layer."""
+    """Layers of the model; the checkpoint covers all of them (see [Note: checkpoint coverage])."""
     plan: list[dict[str, Any]]
     """The plan at the time (for information; loading does not need it)."""
     files: dict[int, dict[str, str]]
-    """Layer index -> {"file": name, "sha256": hex digest}."""
+    """Layer index -> {"file": name, "sha256": hex digest}, for each layer that has tensors."""
+
+    @property
+    def covers(self) -> range:
+        """The layers the checkpoint covers: every layer of the model."""
+        return range(self.num_layers)
 
     def to_json(self) -> str:
         return json.dumps(
@@ -76,6 +91,7 @@ class Manifest:
                 "step": self.step,
                 "spec": self.spec,
                 "num_layers": self.num_layers,
+                "covers": {"start_layer": self.covers.start, "end_layer": self.covers.stop},
                 "plan": self.plan,
                 "files": {str(k): v for k, v in sorted(self.files.items())},
                 "created_unix_s": round(time.time(), 3),
@@ -101,8 +117,10 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
             f"checkpoint manifest {str(path)!r} is unreadable: {exc}"
         ) from exc
     try:
-        if raw["format"] != FORMAT:
-            raise InvalidArgumentError(f"checkpoint format {raw['format']!r}; expected {FORMAT}")
+        if raw["format"] not in READABLE_FORMATS:
+            raise InvalidArgumentError(
+                f"checkpoint format {raw['format']!r}; expected one of {READABLE_FORMATS}"
+            )
         files = {
             int(k): {"file": str(v["file"]), "sha256": str(v["sha256"])}
             for k, v in raw["files"].items()
@@ -119,15 +137,47 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
         raise InvalidArgumentError(
             f"checkpoint manifest {str(path)!r} is malformed: {exc}"
         ) from exc
-    if sorted(files) != list(range(manifest.num_layers)):
-        raise InvalidArgumentError(
-            f"checkpoint {str(directory)!r} lists layers {sorted(files)[:10]}; expected 0.."
-            f"{manifest.num_layers - 1}"
-        )
+    _check_coverage(str(directory), raw, manifest)
     for entry in files.values():
         if "/" in entry["file"] or entry["file"].startswith("."):
             raise InvalidArgumentError(f"checkpoint file name {entry['file']!r} is not plain")
     return manifest
+
+
+def _check_coverage(directory: str, raw: dict[str, Any], manifest: Manifest) -> None:
+    """The manifest covers every layer of the model and lists files only of covered layers
+    (see [Note: checkpoint coverage]).
+
+    Raises:
+        InvalidArgumentError: it covers fewer or other layers, or lists a file outside them.
+    """
+    if manifest.num_layers < 1:
+        raise InvalidArgumentError(
+            f"checkpoint {directory!r} has num_layers {manifest.num_layers}; expected >= 1"
+        )
+    if raw["format"] == 1:
+        # Format 1 wrote a file for every layer; that was its only statement of coverage.
+        covers = (
+            (0, manifest.num_layers) if sorted(manifest.files) == list(manifest.covers) else None
+        )
+    else:
+        try:
+            covers = (int(raw["covers"]["start_layer"]), int(raw["covers"]["end_layer"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidArgumentError(
+                f"checkpoint {directory!r}: 'covers' is malformed: {exc}"
+            ) from exc
+    if covers != (0, manifest.num_layers):
+        raise InvalidArgumentError(
+            f"checkpoint {directory!r} covers layers {covers}; expected all of "
+            f"[0, {manifest.num_layers})"
+        )
+    outside = sorted(set(manifest.files) - set(manifest.covers))
+    if outside:
+        raise InvalidArgumentError(
+            f"checkpoint {directory!r} lists files of layers {outside[:10]}, outside "
+            f"[0, {manifest.num_layers})"
+        )
 
 
 class CheckpointWriter:
@@ -139,6 +189,8 @@ class CheckpointWriter:
         self._files: dict[int, dict[str, str]] = {}
         self._layer: int | None = None
         self._tensors: dict[str, torch.Tensor] = {}
+        self.keys: set[str] = set()
+        """Every key added so far (for a caller that checks completeness against its model)."""
         shutil.rmtree(self._tmp, ignore_errors=True)
         self._tmp.mkdir(parents=True)
 
@@ -150,6 +202,9 @@ class CheckpointWriter:
             if layer in self._files:
                 raise InvalidArgumentError(f"layer {layer} arrived twice in a checkpoint stream")
             self._layer = layer
+        if name in self.keys:
+            raise InvalidArgumentError(f"checkpoint key {name!r} arrived twice")
+        self.keys.add(name)
         self._tensors[name] = tensor
 
     def _flush(self) -> None:
@@ -172,17 +227,24 @@ class CheckpointWriter:
     ) -> Manifest:
         """Writes the manifest and makes the checkpoint visible (atomic rename).
 
+        The checkpoint covers all ``num_layers`` layers; layers that sent no tensors (they have
+        none) get no file (see [Note: checkpoint coverage]).
+
         Raises:
-            InvalidArgumentError: a layer is missing.
+            InvalidArgumentError: ``num_layers`` is not positive, or a tensor's layer is not
+                below it.
         """
         self._flush()
+        if num_layers < 1:
+            raise InvalidArgumentError(f"num_layers ({num_layers}) must be at least 1")
+        outside = sorted(layer for layer in self._files if layer >= num_layers)
+        if outside:
+            raise InvalidArgumentError(
+                f"checkpoint has tensors of layers {outside[:10]}; the model has {num_layers}"
+            )
         manifest = Manifest(
             job_id=job_id, step=step, spec=spec, num_layers=num_layers, plan=plan, files=self._files
         )
-        if sorted(self._files) != list(range(num_layers)):
-            raise InvalidArgumentError(
-                f"checkpoint has layers {sorted(self._files)[:10]}; expected all {num_layers}"
-            )
         (self._tmp / MANIFEST).write_text(manifest.to_json())
         shutil.rmtree(self.directory, ignore_errors=True)
         os.replace(self._tmp, self.directory)
@@ -231,13 +293,20 @@ def read_layers(
     check_digests: bool = True,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of layers [start, end), each file checked against its digest first
-    (unless ``verify`` already did).
+    (unless ``verify`` already did). Layers without tensors have no file and yield nothing.
 
     Raises:
-        InvalidArgumentError: a file's digest does not match, or it holds keys of other layers.
+        InvalidArgumentError: [start, end) is not within the covered layers, a file's digest
+            does not match, or it holds keys of other layers.
     """
+    if not 0 <= start <= end <= manifest.num_layers:
+        raise InvalidArgumentError(
+            f"layers [{start}, {end}) are not within the checkpoint's [0, {manifest.num_layers})"
+        )
     for layer in range(start, end):
-        entry = manifest.files[layer]
+        entry = manifest.files.get(layer)
+        if entry is None:
+            continue
         path = Path(directory) / entry["file"]
         if check_digests and _sha256(path) != entry["sha256"]:
             raise InvalidArgumentError(f"checkpoint file {str(path)!r} fails its SHA-256 check")

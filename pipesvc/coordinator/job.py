@@ -5,7 +5,9 @@ only micro-batch inputs, targets, losses and outputs.
 
 [Note: commit] A training step is a prepare phase (RunStep on every stage: forward and backward,
 gradients pending) and a commit phase (Commit on every stage). If any stage fails in prepare,
-every stage gets Abort and no weights change anywhere.
+every stage gets Abort and no weights change anywhere. Once Commit is sent, the step counts as
+committed: every stage reaches it, or recovery brings them all there before any later call (see
+[Note: commit invariant] in commit.py).
 
 [Note: recovery] Before its commit, a step's batch goes to the write-ahead step log. When a
 stage is lost (or a step fails for a reason that is not the caller's), the job gets a new plan
@@ -31,6 +33,7 @@ import torch
 from pipesvc import microbatch
 from pipesvc.config import JobConfig, config_from_dict, config_to_dict, config_to_proto
 from pipesvc.coordinator import planner
+from pipesvc.coordinator.commit import commit_all
 from pipesvc.coordinator.recovery import JobStorage, RecoveryMixin
 from pipesvc.coordinator.registry import StageRegistry
 from pipesvc.coordinator.stage_calls import (
@@ -104,6 +107,10 @@ class JobDriver(RecoveryMixin):
         self._needs_reconcile = needs_reconcile
         self._replay_target: int | None = None
         self._checked_at = 0.0  # when _ensure_ready last found every stage serving
+        self._last_loss = (0, 0.0)  # (step, loss) of the newest run phase that succeeded
+        # False after an aborted training run: stages that began it zeroed the last committed
+        # step's gradients in place, others kept them; none are reported until a commit.
+        self._gradients_valid = True
         self._lock = threading.Lock()
         self._pool = futures.ThreadPoolExecutor(max_workers=16)
 
@@ -203,6 +210,8 @@ class JobDriver(RecoveryMixin):
             )
         except PipesvcError:
             self._metrics.inc("steps_aborted_total")
+            if mode == stage_pb2.TRAIN:
+                self._gradients_valid = False
             self._abort(run_id)
             raise
         return run_id, replies
@@ -222,27 +231,31 @@ class JobDriver(RecoveryMixin):
         finally:
             if logged is not None:
                 logged.result()
-        scale = None
+        loss = float(sum(replies[-1].losses))
+        self._last_loss = (self.step + 1, loss)
+        request = stage_pb2.CommitRequest(job_id=self.job_id, plan_epoch=self.epoch, run_id=run_id)
         if self.config.clip_grad_norm is not None:
             total = math.sqrt(sum(r.grad_norm_sq for r in replies))
-            scale = min(1.0, self.config.clip_grad_norm / (total + 1e-6))
-
-        def commit(stage: PipelineStage) -> stage_pb2.CommitRequest:
-            request = stage_pb2.CommitRequest(
-                job_id=self.job_id, plan_epoch=self.epoch, run_id=run_id
+            request.grad_scale = min(1.0, self.config.clip_grad_norm / (total + 1e-6))
+        try:
+            commit_all(
+                self._registry, self.plan, request, step=self.step + 1, deadlines=self._deadlines
             )
-            if scale is not None:
-                request.grad_scale = scale
-            return request
-
-        self._call_all("Commit", commit, self._deadlines.control_s)
+        except PipesvcError:
+            # The step is in the step log: it is committed, and before any later call the
+            # stages are rebuilt to it (see [Note: commit invariant]).
+            self._replay_target = max(self._replay_target or 0, self.step + 1)
+            raise
         self.step += 1
-        return float(sum(replies[-1].losses))
+        self._gradients_valid = True
+        return loss
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
         """Runs one training step and commits it on every stage; returns (loss, step).
 
-        A lost stage is recovered from (see [Note: recovery]) and the step still returns.
+        A lost stage is recovered from (see [Note: recovery]) and the step still returns. Once
+        its commit has started the step counts as committed (see [Note: commit invariant]): if
+        this call still fails after that, the next call first rebuilds every stage to it.
 
         Raises:
             InvalidArgumentError: the batch does not fit the job (nothing changed).
@@ -258,10 +271,15 @@ class JobDriver(RecoveryMixin):
         input_mbs, target_mbs = microbatch.split(inputs, m), microbatch.split(targets, m)
         with self._lock:
             started = time.monotonic()
-            loss = self._resilient(
-                lambda: self._train_once(input_mbs, target_mbs, (inputs, targets)),
-                f"step {self.step + 1}",
-            )
+            target = self.step + 1
+
+            def attempt() -> float:
+                if self.step >= target:  # a recovery finished the step's commit by replay
+                    assert self._last_loss[0] == target, (self._last_loss, target)
+                    return self._last_loss[1]
+                return self._train_once(input_mbs, target_mbs, (inputs, targets))
+
+            loss = self._resilient(attempt, f"step {target}")
             self._persist()
             self._metrics.inc("steps_committed_total")
             self._metrics.observe("step_seconds", time.monotonic() - started)
@@ -274,7 +292,9 @@ class JobDriver(RecoveryMixin):
             )
             every = self.config.checkpoint_every
             if every and self.step % every == 0:
-                self._checkpoint()
+                # The step is committed whatever happens here; a stage lost while it is saved
+                # is recovered from (the previous checkpoint and the log are kept till then).
+                self._resilient(self._checkpoint, f"checkpoint at step {self.step}")
             return loss, self.step
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -293,7 +313,9 @@ class JobDriver(RecoveryMixin):
     def _resilient(self, attempt: Any, what: str) -> Any:
         """Runs ``attempt`` after making the job ready; recovers and retries on stage failures."""
         self._check_open()
-        lost: set[str] | None = None
+        # A rebuild left unfinished (a commit that did not reach every stage, or a recovery
+        # that gave up mid-replay) is finished before anything else touches the stages.
+        lost: set[str] | None = set() if self._replay_target is not None else None
         last: PipesvcError | None = None
         for _ in range(MAX_RECOVERIES_PER_CALL + 1):
             try:
@@ -342,10 +364,16 @@ class JobDriver(RecoveryMixin):
                 raise error_from_rpc(exc, where(stage)) from exc
 
     def stream_state(self, kind: int) -> Iterator[common_pb2.TensorFrame]:
-        """Every stage's tensors in layer order, frame by frame (never the whole model)."""
+        """Every stage's tensors in layer order, frame by frame (never the whole model).
+
+        Gradients are the last committed step's; after an aborted training step there are
+        none until the next commit (an inference run, aborted or not, leaves them).
+        """
         with self._lock:
             self._check_open()
             self._resilient(lambda: None, "reading state")
+            if kind == common_pb2.GRADIENTS and not self._gradients_valid:
+                return
             yield from self._stream(kind)
 
     def load_state(self, frames: Iterable[common_pb2.TensorFrame], step: int | None) -> int:

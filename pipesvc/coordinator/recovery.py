@@ -31,7 +31,7 @@ from pipesvc.coordinator.stage_calls import (
 )
 from pipesvc.coordinator.state_db import JobRecord, StateDB
 from pipesvc.coordinator.state_transfer import load_into_stages
-from pipesvc.errors import PipesvcError
+from pipesvc.errors import InternalError, PipesvcError
 from pipesvc.metrics import Metrics
 from pipesvc.plan import PipelineStage
 from pipesvc.step_log import StepLog
@@ -248,6 +248,16 @@ class RecoveryMixin:
         try:
             for name, tensor in read_named_frames(self._stream(common_pb2.CHECKPOINT)):
                 writer.add(name, tensor)
+            # Coverage is by layer count (see [Note: checkpoint coverage]); that each layer
+            # sent all its tensors is checked here, against the model, before the step log
+            # behind this checkpoint is pruned.
+            expected = {f"{layer.index}.{t.name}" for layer in self.layers for t in layer.tensors}
+            missing = sorted(expected - writer.keys)
+            if missing:
+                raise InternalError(
+                    f"the stages sent a checkpoint without {len(missing)} of the model's "
+                    f"{len(expected)} tensors, e.g. {missing[:5]}"
+                )
             writer.finish(
                 job_id=self.job_id,
                 step=self.step,

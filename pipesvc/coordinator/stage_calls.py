@@ -103,7 +103,8 @@ def call_all(
     deadlines: Deadlines | None = None,
     what: str = "",
 ) -> list[Any]:
-    """Calls a unary method on every stage at once; returns the replies in rank order.
+    """Calls a unary method on every stage of ``plan`` (all of a job's, or some) at once;
+    returns the replies in the order of ``plan``.
 
     With ``deadlines``, a watchdog health-checks the stages still running (see [Note:
     detection]). On the first failure the other calls are left to finish (a caller aborts them).
@@ -113,13 +114,13 @@ def call_all(
         PipesvcError: the first root-cause error of any stage, naming it.
     """
     cond = threading.Condition()
-    calls: dict[int, grpc.Future] = {}
-    for stage in plan:
+    calls: dict[int, grpc.Future] = {}  # by index into ``plan``
+    for index, stage in enumerate(plan):
         method, request = make(stage)
         stub = registry.stub(stage.address)
         future = getattr(stub, method).future(request, timeout=timeout_s)
         future.add_done_callback(lambda _f: _notify(cond))
-        calls[stage.rank] = future
+        calls[index] = future
     failures: dict[int, int] = {}
     next_check = time.monotonic() + (deadlines.health_interval_s if deadlines else 0)
     while True:
@@ -145,12 +146,12 @@ def call_all(
     found = [(r, e) for r, e in errors if e is not None]
     if found:
         # The root cause is the first error that is not a consequence of an abort.
-        rank, root = next(
-            ((r, e) for r, e in found if not isinstance(e, StepAbortedError)), found[0]
+        index, root = next(
+            ((i, e) for i, e in found if not isinstance(e, StepAbortedError)), found[0]
         )
         assert root is not None
-        raise _named(root, plan[rank])
-    return [calls[r].result() for r in range(len(plan))]
+        raise _named(root, plan[index])
+    return [calls[i].result() for i in range(len(plan))]
 
 
 def _notify(cond: threading.Condition) -> None:
@@ -178,14 +179,14 @@ def _watch(
 ) -> list[int]:
     statuses = health_of(registry, [plan[r].address for r in pending], deadlines.health_s)
     lost = []
-    for rank in pending:
-        if statuses[plan[rank].address] == "UNREACHABLE":
-            failures[rank] = failures.get(rank, 0) + 1
+    for index in pending:
+        if statuses[plan[index].address] == "UNREACHABLE":
+            failures[index] = failures.get(index, 0) + 1
             logger.warning(
-                "%s missed a health check (%d in a row)", where(plan[rank]), failures[rank]
+                "%s missed a health check (%d in a row)", where(plan[index]), failures[index]
             )
-            if failures[rank] >= deadlines.health_failures:
-                lost.append(rank)
+            if failures[index] >= deadlines.health_failures:
+                lost.append(index)
         else:
-            failures[rank] = 0
+            failures[index] = 0
     return lost

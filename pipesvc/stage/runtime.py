@@ -22,6 +22,11 @@ layer that draws random numbers under the seed of [Note: training randomness]
 (``pipesvc.models.rng``), for the step being computed (``step + 1``), so a replayed step draws
 the masks of its first attempt. An inference run (``Job.forward``, generation) puts them in eval
 mode: no dropout, BatchNorm's running statistics; the mode is switched only when it changes.
+
+[Note: gradients of the last committed step] ``tensors("gradients")`` reports the gradients of
+the last committed step. Only a training run replaces them (it zeroes them in ``begin_run``), so
+only the abort of a training run that has begun here and not been committed drops them; the
+abort of an inference run, or of a run this stage never began, leaves them as they are.
 """
 
 from __future__ import annotations
@@ -91,6 +96,8 @@ class StageRuntime:
         self._saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # Gradient buffers zeroed for this run, with their version after zeroing (see Note).
         self._zeroed: list[tuple[torch.nn.Parameter, torch.Tensor, int]] = []
+        # A training run began and is not committed: its gradients replace the last step's.
+        self._training_run = False
 
     @property
     def is_first(self) -> bool:
@@ -114,6 +121,7 @@ class StageRuntime:
         self._saved.clear()
         self.max_live = 0
         if training:
+            self._training_run = True
             self._zero_grads()
 
     def _zero_grads(self) -> None:
@@ -234,13 +242,18 @@ class StageRuntime:
         if self.optimizer is not None:
             self.optimizer.step()
         self.step += 1
+        self._training_run = False
         return self.step
 
     def abort(self) -> None:
-        """Drops the run's activations and gradients; weights and optimizer are untouched."""
+        """Drops the run's activations, and its gradients if it is an uncommitted training run;
+        weights and optimizer are untouched (see [Note: gradients of the last committed step]).
+        """
         self._saved.clear()
-        self._zeroed = []
-        self.module.zero_grad(set_to_none=True)
+        if self._training_run:
+            self._training_run = False
+            self._zeroed = []
+            self.module.zero_grad(set_to_none=True)
 
     def tensors(self, kind: str) -> dict[str, torch.Tensor]:
         """The stage's tensors under global keys.

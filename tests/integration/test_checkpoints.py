@@ -1,14 +1,17 @@
-"""Checkpoints a user takes: job.save(path), and resuming under another plan."""
+"""Checkpoints a user takes: job.save(path), and resuming under another plan; periodic
+checkpoints of models with parameter-free layers."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 import pipesvc
+from tests.integration.param_free import MODELS_MODULE, PARAM_FREE, Training
 from tests.integration.reference import PROBLEMS, Reference
 
 GPT = PROBLEMS["gpt"]
@@ -71,3 +74,41 @@ def test_resume_refuses_another_model_and_a_tampered_file(
     with pytest.raises(pipesvc.InvalidArgumentError, match="SHA-256"):
         _job(client, 2, resume_from=tmp_path / "ckpt")
     assert all(not s.job_id for s in client.stages())  # the failed resume freed its stages
+
+
+@pytest.fixture(scope="module")
+def param_free_client() -> Iterator[pipesvc.Client]:
+    """Three stages that can also build relu-mlp."""
+    with (
+        pipesvc.LocalCluster(num_stages=3, threads_per_stage=1, models=[MODELS_MODULE]) as cluster,
+        cluster.connect(timeout_s=120) as connected,
+    ):
+        yield connected
+
+
+@pytest.mark.parametrize("model", sorted(PARAM_FREE))
+def test_parameter_free_layers_checkpoint_save_and_resume(
+    param_free_client: pipesvc.Client, model: str, tmp_path: Path
+) -> None:
+    """Five steps pass the periodic checkpoints at steps 2 and 4; the saved checkpoint covers
+    every layer and resumes under another plan."""
+    training = Training.start(param_free_client, model, num_stages=2)
+    with training.job as job:
+        for _ in range(5):
+            training.step()
+        training.check_weights()
+        job.save(tmp_path / "ckpt")
+    manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
+    num_layers = manifest["num_layers"]
+    assert manifest["step"] == 5
+    assert manifest["covers"] == {"start_layer": 0, "end_layer": num_layers}
+    with_tensors = sorted({int(k.split(".")[0]) for k in training.reference.model.state_dict()})
+    assert sorted(int(k) for k in manifest["files"]) == with_tensors
+    assert len(with_tensors) < num_layers  # some layer really has no tensors
+    resumed = Training.start(param_free_client, model, num_stages=3, resume_from=tmp_path / "ckpt")
+    resumed.reference = training.reference
+    with resumed.job as job:
+        assert job.step == 5 and len(job.plan) == 3
+        for _ in range(2):
+            resumed.step()
+        resumed.check_weights()
