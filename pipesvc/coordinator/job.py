@@ -27,7 +27,6 @@ from collections.abc import Iterable, Iterator
 from concurrent import futures
 from typing import Any
 
-import grpc
 import torch
 
 from pipesvc import microbatch
@@ -42,6 +41,7 @@ from pipesvc.coordinator.stage_calls import (
     call_all,
     call_stage,
     health_of,
+    stream_stage,
     where,
 )
 from pipesvc.coordinator.state_db import JobRecord
@@ -57,7 +57,6 @@ from pipesvc.errors import (
 )
 from pipesvc.metrics import NO_METRICS, Metrics
 from pipesvc.plan import PipelineStage, plan_to_dicts
-from pipesvc.rpc_status import error_from_rpc
 from pipesvc.tensor_codec import decode, encode
 from pipesvc.v1 import common_pb2, coordinator_pb2, stage_pb2
 
@@ -356,12 +355,15 @@ class JobDriver(RecoveryMixin):
 
     def _stream(self, kind: int) -> Iterator[common_pb2.TensorFrame]:
         for stage in self.plan:
-            stub = self._registry.stub(stage.address)
-            request = stage_pb2.GetStateRequest(job_id=self.job_id, kind=kind)
-            try:
-                yield from stub.GetState(request, timeout=self._deadlines.control_s)
-            except grpc.RpcError as exc:
-                raise error_from_rpc(exc, where(stage)) from exc
+            yield from stream_stage(
+                self._registry,
+                stage,
+                "GetState",
+                stage_pb2.GetStateRequest(job_id=self.job_id, kind=kind),
+                self._deadlines.control_s,
+                deadlines=self._deadlines,
+                what=f"reading its state ({common_pb2.StateKind.Name(kind).lower()})",
+            )
 
     def stream_state(self, kind: int) -> Iterator[common_pb2.TensorFrame]:
         """Every stage's tensors in layer order, frame by frame (never the whole model).

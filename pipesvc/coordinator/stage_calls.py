@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
@@ -92,6 +92,54 @@ def health_of(
     with futures.ThreadPoolExecutor(max_workers=min(16, len(addresses))) as pool:
         found = pool.map(lambda a: registry.health(a, timeout_s), addresses)
         return dict(zip(addresses, found, strict=True))
+
+
+def stream_stage(
+    registry: StageRegistry,
+    stage: PipelineStage,
+    method: str,
+    request: Any,
+    timeout_s: float,
+    *,
+    deadlines: Deadlines,
+    what: str,
+) -> Iterator[Any]:
+    """The replies of a server-streaming call on one stage, under the health watchdog.
+
+    A stage that is killed, stopped or cut off while it streams (its state into a checkpoint,
+    say) is found by health checks as in a pipelined call (see [Note: detection]), and the
+    call is cancelled, rather than waiting for ``timeout_s``. Closing the iterator early
+    cancels the call too.
+
+    Raises:
+        StageLostError: the watchdog declared the stage lost.
+        PipesvcError: what the stage raised, naming it.
+    """
+    replies = getattr(registry.stub(stage.address), method)(request, timeout=timeout_s)
+    done = threading.Event()
+    lost = threading.Event()
+
+    def watch() -> None:
+        failures: dict[int, int] = {}
+        while not done.wait(deadlines.health_interval_s):
+            if _watch(registry, [stage], [0], failures, deadlines):
+                lost.set()
+                replies.cancel()
+                return
+
+    threading.Thread(target=watch, name=f"watch-{stage.address}", daemon=True).start()
+    try:
+        yield from replies
+    except grpc.RpcError as exc:
+        if lost.is_set():
+            raise StageLostError(
+                f"{where(stage)} stopped answering health checks during {what}",
+                {stage.address},
+            ) from exc
+        raise _named(error_from_rpc(exc, where(stage)), stage) from exc
+    finally:
+        done.set()
+        replies.cancel()
 
 
 def call_all(

@@ -458,7 +458,16 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
         # One tensor copied at a time (under the run lock, so never mid-commit), not the whole
         # state up front: a stage's peak while it is saved grows by one tensor, not by all of
         # its weights and optimizer state. The coordinator runs no step while it reads state.
-        for name, live in tensors.items():
+        fault = self._options.fault_kill if request.kind == common_pb2.CHECKPOINT else None
+        for index, (name, live) in enumerate(tensors.items()):
+            if fault is not None:
+                fault.check(
+                    when="checkpoint",
+                    step=job.runtime.step,
+                    rank=job.runtime.rank,
+                    microbatch=index,
+                    last_mb=len(tensors) - 1,
+                )
             with job.run_lock:
                 copied = live.to("cpu", copy=True)
             yield from named_frames(name, copied)

@@ -1,0 +1,216 @@
+"""The fault matrix at real sizes: a stage killed in every phase, under every schedule and path.
+
+Each case trains a job on a local cluster whose stages carry a ``--fault-kill`` point, so one
+stage SIGKILLs itself once, at a chosen phase of a chosen step; a spare takes its place. The
+same job is then trained again on the same cluster (the fault has fired, so it does not fire
+again) and both runs must agree to 1e-6 in every loss and every weight: the computation is the
+same, so a recovery that lost, repeated or reordered a step, or replayed dropout differently,
+fails. Every case runs past at least two periodic checkpoints, and the stages next to the
+killed one must still be the same processes at the end (a fault must not take a healthy
+neighbour down with it).
+
+The cases cover both schedules, more micro-batches than a link's send queue holds, activations
+of several MiB per micro-batch on the shared-memory path and on frames, Adam with clipping, the
+``gpt`` with dropout, a model with parameter-free layers (the ``cnn``'s Flatten), and faults in
+forward, backward, commit and during a checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import pipesvc
+from pipesvc.stage.links import SEND_QUEUE_ITEMS
+from tests.cluster.faults import stage_pid
+from tests.integration.reference import PROBLEMS, Problem
+
+pytestmark = [pytest.mark.heavy, pytest.mark.timeout(600)]
+
+SAME = {"rtol": 0.0, "atol": 1e-6}
+SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9}
+ADAMW = {"name": "adamw", "lr": 1e-2}
+
+# 4 MiB crosses the boundary per micro-batch: 32 images of 8 x 64 x 64 floats after two
+# conv blocks, with the uniform partition cutting the cnn after its second block.
+BIG_CNN = Problem(
+    "cnn",
+    {"in_channels": 1, "image_size": 256, "num_classes": 5, "channels": [8, 8]},
+    "cross_entropy",
+    (1, 256, 256),
+    num_classes=5,
+)
+GPT_DROPOUT = Problem(
+    "gpt",
+    {**PROBLEMS["gpt"].model_args, "dropout": 0.2},
+    "cross_entropy",
+    PROBLEMS["gpt"].input_shape,
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One cell of the matrix."""
+
+    fault: str  # WHEN:STEP:RANK
+    problem: Problem = PROBLEMS["cnn"]
+    schedule: str = "1f1b"
+    num_stages: int = 2
+    num_microbatches: int = 4
+    batch_size: int = 8
+    steps: int = 6
+    checkpoint_every: int = 2
+    optimizer: dict[str, Any] = field(default_factory=lambda: dict(SGD))
+    clip_grad_norm: float | None = None
+    shm: bool = True
+    partition: str = "parameters"
+
+    @property
+    def rank(self) -> int:
+        return int(self.fault.split(":")[2])
+
+
+CASES = {
+    # A model with a parameter-free layer, past two checkpoints before and after the fault.
+    "cnn-1f1b-forward-3stages": Case("forward:5:1", num_stages=3, steps=7),
+    "cnn-gpipe-backward-frames": Case("backward:4:0", schedule="gpipe", shm=False),
+    # More micro-batches than a link's send queue holds.
+    "mlp-gpipe-queue-backward": Case(
+        "backward:3:1",
+        problem=PROBLEMS["mlp"],
+        schedule="gpipe",
+        num_microbatches=SEND_QUEUE_ITEMS + 16,
+        batch_size=2 * (SEND_QUEUE_ITEMS + 16),
+        steps=5,
+    ),
+    # Several MiB per micro-batch on each path.
+    "big-shm-1f1b-backward": Case(
+        "backward:3:1",
+        problem=BIG_CNN,
+        batch_size=128,
+        steps=5,
+        partition="uniform",
+    ),
+    "big-frames-gpipe-forward": Case(
+        "forward:3:0",
+        problem=BIG_CNN,
+        schedule="gpipe",
+        batch_size=128,
+        steps=5,
+        partition="uniform",
+        shm=False,
+    ),
+    # Adam with clipping, killed at the commit.
+    "mlp-adamw-clip-commit": Case(
+        "commit:5:0",
+        problem=PROBLEMS["mlp"],
+        optimizer=dict(ADAMW),
+        clip_grad_norm=0.5,
+    ),
+    # Dropout: the replay must draw the same masks.
+    "gpt-dropout-backward": Case(
+        "backward:4:1", problem=GPT_DROPOUT, optimizer=dict(ADAMW), clip_grad_norm=1.0
+    ),
+    # Killed while its state streams into the step-4 checkpoint.
+    "cnn-checkpoint": Case("checkpoint:4:1", steps=7),
+}
+
+
+@dataclass
+class Outcome:
+    losses: list[float]
+    weights: dict[str, torch.Tensor]
+    recoveries: int
+
+
+def _create(client: pipesvc.Client, case: Case) -> pipesvc.Job:
+    return client.create_job(
+        model=case.problem.model,
+        model_args=case.problem.model_args,
+        seed=5,
+        num_stages=case.num_stages,
+        num_microbatches=case.num_microbatches,
+        schedule=case.schedule,
+        loss=case.problem.loss,
+        optimizer=case.optimizer,
+        clip_grad_norm=case.clip_grad_norm,
+        checkpoint_every=case.checkpoint_every,
+        partition=case.partition,
+    )
+
+
+def _train(job: pipesvc.Job, case: Case) -> Outcome:
+    losses = []
+    for step in range(case.steps):
+        x, y = case.problem.batch(case.batch_size, seed=100 + step)
+        losses.append(job.train_step(x, y))
+    return Outcome(losses, job.state_dict(), job.refresh().recoveries)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fault_costs_nothing(name: str, tmp_path: Path) -> None:
+    case = CASES[name]
+    marker = tmp_path / "fired"
+    stage_args = ["--fault-kill", f"{case.fault}:{marker}"]
+    if not case.shm:
+        stage_args += ["--shm-bytes", "0"]
+    with (
+        pipesvc.LocalCluster(
+            num_stages=case.num_stages + 1, threads_per_stage=1, stage_args=stage_args
+        ) as cluster,
+        cluster.connect() as client,
+    ):
+        job = _create(client, case)
+        pids = {s.rank: stage_pid(s.address) for s in job.plan}
+        neighbours = {r: pids[r] for r in (case.rank - 1, case.rank + 1) if r in pids}
+        faulty = _train(job, case)
+        assert marker.exists(), "the fault never fired"
+        assert faulty.recoveries == 1
+        assert not _alive(pids[case.rank]), "the stage that should have died is alive"
+        for rank, pid in neighbours.items():
+            assert _alive(pid), f"neighbour rank {rank} (pid {pid}) died with the faulty stage"
+        assert pid_set(job) >= set(neighbours.values())
+        job.close()
+
+        clean_job = _create(client, case)
+        clean = _train(clean_job, case)
+        clean_job.close()
+    assert clean.recoveries == 0
+    torch.testing.assert_close(
+        torch.tensor(faulty.losses, dtype=torch.float64),
+        torch.tensor(clean.losses, dtype=torch.float64),
+        **SAME,
+    )
+    assert faulty.weights.keys() == clean.weights.keys()
+    for key, value in clean.weights.items():
+        torch.testing.assert_close(faulty.weights[key], value, **SAME, msg=key)
+
+
+def pid_set(job: pipesvc.Job) -> set[int]:
+    """The pids of the stages in the job's current plan."""
+    return {stage_pid(s.address) for s in job.refresh().plan}
+
+
+def test_cases_cover_the_matrix() -> None:
+    """The matrix keeps the dimensions the module docstring promises."""
+    cases = CASES.values()
+    assert {c.fault.split(":")[0] for c in cases} == {"forward", "backward", "commit", "checkpoint"}
+    assert {c.schedule for c in cases} == {"gpipe", "1f1b"}
+    assert {c.shm for c in cases} == {True, False}
+    assert any(c.num_microbatches > SEND_QUEUE_ITEMS for c in cases)
+    assert any(c.problem.model == "cnn" for c in cases)  # Flatten has no parameters
+    assert any(c.optimizer["name"] == "adamw" and c.clip_grad_norm for c in cases)
+    assert any(c.problem.model_args.get("dropout", 0) > 0 for c in cases)
+    assert all(c.steps >= 2 * c.checkpoint_every + 1 for c in cases)
