@@ -57,9 +57,11 @@ def _shm_files() -> set[str]:
 @pytest.mark.parametrize(
     ("down_shm", "up_shm"),
     [(256 << 20, 256 << 20), (0, 0), (256 << 20, 0), (0, 256 << 20)],
-    ids=["both-shm", "both-frames", "activations-shm", "gradients-shm"],
+    ids=["both-shm", "both-frames", "only-upstream-offers", "only-downstream-offers"],
 )
 def test_echo_is_exact_on_every_path(down_shm: int, up_shm: int) -> None:
+    """A stage with shm_bytes 0 neither offers an area nor maps its peer's: shared memory is
+    used only where both ends have it on, both ways; frames carry everything else."""
     before = _shm_files()
     echo = _Echo(up_shm)
     server, port, _ = create_server("127.0.0.1:0", [lambda s: add_stage_service(echo, s)])
@@ -80,8 +82,9 @@ def test_echo_is_exact_on_every_path(down_shm: int, up_shm: int) -> None:
             link.send(MailKey(1, ACTIVATION, i), x)
             assert torch.equal(mailbox.get(MailKey(1, GRADIENT, i), 30.0), x * 2)
         assert echo.link is not None
-        assert link.uses_shm == bool(down_shm)
-        assert echo.link.uses_shm == bool(up_shm)
+        both = bool(down_shm and up_shm)
+        assert link.uses_shm == both
+        assert echo.link.uses_shm == both
         # Accepted areas are unlinked at once; the others when their stream ends.
         assert _shm_files() - before == set()
     finally:
@@ -115,7 +118,7 @@ def test_an_area_the_receiver_cannot_map_is_refused_and_frames_flow() -> None:
 
     elsewhere = stage_pb2.DataFrame()
     elsewhere.CopyFrom(offer)
-    elsewhere.shm_offer.name = "pipesvc-" + "f" * 32  # no such file on "this host"
+    elsewhere.shm_offer.name = f"pipesvc-{os.getpid()}-" + "f" * 32  # no such file on "this host"
     gradients = Sender(job_id="j", epoch=1, direction=GRADIENT)
     _reader(gradients).feed(elsewhere)
     answer = next(gradients.frames())

@@ -139,7 +139,7 @@ def test_view_refuses_a_bad_offer() -> None:
         with pytest.raises(OSError, match="regular file"):
             ShmView(area.name, area.nonce, area.size - 4096, shm.MAX_AREA_BYTES)
         with pytest.raises(FileNotFoundError):
-            ShmView("pipesvc-" + "0" * 32, area.nonce, area.size, shm.MAX_AREA_BYTES)
+            ShmView(f"pipesvc-{os.getpid()}-" + "0" * 32, area.nonce, area.size, shm.MAX_AREA_BYTES)
     finally:
         area.close()
 
@@ -223,7 +223,9 @@ def test_doorbell_length_prefix_is_checked() -> None:
     view = ShmView(area.name, area.nonce, area.size, shm.MAX_AREA_BYTES)
     try:
         assert area.open_bell()
-        os.write(area._bell, (shm.MAX_BELL_MESSAGE + 1).to_bytes(4, "little"))
+        assert area._bell is not None
+        with area._bell.use() as bell:
+            os.write(bell, (shm.MAX_BELL_MESSAGE + 1).to_bytes(4, "little"))
         with pytest.raises(WireFormatError, match="doorbell message"):
             view.read_bell()
     finally:
