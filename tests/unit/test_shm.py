@@ -58,6 +58,7 @@ def test_ring_never_overlaps_live_slots(ops: list[tuple[int, int]]) -> None:
     capacity = 16 * ALIGN
     ring = Ring(capacity)
     live: list[tuple[int, int, int]] = []  # seq, start, end
+    placed = 0
     for size, frees in ops:
         if frees and live:
             upto = live[min(frees, len(live)) - 1][0]
@@ -68,7 +69,8 @@ def test_ring_never_overlaps_live_slots(ops: list[tuple[int, int]]) -> None:
             continue
         end = slot.offset + size
         assert slot.offset >= 0 and end <= capacity
-        assert slot.seq == (live[-1][0] + 1 if live else slot.seq)
+        placed += 1
+        assert slot.seq == placed  # numbered in placing order, from 1, whatever was freed
         for _, start, stop in live:
             assert end <= start or slot.offset >= stop, (slot, live)
         live.append((slot.seq, slot.offset, end))

@@ -1,0 +1,129 @@
+"""A neighbour's death costs the survivor one bounded wait and nothing that accumulates.
+
+[Note: bounded waits] in pipesvc.stage.links: a send to a stream that has ended fails at once,
+and Abort wakes a send waiting for room, so a dead or stopped neighbour never holds a
+survivor's step (and its run lock) until the control deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+import pipesvc
+from pipesvc.stage.links import SEND_QUEUE_ITEMS
+from tests.cluster.faults import MLP, OPTIMIZER, Run, stage_pid
+from tests.integration.reference import Reference
+
+MANY_MICROBATCHES = 4 * SEND_QUEUE_ITEMS
+
+
+def _gpipe_run(client: pipesvc.Client, num_microbatches: int) -> Run:
+    job = client.create_job(
+        model="mlp",
+        model_args=MLP.model_args,
+        seed=11,
+        num_stages=2,
+        num_microbatches=num_microbatches,
+        schedule="gpipe",
+        loss="mse",
+        optimizer=OPTIMIZER,
+        checkpoint_every=2,
+    )
+    return Run(job, Reference(MLP, seed=11, optimizer=OPTIMIZER, clip_grad_norm=None))
+
+
+def _step(run: Run, batch: int) -> float:
+    """One step on a batch of ``batch`` rows (one row per micro-batch), checked against the
+    one-process reference."""
+    number = len(run.step_seconds)
+    x, y = MLP.batch(batch, seed=number)
+    started = time.monotonic()
+    loss = run.job.train_step(x, y)
+    run.step_seconds.append(time.monotonic() - started)
+    assert loss == pytest.approx(run.reference.step(x, y), rel=1e-5, abs=1e-6)
+    return loss
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_survivor_sending_many_microbatches_recovers(tmp_path: Path, fault: str) -> None:
+    """The upstream stage sends far more activations than its send queue holds (GPipe) while
+    its downstream neighbour dies (SIGKILL at a forward) or hangs (SIGSTOP): the survivor's
+    step must end, be aborted and the job recover onto the spare with the reference's
+    results. Before the fix the survivor stayed blocked on its full queue with the run lock
+    held, so the step took the whole control deadline or more."""
+    marker = str(tmp_path / "fault-fired")
+    args = ["--fault-kill", f"forward:3:1:{marker}"] if fault == "kill" else []
+    with (
+        pipesvc.LocalCluster(num_stages=3, threads_per_stage=1, stage_args=args) as cluster,
+        cluster.connect() as client,
+    ):
+        run = _gpipe_run(client, MANY_MICROBATCHES)
+        for _ in range(2):
+            _step(run, MANY_MICROBATCHES)
+        stopped = stage_pid(run.job.plan[1].address) if fault == "stop" else None
+        if stopped is not None:
+            os.kill(stopped, signal.SIGSTOP)
+        try:
+            _step(run, MANY_MICROBATCHES)
+            _step(run, MANY_MICROBATCHES)
+        finally:
+            if stopped is not None:
+                os.kill(stopped, signal.SIGCONT)
+        if fault == "kill":
+            assert os.path.exists(marker), "the fault never fired"
+        assert run.job.refresh().recoveries == 1
+        run.check_weights()
+        print(f"\n{fault}: step with the fault {run.step_seconds[2]:.2f} s")
+
+
+def _usage(pid: int) -> tuple[int, int, int]:
+    """(threads, open fds, resident bytes) of process ``pid``."""
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    fields = {line.split(":")[0]: line.split(":")[1].split() for line in status if ":" in line}
+    return (
+        int(fields["Threads"][0]),
+        len(os.listdir(f"/proc/{pid}/fd")),
+        int(fields["VmRSS"][0]) * 1024,
+    )
+
+
+RECOVERIES = 10
+RSS_SLACK_BYTES = 48 << 20
+"""Allowed RSS growth of the survivor from the 2nd to the 10th recovery: malloc arenas and
+gRPC's buffers settle over the first few (a leak of one activation queue, one mapped area
+touched by a step, or one runtime per recovery would exceed it)."""
+
+
+def test_ten_recoveries_leak_no_threads_fds_or_memory() -> None:
+    """Kills the downstream stage of a two-stage job ten times, each time with a fresh spare
+    ready; the surviving upstream stage serves throughout. Its thread and fd counts stay flat
+    (each recovery closes the old links, areas, doorbells and their threads) and its RSS
+    stays within RSS_SLACK_BYTES."""
+    with (
+        pipesvc.LocalCluster(num_stages=3, threads_per_stage=1) as cluster,
+        cluster.connect() as client,
+    ):
+        run = _gpipe_run(client, 2 * SEND_QUEUE_ITEMS)
+        survivor = run.job.plan[0].address
+        survivor_pid = stage_pid(survivor)
+        _step(run, 2 * SEND_QUEUE_ITEMS)
+        usage = []
+        for _ in range(RECOVERIES):
+            os.kill(stage_pid(run.job.plan[1].address), signal.SIGKILL)
+            _step(run, 2 * SEND_QUEUE_ITEMS)
+            _step(run, 2 * SEND_QUEUE_ITEMS)
+            assert run.job.refresh().plan[0].address == survivor
+            cluster.add_stage()  # the next spare
+            usage.append(_usage(survivor_pid))
+        assert run.job.refresh().recoveries == RECOVERIES
+        run.check_weights()
+        print(f"\nsurvivor (threads, fds, rss) per recovery: {usage}")
+        threads, fds, rss = zip(*usage, strict=True)
+        assert max(threads[1:]) <= threads[1] + 2, threads
+        assert max(fds[1:]) <= fds[1] + 2, fds
+        assert rss[-1] - rss[1] <= RSS_SLACK_BYTES, rss
