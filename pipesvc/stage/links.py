@@ -132,20 +132,23 @@ class Sender:
         key = item[0] if isinstance(item, tuple) else None
         if isinstance(item, tuple) and self._bell_open and self._send_shared(*item):
             return
-        while True:
+        queued = False
+        while not queued:
+            if key is not None and self._run_aborted(key.run_id):
+                raise StepAbortedError(f"run {key.run_id} was aborted while sending {key}")
+            if not self._ended.is_set():
+                try:
+                    self._queue.put(item, timeout=_POLL_S)
+                    queued = True
+                except queue.Full:
+                    continue
+            # Checked after queueing too: close() may have drained the queue meanwhile.
             if self._ended.is_set():
                 if key is None:
                     return  # nothing left to answer or end
                 raise StageUnavailableError(
                     f"the data stream to {self._peer} has ended; {key} was not sent"
                 )
-            if key is not None and self._run_aborted(key.run_id):
-                raise StepAbortedError(f"run {key.run_id} was aborted while sending {key}")
-            try:
-                self._queue.put(item, timeout=_POLL_S)
-                break
-            except queue.Full:
-                continue
         self._metrics.set("queue_depth", self._queue.qsize(), queue="send")
 
     def close(self) -> None:
