@@ -44,7 +44,8 @@ Pages of a tmpfs file are allocated on first touch; writing to one when ``/dev/s
 raises SIGBUS. The sender therefore reserves pages with ``posix_fallocate`` before it first
 writes past its high-water mark, which fails with an ordinary error instead. Pages above the
 highest live slot go back to the system (``madvise(MADV_REMOVE)`` frees tmpfs pages) when the
-sender next places a slot, so a link keeps resident only what it has in flight.
+sender next places a slot and its use has more than halved, so a link keeps resident about
+what it has in flight.
 
 Trust: a peer that has passed authentication and runs on the same host as the receiver could
 shrink its file under the receiver's mapping and crash it (SIGBUS on a read), or change a
@@ -96,6 +97,8 @@ _NAME = re.compile(r"pipesvc-([0-9]+)-[0-9a-f]{32}")
 STALE_AFTER_S = 30.0
 """An area file this old whose creator is gone is stale (the file normally lives only between
 offer and answer, well under a second)."""
+_TRIM_MIN_BYTES = 1 << 20
+"""Freed pages above the live slots are given back once there are more than this many."""
 _POLL_S = 0.1
 """How often a wait on the doorbell checks whether its side was closed or cancelled."""
 _LENGTH_BYTES = 4
@@ -372,10 +375,13 @@ class ShmArea:
     def _trim(self, mapped: mmap.mmap, live_end: int) -> None:
         """Gives the pages above ``live_end`` back to the system (no live slot is there)."""
         keep = _page_up(live_end)
-        if self._reserved <= keep:
+        excess = _page_up(self._reserved) - keep
+        # Only once use has more than halved (and by a MiB): a link whose in-flight bytes
+        # wobble by a slot does not free and fault the same pages on every send.
+        if excess <= max(keep, _TRIM_MIN_BYTES):
             return
         try:
-            mapped.madvise(mmap.MADV_REMOVE, keep, _page_up(self._reserved) - keep)
+            mapped.madvise(mmap.MADV_REMOVE, keep, excess)
         except (OSError, ValueError) as exc:
             logger.debug("could not release shared-memory pages: %s", exc)
             return
