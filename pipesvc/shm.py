@@ -306,6 +306,8 @@ class ShmArea:
         self._reserved = HEADER_BYTES
         self._unlinked = False
         self._bell: _SharedFd | None = None
+        self._closed = False
+        self._bell_lock = threading.Lock()  # open_bell (reading thread) against close
 
     @classmethod
     def create(cls, limit: int = DEFAULT_AREA_BYTES) -> ShmArea | None:
@@ -395,7 +397,11 @@ class ShmArea:
             if exc.errno not in (errno.ENXIO, errno.ENOENT):
                 raise
             return False
-        self._bell = _SharedFd(fd, f"doorbell of {self.name}")
+        with self._bell_lock:
+            if self._closed:  # closed meanwhile: this end would never be closed
+                os.close(fd)
+                return False
+            self._bell = _SharedFd(fd, f"doorbell of {self.name}")
         return True
 
     def ring(self, message: bytes, cancelled: Callable[[], bool] | None = None) -> bool:
@@ -442,8 +448,11 @@ class ShmArea:
         """Unlinks, closes the doorbell (the receiver reads end-of-file once no ``ring`` is in
         flight) and drops the mapping (unmapped with its last user). Any thread, any time."""
         self.unlink()
-        if self._bell is not None:
-            self._bell.close()
+        with self._bell_lock:
+            self._closed = True
+            bell = self._bell
+        if bell is not None:
+            bell.close()
         self._map.close()
         self._fd.close()
 
