@@ -93,7 +93,9 @@ HEADER_BYTES = 4096
 ALIGN = 64
 _NONCE_BYTES = 16
 _CONSUMED_OFFSET = 64
-_NAME = re.compile(r"pipesvc-([0-9]+)-[0-9a-f]{32}")
+_NAME = re.compile(r"pipesvc-([0-9]+)-([0-9]+)-[0-9a-f]{32}")
+"""pipesvc-<creator's pid>-<its start time in clock ticks>-<random>: the pair names a process
+uniquely on a host (a pid alone is reused, e.g. pid 1 of every restarted container)."""
 STALE_AFTER_S = 30.0
 """An area file this old whose creator is gone is stale (the file normally lives only between
 offer and answer, well under a second)."""
@@ -183,21 +185,28 @@ def _page_up(n: int) -> int:
     return (n + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
 
 
-def _pid_alive(pid: int) -> bool:
+def _start_ticks(pid: int) -> int:
+    """When process ``pid`` started (clock ticks after boot); -1 when no such process is seen
+    here (/proc/<pid>/stat field 22)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's live process
-    return True
+        with open(f"/proc/{pid}/stat") as stat_file:
+            return int(stat_file.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def _process_id() -> str:
+    """This process's part of an area name (computed each time: a fork is another process)."""
+    pid = os.getpid()
+    return f"{pid}-{_start_ticks(pid)}"
 
 
 def remove_stale_areas(directory: str = SHM_DIR, min_age_s: float = STALE_AFTER_S) -> list[str]:
     """Removes area files (and doorbells) whose creating process is gone, older than
     ``min_age_s``: what a sender killed between offer and answer leaves behind. Returns the
-    names removed. (A pid from another pid namespace sharing ``/dev/shm`` may look dead; the
-    age keeps a fresh offer of such a peer safe.)"""
+    names removed. (A process of another pid namespace sharing ``/dev/shm`` may look dead
+    here; the age keeps its fresh offers safe, and an old one removed is refused and sent as
+    frames.)"""
     try:
         names = os.listdir(directory)
     except OSError:
@@ -206,8 +215,8 @@ def remove_stale_areas(directory: str = SHM_DIR, min_age_s: float = STALE_AFTER_
     now = time.time()
     for name in names:
         match = _NAME.fullmatch(name.removesuffix(BELL_SUFFIX))
-        if match is None or int(match.group(1)) == os.getpid() or _pid_alive(int(match.group(1))):
-            continue
+        if match is None or _start_ticks(int(match.group(1))) == int(match.group(2)):
+            continue  # not an area, or its creator lives
         path = os.path.join(directory, name)
         try:
             if now - os.lstat(path).st_mtime < min_age_s:
@@ -317,7 +326,7 @@ class ShmArea:
         size = _area_size(limit)
         if size < MIN_AREA_BYTES:
             return None
-        path = os.path.join(SHM_DIR, f"pipesvc-{os.getpid()}-{secrets.token_hex(16)}")
+        path = os.path.join(SHM_DIR, f"pipesvc-{_process_id()}-{secrets.token_hex(16)}")
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         except OSError:
@@ -468,7 +477,9 @@ class ShmView:
             OSError: the file cannot be opened or is not the offered one (another host).
         """
         if not _NAME.fullmatch(name):
-            raise WireFormatError(f"shared-memory area name {name!r} is not pipesvc-<pid>-<32 hex>")
+            raise WireFormatError(
+                f"shared-memory area name {name!r} is not pipesvc-<pid>-<start>-<32 hex>"
+            )
         if not HEADER_BYTES + ALIGN <= size <= max_size:
             raise WireFormatError(
                 f"shared-memory area size {size} must be in [{HEADER_BYTES + ALIGN}, {max_size}]"

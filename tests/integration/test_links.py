@@ -120,7 +120,7 @@ def test_an_area_the_receiver_cannot_map_is_refused_and_frames_flow() -> None:
 
     elsewhere = stage_pb2.DataFrame()
     elsewhere.CopyFrom(offer)
-    elsewhere.shm_offer.name = f"pipesvc-{os.getpid()}-" + "f" * 32  # no such file on "this host"
+    elsewhere.shm_offer.name = f"pipesvc-{os.getpid()}-1-" + "f" * 32  # no such file on "this host"
     gradients = Sender(job_id="j", epoch=1, direction=GRADIENT)
     _reader(gradients).feed(elsewhere)
     answer = next(gradients.frames())

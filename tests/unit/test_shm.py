@@ -141,7 +141,9 @@ def test_view_refuses_a_bad_offer() -> None:
         with pytest.raises(OSError, match="regular file"):
             ShmView(area.name, area.nonce, area.size - 4096, shm.MAX_AREA_BYTES)
         with pytest.raises(FileNotFoundError):
-            ShmView(f"pipesvc-{os.getpid()}-" + "0" * 32, area.nonce, area.size, shm.MAX_AREA_BYTES)
+            ShmView(
+                f"pipesvc-{os.getpid()}-1-" + "0" * 32, area.nonce, area.size, shm.MAX_AREA_BYTES
+            )
     finally:
         area.close()
 
