@@ -116,10 +116,11 @@ def _usage(pid: int) -> tuple[int, int, int]:
 
 
 RECOVERIES = 10
-RSS_SLACK_BYTES = 48 << 20
-"""Allowed RSS growth of the survivor from the 2nd to the 10th recovery: malloc arenas and
-gRPC's buffers settle over the first few (a leak of one activation queue, one mapped area
-touched by a step, or one runtime per recovery would exceed it)."""
+RSS_SLACK_BYTES = 32 << 20
+"""Allowed RSS growth of the survivor from the 1st to the 10th recovery. Measured: flat within
+1 MiB. The slack is for malloc's arenas and gRPC's buffers; a leak of what one recovery
+allocates (a step's 128 queued activations of 4 MiB in all, a mapped area's touched pages, a
+runtime with its optimizer state) repeated nine times would exceed it."""
 
 
 def test_ten_recoveries_leak_no_threads_fds_or_memory() -> None:
@@ -147,6 +148,7 @@ def test_ten_recoveries_leak_no_threads_fds_or_memory() -> None:
         run.check_weights()
         print(f"\nsurvivor (threads, fds, rss) per recovery: {usage}")
         threads, fds, rss = zip(*usage, strict=True)
-        assert max(threads[1:]) <= threads[1] + 2, threads
-        assert max(fds[1:]) <= fds[1] + 2, fds
-        assert rss[-1] - rss[1] <= RSS_SLACK_BYTES, rss
+        # One of slack for a thread gRPC starts lazily; a leak grows with every recovery.
+        assert max(threads) <= threads[0] + 1, threads
+        assert max(fds) <= fds[0] + 1, fds
+        assert rss[-1] - rss[0] <= RSS_SLACK_BYTES, rss
