@@ -365,7 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--shm-bytes",
         default="256MiB",
         help="shared-memory area offered to a neighbour on the same host; 0 turns the "
-        "shared-memory path off (default %(default)s)",
+        "shared-memory path off both ways: no area offered, none of a neighbour's mapped "
+        "(default %(default)s)",
     )
     p.add_argument("--duplicate-sends", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--fault-kill", help=argparse.SUPPRESS)

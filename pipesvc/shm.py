@@ -6,7 +6,9 @@ at its start shares the sender's host and ``/dev/shm``; it maps the area and acc
 then on a payload is one ``memcpy`` into the area by the sender, and the receiver's tensor is the
 area's memory itself, while the stream carries neither. A receiver that cannot open it
 (another host, another container) refuses, and the stream keeps carrying frames. After the answer
-the sender unlinks the file: both ends keep their mappings, and no file outlives a crash.
+the sender unlinks the file: both ends keep their mappings. An area's name carries its
+creator's pid, so an area offered by a sender killed before the answer is found and removed
+when a later area is created (``remove_stale_areas``).
 
 The area holds slots, one per tensor, numbered in sending order. A received tensor is handed to
 the stage as its slot's memory itself (``ShmView.take``: no copy), and the slot is freed when the
@@ -27,9 +29,23 @@ sides) off every activation and gradient, which is what small micro-batches are 
 message is one ``write`` of at most ``PIPE_BUF`` bytes, so it is atomic; the writer blocks while
 the pipe is full, and the reader sees end-of-file when the writer closes or dies.
 
+[Note: shared-memory lifetime] Mapped memory and file descriptors live until their last user
+is done, so that no teardown order (a stream's end on a gRPC thread, a plan change, a dead
+neighbour) can unmap memory or close an fd under a thread still using it. The ``mmap`` is never
+closed explicitly: closing an area or a view only drops its own references, and the mapping
+goes with the last Python object over it; every tensor over it holds one (``torch.frombuffer``
+references the mmap, ``numpy.frombuffer`` exports it, and a copy in flight holds the byte
+tensor in a local). The area's fd and the doorbell's fd are ``_SharedFd``: a call uses the fd
+under a count, closing only marks it closed, and the last user closes the number, so a write
+never lands on a reused fd number. Waits on the doorbell poll with a short timeout and end
+when their side is closed (or the caller cancels), so closing wakes every waiter.
+
 Pages of a tmpfs file are allocated on first touch; writing to one when ``/dev/shm`` is full
 raises SIGBUS. The sender therefore reserves pages with ``posix_fallocate`` before it first
-writes past its high-water mark, which fails with an ordinary error instead.
+writes past its high-water mark, which fails with an ordinary error instead. Pages above the
+highest live slot go back to the system (``madvise(MADV_REMOVE)`` frees tmpfs pages) when the
+sender next places a slot and its use has more than halved, so a link keeps resident about
+what it has in flight.
 
 Trust: a peer that has passed authentication and runs on the same host as the receiver could
 shrink its file under the receiver's mapping and crash it (SIGBUS on a read), or change a
@@ -44,6 +60,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import logging
 import mmap
 import os
 import re
@@ -52,13 +69,17 @@ import select
 import stat
 import struct
 import threading
+import time
 import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy
 import torch
 
 from pipesvc.errors import WireFormatError
+
+logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 DEFAULT_AREA_BYTES = 256 << 20
@@ -72,7 +93,16 @@ HEADER_BYTES = 4096
 ALIGN = 64
 _NONCE_BYTES = 16
 _CONSUMED_OFFSET = 64
-_NAME = re.compile(r"pipesvc-[0-9a-f]{32}")
+_NAME = re.compile(r"pipesvc-([0-9]+)-([0-9]+)-[0-9a-f]{32}")
+"""pipesvc-<creator's pid>-<its start time in clock ticks>-<random>: the pair names a process
+uniquely on a host (a pid alone is reused, e.g. pid 1 of every restarted container)."""
+STALE_AFTER_S = 30.0
+"""An area file this old whose creator is gone is stale (the file normally lives only between
+offer and answer, well under a second)."""
+_TRIM_MIN_BYTES = 1 << 20
+"""Freed pages above the live slots are given back once there are more than this many."""
+_POLL_S = 0.1
+"""How often a wait on the doorbell checks whether its side was closed or cancelled."""
 _LENGTH_BYTES = 4
 BELL_SUFFIX = ".bell"
 MAX_BELL_MESSAGE = 4096 - _LENGTH_BYTES
@@ -131,6 +161,11 @@ class Ring:
         self._next_seq += 1
         return slot
 
+    @property
+    def high(self) -> int:
+        """End of the highest live slot (0 when none is live)."""
+        return max((end for _, _, end in self._live), default=0)
+
 
 def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
     flat = tensor.detach().contiguous().reshape(-1)
@@ -146,8 +181,105 @@ def _area_size(limit: int) -> int:
     return min(limit, free // 4) // mmap.PAGESIZE * mmap.PAGESIZE
 
 
+def _page_up(n: int) -> int:
+    return (n + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+
+
+def _start_ticks(pid: int) -> int:
+    """When process ``pid`` started (clock ticks after boot); -1 when no such process is seen
+    here (/proc/<pid>/stat field 22)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat_file:
+            return int(stat_file.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def _process_id() -> str:
+    """This process's part of an area name (computed each time: a fork is another process)."""
+    pid = os.getpid()
+    return f"{pid}-{_start_ticks(pid)}"
+
+
+def remove_stale_areas(directory: str = SHM_DIR, min_age_s: float = STALE_AFTER_S) -> list[str]:
+    """Removes area files (and doorbells) whose creating process is gone, older than
+    ``min_age_s``: what a sender killed between offer and answer leaves behind. Returns the
+    names removed. (A process of another pid namespace sharing ``/dev/shm`` may look dead
+    here; the age keeps its fresh offers safe, and an old one removed is refused and sent as
+    frames.)"""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    removed = []
+    now = time.time()
+    for name in names:
+        match = _NAME.fullmatch(name.removesuffix(BELL_SUFFIX))
+        if match is None or _start_ticks(int(match.group(1))) == int(match.group(2)):
+            continue  # not an area, or its creator lives
+        path = os.path.join(directory, name)
+        try:
+            if now - os.lstat(path).st_mtime < min_age_s:
+                continue
+            os.unlink(path)
+        except OSError:
+            continue  # gone already, or not ours to remove
+        removed.append(name)
+    if removed:
+        logger.info("removed %d stale shared-memory files: %s", len(removed), removed)
+    return removed
+
+
+class _SharedFd:
+    """A file descriptor closed only when no call uses it any more (see [Note: shared-memory
+    lifetime]): ``close`` marks it closed, and the last user closes the number."""
+
+    def __init__(self, fd: int, what: str) -> None:
+        self._fd = fd
+        self._what = what
+        self._users = 0
+        self._closed = False
+        self._lock = threading.Lock()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @contextlib.contextmanager
+    def use(self) -> Iterator[int]:
+        """The fd, open for the duration of the block.
+
+        Raises:
+            OSError: EBADF, it was closed.
+        """
+        with self._lock:
+            if self._closed:
+                raise OSError(errno.EBADF, f"{self._what} is closed")
+            self._users += 1
+        try:
+            yield self._fd
+        finally:
+            with self._lock:
+                self._users -= 1
+                last = self._closed and self._users == 0
+            if last:
+                os.close(self._fd)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            last = self._users == 0
+        if last:
+            os.close(self._fd)
+
+
 class _Mapping:
-    """A mapped area file and a byte tensor over it."""
+    """A mapped area file and a byte tensor over it.
+
+    ``close`` drops this object's references only: the mmap is unmapped when the last tensor
+    or array over it is gone (see [Note: shared-memory lifetime])."""
 
     def __init__(self, fd: int, size: int) -> None:
         mapped = mmap.mmap(fd, size)
@@ -157,25 +289,24 @@ class _Mapping:
         self.size = size
 
     def close(self) -> None:
-        mapped, self.mmap = self.mmap, None
+        # Never mmap.close(): torch.frombuffer does not pin the buffer, so an explicit close
+        # would unmap under a copy in flight or a tensor over a slot.
+        self.mmap = None
         self.bytes = None
         self.consumed = torch.zeros(1, dtype=torch.int64)
-        if mapped is not None:
-            # Tensors over its slots (or a copy in flight) may still use the mapping; then it
-            # goes with the last of them.
-            with contextlib.suppress(BufferError):
-                mapped.close()
 
 
 class ShmArea:
-    """The sender's area: it writes payloads in; the receiver's tensors are its slots."""
+    """The sender's area: it writes payloads in; the receiver's tensors are its slots.
+
+    One thread writes and rings; any thread may close (see [Note: shared-memory lifetime])."""
 
     def __init__(self, fd: int, path: str, size: int) -> None:
         self.path = path
         self.name = os.path.basename(path)
         self.nonce = secrets.token_bytes(_NONCE_BYTES)
-        self._fd = fd
         self._map = _Mapping(fd, size)
+        self._fd = _SharedFd(fd, f"shared-memory area {self.name}")
         assert self._map.bytes is not None
         self._map.bytes[:_NONCE_BYTES].copy_(
             torch.frombuffer(bytearray(self.nonce), dtype=torch.uint8)
@@ -183,15 +314,19 @@ class ShmArea:
         self._ring = Ring(size - HEADER_BYTES)
         self._reserved = HEADER_BYTES
         self._unlinked = False
-        self._bell = -1
+        self._bell: _SharedFd | None = None
+        self._closed = False
+        self._bell_lock = threading.Lock()  # open_bell (reading thread) against close
 
     @classmethod
     def create(cls, limit: int = DEFAULT_AREA_BYTES) -> ShmArea | None:
-        """A new area of up to ``limit`` bytes, or None where ``/dev/shm`` is missing or full."""
+        """A new area of up to ``limit`` bytes, or None where ``/dev/shm`` is missing or full.
+        Stale areas of dead processes are removed first."""
+        remove_stale_areas()
         size = _area_size(limit)
         if size < MIN_AREA_BYTES:
             return None
-        path = os.path.join(SHM_DIR, f"pipesvc-{secrets.token_hex(16)}")
+        path = os.path.join(SHM_DIR, f"pipesvc-{_process_id()}-{secrets.token_hex(16)}")
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         except OSError:
@@ -213,27 +348,55 @@ class ShmArea:
         """Bytes in the area, header included."""
         return self._map.size
 
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes of the area backed by memory now (header included)."""
+        return self._reserved
+
     def write(self, tensor: torch.Tensor) -> Slot | None:
-        """Copies ``tensor``'s bytes into a free slot; None when none fits now (send frames)."""
+        """Copies ``tensor``'s bytes into a free slot; None when none fits now or the area
+        was closed (send frames)."""
         data = _byte_view(tensor)
-        area = self._map.bytes
-        if area is None or data.numel() == 0:
+        # Locals: the mapping stays while this copy runs, even if another thread closes.
+        area, mapped, consumed = self._map.bytes, self._map.mmap, self._map.consumed
+        if area is None or mapped is None or data.numel() == 0:
             return None
-        self._ring.release(int(self._map.consumed[0]))
+        self._ring.release(int(consumed[0]))
         slot = self._ring.place(data.numel())
         if slot is None:
             return None
         start = HEADER_BYTES + slot.offset
         end = start + data.numel()
+        self._trim(mapped, HEADER_BYTES + self._ring.high)
         if end > self._reserved:
             try:
-                os.posix_fallocate(self._fd, self._reserved, end - self._reserved)
+                with self._fd.use() as fd:
+                    os.posix_fallocate(fd, self._reserved, end - self._reserved)
             except OSError:
                 self._ring.retract()
                 return None
             self._reserved = end
         area[start:end].copy_(data)
         return Slot(slot.seq, start)
+
+    def retract(self) -> None:
+        """Takes back the slot of the last ``write`` (its doorbell message was never sent)."""
+        self._ring.retract()
+
+    def _trim(self, mapped: mmap.mmap, live_end: int) -> None:
+        """Gives the pages above ``live_end`` back to the system (no live slot is there)."""
+        keep = _page_up(live_end)
+        excess = _page_up(self._reserved) - keep
+        # Only once use has more than halved (and by a MiB): a link whose in-flight bytes
+        # wobble by a slot does not free and fault the same pages on every send.
+        if excess <= max(keep, _TRIM_MIN_BYTES):
+            return
+        try:
+            mapped.madvise(mmap.MADV_REMOVE, keep, excess)
+        except (OSError, ValueError) as exc:
+            logger.debug("could not release shared-memory pages: %s", exc)
+            return
+        self._reserved = keep
 
     def open_bell(self) -> bool:
         """Opens the doorbell for writing; False unless the receiver holds it open to read."""
@@ -243,23 +406,43 @@ class ShmArea:
             if exc.errno not in (errno.ENXIO, errno.ENOENT):
                 raise
             return False
-        os.set_blocking(fd, True)
-        self._bell = fd
+        with self._bell_lock:
+            if self._closed:  # closed meanwhile: this end would never be closed
+                os.close(fd)
+                return False
+            self._bell = _SharedFd(fd, f"doorbell of {self.name}")
         return True
 
-    def ring(self, message: bytes) -> None:
-        """Writes one doorbell message (blocks while the pipe is full).
+    def ring(self, message: bytes, cancelled: Callable[[], bool] | None = None) -> bool:
+        """Writes one doorbell message, waiting while the pipe is full; False when
+        ``cancelled()`` became true first (nothing was written).
 
         Raises:
-            OSError: the receiver is gone (BrokenPipeError) or the bell is not open.
+            OSError: the receiver is gone (BrokenPipeError), or the bell is not open or was
+                closed (EBADF).
         """
         if len(message) > MAX_BELL_MESSAGE:
             raise ValueError(
                 f"doorbell message of {len(message)} bytes; at most {MAX_BELL_MESSAGE}"
             )
-        if self._bell < 0:
+        bell = self._bell
+        if bell is None:
             raise OSError(errno.EBADF, "the doorbell is not open")
-        os.write(self._bell, _LENGTH.pack(len(message)) + message)
+        data = _LENGTH.pack(len(message)) + message
+        with bell.use() as fd:
+            poller = select.poll()
+            poller.register(fd, select.POLLOUT)
+            while True:
+                try:
+                    os.write(fd, data)  # at most PIPE_BUF: all or nothing
+                    return True
+                except BlockingIOError:
+                    pass
+                if bell.closed:
+                    raise OSError(errno.EBADF, f"the doorbell of {self.name} was closed")
+                if cancelled is not None and cancelled():
+                    return False
+                poller.poll(_POLL_S * 1000)
 
     def unlink(self) -> None:
         """Removes the files; the mappings and open ends stay valid (called once the receiver
@@ -271,15 +454,16 @@ class ShmArea:
                     os.unlink(path)
 
     def close(self) -> None:
-        """Unlinks, closes the doorbell (the receiver reads end-of-file) and unmaps."""
+        """Unlinks, closes the doorbell (the receiver reads end-of-file once no ``ring`` is in
+        flight) and drops the mapping (unmapped with its last user). Any thread, any time."""
         self.unlink()
-        if self._bell >= 0:
-            os.close(self._bell)
-            self._bell = -1
+        with self._bell_lock:
+            self._closed = True
+            bell = self._bell
+        if bell is not None:
+            bell.close()
         self._map.close()
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._fd.close()
 
 
 class ShmView:
@@ -293,7 +477,9 @@ class ShmView:
             OSError: the file cannot be opened or is not the offered one (another host).
         """
         if not _NAME.fullmatch(name):
-            raise WireFormatError(f"shared-memory area name {name!r} is not pipesvc-<32 hex>")
+            raise WireFormatError(
+                f"shared-memory area name {name!r} is not pipesvc-<pid>-<start>-<32 hex>"
+            )
         if not HEADER_BYTES + ALIGN <= size <= max_size:
             raise WireFormatError(
                 f"shared-memory area size {size} must be in [{HEADER_BYTES + ALIGN}, {max_size}]"
@@ -319,6 +505,7 @@ class ShmView:
         self._released: set[int] = set()
         self._published = 0
         self._release_lock = threading.RLock()
+        self._closed = False
         try:
             self._bell = _open_bell_reader(os.path.join(SHM_DIR, name + BELL_SUFFIX))
         except OSError:
@@ -328,20 +515,23 @@ class ShmView:
         self._poller.register(self._bell, select.POLLIN)
 
     def read_bell(self) -> bytes | None:
-        """The next doorbell message, blocking; None at end-of-file (the sender closed it).
+        """The next doorbell message, blocking; None at end-of-file (the sender closed it) or
+        once this view is closed (``close`` wakes a reader within a fraction of a second).
 
         Raises:
             WireFormatError: a message longer than MAX_BELL_MESSAGE or cut short.
         """
         if self._bell < 0:
             return None
-        head = _read_exact(self._bell, _LENGTH_BYTES, self._poller)
-        if head is None:
+        head = _read_exact(self._bell, _LENGTH_BYTES, self._poller, self._is_closed)
+        if head is None or self._closed:
             return None
         (length,) = _LENGTH.unpack(head)
         if length > MAX_BELL_MESSAGE:
             raise WireFormatError(f"doorbell message of {length} bytes; at most {MAX_BELL_MESSAGE}")
-        body = _read_exact(self._bell, length, self._poller)
+        body = _read_exact(self._bell, length, self._poller, self._is_closed)
+        if self._closed:
+            return None
         if body is None:
             raise WireFormatError(f"doorbell message cut short ({length} bytes announced)")
         return body
@@ -384,8 +574,13 @@ class ShmView:
             if self._map.mmap is not None:
                 self._map.consumed[0] = self._published
 
+    def _is_closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
-        """Unmaps (the doorbell is closed by its reading thread)."""
+        """Drops the mapping (unmapped once the last tensor over a slot is gone) and wakes the
+        doorbell's reader (which closes the doorbell)."""
+        self._closed = True
         self._map.close()
 
 
@@ -402,15 +597,18 @@ def _open_bell_reader(path: str) -> int:
     return fd
 
 
-def _read_exact(fd: int, n: int, poller: select.poll) -> bytes | None:
+def _read_exact(fd: int, n: int, poller: select.poll, closed: Callable[[], bool]) -> bytes | None:
     """``n`` bytes from the non-blocking FIFO ``fd``; None at end-of-file before the first
-    byte. It waits in ``poll`` before reading: on Linux a FIFO reports hang-up only after a
-    writer has come and gone, while ``read`` returns end-of-file whenever no writer is there,
-    also before the first one has opened it."""
+    byte, or once ``closed()``. It waits in ``poll`` before reading: on Linux a FIFO reports
+    hang-up only after a writer has come and gone, while ``read`` returns end-of-file whenever
+    no writer is there, also before the first one has opened it."""
     chunks: list[bytes] = []
     got = 0
     while got < n:
-        poller.poll()
+        if not poller.poll(_POLL_S * 1000):
+            if closed():
+                return None
+            continue
         try:
             chunk = os.read(fd, n - got)
         except BlockingIOError:

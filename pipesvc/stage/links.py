@@ -5,10 +5,18 @@ activation frames flow down the request side, gradient frames come back on the r
 Encoding and sending run on gRPC's stream threads, fed by bounded queues, so a stage computes
 the next micro-batch while the previous one is on the wire. Between stages on one host the
 payloads go through shared memory instead (see [Note: the shared-memory path] in pipesvc.shm).
+
+[Note: bounded waits] No wait in the data plane outlives the stream or the run it serves. A
+send waits for room in its queue (or the doorbell's pipe) in short polls, and fails at once
+with StageUnavailableError once the stream has ended (gRPC stops draining a finished call, so
+an unbounded ``put`` would hang the step and, with it, the run lock that Abort needs), and with
+StepAbortedError once its run is aborted (Abort wakes a step blocked sending to a hung peer).
+Closing a link never blocks: it marks the sender ended and drops what was queued.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -19,7 +27,12 @@ import grpc
 import torch
 from google.protobuf.message import DecodeError
 
-from pipesvc.errors import PipesvcError, StageUnavailableError, WireFormatError
+from pipesvc.errors import (
+    PipesvcError,
+    StageUnavailableError,
+    StepAbortedError,
+    WireFormatError,
+)
 from pipesvc.metrics import NO_METRICS, Metrics
 from pipesvc.rpc_status import error_from_rpc
 from pipesvc.shm import DEFAULT_AREA_BYTES, MAX_AREA_BYTES, ShmArea, ShmView
@@ -42,7 +55,9 @@ _DIRECTIONS = {stage_pb2.ACTIVATION: ACTIVATION, stage_pb2.GRADIENT: GRADIENT}
 _WIRE_DIRECTIONS = {v: k for k, v in _DIRECTIONS.items()}
 EXCHANGE_METHOD = "/pipesvc.v1.StageService/Exchange"
 SEND_QUEUE_ITEMS = 64
-"""Tensors waiting to be sent before a sender blocks (backpressure)."""
+"""Tensors waiting to be sent before a sender waits (backpressure)."""
+_POLL_S = 0.1
+"""How often a waiting send checks whether its stream ended or its run was aborted."""
 
 _Outgoing: TypeAlias = "tuple[MailKey, torch.Tensor] | stage_pb2.DataFrame | PipesvcError | None"
 
@@ -71,7 +86,8 @@ class Sender:
     ``put`` writes a tensor into the area and rings the doorbell from the calling thread (see
     [Note: the shared-memory path]); only when the area has no room does it still queue frames.
     ``put`` also takes a control frame, an error to end the stream with, or None to end it.
-    One thread puts tensors; any thread may put the rest.
+    One thread puts tensors; any thread may put the rest, or ``close`` (see [Note: bounded
+    waits]).
     """
 
     def __init__(
@@ -83,8 +99,13 @@ class Sender:
         copies: int = 1,
         shm_bytes: int = DEFAULT_AREA_BYTES,
         metrics: Metrics = NO_METRICS,
+        peer: str = "the peer",
+        run_aborted: Callable[[int], bool] = lambda run_id: False,
     ) -> None:
         self._job_id = job_id
+        self._peer = peer
+        self._run_aborted = run_aborted
+        self._ended = threading.Event()
         self._epoch = epoch
         self._direction = direction
         self._copies = copies
@@ -101,12 +122,49 @@ class Sender:
         return self._bell_open
 
     def put(self, item: _Outgoing) -> None:
-        """Sends a tensor through shared memory, or queues an item for the stream (blocks
-        while the queue is full)."""
+        """Sends a tensor through shared memory, or queues an item for the stream (waits
+        while the queue is full). After the stream ended, a control item is dropped.
+
+        Raises:
+            StageUnavailableError: a tensor after the stream ended (the peer is gone).
+            StepAbortedError: the tensor's run was aborted while it waited.
+        """
+        key = item[0] if isinstance(item, tuple) else None
         if isinstance(item, tuple) and self._bell_open and self._send_shared(*item):
             return
-        self._queue.put(item)
+        queued = False
+        while not queued:
+            if key is not None and self._run_aborted(key.run_id):
+                raise StepAbortedError(f"run {key.run_id} was aborted while sending {key}")
+            if not self._ended.is_set():
+                try:
+                    self._queue.put(item, timeout=_POLL_S)
+                    queued = True
+                except queue.Full:
+                    continue
+            # Checked after queueing too: close() may have drained the queue meanwhile.
+            if self._ended.is_set():
+                if key is None:
+                    return  # nothing left to answer or end
+                raise StageUnavailableError(
+                    f"the data stream to {self._peer} has ended; {key} was not sent"
+                )
         self._metrics.set("queue_depth", self._queue.qsize(), queue="send")
+
+    def close(self) -> None:
+        """Ends the stream now, dropping what is queued; never waits. Later tensors raise."""
+        self._ended.set()
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        # Wakes frames() at once; if a put raced in, frames() sees the end within a poll.
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait(None)
+        area = self._area
+        if area is not None:
+            area.close()  # wakes a ring() waiting on a full doorbell
 
     def on_answer(self, answer: stage_pb2.ShmAnswer) -> None:
         """The receiver's answer to this sender's offer (called from the reading thread)."""
@@ -129,7 +187,15 @@ class Sender:
             PipesvcError: the queued error, to end the stream with its status.
         """
         try:
-            while (item := self._queue.get()) is not None:
+            while True:
+                try:
+                    item = self._queue.get(timeout=_POLL_S)
+                except queue.Empty:
+                    if self._ended.is_set():
+                        return
+                    continue
+                if item is None or self._ended.is_set():
+                    return
                 if isinstance(item, PipesvcError):
                     raise item
                 if isinstance(item, stage_pb2.DataFrame):
@@ -143,6 +209,8 @@ class Sender:
                 for _ in range(self._copies):
                     yield from self._tensor_frames(*item)
         finally:
+            # Nobody drains the queue any more: later sends fail instead of waiting.
+            self._ended.set()
             self._bell_open = False
             if self._area is not None:
                 self._area.close()
@@ -152,6 +220,9 @@ class Sender:
             return None
         self._area = ShmArea.create(self._shm_bytes)
         if self._area is None:
+            return None
+        if self._ended.is_set():  # closed while the area was made: close() missed it
+            self._area.close()
             return None
         return stage_pb2.DataFrame(
             id=_ident(self._job_id, self._epoch, self._direction),
@@ -181,12 +252,15 @@ class Sender:
                 ),
             )
             try:
-                area.ring(frame.SerializeToString())
+                rung = area.ring(frame.SerializeToString(), lambda: self._run_aborted(key.run_id))
             except OSError as exc:
                 # The receiver closed its end: it is gone; the stream reports why.
                 logger.info("doorbell to the peer failed (%s); sending frames", exc)
                 self._bell_open = False
                 return copy > 0
+            if not rung:  # nothing was written: the slot goes back, the link stays usable
+                area.retract()
+                raise StepAbortedError(f"run {key.run_id} was aborted while sending {key}")
             self._metrics.inc("frames_total", direction="sent", kind=key.direction)
             self._metrics.inc("bytes_total", header.num_bytes, direction="sent", kind=key.direction)
         return True
@@ -224,8 +298,10 @@ class FrameReader:
         reply: Sender,
         on_delivered: Callable[[bool], None] | None = None,
         fail: Callable[[PipesvcError], None] | None = None,
+        accept_shm: bool = True,
     ) -> None:
         self._metrics = metrics
+        self._accept_shm = accept_shm
         self._job_id = job_id
         self._epoch = epoch
         self._direction = direction
@@ -334,11 +410,14 @@ class FrameReader:
         if self._view is not None:
             raise WireFormatError(f"a second shared-memory offer ({offer.name}) on one stream")
         answer = stage_pb2.ShmAnswer(name=offer.name)
-        try:
-            self._view = ShmView(offer.name, offer.nonce, offer.size, MAX_AREA_BYTES)
-            answer.accepted = True
-        except OSError as exc:
-            answer.reason = f"cannot map {offer.name}: {exc.strerror or exc}"
+        if not self._accept_shm:
+            answer.reason = "shared memory is off on this stage (shm_bytes 0)"
+        else:
+            try:
+                self._view = ShmView(offer.name, offer.nonce, offer.size, MAX_AREA_BYTES)
+                answer.accepted = True
+            except OSError as exc:
+                answer.reason = f"cannot map {offer.name}: {exc.strerror or exc}"
         if self._view is not None:
             threading.Thread(
                 target=self._read_bell, args=(self._view,), name="doorbell", daemon=True
@@ -377,11 +456,15 @@ def _stream_ends(
     shm_bytes: int,
     metrics: Metrics,
     fail: Callable[[PipesvcError], None],
+    peer: str,
     on_delivered: Callable[[bool], None] | None = None,
 ) -> tuple[Sender, FrameReader]:
     """One side of an Exchange stream: a sender for direction ``sends`` and a reader for the
-    other, wired so the reader answers shared-memory offers through the sender."""
+    other, wired so the reader answers shared-memory offers through the sender. With
+    ``shm_bytes`` 0 this side neither offers nor maps an area."""
     sender = Sender(
+        peer=peer,
+        run_aborted=mailbox.is_aborted,
         job_id=job_id,
         epoch=epoch,
         direction=sends,
@@ -399,6 +482,7 @@ def _stream_ends(
         reply=sender,
         on_delivered=on_delivered,
         fail=fail,
+        accept_shm=shm_bytes > 0,
     )
     return sender, reader
 
@@ -431,6 +515,7 @@ class DownstreamLink:
             shm_bytes=shm_bytes,
             metrics=metrics,
             fail=self._fail,
+            peer=f"downstream stage {address}",
         )
         exchange = channel.stream_stream(
             EXCHANGE_METHOD, request_serializer=serialize, response_deserializer=parse
@@ -445,12 +530,13 @@ class DownstreamLink:
         return self._sender.uses_shm
 
     def send(self, key: MailKey, tensor: torch.Tensor) -> None:
-        """Sends an activation (blocks while the send queue is full)."""
+        """Sends an activation (waits while the send queue is full; see [Note: bounded
+        waits])."""
         self._sender.put((key, tensor.detach()))
 
     def close(self) -> None:
-        """Ends the stream; the reader thread exits once the peer closes its side."""
-        self._sender.put(None)
+        """Ends the stream without waiting for the peer; the reader thread exits with it."""
+        self._sender.close()
         self._call.cancel()
         self._thread.join(timeout=5)
 
@@ -473,6 +559,7 @@ class DownstreamLink:
         except PipesvcError as exc:
             self._fail(exc)
         finally:
+            self._sender.close()  # the call is over: later sends fail at once
             self._reader.close()
 
 
@@ -505,6 +592,7 @@ class UpstreamLink:
             shm_bytes=shm_bytes,
             metrics=metrics,
             fail=self._fail,
+            peer="the upstream stage",
             on_delivered=self._accepted,
         )
 
@@ -518,8 +606,8 @@ class UpstreamLink:
         self._sender.put((key, tensor.detach()))
 
     def close(self) -> None:
-        """Ends the response side of the stream."""
-        self._sender.put(None)
+        """Ends the response side of the stream (never waits)."""
+        self._sender.close()
 
     def serve(
         self, requests: Iterable[InFrame | stage_pb2.DataFrame]
@@ -531,7 +619,10 @@ class UpstreamLink:
         """
         thread = threading.Thread(target=self._read, args=(requests,), daemon=True)
         thread.start()
-        yield from self._sender.frames()
+        try:
+            yield from self._sender.frames()
+        finally:
+            self._sender.close()  # the call ended (or gRPC dropped this generator)
 
     def _accepted(self, accepted: bool) -> None:
         # Only a stream that delivers a tensor the mailbox accepts (a current run's, not
@@ -556,7 +647,7 @@ class UpstreamLink:
             pass  # the upstream went away; its own side reports the failure
         finally:
             self._reader.close()
-        self._sender.put(None)
+        self._sender.close()
 
 
 def add_stage_service(servicer: stage_pb2_grpc.StageServiceServicer, server: grpc.Server) -> None:

@@ -126,6 +126,11 @@ class Mailbox:
             self._drop(lambda key: key.run_id == run_id)
             self._cond.notify_all()
 
+    def is_aborted(self, run_id: int) -> bool:
+        """Whether ``run_id`` was aborted (a sender waiting for room checks this)."""
+        with self._cond:
+            return run_id in self._aborted
+
     def finish(self, run_id: int) -> None:
         """Marks every run up to ``run_id`` over: their late mail is stale from now on."""
         with self._cond:

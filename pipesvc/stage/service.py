@@ -150,6 +150,15 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
             )
         return job.downstream
 
+    def _close_channel(self, address: str, still_used: str) -> None:
+        """Closes the channel to a downstream neighbour this stage no longer sends to: after
+        each recovery the neighbour is another stage, and a channel kept per address ever
+        dialled would pile up (its subchannels keep reconnecting to the dead one)."""
+        if address and address != still_used:
+            channel = self._channels.pop(address, None)
+            if channel is not None:
+                channel.close()
+
     # -- control -----------------------------------------------------------------------------
 
     @handle_errors
@@ -217,6 +226,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
             previous, self._job = self._job, assignment
         if previous is not None:
             previous.close()
+            self._close_channel(previous.downstream_address, request.downstream_address)
         logger.info(
             "job %s: holding layers [%d, %d) as rank %d of %d (%d parameters)",
             request.job_id,
@@ -234,6 +244,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
         with self._lock:
             self._job = None
         job.close()
+        self._close_channel(job.downstream_address, "")
         logger.info("job %s: released", request.job_id)
         return stage_pb2.ReleaseResponse()
 

@@ -10,9 +10,11 @@ from typing import Any
 import pytest
 import torch
 
+from pipesvc.errors import StageUnavailableError, StepAbortedError
 from pipesvc.metrics import NO_METRICS
 from pipesvc.stage.frame_wire import OutFrame
 from pipesvc.stage.links import (
+    SEND_QUEUE_ITEMS,
     DownstreamLink,
     FrameReader,
     Sender,
@@ -57,9 +59,11 @@ def _shm_files() -> set[str]:
 @pytest.mark.parametrize(
     ("down_shm", "up_shm"),
     [(256 << 20, 256 << 20), (0, 0), (256 << 20, 0), (0, 256 << 20)],
-    ids=["both-shm", "both-frames", "activations-shm", "gradients-shm"],
+    ids=["both-shm", "both-frames", "only-upstream-offers", "only-downstream-offers"],
 )
 def test_echo_is_exact_on_every_path(down_shm: int, up_shm: int) -> None:
+    """A stage with shm_bytes 0 neither offers an area nor maps its peer's: shared memory is
+    used only where both ends have it on, both ways; frames carry everything else."""
     before = _shm_files()
     echo = _Echo(up_shm)
     server, port, _ = create_server("127.0.0.1:0", [lambda s: add_stage_service(echo, s)])
@@ -80,8 +84,9 @@ def test_echo_is_exact_on_every_path(down_shm: int, up_shm: int) -> None:
             link.send(MailKey(1, ACTIVATION, i), x)
             assert torch.equal(mailbox.get(MailKey(1, GRADIENT, i), 30.0), x * 2)
         assert echo.link is not None
-        assert link.uses_shm == bool(down_shm)
-        assert echo.link.uses_shm == bool(up_shm)
+        both = bool(down_shm and up_shm)
+        assert link.uses_shm == both
+        assert echo.link.uses_shm == both
         # Accepted areas are unlinked at once; the others when their stream ends.
         assert _shm_files() - before == set()
     finally:
@@ -115,7 +120,7 @@ def test_an_area_the_receiver_cannot_map_is_refused_and_frames_flow() -> None:
 
     elsewhere = stage_pb2.DataFrame()
     elsewhere.CopyFrom(offer)
-    elsewhere.shm_offer.name = "pipesvc-" + "f" * 32  # no such file on "this host"
+    elsewhere.shm_offer.name = f"pipesvc-{os.getpid()}-1-" + "f" * 32  # no such file on "this host"
     gradients = Sender(job_id="j", epoch=1, direction=GRADIENT)
     _reader(gradients).feed(elsewhere)
     answer = next(gradients.frames())
@@ -184,3 +189,58 @@ def test_doorbell_frames_are_checked() -> None:
         view.close_bell()
         view.close()
         area.close()
+
+
+def _full_sender(mailbox: Mailbox) -> Sender:
+    """A sender whose queue is full and that nobody drains (a stream gRPC stopped reading)."""
+    sender = Sender(
+        job_id="j", epoch=1, direction=ACTIVATION, shm_bytes=0, run_aborted=mailbox.is_aborted
+    )
+    for i in range(SEND_QUEUE_ITEMS):
+        sender.put((MailKey(1, ACTIVATION, i), torch.ones(1)))
+    return sender
+
+
+def _put_in_thread(sender: Sender, key: MailKey) -> tuple[threading.Thread, list[BaseException]]:
+    raised: list[BaseException] = []
+
+    def put() -> None:
+        try:
+            sender.put((key, torch.ones(1)))
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=put, daemon=True)
+    thread.start()
+    return thread, raised
+
+
+def test_a_send_waiting_on_an_ended_stream_fails() -> None:
+    """[Note: bounded waits]: the stream ends (its call is over) while a send waits for room:
+    the send fails with StageUnavailableError instead of waiting forever, and so does every
+    later one; ending the stream itself never waits."""
+    sender = _full_sender(Mailbox())
+    thread, raised = _put_in_thread(sender, MailKey(1, ACTIVATION, SEND_QUEUE_ITEMS))
+    sender.close()  # would block on the full queue if it queued its end like a tensor
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert len(raised) == 1 and isinstance(raised[0], StageUnavailableError), raised
+    with pytest.raises(StageUnavailableError, match="has ended"):
+        sender.put((MailKey(2, ACTIVATION, 0), torch.ones(1)))
+    assert list(sender.frames()) == []  # the queued tensors were dropped with the stream
+
+
+def test_abort_wakes_a_send_waiting_for_room() -> None:
+    """A hung peer keeps the stream open but stops reading: Abort of the run wakes the step's
+    send with StepAbortedError (the step then releases its run lock); the stream lives on."""
+    mailbox = Mailbox()
+    sender = _full_sender(mailbox)
+    thread, raised = _put_in_thread(sender, MailKey(1, ACTIVATION, SEND_QUEUE_ITEMS))
+    mailbox.abort(1)
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert len(raised) == 1 and isinstance(raised[0], StepAbortedError), raised
+    frames = sender.frames()
+    assert isinstance(next(frames), OutFrame)  # the stream still drains
+    sender.put((MailKey(2, ACTIVATION, 0), torch.ones(1)))
+    sender.close()

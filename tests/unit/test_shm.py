@@ -58,6 +58,7 @@ def test_ring_never_overlaps_live_slots(ops: list[tuple[int, int]]) -> None:
     capacity = 16 * ALIGN
     ring = Ring(capacity)
     live: list[tuple[int, int, int]] = []  # seq, start, end
+    placed = 0
     for size, frees in ops:
         if frees and live:
             upto = live[min(frees, len(live)) - 1][0]
@@ -68,7 +69,8 @@ def test_ring_never_overlaps_live_slots(ops: list[tuple[int, int]]) -> None:
             continue
         end = slot.offset + size
         assert slot.offset >= 0 and end <= capacity
-        assert slot.seq == (live[-1][0] + 1 if live else slot.seq)
+        placed += 1
+        assert slot.seq == placed  # numbered in placing order, from 1, whatever was freed
         for _, start, stop in live:
             assert end <= start or slot.offset >= stop, (slot, live)
         live.append((slot.seq, slot.offset, end))
@@ -139,7 +141,9 @@ def test_view_refuses_a_bad_offer() -> None:
         with pytest.raises(OSError, match="regular file"):
             ShmView(area.name, area.nonce, area.size - 4096, shm.MAX_AREA_BYTES)
         with pytest.raises(FileNotFoundError):
-            ShmView("pipesvc-" + "0" * 32, area.nonce, area.size, shm.MAX_AREA_BYTES)
+            ShmView(
+                f"pipesvc-{os.getpid()}-1-" + "0" * 32, area.nonce, area.size, shm.MAX_AREA_BYTES
+            )
     finally:
         area.close()
 
@@ -223,7 +227,9 @@ def test_doorbell_length_prefix_is_checked() -> None:
     view = ShmView(area.name, area.nonce, area.size, shm.MAX_AREA_BYTES)
     try:
         assert area.open_bell()
-        os.write(area._bell, (shm.MAX_BELL_MESSAGE + 1).to_bytes(4, "little"))
+        assert area._bell is not None
+        with area._bell.use() as bell:
+            os.write(bell, (shm.MAX_BELL_MESSAGE + 1).to_bytes(4, "little"))
         with pytest.raises(WireFormatError, match="doorbell message"):
             view.read_bell()
     finally:
