@@ -249,7 +249,9 @@ class Job:
 
         Raises:
             InvalidArgumentError: the batch does not fit the model or the job.
-            PipesvcError: a stage failed; nothing was committed.
+            PipesvcError: recovery was impossible (no stage or memory left). If the step failed
+                before its commit began, nothing changed; if it failed during the commit, the
+                step is in the step log and the job's next call completes it on every stage.
         """
         reply = self._client._call(
             "TrainStep",

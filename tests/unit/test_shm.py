@@ -76,6 +76,46 @@ def test_ring_never_overlaps_live_slots(ops: list[tuple[int, int]]) -> None:
         live.append((slot.seq, slot.offset, end))
 
 
+def _lowest_fit(live: list[tuple[int, int, int]], size: int, capacity: int) -> int | None:
+    """Where the lowest slot of ``size`` bytes goes, by brute force over every byte range."""
+    rounded = -(-max(size, 1) // ALIGN) * ALIGN
+    for start in range(0, capacity - rounded + 1, ALIGN):
+        if all(start + rounded <= b or start >= e for _, b, e in live):
+            return start
+    return None
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 5 * ALIGN), st.integers(0, 3), st.booleans()),
+        min_size=1,
+        max_size=80,
+    )
+)
+def test_ring_places_lowest_first_and_knows_its_high_end(
+    ops: list[tuple[int, int, bool]],
+) -> None:
+    capacity = 24 * ALIGN
+    ring = Ring(capacity)
+    live: list[tuple[int, int, int]] = []  # seq, start, end (rounded)
+    for size, frees, retract in ops:
+        if frees and live:
+            upto = live[min(frees, len(live)) - 1][0]
+            ring.release(upto)
+            live = [s for s in live if s[0] > upto]
+        expected = _lowest_fit(live, size, capacity)
+        slot = ring.place(size)
+        assert (slot.offset if slot else None) == expected
+        if slot is not None:
+            if retract:
+                ring.retract()
+            else:
+                live.append((slot.seq, slot.offset, slot.offset + -(-size // ALIGN) * ALIGN))
+        assert ring.live == len(live)
+        assert ring.high == max((e for _, _, e in live), default=0)
+
+
 @pytest.mark.parametrize(
     "tensor",
     [
