@@ -250,9 +250,10 @@ def measure_storage(directory: Path, num_writes: int = 20) -> dict[str, float]:
     return found
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0 to 1) of ``values`` by rank; NaN when there are none."""
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 def main() -> None:
@@ -293,7 +294,7 @@ def main() -> None:
                     run = ours[p, w.name, schedule, every]
                     rate = 1e3 / statistics.fmean(run.step_ms)
                     ratio = "n/a" if isinstance(theirs, str) else f"{rate / theirs:.2f}"
-                    p99 = f"{_percentile(run.step_ms, 0.99):.2f}"
+                    p99 = f"{percentile(run.step_ms, 0.99):.2f}"
                     row += [f"{rate:.1f}", f"{1e3 / rate:.2f}", p99, ratio]
                     cells = [f"{run.breakdown[c]:.2f}" for c in cols]
                     store = [f"{storage[f'steplog {w.name}']:.2f}", f"{storage['db']:.2f}"]

@@ -15,8 +15,8 @@ of the step time seen by the client, and, for the coordinator and each stage
 (``LocalCluster.pids``), the resident memory (``VmRSS``), open file descriptors
 (``/proc/<pid>/fd``) and threads (``Threads`` in ``/proc/<pid>/status``), and the number of
 files and bytes under the coordinator's state directory (database, checkpoints, step log).
-Row 0 is taken after the warm-up. A last table shows each figure's change from row 1 to the
-last row: growth that goes on after the first minute is a leak.
+Row 0 is taken after the warm-up. A last table shows each figure after the warm-up,
+after the first minute and at the end: growth that goes on after the first minute is a leak.
 
 Usage: ``python bench/soak.py [--minutes 10] [--models gpt,mlp]``
 """
@@ -92,18 +92,16 @@ def tree_size(root: Path) -> tuple[int, int]:
     return files, num_bytes
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
-
-
 def _row(
     label: str, step_ms: list[float], seconds: float, pids: list[int], state: Path
 ) -> list[str]:
     files, num_bytes = tree_size(state)
     rate = len(step_ms) / seconds if seconds > 0 else 0.0
     cells = [label, str(len(step_ms)), f"{rate:.2f}"]
-    cells += [f"{_percentile(step_ms, 0.5):.1f}", f"{_percentile(step_ms, 0.99):.1f}"]
+    cells += [
+        f"{overhead.percentile(step_ms, 0.5):.1f}",
+        f"{overhead.percentile(step_ms, 0.99):.1f}",
+    ]
     cells += [resources(pid).cell() for pid in pids]
     return [*cells, str(files), f"{num_bytes / MiB:.2f}"]
 
@@ -153,11 +151,11 @@ def soak(name: str, minutes: float, interval_s: float) -> list[list[str]]:
 
 
 def _growth(rows: list[list[str]]) -> list[list[str]]:
-    """Each process's RSS (MiB), fds and threads, and the state dir, at row 1 and at the end."""
-    first, last = rows[2] if len(rows) > 2 else rows[1], rows[-1]
-    out = [["", "from minute " + first[0], "to minute " + last[0]]]
+    """The resource columns after the warm-up, after the first interval and at the end."""
+    picked = [rows[1], rows[min(2, len(rows) - 1)], rows[-1]]
+    out = [["", *(f"minute {row[0]}" for row in picked)]]
     for column in range(5, len(rows[0])):
-        out.append([rows[0][column], first[column], last[column]])
+        out.append([rows[0][column], *(row[column] for row in picked)])
     return out
 
 
