@@ -273,7 +273,7 @@ def main() -> None:
         storage = measure_storage(Path(tmp))
     rate_rows = [["model", "schedule", "stages", "torch steps/s", "torch ms"]]
     for label in ("off", f"every {CHECKPOINT_EVERY}"):
-        rate_rows[0] += [f"pipesvc ckpt {label} steps/s", "ms", "p99 ms", "/torch"]
+        rate_rows[0] += [f"pipesvc ckpt {label} steps/s", "ms", "p50 ms", "p99 ms", "/torch"]
     cols = ["client", "coord", "outside coord", "ckpt log", "before", "window", "after"]
     cols += ["compute", "wait", "send"]
     parts_rows = [["model", "schedule", "stages", "ckpt", *cols, "steplog*", "db*"]]
@@ -294,8 +294,8 @@ def main() -> None:
                     run = ours[p, w.name, schedule, every]
                     rate = 1e3 / statistics.fmean(run.step_ms)
                     ratio = "n/a" if isinstance(theirs, str) else f"{rate / theirs:.2f}"
-                    p99 = f"{percentile(run.step_ms, 0.99):.2f}"
-                    row += [f"{rate:.1f}", f"{1e3 / rate:.2f}", p99, ratio]
+                    quantiles = [f"{percentile(run.step_ms, q):.2f}" for q in (0.5, 0.99)]
+                    row += [f"{rate:.1f}", f"{1e3 / rate:.2f}", *quantiles, ratio]
                     cells = [f"{run.breakdown[c]:.2f}" for c in cols]
                     store = [f"{storage[f'steplog {w.name}']:.2f}", f"{storage['db']:.2f}"]
                     ckpt = f"every {every}" if every else "off"
