@@ -152,7 +152,7 @@ def soak(name: str, minutes: float, interval_s: float) -> list[list[str]]:
 
 def _growth(rows: list[list[str]]) -> list[list[str]]:
     """The resource columns after the warm-up, after the first interval and at the end."""
-    picked = [rows[1], rows[min(2, len(rows) - 1)], rows[-1]]
+    picked = [rows[i] for i in sorted({1, min(2, len(rows) - 1), len(rows) - 1})]
     out = [["", *(f"minute {row[0]}" for row in picked)]]
     for column in range(5, len(rows[0])):
         out.append([rows[0][column], *(row[column] for row in picked)])
