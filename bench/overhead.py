@@ -1,0 +1,325 @@
+"""Per-step overhead on small models: pipesvc vs torch.distributed.pipelining, and where a
+pipesvc step's time goes.
+
+Models (so small that a step is mostly overhead), batch 64 in 4 micro-batches, MSE, SGD
+(lr 1e-3), split uniformly over 2 and 4 stages, GPipe and 1F1B, one torch thread per stage:
+
+- tiny: 4 x (Linear(32, 32) + ReLU) (``bench-mlp`` with width 32, depth 4).
+- mlp: the built-in ``mlp`` with its defaults (16 -> 32 -> 32 -> 32 -> 8: three Linear + ReLU
+  blocks and a Linear).
+
+- torch: ``bench/pipeline.py``'s baseline (``PipelineStage`` + ``ScheduleGPipe`` /
+  ``Schedule1F1B`` over gloo, one process per stage), given these models and batches.
+- pipesvc: ``LocalCluster(num_stages=N, threads_per_stage=1)``; ``job.train_step`` timed from
+  the client, each step on its own, once with checkpoints off (``checkpoint_every=0``) and
+  once at the default interval (every 10 steps).
+
+The breakdown of a pipesvc step (ms per step, mean over the timed steps) lines up three
+clocks of one host (``time.time_ns()``):
+
+- own figures: the client's call (``client``); the coordinator's ``pipesvc_step_seconds``
+  histogram (``coord``: its lock held, from readiness check to the step's database write,
+  served with ``--metrics-port``); its log's "checkpoint at step N in X s" (``ckpt log``,
+  10 ms resolution); the stages' recorded spans (``job.timelines()``): the step's
+  ``window`` (first action on any stage to last), and ``compute``, ``wait`` and ``send``
+  summed over the stages.
+- derived: ``before`` = first stage action - client call start (client encode, gRPC, the
+  coordinator's decode, split, micro-batch encode, RunStep dispatch, the stage's decode);
+  ``after`` = client call end - last stage action (RunStep replies, waiting for the step log,
+  the Commit round with the optimizer step, the database write, the step's log line, the
+  reply); ``outside coord`` = client - coord (what the coordinator's lock does not cover,
+  checkpoints included).
+- measured here, not in the coordinator: ``steplog*`` (``StepLog.write`` of this batch, which
+  writes and fsyncs a file and its directory) and ``db*`` (``StateDB.put_job`` of a job
+  record), each timed in this process on the cluster's file system.
+
+Usage: ``python bench/overhead.py [--quick]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))  # spawned children inherit sys.path
+
+import pipesvc  # noqa: E402
+from bench import pipeline as base  # noqa: E402
+from pipesvc.coordinator.state_db import JobRecord, StateDB  # noqa: E402
+from pipesvc.partition import uniform  # noqa: E402
+from pipesvc.step_log import StepLog  # noqa: E402
+from pipesvc.trace import StageTimeline  # noqa: E402
+
+BATCH, NUM_MICROBATCHES, LR = 64, 4, 1e-3
+WARMUP_STEPS = 5
+CHECKPOINT_EVERY = 10
+"""``create_job``'s default ``checkpoint_every``."""
+TINY = base.Workload("tiny", "bench-mlp", {"width": 32, "depth": 4}, "mse", 4)
+MLP = base.Workload("mlp", "mlp", {}, "mse", 4)
+WORKLOADS = {w.name: w for w in (TINY, MLP)}
+SIZES = {"tiny": (32, 32), "mlp": (16, 8)}
+"""Input and output features of each model."""
+
+
+def _batch(w: base.Workload) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    features_in, features_out = SIZES[w.name]
+    return torch.randn(BATCH, features_in, generator=gen), torch.randn(
+        BATCH, features_out, generator=gen
+    )
+
+
+def _torch_child(q: Any, workload: str, *args: Any) -> None:
+    """``bench/pipeline.py``'s torch stage, pointed at this script's models and batch."""
+    base.WORKLOADS = WORKLOADS
+    base.NUM_MICROBATCHES = NUM_MICROBATCHES
+    base.WARMUP_STEPS = WARMUP_STEPS
+    base.LR = LR
+    base._batch = _batch
+    base._torch_stage(q, workload, *args)
+
+
+def torch_steps_per_s(w: base.Workload, schedule: str, world: int, num_steps: int) -> float | str:
+    """Steps/s of torch.distributed.pipelining, or why it failed."""
+    address = base._free_address()
+    targets = [
+        (_torch_child, (w.name, r, world, address, schedule, num_steps)) for r in range(world)
+    ]
+    result = base._run_children(targets, expect=("seconds", "loss"))
+    return result if isinstance(result, str) else num_steps / result["seconds"]
+
+
+@dataclass(frozen=True)
+class PipesvcRun:
+    """One job's timed steps: per-step client times (ms) and the breakdown's columns."""
+
+    step_ms: list[float]
+    breakdown: dict[str, float]
+
+
+def _coordinator_seconds(metrics_url: str) -> tuple[float, float]:
+    """(sum, count) of the coordinator's ``pipesvc_step_seconds`` histogram."""
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    found = dict(re.findall(r"^pipesvc_step_seconds_(sum|count) (\S+)$", text, re.MULTILINE))
+    return float(found["sum"]), float(found["count"])
+
+
+def _checkpoint_log_s(log: Path, job_id: str, steps: range) -> float:
+    """Seconds the coordinator logged for this job's checkpoints at ``steps``."""
+    pattern = re.compile(rf"job {re.escape(job_id)}: checkpoint at step (\d+) in ([\d.]+) s")
+    found = (pattern.search(line) for line in log.read_text().splitlines())
+    return sum(float(m[2]) for m in found if m and int(m[1]) in steps)
+
+
+def _spans(timelines: list[StageTimeline], steps: range) -> dict[str, float]:
+    """Per-step means (ms) of the stages' window and their summed compute, wait and send."""
+    totals = dict.fromkeys(("window", "compute", "wait", "send"), 0.0)
+    for step in steps:
+        events = [e for t in timelines for e in t.events if e.step == step]
+        totals["window"] += max(e.end_ns for e in events) - min(e.start_ns for e in events)
+        for e in events:
+            kind = "compute" if e.name in ("forward", "backward") else e.name
+            totals[kind] += e.end_ns - e.start_ns
+    return {k: v / 1e6 / len(steps) for k, v in totals.items()}
+
+
+def time_job(job: pipesvc.Job, w: base.Workload, num_steps: int, cluster: Any) -> PipesvcRun:
+    """Warms up, times ``num_steps`` steps one by one and gathers the breakdown."""
+    x, y = _batch(w)
+    for _ in range(WARMUP_STEPS):
+        job.train_step(x, y)
+    first = job.step + 1
+    coord_before = _coordinator_seconds(cluster.metrics_url)
+    calls: list[tuple[int, int]] = []
+    for _ in range(num_steps):
+        start = time.time_ns()
+        job.train_step(x, y)
+        calls.append((start, time.time_ns()))
+    coord_after = _coordinator_seconds(cluster.metrics_url)
+    steps = range(first, job.step + 1)
+    timelines = job.timelines()
+    windows = {}
+    for step in steps:
+        events = [e for t in timelines for e in t.events if e.step == step]
+        windows[step] = (min(e.start_ns for e in events), max(e.end_ns for e in events))
+    n = len(steps)
+    client_ms = [(end - start) / 1e6 for start, end in calls]
+    before = sum(windows[s][0] - c[0] for s, c in zip(steps, calls, strict=True)) / 1e6 / n
+    after = sum(c[1] - windows[s][1] for s, c in zip(steps, calls, strict=True)) / 1e6 / n
+    coord_ms = (coord_after[0] - coord_before[0]) * 1e3 / (coord_after[1] - coord_before[1])
+    ckpt_ms = _checkpoint_log_s(cluster.log_dir / "coordinator.log", job.id, steps) * 1e3 / n
+    breakdown = {
+        "client": statistics.fmean(client_ms),
+        "coord": coord_ms,
+        "outside coord": statistics.fmean(client_ms) - coord_ms,
+        "ckpt log": ckpt_ms,
+        "before": before,
+        "after": after,
+        **_spans(timelines, steps),
+    }
+    return PipesvcRun(client_ms, breakdown)
+
+
+class _Cluster(pipesvc.LocalCluster):
+    """A LocalCluster whose coordinator serves its metrics; ``metrics_url`` says where."""
+
+    metrics_url = ""
+
+    def start(self) -> _Cluster:
+        super().start()
+        log = (self.log_dir / "coordinator.log").read_text()
+        url = re.search(r"serving Prometheus metrics on (\S+)", log)
+        if url is None:
+            raise RuntimeError(f"the coordinator did not log its metrics address:\n{log}")
+        self.metrics_url = url[1]
+        return self
+
+
+def measure_pipesvc(num_stages: int, num_steps: int) -> dict[tuple[str, str, int], PipesvcRun]:
+    """``{(workload, schedule, checkpoint_every): run}`` on one cluster of ``num_stages``."""
+    results = {}
+    with _Cluster(
+        num_stages=num_stages,
+        models=["bench.bench_models"],
+        threads_per_stage=1,
+        coordinator_args=["--metrics-port", "0"],
+    ) as cluster:
+        client = cluster.connect()
+        for w in WORKLOADS.values():
+            for schedule in base.SCHEDULES:
+                for every in (0, CHECKPOINT_EVERY):
+                    job = client.create_job(
+                        model=w.model,
+                        model_args=w.model_args,
+                        num_stages=num_stages,
+                        num_microbatches=NUM_MICROBATCHES,
+                        schedule=schedule,
+                        optimizer={"name": "sgd", "lr": LR},
+                        loss=w.loss,
+                        partition="uniform",
+                        checkpoint_every=every,
+                    )
+                    plan = [(s.start_layer, s.end_layer) for s in job.plan]
+                    if plan != uniform(w.num_layers, num_stages):
+                        raise RuntimeError(f"pipesvc planned {plan}; torch uses the uniform split")
+                    results[w.name, schedule, every] = time_job(job, w, num_steps, cluster)
+                    job.close()
+        client.close()
+    return results
+
+
+def measure_storage(directory: Path, num_writes: int = 20) -> dict[str, float]:
+    """ms per ``StepLog.write`` of each model's batch and per ``StateDB.put_job``, timed here."""
+    found = {}
+    for w in WORKLOADS.values():
+        log = StepLog(directory / w.name)
+        start = time.perf_counter()
+        for step in range(1, num_writes + 1):
+            log.write(step, *_batch(w))
+        found[f"steplog {w.name}"] = (time.perf_counter() - start) * 1e3 / num_writes
+    db = StateDB(directory / "db")
+    spec = {"model": "mlp", "model_args": {}, "optimizer": {"name": "sgd", "lr": LR}}
+    plan = [{"start_layer": 0, "end_layer": 2, "rank": 0, "address": "127.0.0.1:1"}] * 2
+    start = time.perf_counter()
+    for step in range(num_writes):
+        record = JobRecord(
+            job_id="j",
+            spec=spec,
+            plan=plan,
+            layers=b"x" * 2000,
+            epoch=1,
+            step=step,
+            run_id=step,
+            checkpoint_step=-1,
+        )
+        db.put_job(record)
+    found["db"] = (time.perf_counter() - start) * 1e3 / num_writes
+    db.close()
+    return found
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0 to 1) of ``values`` by rank; NaN when there are none."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="30 timed steps instead of 200")
+    args = parser.parse_args()
+    num_steps = 30 if args.quick else 200
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p
+    )  # for the stage processes, which import bench.bench_models
+    ours = {
+        (p, *key): run
+        for p in base.STAGE_COUNTS
+        for key, run in measure_pipesvc(p, num_steps).items()
+    }
+    with tempfile.TemporaryDirectory(prefix="pipesvc-overhead-") as tmp:
+        storage = measure_storage(Path(tmp))
+    rate_rows = [["model", "schedule", "stages", "torch steps/s", "torch ms"]]
+    for label in ("off", f"every {CHECKPOINT_EVERY}"):
+        rate_rows[0] += [f"pipesvc ckpt {label} steps/s", "ms", "p50 ms", "p99 ms", "/torch"]
+    cols = ["client", "coord", "outside coord", "ckpt log", "before", "window", "after"]
+    cols += ["compute", "wait", "send"]
+    parts_rows = [["model", "schedule", "stages", "ckpt", *cols, "steplog*", "db*"]]
+    errors = {}
+    for p in base.STAGE_COUNTS:
+        for w in WORKLOADS.values():
+            for schedule in base.SCHEDULES:
+                theirs = torch_steps_per_s(w, schedule, p, num_steps)
+                if isinstance(theirs, str):
+                    errors[f"{w.name}, {schedule} x {p}"] = theirs
+                row = [w.name, schedule, str(p)]
+                row += (
+                    ["failed", "n/a"]
+                    if isinstance(theirs, str)
+                    else [f"{theirs:.1f}", f"{1e3 / theirs:.2f}"]
+                )
+                for every in (0, CHECKPOINT_EVERY):
+                    run = ours[p, w.name, schedule, every]
+                    rate = 1e3 / statistics.fmean(run.step_ms)
+                    ratio = "n/a" if isinstance(theirs, str) else f"{rate / theirs:.2f}"
+                    quantiles = [f"{percentile(run.step_ms, q):.2f}" for q in (0.5, 0.99)]
+                    row += [f"{rate:.1f}", f"{1e3 / rate:.2f}", *quantiles, ratio]
+                    cells = [f"{run.breakdown[c]:.2f}" for c in cols]
+                    store = [f"{storage[f'steplog {w.name}']:.2f}", f"{storage['db']:.2f}"]
+                    ckpt = f"every {every}" if every else "off"
+                    parts_rows.append([w.name, schedule, str(p), ckpt, *cells, *store])
+                rate_rows.append(row)
+    print(
+        "\nSmall steps: tiny = 4 x (Linear(32, 32) + ReLU), mlp = built-in mlp (16 -> 32 x 3 "
+        f"-> 8); batch {BATCH} in {NUM_MICROBATCHES} micro-batches, MSE, SGD;\n"
+        f"{WARMUP_STEPS} warm-up + {num_steps} timed steps; 1 thread per stage process "
+        "(pipesvc adds a coordinator); "
+        f"{os.cpu_count()} CPU cores; load average {os.getloadavg()[0]:.1f}.\n"
+    )
+    base._print_table(rate_rows)
+    print(
+        "\nWhere a pipesvc step goes, ms/step (mean). Own timestamps: client, coord (coordinator's"
+        " step_seconds),\nckpt log (coordinator's log, amortised per step), window/compute/wait/"
+        "send (stages' spans; compute, wait, send\nsummed over stages). Derived: before = first "
+        "stage action - call start, after = call end - last stage action,\noutside coord = client"
+        " - coord. * timed in this process on the same file system, not inside the coordinator.\n"
+    )
+    base._print_table(parts_rows)
+    for where, message in errors.items():
+        print(f"\ntorch.distributed.pipelining failed ({where}):\n{message}")
+
+
+if __name__ == "__main__":
+    main()
