@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from pipesvc.errors import InvalidArgumentError, NotFoundError
-from pipesvc.weights import load_weights, save_weights
+from pipesvc.weights import load_weights, save_weights, sync_file_and_directory
 
 FORMAT = 2
 READABLE_FORMATS = (1, 2)
@@ -211,7 +211,7 @@ class CheckpointWriter:
         if self._layer is None:
             return
         name = f"layer-{self._layer:05d}.safetensors"
-        save_weights(self._tensors, self._tmp / name)
+        save_weights(self._tensors, self._tmp / name, sync_directory=False)
         self._files[self._layer] = {"file": name, "sha256": _sha256(self._tmp / name)}
         self._tensors = {}
         self._layer = None
@@ -246,8 +246,13 @@ class CheckpointWriter:
             job_id=job_id, step=step, spec=spec, num_layers=num_layers, plan=plan, files=self._files
         )
         (self._tmp / MANIFEST).write_text(manifest.to_json())
+        # Durable before visible, and visible durably before the caller prunes the step log
+        # behind it: the manifest and every file's name (one directory sync for all layers),
+        # then the rename in the parent.
+        sync_file_and_directory(self._tmp / MANIFEST)
         shutil.rmtree(self.directory, ignore_errors=True)
         os.replace(self._tmp, self.directory)
+        sync_file_and_directory(self.directory)
         return manifest
 
     def discard(self) -> None:

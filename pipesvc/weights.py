@@ -169,13 +169,16 @@ def save_weights(
     path: str | os.PathLike[str],
     *,
     metadata: Mapping[str, str] | None = None,
+    sync_directory: bool = True,
 ) -> None:
     """Write ``state_dict`` to ``path`` as safetensors, atomically.
 
     The file is written beside ``path`` under a temporary name, flushed to disk and renamed over
     ``path``: a reader sees the old file or the new one, never part of one, and a failed save
     leaves the old file as it was. Tensors are saved contiguous, on the CPU, and tensors that
-    share storage are each written whole.
+    share storage are each written whole. With ``sync_directory`` False the rename is not yet
+    durable: a caller that writes many files into one directory syncs it once itself
+    (``sync_file_and_directory``).
 
     Raises:
         InvalidArgumentError: a name is not a non-empty str, a value is not a dense tensor of a
@@ -201,7 +204,15 @@ def save_weights(
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)
         raise
-    _fsync(directory, directory=True)
+    if sync_directory:
+        _fsync(directory, directory=True)
+
+
+def sync_file_and_directory(path: str | os.PathLike[str]) -> None:
+    """Flushes a file (or directory) and the directory entry that names it to disk."""
+    target = os.path.abspath(os.fspath(path))
+    _fsync(target, directory=os.path.isdir(target))
+    _fsync(os.path.dirname(target), directory=True)
 
 
 def _read_raw_header(path: str, limits: WeightLimits) -> tuple[bytes, int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -136,3 +137,37 @@ def test_reading_layers_outside_the_checkpoint_is_refused(tmp_path: Path) -> Non
     manifest = write_checkpoint(tmp_path / "c", [("0.w", torch.ones(1))], **_info(2))
     with pytest.raises(InvalidArgumentError, match=r"\[1, 3\) are not within"):
         list(read_layers(tmp_path / "c", manifest, 1, 3))
+
+
+def test_a_checkpoint_is_durable_before_and_after_it_becomes_visible(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every layer file, the manifest and the temporary directory reach the disk before the
+    rename, and the rename itself (the parent directory) after it, since the coordinator
+    prunes the step log as soon as the checkpoint is written; the temporary directory is
+    synced once, not once per layer."""
+    synced: list[str] = []
+    real_fsync, real_open = os.fsync, os.open
+    names: dict[int, str] = {}
+
+    def opening(path: str, flags: int, *args: Any) -> int:
+        fd = real_open(path, flags, *args)
+        names[fd] = os.path.abspath(path)
+        return fd
+
+    def fsync(fd: int) -> None:
+        synced.append(names.get(fd, "?"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "open", opening)
+    monkeypatch.setattr(os, "fsync", fsync)
+    model = models.build("mlp", seed=1, in_features=3, hidden_features=4, out_features=2)
+    target = tmp_path / "ckpt"
+    write_checkpoint(target, group_by_layer(_state(model)), **_info(len(model)))
+    temp = str(tmp_path / "ckpt.tmp")
+    layer_files = [s for s in synced if s.startswith(temp + "/.layer-")]
+    assert len(layer_files) == len(model)
+    assert synced.count(temp) == 1  # one directory sync for every layer file
+    assert f"{temp}/{MANIFEST}" in synced
+    assert synced.index(f"{temp}/{MANIFEST}") < synced.index(temp)
+    assert synced[-1] == str(tmp_path)  # the rename into place, last
