@@ -51,15 +51,15 @@ def test_training_matches_one_process(
 class MixedCluster:
     client: pipesvc.Client
     frame_only_pids: frozenset[int]
-    """Stages started with ``--shm-bytes 0``: they never offer shared memory, so what they send
-    travels as frames on the stream (they still accept a neighbour's offer)."""
+    """Stages started with ``--shm-bytes 0``: shared memory is off both ways for them (they
+    offer no area and refuse a neighbour's), so both directions of their links are frames."""
 
 
 @pytest.fixture(scope="module")
 def mixed() -> Iterator[MixedCluster]:
-    """Four stages, two of which never offer shared memory: wherever one of each kind are
-    neighbours, one direction of their link travels through shared memory and the other as
-    frames; between two of a kind both directions take the same path."""
+    """Four stages, two with shared memory off: a link between two stages with it on uses
+    shared memory both ways, any link touching one with it off uses frames both ways, so a job
+    over any 3 or 4 of them has both kinds of link side by side."""
     with pipesvc.LocalCluster(num_stages=2, threads_per_stage=1) as cluster:
         frame_only = {cluster.add_stage(["--shm-bytes", "0"]) for _ in range(2)}
         with pipesvc.connect(cluster.address, timeout_s=120) as connected:
@@ -77,16 +77,18 @@ def _infos(client: pipesvc.Client) -> list[stage_pb2.StageInfo]:
 def test_training_matches_one_process_on_mixed_paths(
     mixed: MixedCluster, model: str, schedule: str, num_stages: int
 ) -> None:
-    """Each direction of each link took the path its sender allows: activations from rank r
-    through shared memory exactly when rank r offers it, gradients from rank r + 1 likewise;
-    and at least one link is mixed (any 3 or 4 of these stages put two kinds side by side)."""
+    """Each link took the path both its ends allow: shared memory, both ways, exactly when
+    both stages have it on, frames otherwise; and the job has links of both kinds."""
     infos = sorted(_check_training(mixed.client, model, schedule, num_stages), key=_rank)
     assert [i.rank for i in infos] == list(range(num_stages))
-    offers = [i.pid not in mixed.frame_only_pids for i in infos]
+    on = [i.pid not in mixed.frame_only_pids for i in infos]
+    links = [on[r] and on[r + 1] for r in range(num_stages - 1)]  # shared memory on link r
     paths = [(i.upstream_shm, i.downstream_shm) for i in infos]
-    expected = [(offers[r] and r > 0, offers[r] and r < num_stages - 1) for r in range(num_stages)]
-    assert paths == expected, f"(upstream_shm, downstream_shm) per rank; offers {offers}"
-    assert any(offers[r] != offers[r + 1] for r in range(num_stages - 1)), offers
+    expected = [
+        (r > 0 and links[r - 1], r < num_stages - 1 and links[r]) for r in range(num_stages)
+    ]
+    assert paths == expected, f"(upstream_shm, downstream_shm) per rank; shm on {on}"
+    assert any(links) and not all(links), f"shared memory on links {links}"
 
 
 def _rank(info: stage_pb2.StageInfo) -> int:
