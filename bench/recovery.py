@@ -52,6 +52,9 @@ FAULT_STEP, CHECKPOINT_FAULT_STEP, NUM_STEPS, RANK = 7, 10, 12, 1
 LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 RECOVERING = re.compile(r"job (\S+): recovering at step (\d+) without (.*) \(cause: (.*)\)$")
 RECOVERED = re.compile(r"job (\S+): recovered in ([\d.]+) s")
+MISSED = re.compile(r"missed a health check \((\d+) in a row\)")
+HEALTH_FAILURES = 2
+"""The coordinator's default ``--health-failures``: the miss that declares a stage lost."""
 CHECKPOINTED = re.compile(r"job (\S+): checkpoint at step (\d+) in ([\d.]+) s")
 
 
@@ -89,6 +92,8 @@ class Outcome:
     step_seconds: list[float] = field(default_factory=list)
     recoveries_after: list[int] = field(default_factory=list)
     fault_time: float | None = None
+    lost_time: float | None = None
+    """When the health watchdog declared the stage lost (faults no stream reported)."""
     detected_time: float | None = None
     recovery_s: float | None = None
     cause: str = ""
@@ -111,7 +116,10 @@ def _read_logs(log_dir: Path, job_id: str, outcome: Outcome) -> None:
                 outcome.fault_time = _log_time(line)
     for line in (log_dir / "coordinator.log").read_text(errors="replace").splitlines():
         message = line.split("] ", 1)[-1]
-        if (m := RECOVERING.search(message)) and m.group(1) == job_id:
+        missed = MISSED.search(message)
+        if missed and int(missed.group(1)) >= HEALTH_FAILURES and outcome.lost_time is None:
+            outcome.lost_time = _log_time(line)
+        elif (m := RECOVERING.search(message)) and m.group(1) == job_id:
             if outcome.detected_time is None:
                 outcome.detected_time = _log_time(line)
                 outcome.cause = m.group(4)
@@ -316,9 +324,11 @@ def _fault_row(fault: Fault, out: Outcome) -> tuple[list[str], str]:
     checkpoints = {s for s in range(1, NUM_STEPS + 1) if s % CHECKPOINT_EVERY == 0}
     median = _plain_median(out.step_seconds, checkpoints | {faulty})
     faulty_s = out.step_seconds[faulty - 1]
-    detect = None
+    detect = lost = None
     if out.fault_time is not None and out.detected_time is not None:
         detect = out.detected_time - out.fault_time
+    if out.fault_time is not None and out.lost_time is not None:
+        lost = out.lost_time - out.fault_time
     row = [
         fault.name,
         str(faulty),
@@ -326,6 +336,7 @@ def _fault_row(fault: Fault, out: Outcome) -> tuple[list[str], str]:
         f"{median * 1e3:.0f}",
         f"{faulty_s:.2f}",
         f"{faulty_s / median:.0f}",
+        _fmt(lost),
         _fmt(detect),
         _fmt(out.recovery_s),
     ]
@@ -368,11 +379,14 @@ def main() -> None:
     load = os.getloadavg()
 
     header = ["fault", "step", "recoveries", "median step ms", "faulty step s"]
-    rows = [[*header, "faulty/median", "detect s", "recover s"]]
+    rows = [[*header, "faulty/median", "lost s", "detect s", "recover s"]]
     causes = []
     with tempfile.TemporaryDirectory(prefix="pipesvc-bench-recovery-") as tmp:
         for fault in faults:
+            case_started = time.monotonic()
             row, cause = _fault_row(fault, run_fault(fault, width, Path(tmp)))
+            took_s = time.monotonic() - case_started
+            print(f"{fault.name}: {took_s:.0f} s", file=sys.stderr, flush=True)
             rows.append(row)
             causes.append(cause)
     checkpoints = run_checkpoints(width, (0, CHECKPOINT_EVERY, 1))
@@ -384,8 +398,9 @@ def main() -> None:
         f"{FAULT_STEP} (checkpoint kind: step {CHECKPOINT_FAULT_STEP}'s checkpoint). "
         f"{os.cpu_count()} CPU cores; load average at start "
         f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}.\n"
-        "median: steps 2.. without the fault and checkpoints; detect: fault to the "
-        "coordinator's 'recovering' line; recover: its 'recovered in'.\n"
+        "median: steps 2.. without the fault and checkpoints; lost: fault to the health "
+        "watchdog's last missed check\n(n/a: a broken stream reported it); detect: fault to "
+        "the coordinator's 'recovering' line; recover: its 'recovered in'.\n"
     )
     _print_table(rows)
     print("\nWhat the coordinator saw (cause of the recovery):")
