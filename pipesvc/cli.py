@@ -17,6 +17,7 @@ from pipesvc import logs
 from pipesvc.errors import PipesvcError
 from pipesvc.limits import Limits, parse_bytes
 from pipesvc.metrics import NO_METRICS, Metrics
+from pipesvc.schedule import schedule_names
 from pipesvc.security import Security
 
 logger = logging.getLogger("pipesvc")
@@ -394,7 +395,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", type=int, default=4, help="pipeline stages (default %(default)s)")
     p.add_argument("--minutes", type=float, default=3.0, help="training time (default %(default)s)")
     p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: none)")
-    p.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
+    p.add_argument(
+        "--schedule",
+        default="1f1b",
+        choices=schedule_names(),
+        help="pipeline schedule (default %(default)s)",
+    )
     p.add_argument(
         "--coordinator", help="train on this running cluster (HOST:PORT) instead of a local one"
     )

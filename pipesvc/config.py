@@ -15,8 +15,8 @@ from pipesvc.loss import check_loss
 from pipesvc.models import check_model_args
 from pipesvc.models.registry import INPUT_DTYPES, MAX_INPUT_DIMS
 from pipesvc.optim import check_optimizer
-from pipesvc.partition import PARTITIONS
-from pipesvc.schedule import SCHEDULES
+from pipesvc.partition import get_partition
+from pipesvc.schedule import get_schedule
 from pipesvc.v1 import common_pb2
 
 _MODEL_NAME = re.compile(r"[a-z][a-z0-9_-]{0,63}")
@@ -41,14 +41,17 @@ class JobConfig:
     num_microbatches: int = 4
     """Micro-batches per step."""
     schedule: str = "1f1b"
-    """Pipeline schedule: ``gpipe`` or ``1f1b``."""
+    """A registered pipeline schedule (``pipesvc.schedule.schedule_names()``: ``gpipe``,
+    ``1f1b`` and any registered with ``register_schedule``)."""
     optimizer: Mapping[str, Any] = field(default_factory=_default_optimizer)
     """``{"name": "sgd" | "adam" | "adamw", **torch keyword arguments}``."""
     loss: str = "cross_entropy"
     """``cross_entropy`` or ``mse``, mean-reduced."""
     partition: str = "parameters"
-    """How layers are split: ``parameters`` (balance parameter counts), ``uniform`` (equal layer
-    counts) or ``memory`` (balance each stage's memory estimate against its budget)."""
+    """A registered partition method (``pipesvc.partition.partition_names()``): ``parameters``
+    (balance parameter counts), ``uniform`` (equal layer counts), ``memory`` (balance each
+    stage's memory estimate against its budget), or any registered with
+    ``register_partition``."""
     clip_grad_norm: float | None = None
     """Clip the global gradient norm over all stages to this value; None for no clipping."""
     checkpoint_every: int = 10
@@ -84,14 +87,8 @@ class JobConfig:
             raise InvalidArgumentError(
                 f"num_microbatches ({self.num_microbatches}) must be in [1, {MAX_MICROBATCHES}]"
             )
-        if self.schedule not in SCHEDULES:
-            raise InvalidArgumentError(
-                f"schedule {self.schedule!r} is not supported; expected one of {SCHEDULES}"
-            )
-        if self.partition not in PARTITIONS:
-            raise InvalidArgumentError(
-                f"partition {self.partition!r} is not supported; expected one of {PARTITIONS}"
-            )
+        get_schedule(self.schedule)
+        get_partition(self.partition)
         check_loss(self.loss)
         if not isinstance(self.optimizer, Mapping):
             raise InvalidArgumentError(f"optimizer must be a mapping; got {self.optimizer!r}")

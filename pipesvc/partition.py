@@ -1,21 +1,93 @@
-"""Splitting a model's layers into contiguous per-stage ranges (the planner's pure core)."""
+"""Splitting a model's layers into contiguous per-stage ranges (the planner's pure core).
+
+[Note: partition registry] A partition method is a name mapped (:func:`register_partition`) to
+a function ``(costs, num_stages) -> ranges``. The job configuration's check, the docs and the
+planner's :func:`partition` all ask the registry, so a registered method is valid everywhere the
+coordinator runs (stages never partition). ``memory`` with unequal budgets is the exception the
+planner handles itself: it needs the stages' budgets, so it calls :func:`fit_capacities`.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+import threading
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
-from pipesvc.errors import InvalidArgumentError
+from pipesvc.errors import InternalError, InvalidArgumentError
 
 __all__ = [
-    "PARTITIONS",
+    "PARTITION_NAME_PATTERN",
+    "PartitionFn",
     "balanced",
+    "fit_capacities",
+    "get_partition",
     "max_stage_cost",
     "partition",
+    "partition_names",
+    "register_partition",
     "uniform",
 ]
 
-PARTITIONS: tuple[str, ...] = ("uniform", "parameters", "memory")
-"""Partition methods accepted by :func:`partition`."""
+PartitionFn = Callable[[Sequence[int], int], list[tuple[int, int]]]
+"""A partition method: per-layer costs and a stage count to half-open ranges in rank order."""
+
+_PartitionT = TypeVar("_PartitionT", bound=PartitionFn)
+
+PARTITION_NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
+"""Partition method names: lowercase letters, digits, ``_`` and ``-``."""
+
+_PARTITIONS: dict[str, PartitionFn] = {}
+_LOCK = threading.Lock()
+
+
+def register_partition(name: str) -> Callable[[_PartitionT], _PartitionT]:
+    """Returns a decorator that registers a partition function under ``name``.
+
+    Raises:
+        InvalidArgumentError: ``name`` does not match :data:`PARTITION_NAME_PATTERN`, or is
+            already registered to a different function.
+    """
+    if not isinstance(name, str) or PARTITION_NAME_PATTERN.fullmatch(name) is None:
+        raise InvalidArgumentError(
+            f"partition name {name!r} must match {PARTITION_NAME_PATTERN.pattern!r} "
+            "(lowercase letters, digits, '_' and '-'; at most 64 characters)"
+        )
+
+    def decorator(method: _PartitionT) -> _PartitionT:
+        with _LOCK:
+            existing = _PARTITIONS.get(name)
+            if existing is not None and existing is not method:
+                raise InvalidArgumentError(
+                    f"partition name {name!r} is already registered to "
+                    f"{existing.__module__}.{existing.__qualname__}"
+                )
+            _PARTITIONS[name] = method
+        return method
+
+    return decorator
+
+
+def partition_names() -> tuple[str, ...]:
+    """Returns the registered partition method names, in registration order."""
+    with _LOCK:
+        return tuple(_PARTITIONS)
+
+
+def get_partition(name: str) -> PartitionFn:
+    """Returns the partition function registered under ``name``.
+
+    Raises:
+        InvalidArgumentError: ``name`` is not registered; the message lists the known names.
+    """
+    with _LOCK:
+        found = _PARTITIONS.get(name) if isinstance(name, str) else None
+        known = tuple(_PARTITIONS)
+    if found is None:
+        raise InvalidArgumentError(
+            f"unknown partition method {name!r}; expected one of {', '.join(known)}"
+        )
+    return found
 
 
 def _check_counts(num_layers: int, num_stages: int) -> None:
@@ -198,8 +270,9 @@ def partition(method: str, costs: Sequence[int], num_stages: int) -> list[tuple[
     """Splits layers into ``num_stages`` contiguous ranges with the named method.
 
     Args:
-        method: One of :data:`PARTITIONS`. ``"parameters"`` balances ``costs`` with
-            :func:`balanced`; ``"uniform"`` uses only ``len(costs)`` (see :func:`uniform`).
+        method: A registered name (:func:`partition_names`). ``"parameters"`` balances
+            ``costs`` with :func:`balanced`; ``"uniform"`` uses only ``len(costs)`` (see
+            :func:`uniform`); ``"memory"`` with equal budgets is :func:`balanced` too.
         costs: Per-layer cost, one entry per layer.
         num_stages: Number of stages (ranges) to produce.
 
@@ -209,15 +282,26 @@ def partition(method: str, costs: Sequence[int], num_stages: int) -> list[tuple[
     Raises:
         InvalidArgumentError: If ``method`` is unknown, ``num_stages`` is below 1 or exceeds
             the number of layers, or (for ``"parameters"``) a cost is invalid.
+        InternalError: The registered function returned something other than a list of ranges.
     """
-    if method == "uniform":
-        return uniform(len(costs), num_stages)
-    if method in ("parameters", "memory"):
-        # "memory" with equal budgets is a balance of costs; unequal ones use fit_capacities.
-        return balanced(costs, num_stages)
-    raise InvalidArgumentError(
-        f"unknown partition method {method!r}; expected one of {', '.join(PARTITIONS)}"
-    )
+    ranges = get_partition(method)(costs, num_stages)
+    if not isinstance(ranges, list) or len(ranges) != num_stages:
+        raise InternalError(
+            f"partition method {method!r} must return a list of {num_stages} ranges; got {ranges!r}"
+        )
+    return ranges
+
+
+@register_partition("uniform")
+def _uniform_method(costs: Sequence[int], num_stages: int) -> list[tuple[int, int]]:
+    """Equal layer counts; the cost values are ignored."""
+    return uniform(len(costs), num_stages)
+
+
+register_partition("parameters")(balanced)
+# With equal budgets, balancing memory is balancing these costs; the planner calls
+# fit_capacities itself when the budgets differ.
+register_partition("memory")(balanced)
 
 
 def max_stage_cost(costs: Sequence[int], ranges: Sequence[tuple[int, int]]) -> int:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 from pipesvc.errors import InvalidArgumentError
+from pipesvc.v1 import common_pb2
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -27,18 +28,78 @@ class PipelineStage:
         """How many layers this stage holds."""
         return self.end_layer - self.start_layer
 
+    # [Note: plan entry conversions] The wire message (common_pb2.PlanStage) and the JSON form
+    # (manifests, the state database) are written here and nowhere else, so a new field is
+    # added in one place.
+
+    def to_proto(self) -> common_pb2.PlanStage:
+        """The wire form of this stage."""
+        return common_pb2.PlanStage(
+            start_layer=self.start_layer,
+            end_layer=self.end_layer,
+            rank=self.rank,
+            address=self.address,
+        )
+
+    @classmethod
+    def from_proto(cls, message: common_pb2.PlanStage) -> PipelineStage:
+        """A stage from its wire form (unchecked; see :func:`check_plan`)."""
+        return cls(
+            start_layer=message.start_layer,
+            end_layer=message.end_layer,
+            rank=message.rank,
+            address=message.address,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """This stage as a JSON-ready dict."""
+        return {
+            "start_layer": self.start_layer,
+            "end_layer": self.end_layer,
+            "rank": self.rank,
+            "address": self.address,
+        }
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> PipelineStage:
+        """A stage from :meth:`to_dict`'s form.
+
+        Raises:
+            InvalidArgumentError: a missing or unknown key, or a value of the wrong type.
+        """
+        names = {f.name for f in fields(cls)}
+        if not isinstance(values, Mapping):
+            raise InvalidArgumentError(f"plan stage {values!r} must be a mapping")
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise InvalidArgumentError(
+                f"plan stage {dict(values)!r}: unknown fields {unknown}; expected {sorted(names)}"
+            )
+        try:
+            stage = cls(**values)
+        except TypeError as exc:
+            raise InvalidArgumentError(f"plan stage {dict(values)!r}: {exc}") from exc
+        for name in ("start_layer", "end_layer", "rank"):
+            value = getattr(stage, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidArgumentError(f"plan stage {name} ({value!r}) must be an int")
+        if not isinstance(stage.address, str):
+            raise InvalidArgumentError(f"plan stage address ({stage.address!r}) must be a string")
+        return stage
+
 
 def plan_to_dicts(plan: Sequence[PipelineStage]) -> list[dict[str, Any]]:
     """A plan as JSON-ready dicts (for manifests and the state database)."""
-    return [
-        {
-            "start_layer": s.start_layer,
-            "end_layer": s.end_layer,
-            "rank": s.rank,
-            "address": s.address,
-        }
-        for s in plan
-    ]
+    return [stage.to_dict() for stage in plan]
+
+
+def plan_from_dicts(values: Sequence[Mapping[str, Any]]) -> list[PipelineStage]:
+    """A plan from :func:`plan_to_dicts`'s form (unchecked; see :func:`check_plan`).
+
+    Raises:
+        InvalidArgumentError: an entry is malformed.
+    """
+    return [PipelineStage.from_dict(entry) for entry in values]
 
 
 def check_plan(plan: Sequence[PipelineStage], num_layers: int) -> None:

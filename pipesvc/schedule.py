@@ -1,77 +1,50 @@
-"""Pipeline schedules as data: per-stage action lists, their checks and a dry-run simulator."""
+"""Pipeline schedules as data: a registry of named action lists, their checks and a dry-run
+simulator.
+
+[Note: schedule registry] A schedule is a name mapped (:func:`register_schedule`) to a function
+``(*, rank, num_stages, num_microbatches) -> list[Action]``. Everything that names a schedule
+asks the registry: the job configuration's check, the CLI's ``--schedule`` choices, the
+planner's dry run and memory estimate, and each stage's run (:func:`stage_actions`). Every
+process of a job (client, coordinator, stages) must register the same schedules, so a new one
+goes in a module every process imports (as the built-in ones here).
+
+[Note: micro-batches in flight] A micro-batch is *in flight* on a stage from its forward until
+its backward: the stage keeps its activations for that long. :func:`max_in_flight` is the most a
+schedule keeps on one rank at once, :func:`max_in_flight_of` the same measured on an action list.
+"""
 
 from __future__ import annotations
 
-import enum
 import re
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
-from pipesvc.errors import InvalidArgumentError
+from pipesvc.action import Action, ActionKind
+from pipesvc.errors import InternalError, InvalidArgumentError
 
 __all__ = [
-    "SCHEDULES",
+    "SCHEDULE_NAME_PATTERN",
     "Action",
     "ActionKind",
+    "Schedule",
+    "all_stage_actions",
     "bubble_fraction",
     "format_grid",
     "forward_only_actions",
-    "max_live_activations",
+    "get_schedule",
+    "max_in_flight",
+    "max_in_flight_of",
+    "register_schedule",
+    "schedule_names",
     "simulate",
     "stage_actions",
     "validate",
 ]
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
-"""Schedule names accepted by :func:`stage_actions`."""
-
-_ACTION_PATTERN = re.compile(r"([FB])(0|[1-9][0-9]*)")
-
-
-class ActionKind(enum.Enum):
-    """What a stage does with one micro-batch."""
-
-    FORWARD = "F"
-    BACKWARD = "B"
-
-
-@dataclass(frozen=True, slots=True, repr=False)
-class Action:
-    """One step of a stage's schedule; prints as ``"F0"`` / ``"B12"`` and parses back."""
-
-    kind: ActionKind
-    """Forward or backward."""
-    microbatch_index: int
-    """Which micro-batch of the step, from 0."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.kind, ActionKind):
-            raise InvalidArgumentError(f"action kind ({self.kind!r}) must be an ActionKind")
-        index = self.microbatch_index
-        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
-            raise InvalidArgumentError(f"microbatch_index ({index!r}) must be a non-negative int")
-
-    def __str__(self) -> str:
-        return f"{self.kind.value}{self.microbatch_index}"
-
-    def __repr__(self) -> str:
-        return str(self)
-
-    @classmethod
-    def parse(cls, text: str) -> Action:
-        """Parses ``"F0"`` / ``"B12"`` (the output of ``str``) back into an action.
-
-        Raises:
-            InvalidArgumentError: If ``text`` is not ``F`` or ``B`` followed by a canonical
-                non-negative decimal number.
-        """
-        match = _ACTION_PATTERN.fullmatch(text) if isinstance(text, str) else None
-        if match is None:
-            raise InvalidArgumentError(
-                f"cannot parse action {text!r}; expected 'F' or 'B' and a micro-batch index, "
-                "e.g. 'F0' or 'B12'"
-            )
-        return cls(ActionKind(match.group(1)), int(match.group(2)))
+SCHEDULE_NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
+"""Schedule names: lowercase letters, digits, ``_`` and ``-`` (``1f1b`` starts with a digit)."""
 
 
 def _forward(index: int) -> Action:
@@ -91,32 +64,155 @@ def _check_num_microbatches(num_microbatches: int) -> None:
         raise InvalidArgumentError(f"num_microbatches ({num_microbatches!r}) must be at least 1")
 
 
-def stage_actions(
-    schedule: str, *, rank: int, num_stages: int, num_microbatches: int
-) -> list[Action]:
-    """Returns the training actions of one stage under the named schedule.
+class StageActionsFn(Protocol):
+    """A schedule: the training actions of stage ``rank`` of ``num_stages``."""
 
-    ``"gpipe"``: every forward in order, then every backward in order. ``"1f1b"``: a warm-up of
-    ``min(num_stages - rank - 1, num_microbatches)`` forwards, then alternately one forward and
-    one backward, then the remaining backwards, so the stage never holds more than
-    ``num_stages - rank`` micro-batches' activations.
+    def __call__(self, *, rank: int, num_stages: int, num_microbatches: int) -> list[Action]: ...
+
+
+class InFlightFn(Protocol):
+    """A closed form of :func:`max_in_flight` for one schedule (same arguments)."""
+
+    def __call__(self, *, rank: int, num_stages: int, num_microbatches: int) -> int: ...
+
+
+_ActionsT = TypeVar("_ActionsT", bound=StageActionsFn)
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """One registered schedule."""
+
+    name: str
+    actions: StageActionsFn
+    """Returns one stage's training actions; called with checked arguments."""
+    in_flight: InFlightFn | None = None
+    """Closed form of the most micro-batches in flight on a rank, or None to measure it on the
+    action list (the closed form keeps planning fast at thousands of micro-batches)."""
+
+
+_SCHEDULES: dict[str, Schedule] = {}
+_LOCK = threading.Lock()
+
+
+def register_schedule(
+    name: str, *, in_flight: InFlightFn | None = None
+) -> Callable[[_ActionsT], _ActionsT]:
+    """Returns a decorator that registers a schedule's action function under ``name``.
+
+    ``in_flight``, if given, must equal :func:`max_in_flight_of` of the function's lists (a
+    unit test checks this for every registered schedule).
 
     Raises:
-        InvalidArgumentError: If ``schedule`` is unknown, ``num_stages`` or
-            ``num_microbatches`` is below 1, or ``rank`` is outside ``[0, num_stages)``.
+        InvalidArgumentError: ``name`` does not match :data:`SCHEDULE_NAME_PATTERN`, or is
+            already registered to a different function.
     """
-    if schedule not in SCHEDULES:
+    if not isinstance(name, str) or SCHEDULE_NAME_PATTERN.fullmatch(name) is None:
         raise InvalidArgumentError(
-            f"unknown schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}"
+            f"schedule name {name!r} must match {SCHEDULE_NAME_PATTERN.pattern!r} "
+            "(lowercase letters, digits, '_' and '-'; at most 64 characters)"
         )
+
+    def decorator(actions: _ActionsT) -> _ActionsT:
+        with _LOCK:
+            existing = _SCHEDULES.get(name)
+            if existing is not None and existing.actions is not actions:
+                where = getattr(existing.actions, "__qualname__", repr(existing.actions))
+                raise InvalidArgumentError(
+                    f"schedule name {name!r} is already registered to "
+                    f"{existing.actions.__module__}.{where}"
+                )
+            _SCHEDULES[name] = Schedule(name, actions, in_flight)
+        return actions
+
+    return decorator
+
+
+def schedule_names() -> tuple[str, ...]:
+    """Returns the registered schedule names, in registration order."""
+    with _LOCK:
+        return tuple(_SCHEDULES)
+
+
+def get_schedule(name: str) -> Schedule:
+    """Returns the schedule registered under ``name``.
+
+    Raises:
+        InvalidArgumentError: ``name`` is not registered; the message lists the known names.
+    """
+    with _LOCK:
+        found = _SCHEDULES.get(name) if isinstance(name, str) else None
+        known = tuple(_SCHEDULES)
+    if found is None:
+        raise InvalidArgumentError(f"unknown schedule {name!r}; expected one of {', '.join(known)}")
+    return found
+
+
+def _check_stage(rank: int, num_stages: int, num_microbatches: int) -> None:
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
         raise InvalidArgumentError(f"num_stages ({num_stages!r}) must be at least 1")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_stages:
         raise InvalidArgumentError(f"rank ({rank!r}) must be in [0, {num_stages})")
     _check_num_microbatches(num_microbatches)
+
+
+def stage_actions(
+    schedule: str, *, rank: int, num_stages: int, num_microbatches: int
+) -> list[Action]:
+    """Returns the training actions of one stage under the named schedule.
+
+    Raises:
+        InvalidArgumentError: If ``schedule`` is not registered, ``num_stages`` or
+            ``num_microbatches`` is below 1, or ``rank`` is outside ``[0, num_stages)``.
+        InternalError: The registered function returned something other than a list of
+            actions.
+    """
+    found = get_schedule(schedule)
+    _check_stage(rank, num_stages, num_microbatches)
+    actions = found.actions(rank=rank, num_stages=num_stages, num_microbatches=num_microbatches)
+    if not isinstance(actions, list) or not all(isinstance(a, Action) for a in actions):
+        raise InternalError(f"schedule {schedule!r} must return a list of Action")
+    return actions
+
+
+def all_stage_actions(
+    schedule: str, *, num_stages: int, num_microbatches: int
+) -> list[list[Action]]:
+    """Returns every stage's training actions, in rank order (the input of :func:`validate`).
+
+    Raises:
+        InvalidArgumentError: As :func:`stage_actions`.
+    """
+    get_schedule(schedule)
+    _check_stage(0, num_stages, num_microbatches)
+    return [
+        stage_actions(schedule, rank=rank, num_stages=num_stages, num_microbatches=num_microbatches)
+        for rank in range(num_stages)
+    ]
+
+
+def _gpipe_in_flight(*, rank: int, num_stages: int, num_microbatches: int) -> int:
+    return num_microbatches
+
+
+@register_schedule("gpipe", in_flight=_gpipe_in_flight)
+def gpipe(*, rank: int, num_stages: int, num_microbatches: int) -> list[Action]:
+    """GPipe: every forward in order, then every backward in order; all ``num_microbatches``
+    are in flight at once on every stage."""
     m = num_microbatches
-    if schedule == "gpipe":
-        return [_forward(i) for i in range(m)] + [_backward(i) for i in range(m)]
+    return [_forward(i) for i in range(m)] + [_backward(i) for i in range(m)]
+
+
+def _one_f_one_b_in_flight(*, rank: int, num_stages: int, num_microbatches: int) -> int:
+    return min(num_microbatches, num_stages - rank)
+
+
+@register_schedule("1f1b", in_flight=_one_f_one_b_in_flight)
+def one_f_one_b(*, rank: int, num_stages: int, num_microbatches: int) -> list[Action]:
+    """1F1B: a warm-up of ``min(num_stages - rank - 1, num_microbatches)`` forwards, then
+    alternately one forward and one backward, then the remaining backwards, so at most
+    ``num_stages - rank`` micro-batches are in flight on a stage."""
+    m = num_microbatches
     warmup = min(num_stages - rank - 1, m)
     actions = [_forward(i) for i in range(warmup)]
     for i in range(m - warmup):
@@ -135,16 +231,16 @@ def forward_only_actions(num_microbatches: int) -> list[Action]:
     return [_forward(i) for i in range(num_microbatches)]
 
 
-def max_live_activations(actions: Sequence[Action]) -> int:
-    """Returns the most micro-batches whose forward has run and whose backward has not."""
-    live: set[int] = set()
+def max_in_flight_of(actions: Sequence[Action]) -> int:
+    """Returns the most micro-batches in flight (forward run, backward not yet) over ``actions``."""
+    in_flight: set[int] = set()
     most = 0
     for action in actions:
         if action.kind is ActionKind.FORWARD:
-            live.add(action.microbatch_index)
-            most = max(most, len(live))
+            in_flight.add(action.microbatch_index)
+            most = max(most, len(in_flight))
         else:
-            live.discard(action.microbatch_index)
+            in_flight.discard(action.microbatch_index)
     return most
 
 
@@ -311,16 +407,17 @@ def bubble_fraction(grid: Sequence[Sequence[Action | None]]) -> float:
 
 
 def max_in_flight(name: str, *, rank: int, num_stages: int, num_microbatches: int) -> int:
-    """Most micro-batches whose activations ``rank`` keeps at once under schedule ``name``:
-    every one with GPipe, ``num_stages - rank`` with 1F1B (capped at ``num_microbatches``).
+    """Returns the most micro-batches in flight at once on ``rank`` under schedule ``name``:
+    the activations that rank keeps (``num_microbatches`` with GPipe, ``num_stages - rank``
+    with 1F1B, capped at ``num_microbatches``).
 
     Raises:
-        InvalidArgumentError: unknown schedule or rank out of range.
+        InvalidArgumentError: As :func:`stage_actions`.
     """
-    if name not in SCHEDULES:
-        raise InvalidArgumentError(f"unknown schedule {name!r}; expected one of {SCHEDULES}")
-    if not 0 <= rank < num_stages:
-        raise InvalidArgumentError(f"rank {rank} is not in [0, {num_stages})")
-    if name == "gpipe":
-        return num_microbatches
-    return min(num_microbatches, num_stages - rank)
+    found = get_schedule(name)
+    _check_stage(rank, num_stages, num_microbatches)
+    if found.in_flight is not None:
+        return found.in_flight(rank=rank, num_stages=num_stages, num_microbatches=num_microbatches)
+    return max_in_flight_of(
+        stage_actions(name, rank=rank, num_stages=num_stages, num_microbatches=num_microbatches)
+    )

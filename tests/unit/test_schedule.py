@@ -6,17 +6,20 @@ import pytest
 
 from pipesvc.errors import InvalidArgumentError
 from pipesvc.schedule import (
-    SCHEDULES,
     Action,
     ActionKind,
     bubble_fraction,
     format_grid,
     forward_only_actions,
-    max_live_activations,
+    max_in_flight,
+    max_in_flight_of,
+    schedule_names,
     simulate,
     stage_actions,
     validate,
 )
+
+SCHEDULES = schedule_names()
 
 
 def parse_all(text: str) -> list[Action]:
@@ -134,11 +137,11 @@ def test_schedules_validate_without_deadlock(
     assert simulate(actions) == expected
     for rank, row in enumerate(expected):
         assert [a for a in row if a is not None] == actions[rank]
-        live = max_live_activations(actions[rank])
+        in_flight = max_in_flight_of(actions[rank])
         if schedule == "1f1b":
-            assert live == min(num_stages - rank, num_microbatches)
+            assert in_flight == min(num_stages - rank, num_microbatches)
         else:
-            assert live == num_microbatches
+            assert in_flight == num_microbatches
     # Both schedules finish in 2(m + p - 1) ticks when every action takes one.
     assert len(expected[0]) == 2 * (num_microbatches + num_stages - 1)
 
@@ -150,7 +153,7 @@ def test_bubble_fraction_p4_m8(schedule: str) -> None:
     Each stage is busy for 2m = 16 ticks (m forwards + m backwards, one tick each), so the
     bubble fraction is 2(p - 1) / (2(m + p - 1)) = (p - 1) / (m + p - 1) = 3/11, the textbook
     figure. 1F1B does not shrink the bubble when F and B cost the same; it bounds activation
-    memory (max_live_activations) instead.
+    memory (max_in_flight_of) instead.
     """
     num_stages, num_microbatches = 4, 8
     grid = simulate(plan(schedule, num_stages, num_microbatches))
@@ -227,17 +230,15 @@ def test_stage_actions_argument_errors() -> None:
         forward_only_actions(0)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize(("num_stages", "num_microbatches"), [(1, 1), (2, 8), (4, 3), (4, 8)])
 def test_max_in_flight_is_what_the_schedule_keeps(
     schedule: str, num_stages: int, num_microbatches: int
 ) -> None:
-    from pipesvc.schedule import max_in_flight
-
     for rank in range(num_stages):
         actions = stage_actions(
             schedule, rank=rank, num_stages=num_stages, num_microbatches=num_microbatches
         )
         assert max_in_flight(
             schedule, rank=rank, num_stages=num_stages, num_microbatches=num_microbatches
-        ) == max_live_activations(actions)
+        ) == max_in_flight_of(actions)

@@ -1,0 +1,59 @@
+"""One step of a pipeline schedule: a forward or backward of one micro-batch on one stage."""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+
+from pipesvc.errors import InvalidArgumentError
+
+__all__ = ["Action", "ActionKind"]
+
+_ACTION_PATTERN = re.compile(r"([FB])(0|[1-9][0-9]*)")
+
+
+class ActionKind(enum.Enum):
+    """What a stage does with one micro-batch."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class Action:
+    """One step of a stage's schedule; prints as ``"F0"`` / ``"B12"`` and parses back."""
+
+    kind: ActionKind
+    """Forward or backward."""
+    microbatch_index: int
+    """Which micro-batch of the step, from 0."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, ActionKind):
+            raise InvalidArgumentError(f"action kind ({self.kind!r}) must be an ActionKind")
+        index = self.microbatch_index
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise InvalidArgumentError(f"microbatch_index ({index!r}) must be a non-negative int")
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}{self.microbatch_index}"
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """Parses ``"F0"`` / ``"B12"`` (the output of ``str``) back into an action.
+
+        Raises:
+            InvalidArgumentError: If ``text`` is not ``F`` or ``B`` followed by a canonical
+                non-negative decimal number.
+        """
+        match = _ACTION_PATTERN.fullmatch(text) if isinstance(text, str) else None
+        if match is None:
+            raise InvalidArgumentError(
+                f"cannot parse action {text!r}; expected 'F' or 'B' and a micro-batch index, "
+                "e.g. 'F0' or 'B12'"
+            )
+        return cls(ActionKind(match.group(1)), int(match.group(2)))

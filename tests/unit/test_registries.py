@@ -1,0 +1,194 @@
+"""Unit tests for the schedule and partition registries and the plan entry's conversions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipesvc import partition, schedule
+from pipesvc.cli import build_parser
+from pipesvc.config import JobConfig
+from pipesvc.coordinator.planner import check_schedule
+from pipesvc.errors import InternalError, InvalidArgumentError
+from pipesvc.plan import PipelineStage, plan_from_dicts, plan_to_dicts
+from pipesvc.schedule import Action, ActionKind
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+@pytest.fixture
+def scratch_registries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Registrations made by a test vanish after it (the registries are process-wide)."""
+    monkeypatch.setattr(schedule, "_SCHEDULES", dict(schedule._SCHEDULES))
+    monkeypatch.setattr(partition, "_PARTITIONS", dict(partition._PARTITIONS))
+
+
+def lifo_gpipe(*, rank: int, num_stages: int, num_microbatches: int) -> list[Action]:
+    """All forwards, then the backwards newest first: valid, and different from gpipe."""
+    m = num_microbatches
+    forwards = [Action(ActionKind.FORWARD, i) for i in range(m)]
+    return forwards + [Action(ActionKind.BACKWARD, i) for i in reversed(range(m))]
+
+
+def cyclic(*, rank: int, num_stages: int, num_microbatches: int) -> list[Action]:
+    """Deadlocks for p, m >= 2: rank 0 wants B0 back before sending F1, while the last rank
+    runs B1 (which needs F1) before B0."""
+    m = num_microbatches
+    if rank < num_stages - 1:
+        return [Action(kind, i) for i in range(m) for kind in ActionKind]
+    return lifo_gpipe(rank=rank, num_stages=num_stages, num_microbatches=m)
+
+
+def test_builtin_names_and_lookups() -> None:
+    assert schedule.schedule_names() == ("gpipe", "1f1b")
+    assert schedule.get_schedule("gpipe").actions is schedule.gpipe
+    assert schedule.get_schedule("1f1b").actions is schedule.one_f_one_b
+    assert partition.partition_names() == ("uniform", "parameters", "memory")
+    assert partition.get_partition("parameters") is partition.balanced
+
+
+@pytest.mark.parametrize("name", ["zb", "", "GPIPE", None, ["gpipe"]])
+def test_unknown_schedule_names_the_value_and_the_known_names(name: Any) -> None:
+    with pytest.raises(InvalidArgumentError) as info:
+        schedule.get_schedule(name)
+    assert f"unknown schedule {name!r}; expected one of gpipe, 1f1b" == str(info.value)
+    with pytest.raises(InvalidArgumentError, match="expected one of gpipe, 1f1b"):
+        JobConfig(model="mlp", schedule=name)
+
+
+@pytest.mark.parametrize("name", ["bytes", "", None])
+def test_unknown_partition_names_the_value_and_the_known_names(name: Any) -> None:
+    expected = f"unknown partition method {name!r}; expected one of uniform, parameters, memory"
+    with pytest.raises(InvalidArgumentError) as info:
+        partition.get_partition(name)
+    assert str(info.value) == expected
+    with pytest.raises(InvalidArgumentError, match="expected one of uniform, parameters"):
+        JobConfig(model="mlp", partition=name)
+
+
+@pytest.mark.usefixtures("scratch_registries")
+def test_bad_registrations_are_refused() -> None:
+    for bad in ("", "Zb", "a/b", "x" * 65):
+        with pytest.raises(InvalidArgumentError, match="must match"):
+            schedule.register_schedule(bad)
+        with pytest.raises(InvalidArgumentError, match="must match"):
+            partition.register_partition(bad)
+    with pytest.raises(InvalidArgumentError, match="'gpipe' is already registered"):
+        schedule.register_schedule("gpipe")(lifo_gpipe)
+    with pytest.raises(InvalidArgumentError, match="'uniform' is already registered"):
+        partition.register_partition("uniform")(partition.balanced)
+    schedule.register_schedule("gpipe")(schedule.gpipe)  # the same function again is fine
+    assert schedule.schedule_names() == ("gpipe", "1f1b")
+
+
+@pytest.mark.usefixtures("scratch_registries")
+def test_a_registered_schedule_is_valid_everywhere_and_simulated() -> None:
+    schedule.register_schedule("lifo-gpipe")(lifo_gpipe)
+    schedule.register_schedule("cyclic")(cyclic)
+    assert schedule.schedule_names() == ("gpipe", "1f1b", "lifo-gpipe", "cyclic")
+    assert JobConfig(model="mlp", schedule="lifo-gpipe").schedule == "lifo-gpipe"
+    assert JobConfig(model="mlp", schedule="cyclic").schedule == "cyclic"
+    demo = build_parser().parse_args(["demo", "--schedule", "lifo-gpipe"])
+    assert demo.schedule == "lifo-gpipe"
+    check_schedule("lifo-gpipe", 3, 4)
+    grid = schedule.validate(
+        schedule.all_stage_actions("lifo-gpipe", num_stages=3, num_microbatches=4), 4
+    )
+    assert [a for a in grid[0] if a is not None][-1] == Action.parse("B0")
+    # Measured on the action list when the schedule gives no closed form.
+    assert schedule.max_in_flight("lifo-gpipe", rank=1, num_stages=3, num_microbatches=4) == 4
+    with pytest.raises(InvalidArgumentError, match="schedule deadlocks"):
+        check_schedule("cyclic", 2, 2)
+
+
+@pytest.mark.usefixtures("scratch_registries")
+def test_a_schedule_returning_no_actions_list_is_an_internal_error() -> None:
+    @schedule.register_schedule("broken")
+    def broken(*, rank: int, num_stages: int, num_microbatches: int) -> list[Action]:
+        return ["F0"]  # type: ignore[list-item]
+
+    with pytest.raises(InternalError, match="'broken' must return a list of Action"):
+        schedule.stage_actions("broken", rank=0, num_stages=1, num_microbatches=1)
+
+
+@pytest.mark.usefixtures("scratch_registries")
+def test_a_registered_partition_is_valid_in_the_config_and_used() -> None:
+    @partition.register_partition("last-heavy")
+    def last_heavy(costs: Any, num_stages: int) -> list[tuple[int, int]]:
+        first = list(range(num_stages - 1))
+        return [(i, i + 1) for i in first] + [(num_stages - 1, len(costs))]
+
+    assert "last-heavy" in partition.partition_names()
+    assert JobConfig(model="mlp", partition="last-heavy").partition == "last-heavy"
+    assert partition.partition("last-heavy", [1] * 6, 3) == [(0, 1), (1, 2), (2, 6)]
+
+
+def test_cli_schedule_choices_come_from_the_registry() -> None:
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["demo", "--schedule", "zb"])
+    for name in schedule.schedule_names():
+        assert parser.parse_args(["demo", "--schedule", name]).schedule == name
+
+
+@pytest.mark.parametrize("name", schedule.schedule_names())
+def test_every_registered_schedule_validates_on_a_grid(name: str) -> None:
+    """Every schedule is complete and deadlock-free for p in 1..6 and m in 1..10, and its
+    closed form of micro-batches in flight (if any) is what its lists keep."""
+    for num_stages in range(1, 7):
+        for num_microbatches in range(1, 11):
+            actions = schedule.all_stage_actions(
+                name, num_stages=num_stages, num_microbatches=num_microbatches
+            )
+            schedule.validate(actions, num_microbatches)
+            for rank, rank_actions in enumerate(actions):
+                assert schedule.max_in_flight(
+                    name, rank=rank, num_stages=num_stages, num_microbatches=num_microbatches
+                ) == schedule.max_in_flight_of(rank_actions)
+
+
+def test_the_readme_names_every_registered_schedule_and_partition() -> None:
+    text = README.read_text(encoding="utf-8")
+    names = (*schedule.schedule_names(), *partition.partition_names())
+    missing = [name for name in names if f"`{name}`" not in text]
+    assert not missing, f"README.md does not name {missing} (in backquotes)"
+
+
+def test_plan_entry_conversions_round_trip() -> None:
+    stage = PipelineStage(start_layer=2, end_layer=5, rank=1, address="127.0.0.1:7001")
+    message = stage.to_proto()
+    assert (message.start_layer, message.end_layer, message.rank, message.address) == (
+        2,
+        5,
+        1,
+        "127.0.0.1:7001",
+    )
+    assert PipelineStage.from_proto(message) == stage
+    assert stage.to_dict() == {
+        "start_layer": 2,
+        "end_layer": 5,
+        "rank": 1,
+        "address": "127.0.0.1:7001",
+    }
+    assert PipelineStage.from_dict(stage.to_dict()) == stage
+    plan = [PipelineStage(start_layer=0, end_layer=2, rank=0), stage]
+    assert plan_from_dicts(plan_to_dicts(plan)) == plan
+
+
+@pytest.mark.parametrize(
+    ("values", "named"),
+    [
+        ({"start_layer": 0, "end_layer": 1, "rank": 0, "host": "x"}, "unknown fields ['host']"),
+        ({"start_layer": 0, "end_layer": 1}, "'rank'"),
+        ({"start_layer": "0", "end_layer": 1, "rank": 0}, "start_layer ('0')"),
+        ({"start_layer": 0, "end_layer": 1, "rank": True}, "rank (True)"),
+        ({"start_layer": 0, "end_layer": 1, "rank": 0, "address": 7}, "address (7)"),
+        ([0, 1, 0], "must be a mapping"),
+    ],
+)
+def test_plan_entry_from_dict_rejects(values: Any, named: str) -> None:
+    with pytest.raises(InvalidArgumentError) as info:
+        PipelineStage.from_dict(values)
+    assert named in str(info.value)
