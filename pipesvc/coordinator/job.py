@@ -47,7 +47,7 @@ from pipesvc.errors import (
 )
 from pipesvc.metrics import NO_METRICS, Metrics
 from pipesvc.plan import PipelineStage
-from pipesvc.tensor_codec import decode, encode
+from pipesvc.tensor_codec import decode
 from pipesvc.v1 import common_pb2, coordinator_pb2, stage_pb2
 
 logger = logging.getLogger(__name__)
@@ -115,6 +115,7 @@ class JobDriver:
 
     @property
     def closed(self) -> bool:
+        """True once the job is closed (it is never reopened)."""
         return self.state.closed
 
     # -- durable state -------------------------------------------------------------------------
@@ -154,37 +155,18 @@ class JobDriver:
     def _run(
         self, mode: int, inputs: list[torch.Tensor], targets: list[torch.Tensor]
     ) -> tuple[int, list[stage_pb2.RunStepResponse]]:
-        group, state = self.group, self.state
+        """One run phase on every stage under a new run id; aborted everywhere if it fails."""
+        state = self.state
         state.run_id += 1
         run_id = state.run_id
-        weights = microbatch.loss_weights([len(t) for t in inputs])
-        last = len(group.plan) - 1
-        encoded_inputs = [encode(t) for t in inputs]
-        encoded_targets = [encode(t) for t in targets]
-
-        def request(stage: PipelineStage) -> stage_pb2.RunStepRequest:
-            return stage_pb2.RunStepRequest(
-                job_id=self.job_id,
-                plan_epoch=group.epoch,
-                run_id=run_id,
-                mode=mode,
-                num_microbatches=len(inputs),
-                inputs=encoded_inputs if stage.rank == 0 else [],
-                targets=encoded_targets if stage.rank == last else [],
-                loss_weights=weights if stage.rank == last and targets else [],
-            )
-
         what = f"run {run_id} (step {state.step + 1})" if targets else f"inference run {run_id}"
-        deadlines = group.deadlines
         try:
-            replies = group.call_all(
-                "RunStep", request, deadlines.step_s, deadlines=deadlines, what=what
-            )
+            replies = self.group.run_step(run_id, mode, inputs, targets, what=what)
         except PipesvcError:
             self._metrics.inc("steps_aborted_total")
             if mode == stage_pb2.TRAIN:
                 state.gradients_valid = False
-            group.abort(run_id)
+            self.group.abort(run_id)
             raise
         return run_id, replies
 

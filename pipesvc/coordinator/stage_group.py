@@ -7,6 +7,9 @@ from collections.abc import Iterable, Iterator
 from concurrent import futures
 from typing import Any
 
+import torch
+
+from pipesvc import microbatch
 from pipesvc.config import JobConfig, config_to_proto
 from pipesvc.coordinator.registry import StageRegistry
 from pipesvc.coordinator.stage_calls import (
@@ -20,6 +23,7 @@ from pipesvc.coordinator.stage_calls import (
 from pipesvc.coordinator.state_transfer import load_into_stages
 from pipesvc.errors import PipesvcError
 from pipesvc.plan import PipelineStage
+from pipesvc.tensor_codec import encode
 from pipesvc.v1 import common_pb2, stage_pb2
 
 logger = logging.getLogger(__name__)
@@ -76,6 +80,42 @@ class StageGroup:
         """``method`` on every stage at once, with ``make(stage)`` as its request (see
         ``stage_calls.call_all`` for ``kw``); the replies in rank order."""
         return call_all(self.registry, self.plan, lambda s: (method, make(s)), timeout_s, **kw)
+
+    def run_step(
+        self,
+        run_id: int,
+        mode: int,
+        inputs: list[torch.Tensor],
+        targets: list[torch.Tensor],
+        *,
+        what: str,
+    ) -> list[stage_pb2.RunStepResponse]:
+        """One pipelined run on every stage under the health watchdog: the micro-batch
+        ``inputs`` go to the first stage, the ``targets`` (none for inference) to the last.
+
+        Raises:
+            StageLostError: the watchdog declared a stage lost (the caller aborts the run).
+            PipesvcError: the first root-cause error of any stage, naming it.
+        """
+        weights = microbatch.loss_weights([len(t) for t in inputs])
+        last = len(self.plan) - 1
+        encoded_inputs = [encode(t) for t in inputs]
+        encoded_targets = [encode(t) for t in targets]
+
+        def request(stage: PipelineStage) -> stage_pb2.RunStepRequest:
+            return stage_pb2.RunStepRequest(
+                job_id=self.job_id,
+                plan_epoch=self.epoch,
+                run_id=run_id,
+                mode=mode,
+                num_microbatches=len(inputs),
+                inputs=encoded_inputs if stage.rank == 0 else [],
+                targets=encoded_targets if stage.rank == last else [],
+                loss_weights=weights if stage.rank == last and targets else [],
+            )
+
+        deadlines = self.deadlines
+        return self.call_all("RunStep", request, deadlines.step_s, deadlines=deadlines, what=what)
 
     def abort(self, run_id: int) -> None:
         """Aborts run ``run_id`` on every stage (best effort on each: it may be dead)."""
