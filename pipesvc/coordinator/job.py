@@ -1,4 +1,8 @@
-"""One job on the coordinator: driving its steps and commits, its state, its lifecycle.
+"""One job on the coordinator: driving its steps and commits, and its lifecycle.
+
+A job is composed of its stages with their plan and epoch (``StageGroup``), its counters
+(``JobState``, which maps to its database row) and the ``Recovery`` that rebuilds the stages
+from durable state; ``JobDriver`` runs steps over them under one lock.
 
 The coordinator runs no model code: it plans from a stage's description of the model and moves
 only micro-batch inputs, targets, losses and outputs.
