@@ -1,4 +1,8 @@
-"""One job on the coordinator: driving its steps and commits, its state, its lifecycle.
+"""One job on the coordinator: driving its steps and commits, and its lifecycle.
+
+A job is composed of its stages with their plan and epoch (``StageGroup``), its counters
+(``JobState``, which maps to its database row) and the ``Recovery`` that rebuilds the stages
+from durable state; ``JobDriver`` runs steps over them under one lock.
 
 The coordinator runs no model code: it plans from a stage's description of the model and moves
 only micro-batch inputs, targets, losses and outputs.
@@ -30,34 +34,24 @@ from typing import Any
 import torch
 
 from pipesvc import microbatch
-from pipesvc.config import JobConfig, config_from_dict, config_to_dict, config_to_proto
+from pipesvc.config import JobConfig, config_from_dict, config_to_proto
 from pipesvc.coordinator import planner
 from pipesvc.coordinator.commit import commit_all
-from pipesvc.coordinator.recovery import JobStorage, RecoveryMixin
+from pipesvc.coordinator.job_state import JobState
+from pipesvc.coordinator.recovery import JobStorage, Recovery
 from pipesvc.coordinator.registry import StageRegistry
-from pipesvc.coordinator.stage_calls import (
-    Deadlines,
-    StageLostError,
-    call_all,
-    call_stage,
-    health_of,
-    stream_stage,
-    where,
-)
+from pipesvc.coordinator.stage_calls import Deadlines
+from pipesvc.coordinator.stage_group import StageGroup
 from pipesvc.coordinator.state_db import JobRecord
-from pipesvc.coordinator.state_transfer import load_into_stages
 from pipesvc.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     PipesvcError,
-    PlanError,
-    ResourceExhaustedError,
     StageUnavailableError,
-    UnauthenticatedError,
 )
 from pipesvc.metrics import NO_METRICS, Metrics
-from pipesvc.plan import PipelineStage, plan_to_dicts
-from pipesvc.tensor_codec import decode, encode
+from pipesvc.plan import PipelineStage
+from pipesvc.tensor_codec import decode
 from pipesvc.v1 import common_pb2, coordinator_pb2, stage_pb2
 
 logger = logging.getLogger(__name__)
@@ -65,12 +59,10 @@ logger = logging.getLogger(__name__)
 MAX_RECOVERIES_PER_CALL = 3
 """A step that still fails after this many recoveries raises."""
 
-# Errors that are the caller's (or the plan's) and that a retry cannot fix.
-_FINAL_ERRORS = (InvalidArgumentError, ResourceExhaustedError, UnauthenticatedError, PlanError)
 
-
-class JobDriver(RecoveryMixin):
-    """A planned job: its plan on stage servers and the lock that serialises its steps."""
+class JobDriver:
+    """A planned job: its stages (``group``), its counters (``state``), the ``recovery`` that
+    rebuilds them, and the lock that serialises its steps."""
 
     def __init__(
         self,
@@ -83,9 +75,7 @@ class JobDriver(RecoveryMixin):
         deadlines: Deadlines,
         storage: JobStorage,
         epoch: int = 1,
-        step: int = 0,
-        run_id: int = 0,
-        checkpoint_step: int = -1,
+        state: JobState | None = None,
         needs_reconcile: bool = False,
         metrics: Metrics = NO_METRICS,
     ) -> None:
@@ -93,42 +83,50 @@ class JobDriver(RecoveryMixin):
         self.job_id = job_id
         self.config = config
         self.layers = layers
-        self.plan = plan
-        self.epoch = epoch
-        self.step = step
-        self.checkpoint_step = checkpoint_step
-        self.recoveries = 0
-        self.closed = False
-        self._run_id = run_id
-        self._registry = registry
-        self._deadlines = deadlines
         self._storage = storage
-        self._needs_reconcile = needs_reconcile
-        self._replay_target: int | None = None
-        self._checked_at = 0.0  # when _ensure_ready last found every stage serving
-        self._last_loss = (0, 0.0)  # (step, loss) of the newest run phase that succeeded
-        # False after an aborted training run: stages that began it zeroed the last committed
-        # step's gradients in place, others kept them; none are reported until a commit.
-        self._gradients_valid = True
-        self._lock = threading.Lock()
         self._pool = futures.ThreadPoolExecutor(max_workers=16)
+        self.group = StageGroup(
+            job_id=job_id,
+            config=config,
+            layers=layers,
+            plan=plan,
+            epoch=epoch,
+            registry=registry,
+            deadlines=deadlines,
+            pool=self._pool,
+        )
+        self.state = state or JobState()
+        self.recovery = Recovery(
+            group=self.group,
+            state=self.state,
+            storage=storage,
+            metrics=metrics,
+            replay=lambda inputs, targets: self._train_once(inputs, targets, None),
+            needs_reconcile=needs_reconcile,
+        )
+        self._last_loss = (0, 0.0)  # (step, loss) of the newest run phase that succeeded
+        self._lock = threading.Lock()
+
+    @property
+    def plan(self) -> list[PipelineStage]:
+        """The current plan, in rank order."""
+        return self.group.plan
+
+    @property
+    def step(self) -> int:
+        """Steps committed on the stages as they are now."""
+        return self.state.step
+
+    @property
+    def closed(self) -> bool:
+        """True once the job is closed (it is never reopened)."""
+        return self.state.closed
 
     # -- durable state -------------------------------------------------------------------------
 
     def record(self) -> JobRecord:
         """The job's database row."""
-        return JobRecord(
-            job_id=self.job_id,
-            spec=config_to_dict(self.config),
-            plan=plan_to_dicts(self.plan),
-            layers=stage_pb2.DescribeResponse(layers=self.layers).SerializeToString(),
-            epoch=self.epoch,
-            # Mid-replay, the committed count is the replay's target, not where replay is.
-            step=max(self.step, self._replay_target or 0),
-            run_id=self._run_id,
-            checkpoint_step=self.checkpoint_step,
-            closed=self.closed,
-        )
+        return self.recovery.record()
 
     @classmethod
     def from_record(
@@ -151,67 +149,28 @@ class JobDriver(RecoveryMixin):
             deadlines=deadlines,
             storage=storage,
             epoch=record.epoch,
-            step=record.step,
-            run_id=record.run_id,
-            checkpoint_step=record.checkpoint_step,
+            state=JobState.from_record(record),
             needs_reconcile=True,
             metrics=metrics,
         )
 
-    def _persist(self) -> None:
-        self._storage.db.put_job(self.record())
-
     # -- calls ---------------------------------------------------------------------------------
-
-    def _call_all(self, method: str, make: Any, timeout_s: float, **kw: Any) -> list[Any]:
-        return call_all(self._registry, self.plan, lambda s: (method, make(s)), timeout_s, **kw)
-
-    def _abort(self, run_id: int) -> None:
-        request = stage_pb2.AbortRequest(job_id=self.job_id, plan_epoch=self.epoch, run_id=run_id)
-        for stage in self.plan:
-            try:
-                call_stage(self._registry, stage, "Abort", request, self._deadlines.abort_s)
-            except PipesvcError as exc:
-                logger.warning(
-                    "job %s: abort of run %d on %s failed: %s",
-                    self.job_id,
-                    run_id,
-                    where(stage),
-                    exc,
-                )
 
     def _run(
         self, mode: int, inputs: list[torch.Tensor], targets: list[torch.Tensor]
     ) -> tuple[int, list[stage_pb2.RunStepResponse]]:
-        self._run_id += 1
-        run_id = self._run_id
-        weights = microbatch.loss_weights([len(t) for t in inputs])
-        last = len(self.plan) - 1
-        encoded_inputs = [encode(t) for t in inputs]
-        encoded_targets = [encode(t) for t in targets]
-
-        def request(stage: PipelineStage) -> stage_pb2.RunStepRequest:
-            return stage_pb2.RunStepRequest(
-                job_id=self.job_id,
-                plan_epoch=self.epoch,
-                run_id=run_id,
-                mode=mode,
-                num_microbatches=len(inputs),
-                inputs=encoded_inputs if stage.rank == 0 else [],
-                targets=encoded_targets if stage.rank == last else [],
-                loss_weights=weights if stage.rank == last and targets else [],
-            )
-
-        what = f"run {run_id} (step {self.step + 1})" if targets else f"inference run {run_id}"
+        """One run phase on every stage under a new run id; aborted everywhere if it fails."""
+        state = self.state
+        state.run_id += 1
+        run_id = state.run_id
+        what = f"run {run_id} (step {state.step + 1})" if targets else f"inference run {run_id}"
         try:
-            replies = self._call_all(
-                "RunStep", request, self._deadlines.step_s, deadlines=self._deadlines, what=what
-            )
+            replies = self.group.run_step(run_id, mode, inputs, targets, what=what)
         except PipesvcError:
             self._metrics.inc("steps_aborted_total")
             if mode == stage_pb2.TRAIN:
-                self._gradients_valid = False
-            self._abort(run_id)
+                state.gradients_valid = False
+            self.group.abort(run_id)
             raise
         return run_id, replies
 
@@ -223,30 +182,31 @@ class JobDriver(RecoveryMixin):
         target_mbs: list[torch.Tensor],
         log: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> float:
+        group, state = self.group, self.state
         # The write-ahead log entry is written while the stages compute, and before any commit.
-        logged = self._pool.submit(self._storage.log.write, self.step + 1, *log) if log else None
+        logged = self._pool.submit(self._storage.log.write, state.step + 1, *log) if log else None
         try:
             run_id, replies = self._run(stage_pb2.TRAIN, input_mbs, target_mbs)
         finally:
             if logged is not None:
                 logged.result()
         loss = float(sum(replies[-1].losses))
-        self._last_loss = (self.step + 1, loss)
-        request = stage_pb2.CommitRequest(job_id=self.job_id, plan_epoch=self.epoch, run_id=run_id)
+        self._last_loss = (state.step + 1, loss)
+        request = stage_pb2.CommitRequest(job_id=self.job_id, plan_epoch=group.epoch, run_id=run_id)
         if self.config.clip_grad_norm is not None:
             total = math.sqrt(sum(r.grad_norm_sq for r in replies))
             request.grad_scale = min(1.0, self.config.clip_grad_norm / (total + 1e-6))
         try:
             commit_all(
-                self._registry, self.plan, request, step=self.step + 1, deadlines=self._deadlines
+                group.registry, group.plan, request, step=state.step + 1, deadlines=group.deadlines
             )
         except PipesvcError:
             # The step is in the step log: it is committed, and before any later call the
             # stages are rebuilt to it (see [Note: commit invariant]).
-            self._replay_target = max(self._replay_target or 0, self.step + 1)
+            state.replay_target = max(state.replay_target or 0, state.step + 1)
             raise
-        self.step += 1
-        self._gradients_valid = True
+        state.step += 1
+        state.gradients_valid = True
         return loss
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
@@ -268,33 +228,34 @@ class JobDriver(RecoveryMixin):
             )
         m = self.config.num_microbatches
         input_mbs, target_mbs = microbatch.split(inputs, m), microbatch.split(targets, m)
+        state = self.state
         with self._lock:
             started = time.monotonic()
-            target = self.step + 1
+            target = state.step + 1
 
             def attempt() -> float:
-                if self.step >= target:  # a recovery finished the step's commit by replay
+                if state.step >= target:  # a recovery finished the step's commit by replay
                     assert self._last_loss[0] == target, (self._last_loss, target)
                     return self._last_loss[1]
                 return self._train_once(input_mbs, target_mbs, (inputs, targets))
 
             loss = self._resilient(attempt, f"step {target}")
-            self._persist()
+            self.recovery.persist()
             self._metrics.inc("steps_committed_total")
             self._metrics.observe("step_seconds", time.monotonic() - started)
             logger.info(
                 "job %s: step %d committed, loss %.6f",
                 self.job_id,
-                self.step,
+                state.step,
                 loss,
-                extra={"job": self.job_id, "step": self.step},
+                extra={"job": self.job_id, "step": state.step},
             )
             every = self.config.checkpoint_every
-            if every and self.step % every == 0:
+            if every and state.step % every == 0:
                 # The step is committed whatever happens here; a stage lost while it is saved
                 # is recovered from (the previous checkpoint and the log are kept till then).
-                self._resilient(self._checkpoint, f"checkpoint at step {self.step}")
-            return loss, self.step
+                self._resilient(self.recovery.checkpoint, f"checkpoint at step {state.step}")
+            return loss, state.step
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """Inference on ``inputs`` through the pipeline, micro-batched; survives lost stages.
@@ -312,19 +273,20 @@ class JobDriver(RecoveryMixin):
     def _resilient(self, attempt: Any, what: str) -> Any:
         """Runs ``attempt`` after making the job ready; recovers and retries on stage failures."""
         self._check_open()
+        recovery = self.recovery
         # A rebuild left unfinished (a commit that did not reach every stage, or a recovery
         # that gave up mid-replay) is finished before anything else touches the stages.
-        lost: set[str] | None = set() if self._replay_target is not None else None
+        lost: set[str] | None = set() if self.state.replay_target is not None else None
         last: PipesvcError | None = None
         for _ in range(MAX_RECOVERIES_PER_CALL + 1):
             try:
                 if lost is not None:
-                    self._recover(lost, last)
+                    recovery.recover(lost, last)
                     lost = None
-                self._ensure_ready()
+                recovery.ensure_ready()
                 return attempt()
             except PipesvcError as exc:
-                found = self._lost_stages(exc)
+                found = recovery.lost_after(exc)
                 if found is None:
                     raise
                 lost = found if lost is None else lost | found
@@ -333,37 +295,7 @@ class JobDriver(RecoveryMixin):
             f"job {self.job_id}: {what} failed {MAX_RECOVERIES_PER_CALL + 1} times; last: {last}"
         ) from last
 
-    def _lost_stages(self, error: PipesvcError) -> set[str] | None:
-        """The stages to replace after ``error``, or None if it is final (not a stage fault)."""
-        if isinstance(error, StageLostError):
-            return set(error.addresses)
-        if isinstance(error, _FINAL_ERRORS):
-            return None
-        statuses = health_of(
-            self._registry, [s.address for s in self.plan], self._deadlines.health_s
-        )
-        lost = {a for a, status in statuses.items() if status == "UNREACHABLE"}
-        logger.warning(
-            "job %s: %s; unreachable stages: %s",
-            self.job_id,
-            error,
-            ", ".join(sorted(lost)) or "none",
-        )
-        return lost  # empty: a transient fault; rebuild the same plan
-
     # -- state ---------------------------------------------------------------------------------
-
-    def _stream(self, kind: int) -> Iterator[common_pb2.TensorFrame]:
-        for stage in self.plan:
-            yield from stream_stage(
-                self._registry,
-                stage,
-                "GetState",
-                stage_pb2.GetStateRequest(job_id=self.job_id, kind=kind),
-                self._deadlines.control_s,
-                deadlines=self._deadlines,
-                what=f"reading its state ({common_pb2.StateKind.Name(kind).lower()})",
-            )
 
     def stream_state(self, kind: int) -> Iterator[common_pb2.TensorFrame]:
         """Every stage's tensors in layer order, frame by frame (never the whole model).
@@ -374,9 +306,9 @@ class JobDriver(RecoveryMixin):
         with self._lock:
             self._check_open()
             self._resilient(lambda: None, "reading state")
-            if kind == common_pb2.GRADIENTS and not self._gradients_valid:
+            if kind == common_pb2.GRADIENTS and not self.state.gradients_valid:
                 return
-            yield from self._stream(kind)
+            yield from self.group.stream_state(kind)
 
     def load_state(self, frames: Iterable[common_pb2.TensorFrame], step: int | None) -> int:
         """Loads a full state (with optimizer state, from a checkpoint): all stages or none.
@@ -387,40 +319,28 @@ class JobDriver(RecoveryMixin):
         with self._lock:
             self._check_open()
             self._resilient(lambda: None, "loading state")
-            count = load_into_stages(
-                self._registry,
-                self.job_id,
-                self.plan,
-                self.layers,
-                frames,
-                timeout_s=self._deadlines.control_s,
-                step=step,
-                pool=self._pool,
-            )
+            count = self.group.load_state(frames, step)
             if step is not None:
-                self.step = step
-            self._checkpoint()  # recovery must restore the loaded state, not the seed's
+                self.state.step = step
+            self.recovery.checkpoint()  # recovery must restore the loaded state, not the seed's
             return count
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     def _check_open(self) -> None:
-        if self.closed:
+        if self.state.closed:
             raise FailedPreconditionError(f"job {self.job_id} is closed")
-
-    def _plan_text(self) -> str:
-        return ", ".join(f"[{s.start_layer},{s.end_layer})@{s.address}" for s in self.plan)
 
     def close(self) -> None:
         """Frees the job's stages (best effort on each)."""
         with self._lock:
-            if self.closed:
+            if self.state.closed:
                 return
-            self.closed = True
-            for stage in self.plan:
-                self._release(stage)
-            self._registry.release(self.job_id)
-            self._persist()
+            self.state.closed = True
+            for stage in self.group.plan:
+                self.group.release(stage)
+            self.group.registry.release(self.job_id)
+            self.recovery.persist()
             self._pool.shutdown(wait=False)
 
     def maintain(self) -> None:
@@ -432,7 +352,7 @@ class JobDriver(RecoveryMixin):
         if not self._lock.acquire(blocking=False):
             return
         try:
-            if not self.closed:
+            if not self.state.closed:
                 self._resilient(lambda: None, "maintenance")
         except PipesvcError as exc:
             logger.warning("job %s: maintenance failed: %s", self.job_id, exc)
@@ -449,7 +369,9 @@ class JobDriver(RecoveryMixin):
         with self._lock:
             self._check_open()
             request = common_pb2.GetTraceRequest(job_id=self.job_id, max_runs=max_runs)
-            replies = self._call_all("GetTrace", lambda s: request, self._deadlines.control_s)
+            replies = self.group.call_all(
+                "GetTrace", lambda s: request, self.group.deadlines.control_s
+            )
         return coordinator_pb2.JobTrace(stages=replies)
 
     def info(self) -> coordinator_pb2.JobInfo:
@@ -457,16 +379,11 @@ class JobDriver(RecoveryMixin):
         return coordinator_pb2.JobInfo(
             job_id=self.job_id,
             spec=config_to_proto(self.config),
-            plan_epoch=self.epoch,
-            plan=[
-                common_pb2.PlanStage(
-                    start_layer=s.start_layer, end_layer=s.end_layer, rank=s.rank, address=s.address
-                )
-                for s in self.plan
-            ],
-            step=self.step,
+            plan_epoch=self.group.epoch,
+            plan=self.group.plan_protos(),
+            step=self.state.step,
             num_layers=len(self.layers),
-            recoveries=self.recoveries,
+            recoveries=self.state.recoveries,
         )
 
 
@@ -502,10 +419,10 @@ def create_job(
         metrics=metrics,
     )
     try:
-        driver._assign()
+        driver.group.assign()
     except PipesvcError:
         driver.close()
         raise
-    driver._persist()
-    logger.info("job %s: planned %s over %s", job_id, config.model, driver._plan_text())
+    driver.recovery.persist()
+    logger.info("job %s: planned %s over %s", job_id, config.model, driver.group.describe())
     return driver

@@ -1,0 +1,69 @@
+"""A job's counters and flags: where its training is, and how they map to its database row."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipesvc.config import JobConfig, config_to_dict
+from pipesvc.coordinator.state_db import JobRecord
+from pipesvc.plan import PipelineStage, plan_to_dicts
+from pipesvc.v1 import stage_pb2
+
+
+@dataclass(kw_only=True)
+class JobState:
+    """The mutable state of one job apart from its stages (which ``StageGroup`` holds)."""
+
+    step: int = 0
+    """Steps committed on the stages as they are now (behind ``replay_target`` mid-replay)."""
+    run_id: int = 0
+    """Highest run id used."""
+    checkpoint_step: int = -1
+    """Step of the newest checkpoint, or -1 when the initial weights are the seed's."""
+    replay_target: int | None = None
+    """While set, the stages must be rebuilt to this step before any other call (a commit that
+    did not reach every stage, or a recovery that gave up mid-replay)."""
+    closed: bool = False
+    recoveries: int = 0
+    """Recoveries from lost stages so far (not durable)."""
+    gradients_valid: bool = True
+    """False after an aborted training run: stages that began it zeroed the last committed
+    step's gradients in place, others kept them; none are reported until a commit."""
+
+    @property
+    def committed_step(self) -> int:
+        """Committed steps: mid-replay, the replay's target, not where replay is."""
+        return max(self.step, self.replay_target or 0)
+
+    def to_record(
+        self,
+        *,
+        job_id: str,
+        config: JobConfig,
+        layers: Sequence[stage_pb2.LayerDescription],
+        plan: Sequence[PipelineStage],
+        epoch: int,
+    ) -> JobRecord:
+        """The job's database row, with the parts that are not state given."""
+        return JobRecord(
+            job_id=job_id,
+            spec=config_to_dict(config),
+            plan=plan_to_dicts(list(plan)),
+            layers=stage_pb2.DescribeResponse(layers=layers).SerializeToString(),
+            epoch=epoch,
+            step=self.committed_step,
+            run_id=self.run_id,
+            checkpoint_step=self.checkpoint_step,
+            closed=self.closed,
+        )
+
+    @classmethod
+    def from_record(cls, record: JobRecord) -> JobState:
+        """The state saved in ``record`` (a replay it needed is found again by reconciling)."""
+        return cls(
+            step=record.step,
+            run_id=record.run_id,
+            checkpoint_step=record.checkpoint_step,
+            closed=record.closed,
+        )

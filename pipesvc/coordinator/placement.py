@@ -1,0 +1,196 @@
+"""Placing a job's layers on stages, as a pure function of what the caller found.
+
+Given the stages (their addresses and memory), their health and the model's layer descriptions,
+this decides a plan or raises; it makes no call and changes no registry, so it is unit-tested
+without processes. ``planner`` gathers the inputs (the registry's records, health checks) and
+applies the result (claims, places).
+
+It imports nothing from the rest of the coordinator, so the stages are anything with the
+fields below (the registry's ``StageRecord`` is one).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from pipesvc import partition, schedule
+from pipesvc.config import JobConfig
+from pipesvc.errors import PlanError, ResourceExhaustedError
+from pipesvc.plan import PipelineStage, check_plan
+from pipesvc.v1 import stage_pb2
+
+logger = logging.getLogger(__name__)
+
+MAX_SIMULATED_ACTIONS = 1 << 14
+"""Largest schedule (stages x micro-batches) dry-run at job creation; bigger ones are trusted."""
+
+# Bytes per parameter byte a stage holds while training: weights, gradients, optimizer state.
+_OPTIMIZER_COPIES = {"adam": 2, "adamw": 2}
+
+
+class Stage(Protocol):
+    """What placement needs to know of a stage server."""
+
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def memory_bytes(self) -> int: ...
+
+
+def check_schedule(name: str, num_stages: int, num_microbatches: int) -> None:
+    """Dry-runs the job's schedule on every stage: order and deadlock freedom.
+
+    Raises:
+        InvalidArgumentError: the schedule would deadlock or is malformed.
+    """
+    if num_stages * num_microbatches > MAX_SIMULATED_ACTIONS:
+        return
+    schedule.validate(
+        [
+            schedule.stage_actions(
+                name, rank=rank, num_stages=num_stages, num_microbatches=num_microbatches
+            )
+            for rank in range(num_stages)
+        ],
+        num_microbatches,
+    )
+
+
+def memory_estimate(
+    layers: Sequence[stage_pb2.LayerDescription],
+    start: int,
+    end: int,
+    optimizer: str,
+    in_flight: int = 0,
+) -> int:
+    """Bytes a stage needs for layers [start, end): weights, gradients and optimizer state,
+    plus ``in_flight`` micro-batches' activations (known when the job gave an input shape)."""
+    weights = sum(int(layers[i].parameter_bytes) for i in range(start, end))
+    activations = sum(int(layers[i].activation_bytes) for i in range(start, end))
+    return weights * (2 + _OPTIMIZER_COPIES.get(optimizer, 1)) + in_flight * activations
+
+
+def _in_flight(config: JobConfig, num_stages: int) -> list[int]:
+    return [
+        schedule.max_in_flight(
+            config.schedule,
+            rank=rank,
+            num_stages=num_stages,
+            num_microbatches=config.num_microbatches,
+        )
+        for rank in range(num_stages)
+    ]
+
+
+def _ranges(
+    config: JobConfig,
+    layers: Sequence[stage_pb2.LayerDescription],
+    stages: Sequence[Stage],
+) -> list[tuple[int, int]]:
+    """Layer ranges for ``stages`` (in rank order) under the job's partition method."""
+    if config.partition == "memory":
+        optimizer = str(config.optimizer.get("name"))
+        costs = [memory_estimate(layers, i, i + 1, optimizer) for i in range(len(layers))]
+        return partition.fit_capacities(
+            costs,
+            [s.memory_bytes for s in stages],
+            per_copy=[int(layer.activation_bytes) for layer in layers],
+            copies=_in_flight(config, len(stages)),
+        )
+    costs = [int(layer.num_parameters) for layer in layers]
+    return partition.partition(config.partition, costs, len(stages))
+
+
+def _place(
+    config: JobConfig,
+    layers: Sequence[stage_pb2.LayerDescription],
+    ranges: Sequence[tuple[int, int]],
+    stages: Sequence[Stage],
+) -> list[PipelineStage]:
+    plan = []
+    in_flight = _in_flight(config, len(stages))
+    for rank, ((start, end), stage) in enumerate(zip(ranges, stages, strict=True)):
+        optimizer = str(config.optimizer.get("name"))
+        need = memory_estimate(layers, start, end, optimizer, in_flight[rank])
+        if need > stage.memory_bytes:
+            held = (
+                f" (with {in_flight[rank]} micro-batches of activations in flight)"
+                if config.input_shape
+                else ""
+            )
+            raise ResourceExhaustedError(
+                f"stage {stage.address} would hold layers [{start}, {end}) needing about "
+                f"{need / 2**20:.0f} MiB{held}; it has {stage.memory_bytes / 2**20:.0f} MiB"
+            )
+        plan.append(
+            PipelineStage(start_layer=start, end_layer=end, rank=rank, address=stage.address)
+        )
+    check_plan(plan, len(layers))
+    return plan
+
+
+def first_plan(
+    config: JobConfig,
+    layers: Sequence[stage_pb2.LayerDescription],
+    free: Sequence[Stage],
+    num_registered: int,
+) -> list[PipelineStage]:
+    """Partitions the model over the first ``num_stages`` of the ``free`` stages (in the
+    registry's order); ``num_registered`` (all stages, free or not) is for the error.
+
+    Raises:
+        InvalidArgumentError: more stages than layers, or a malformed schedule.
+        PlanError: fewer free stages than ``num_stages``.
+        ResourceExhaustedError: a stage's share does not fit its memory.
+    """
+    partition.partition("uniform", [0] * len(layers), config.num_stages)  # checks the counts
+    check_schedule(config.schedule, config.num_stages, config.num_microbatches)
+    if config.num_stages > len(free):
+        raise PlanError(
+            f"num_stages ({config.num_stages}) exceeds the free stages that can build "
+            f"{config.model!r} ({len(free)} of {num_registered} registered)"
+        )
+    chosen = free[: config.num_stages]
+    return _place(config, layers, _ranges(config, layers, chosen), chosen)
+
+
+def replan(
+    config: JobConfig,
+    layers: Sequence[stage_pb2.LayerDescription],
+    plan: Sequence[PipelineStage],
+    lost: set[str],
+    *,
+    candidates: Sequence[Stage],
+    health: Mapping[str, str],
+    stages: Mapping[str, Stage],
+    job_id: str,
+) -> list[PipelineStage]:
+    """A plan without the ``lost`` stages: each replaced by a spare (a free ``candidate``
+    whose ``health`` is ``"SERVING"``, in order) where there are enough, else the model
+    re-partitioned over the survivors and the spares. ``stages`` holds every stage by address
+    (the survivors' memory is read there).
+
+    Raises:
+        PlanError: no stage is left.
+        ResourceExhaustedError: the survivors' memory cannot hold the model.
+    """
+    survivors = [s for s in plan if s.address not in lost]
+    spares = [c for c in candidates if c.address not in lost and health[c.address] == "SERVING"]
+    if len(spares) >= len(plan) - len(survivors):
+        replacements = iter(spares)
+        chosen = [s.address if s.address not in lost else next(replacements).address for s in plan]
+        ranges = [(s.start_layer, s.end_layer) for s in plan]
+    else:
+        chosen = [s.address for s in survivors] + [c.address for c in spares]
+        if not chosen:
+            raise PlanError(f"job {job_id}: every stage is lost and no spare is registered")
+        count = min(len(chosen), len(layers))
+        chosen = chosen[:count]
+        ranges = _ranges(config, layers, [stages[a] for a in chosen])
+        logger.warning(
+            "job %s: no spare for every lost stage; re-partitioning over %d stages", job_id, count
+        )
+    return _place(config, layers, ranges, [stages[a] for a in chosen])

@@ -1,0 +1,201 @@
+"""The stages serving one job: its plan and plan epoch, and the calls that go to all of them."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from concurrent import futures
+from typing import Any
+
+import torch
+
+from pipesvc import microbatch
+from pipesvc.config import JobConfig, config_to_proto
+from pipesvc.coordinator.registry import StageRegistry
+from pipesvc.coordinator.stage_calls import (
+    Deadlines,
+    call_all,
+    call_stage,
+    health_of,
+    stream_stage,
+    where,
+)
+from pipesvc.coordinator.state_transfer import load_into_stages
+from pipesvc.errors import PipesvcError
+from pipesvc.plan import PipelineStage
+from pipesvc.tensor_codec import encode
+from pipesvc.v1 import common_pb2, stage_pb2
+
+logger = logging.getLogger(__name__)
+
+
+class StageGroup:
+    """A job's plan on stage servers. The plan and epoch change only when the job is rebuilt
+    (``Recovery``); every call here goes out under the current ones."""
+
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        config: JobConfig,
+        layers: list[stage_pb2.LayerDescription],
+        plan: list[PipelineStage],
+        epoch: int,
+        registry: StageRegistry,
+        deadlines: Deadlines,
+        pool: futures.ThreadPoolExecutor,
+    ) -> None:
+        self.job_id = job_id
+        self.config = config
+        self.layers = layers
+        self.plan = plan
+        self.epoch = epoch
+        self.registry = registry
+        self.deadlines = deadlines
+        self._pool = pool
+
+    @property
+    def addresses(self) -> list[str]:
+        """The plan's stage addresses, in rank order."""
+        return [s.address for s in self.plan]
+
+    def describe(self) -> str:
+        """The plan as log lines show it: each stage's layer range and address."""
+        return ", ".join(f"[{s.start_layer},{s.end_layer})@{s.address}" for s in self.plan)
+
+    def plan_protos(self) -> list[common_pb2.PlanStage]:
+        """The plan on the wire."""
+        return [
+            common_pb2.PlanStage(
+                start_layer=s.start_layer, end_layer=s.end_layer, rank=s.rank, address=s.address
+            )
+            for s in self.plan
+        ]
+
+    def health(self) -> dict[str, str]:
+        """Each stage's health status, checked in parallel."""
+        return health_of(self.registry, self.addresses, self.deadlines.health_s)
+
+    def call_all(self, method: str, make: Any, timeout_s: float, **kw: Any) -> list[Any]:
+        """``method`` on every stage at once, with ``make(stage)`` as its request (see
+        ``stage_calls.call_all`` for ``kw``); the replies in rank order."""
+        return call_all(self.registry, self.plan, lambda s: (method, make(s)), timeout_s, **kw)
+
+    def run_step(
+        self,
+        run_id: int,
+        mode: int,
+        inputs: list[torch.Tensor],
+        targets: list[torch.Tensor],
+        *,
+        what: str,
+    ) -> list[stage_pb2.RunStepResponse]:
+        """One pipelined run on every stage under the health watchdog: the micro-batch
+        ``inputs`` go to the first stage, the ``targets`` (none for inference) to the last.
+
+        Raises:
+            StageLostError: the watchdog declared a stage lost (the caller aborts the run).
+            PipesvcError: the first root-cause error of any stage, naming it.
+        """
+        weights = microbatch.loss_weights([len(t) for t in inputs])
+        last = len(self.plan) - 1
+        encoded_inputs = [encode(t) for t in inputs]
+        encoded_targets = [encode(t) for t in targets]
+
+        def request(stage: PipelineStage) -> stage_pb2.RunStepRequest:
+            return stage_pb2.RunStepRequest(
+                job_id=self.job_id,
+                plan_epoch=self.epoch,
+                run_id=run_id,
+                mode=mode,
+                num_microbatches=len(inputs),
+                inputs=encoded_inputs if stage.rank == 0 else [],
+                targets=encoded_targets if stage.rank == last else [],
+                loss_weights=weights if stage.rank == last and targets else [],
+            )
+
+        deadlines = self.deadlines
+        return self.call_all("RunStep", request, deadlines.step_s, deadlines=deadlines, what=what)
+
+    def abort(self, run_id: int) -> None:
+        """Aborts run ``run_id`` on every stage (best effort on each: it may be dead)."""
+        request = stage_pb2.AbortRequest(job_id=self.job_id, plan_epoch=self.epoch, run_id=run_id)
+        for stage in self.plan:
+            try:
+                call_stage(self.registry, stage, "Abort", request, self.deadlines.abort_s)
+            except PipesvcError as exc:
+                logger.warning(
+                    "job %s: abort of run %d on %s failed: %s",
+                    self.job_id,
+                    run_id,
+                    where(stage),
+                    exc,
+                )
+
+    def release(self, stage: PipelineStage) -> None:
+        """Tells a stage to drop this job (best effort: it may be gone)."""
+        try:
+            call_stage(
+                self.registry,
+                stage,
+                "Release",
+                stage_pb2.ReleaseRequest(job_id=self.job_id),
+                self.deadlines.abort_s,
+            )
+        except PipesvcError as exc:
+            logger.warning("job %s: release of %s failed: %s", self.job_id, where(stage), exc)
+
+    def assign(self) -> None:
+        """Gives every stage its place in the plan under the current epoch."""
+        spec = config_to_proto(self.config)
+        plan = self.plan
+
+        def assign(stage: PipelineStage) -> stage_pb2.AssignRequest:
+            downstream = plan[stage.rank + 1].address if stage.rank + 1 < len(plan) else ""
+            return stage_pb2.AssignRequest(
+                job_id=self.job_id,
+                plan_epoch=self.epoch,
+                spec=spec,
+                stage=common_pb2.PlanStage(
+                    start_layer=stage.start_layer,
+                    end_layer=stage.end_layer,
+                    rank=stage.rank,
+                    address=stage.address,
+                ),
+                num_stages=len(plan),
+                downstream_address=downstream,
+            )
+
+        self.call_all("Assign", assign, self.deadlines.control_s)
+
+    def stream_state(self, kind: int) -> Iterator[common_pb2.TensorFrame]:
+        """Every stage's tensors of ``kind`` in layer order, frame by frame, each stream under
+        the health watchdog."""
+        for stage in self.plan:
+            yield from stream_stage(
+                self.registry,
+                stage,
+                "GetState",
+                stage_pb2.GetStateRequest(job_id=self.job_id, kind=kind),
+                self.deadlines.control_s,
+                deadlines=self.deadlines,
+                what=f"reading its state ({common_pb2.StateKind.Name(kind).lower()})",
+            )
+
+    def load_state(self, frames: Iterable[common_pb2.TensorFrame], step: int | None) -> int:
+        """Loads a full state into every stage, each its own layers (see ``state_transfer``);
+        returns the number of tensors.
+
+        Raises:
+            InvalidArgumentError: unknown or missing keys, or a shape or dtype mismatch.
+        """
+        return load_into_stages(
+            self.registry,
+            self.job_id,
+            self.plan,
+            self.layers,
+            frames,
+            timeout_s=self.deadlines.control_s,
+            step=step,
+            pool=self._pool,
+        )
