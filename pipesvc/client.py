@@ -224,12 +224,7 @@ class Job:
         ``recoveries`` as soon as that call returns; ``refresh()`` is only needed to see
         what other clients did since.
         """
-        self.plan = [
-            PipelineStage(
-                start_layer=s.start_layer, end_layer=s.end_layer, rank=s.rank, address=s.address
-            )
-            for s in info.plan
-        ]
+        self.plan = [PipelineStage.from_proto(s) for s in info.plan]
         self.plan_epoch = info.plan_epoch
         self.step = info.step
         self.recoveries = info.recoveries

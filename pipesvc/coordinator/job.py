@@ -40,7 +40,7 @@ from pipesvc.coordinator.commit import commit_all
 from pipesvc.coordinator.job_state import JobState
 from pipesvc.coordinator.recovery import JobStorage, Recovery
 from pipesvc.coordinator.registry import StageRegistry
-from pipesvc.coordinator.stage_calls import Deadlines
+from pipesvc.coordinator.stage_calls import Deadlines, StageLostError
 from pipesvc.coordinator.stage_group import StageGroup
 from pipesvc.coordinator.state_db import JobRecord
 from pipesvc.errors import (
@@ -50,7 +50,7 @@ from pipesvc.errors import (
     StageUnavailableError,
 )
 from pipesvc.metrics import NO_METRICS, Metrics
-from pipesvc.plan import PipelineStage
+from pipesvc.plan import PipelineStage, plan_from_dicts
 from pipesvc.tensor_codec import decode
 from pipesvc.v1 import common_pb2, coordinator_pb2, stage_pb2
 
@@ -139,7 +139,7 @@ class JobDriver:
     ) -> JobDriver:
         """A job read back after a coordinator restart; it reconciles with its stages first."""
         layers = list(stage_pb2.DescribeResponse.FromString(record.layers).layers)
-        plan = [PipelineStage(**entry) for entry in record.plan]
+        plan = plan_from_dicts(record.plan)
         return cls(
             job_id=record.job_id,
             config=config_from_dict(record.spec),
@@ -166,11 +166,12 @@ class JobDriver:
         what = f"run {run_id} (step {state.step + 1})" if targets else f"inference run {run_id}"
         try:
             replies = self.group.run_step(run_id, mode, inputs, targets, what=what)
-        except PipesvcError:
+        except PipesvcError as exc:
             self._metrics.inc("steps_aborted_total")
             if mode == stage_pb2.TRAIN:
                 state.gradients_valid = False
-            self.group.abort(run_id)
+            lost = exc.addresses if isinstance(exc, StageLostError) else set()
+            self.group.abort(run_id, lost=lost)
             raise
         return run_id, replies
 

@@ -49,12 +49,7 @@ def check_schedule(name: str, num_stages: int, num_microbatches: int) -> None:
     if num_stages * num_microbatches > MAX_SIMULATED_ACTIONS:
         return
     schedule.validate(
-        [
-            schedule.stage_actions(
-                name, rank=rank, num_stages=num_stages, num_microbatches=num_microbatches
-            )
-            for rank in range(num_stages)
-        ],
+        schedule.all_stage_actions(name, num_stages=num_stages, num_microbatches=num_microbatches),
         num_microbatches,
     )
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from concurrent import futures
 from typing import Any
 
@@ -65,12 +65,7 @@ class StageGroup:
 
     def plan_protos(self) -> list[common_pb2.PlanStage]:
         """The plan on the wire."""
-        return [
-            common_pb2.PlanStage(
-                start_layer=s.start_layer, end_layer=s.end_layer, rank=s.rank, address=s.address
-            )
-            for s in self.plan
-        ]
+        return [s.to_proto() for s in self.plan]
 
     def health(self) -> dict[str, str]:
         """Each stage's health status, checked in parallel."""
@@ -117,10 +112,13 @@ class StageGroup:
         deadlines = self.deadlines
         return self.call_all("RunStep", request, deadlines.step_s, deadlines=deadlines, what=what)
 
-    def abort(self, run_id: int) -> None:
-        """Aborts run ``run_id`` on every stage (best effort on each: it may be dead)."""
+    def abort(self, run_id: int, *, lost: Collection[str] = ()) -> None:
+        """Aborts run ``run_id`` on every stage at once (best effort on each: it may be dead),
+        except the ``lost`` addresses: a stage the watchdog found stopped would only make the
+        abort wait for its deadline before recovery could start."""
         request = stage_pb2.AbortRequest(job_id=self.job_id, plan_epoch=self.epoch, run_id=run_id)
-        for stage in self.plan:
+
+        def abort_one(stage: PipelineStage) -> None:
             try:
                 call_stage(self.registry, stage, "Abort", request, self.deadlines.abort_s)
             except PipesvcError as exc:
@@ -131,6 +129,9 @@ class StageGroup:
                     where(stage),
                     exc,
                 )
+
+        alive = [s for s in self.plan if s.address not in lost]
+        list(self._pool.map(abort_one, alive))
 
     def release(self, stage: PipelineStage) -> None:
         """Tells a stage to drop this job (best effort: it may be gone)."""
@@ -156,12 +157,7 @@ class StageGroup:
                 job_id=self.job_id,
                 plan_epoch=self.epoch,
                 spec=spec,
-                stage=common_pb2.PlanStage(
-                    start_layer=stage.start_layer,
-                    end_layer=stage.end_layer,
-                    rank=stage.rank,
-                    address=stage.address,
-                ),
+                stage=stage.to_proto(),
                 num_stages=len(plan),
                 downstream_address=downstream,
             )

@@ -35,12 +35,14 @@ PURE_MODULES = sorted(
                 "plan",
                 "shm",
                 "allocator",
+                "action",
             )
         ),
         *(PACKAGE / "models").glob("*.py"),
         PACKAGE / "stage" / "runtime.py",
         PACKAGE / "stage" / "mailbox.py",
         PACKAGE / "stage" / "frame_wire.py",
+        PACKAGE / "coordinator" / "placement.py",
     ]
 )
 EDGE_MODULES = (

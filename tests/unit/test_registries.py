@@ -10,7 +10,7 @@ import pytest
 from pipesvc import partition, schedule
 from pipesvc.cli import build_parser
 from pipesvc.config import JobConfig
-from pipesvc.coordinator.planner import check_schedule
+from pipesvc.coordinator.placement import check_schedule
 from pipesvc.errors import InternalError, InvalidArgumentError
 from pipesvc.plan import PipelineStage, plan_from_dicts, plan_to_dicts
 from pipesvc.schedule import Action, ActionKind
