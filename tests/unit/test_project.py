@@ -41,6 +41,7 @@ PURE_MODULES = sorted(
         PACKAGE / "stage" / "runtime.py",
         PACKAGE / "stage" / "mailbox.py",
         PACKAGE / "stage" / "frame_wire.py",
+        PACKAGE / "stage" / "engine.py",
     ]
 )
 EDGE_MODULES = (
