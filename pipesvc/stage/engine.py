@@ -190,7 +190,8 @@ class StepEngine:
         with rec.span("forward", mb):
             y = rt.forward(mb, x, training=training)
             if rt.is_last and training:
-                losses[mb] = float(rt.loss(mb, data.targets[mb], data.loss_weights[mb]))
+                loss = rt.loss(mb, data.targets[mb], data.loss_weights[mb])
+                losses[mb] = float(loss.detach())  # float() of a tensor needing grad warns
         self._metrics.set("microbatches_in_flight", rt.live)
         if not rt.is_last:
             with rec.span("send", mb):
