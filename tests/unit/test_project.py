@@ -42,6 +42,10 @@ PURE_MODULES = sorted(
         PACKAGE / "stage" / "mailbox.py",
         PACKAGE / "stage" / "frame_wire.py",
         PACKAGE / "stage" / "engine.py",
+        PACKAGE / "stage" / "microbatch_id.py",
+        PACKAGE / "stage" / "reader.py",
+        PACKAGE / "stage" / "sender.py",
+        PACKAGE / "stage" / "shm_handshake.py",
     ]
 )
 EDGE_MODULES = (
