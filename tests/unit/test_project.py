@@ -34,6 +34,8 @@ PURE_MODULES = sorted(
                 "limits",
                 "plan",
                 "shm",
+                "shm_files",
+                "shm_ring",
                 "allocator",
             )
         ),
