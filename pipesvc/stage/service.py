@@ -1,7 +1,8 @@
 """The stage servicer: a thin adapter from StageService RPCs to the step engine and the links.
 
-It decodes and checks requests, holds the job's links to its neighbours, and delegates runs,
-commits and aborts to ``StepEngine`` (pipesvc.stage.engine), which has no gRPC in it.
+It decodes and checks requests, holds at most one job (``Assignment``: its step engine and its
+links to the neighbours) and delegates runs, commits and aborts to ``StepEngine``
+(pipesvc.stage.engine), which has no gRPC in it.
 """
 
 from __future__ import annotations
@@ -9,8 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
 
 import grpc
 import torch
@@ -24,20 +24,18 @@ from pipesvc.errors import (
     PipesvcError,
     StepAbortedError,
 )
-from pipesvc.limits import MAX_MICROBATCHES, Limits
-from pipesvc.metrics import Metrics
+from pipesvc.limits import MAX_MICROBATCHES
 from pipesvc.rpc_status import abort_with, handle_errors
-from pipesvc.security import Security
-from pipesvc.shm import DEFAULT_AREA_BYTES
-from pipesvc.stage.engine import RunInputs, StepEngine
-from pipesvc.stage.faults import FaultKill
-from pipesvc.stage.links import DownstreamLink, UpstreamLink
-from pipesvc.stage.mailbox import Mailbox, MailKey
-from pipesvc.stage.recorder import RunRecorder
+from pipesvc.stage.assignment import Assignment
+from pipesvc.stage.engine import RunInputs
+from pipesvc.stage.links import UpstreamLink
+from pipesvc.stage.options import StageOptions
 from pipesvc.stage.runtime import StageRuntime
 from pipesvc.tensor_codec import decode, encode, named_frames, read_named_frames
 from pipesvc.transport import open_channel
 from pipesvc.v1 import common_pb2, stage_pb2, stage_pb2_grpc
+
+__all__ = ["StageOptions", "StageService"]
 
 logger = logging.getLogger(__name__)
 _STATE_KINDS = {
@@ -45,102 +43,6 @@ _STATE_KINDS = {
     common_pb2.GRADIENTS: "gradients",
     common_pb2.CHECKPOINT: "checkpoint",
 }
-
-
-@dataclass(kw_only=True)
-class StageOptions:
-    """How a stage server runs; set once from the command line."""
-
-    address: str
-    """host:port that neighbours and the coordinator dial."""
-    device: torch.device
-    """Where layers live and compute runs."""
-    memory_bytes: int
-    """Memory of that device, reported to the coordinator."""
-    recv_timeout_s: float = 300.0
-    """Longest wait for one activation or gradient before the run fails."""
-    limits: Limits = field(default_factory=Limits)
-    """Limits on everything received (tensors here; messages and calls in the server)."""
-    shm_bytes: int = DEFAULT_AREA_BYTES
-    """Size of the shared-memory area offered to a neighbour on the same host (0: never)."""
-    security: Security = field(default_factory=Security)
-    """Token and TLS for the channels this stage opens to its neighbour."""
-    duplicate_sends: bool = False
-    """Fault injection for tests: send every activation and gradient twice."""
-    fault_kill: FaultKill | None = None
-    """Fault injection for tests: SIGKILL this stage at a chosen point."""
-    metrics: Metrics = field(default_factory=Metrics)
-    """Where the stage records its metrics (nothing by default)."""
-
-
-class _Assignment:
-    """One job held by this stage: its step engine and its links to the neighbours."""
-
-    def __init__(
-        self,
-        *,
-        job_id: str,
-        epoch: int,
-        runtime: StageRuntime,
-        downstream_address: str,
-        options: StageOptions,
-        dial: Callable[[str], grpc.Channel],
-    ) -> None:
-        self.job_id = job_id
-        self.epoch = epoch
-        self.downstream_address = downstream_address
-        self.downstream: DownstreamLink | None = None
-        self.upstream: UpstreamLink | None = None
-        self.staged: dict[str, torch.Tensor] = {}
-        self._options = options
-        self._dial = dial
-        self.engine = StepEngine(
-            runtime=runtime,
-            mailbox=Mailbox(),
-            send_activation=self._send_activation,
-            send_gradient=self._send_gradient,
-            recorder=RunRecorder(options.metrics),
-            recv_timeout_s=options.recv_timeout_s,
-            job_id=job_id,
-            downstream_address=downstream_address,
-            metrics=options.metrics,
-            fault_kill=options.fault_kill,
-        )
-
-    @property
-    def runtime(self) -> StageRuntime:
-        return self.engine.runtime
-
-    @property
-    def mailbox(self) -> Mailbox:
-        return self.engine.mailbox
-
-    def _send_activation(self, key: MailKey, tensor: torch.Tensor) -> None:
-        if self.downstream is None:
-            options = self._options
-            self.downstream = DownstreamLink(
-                channel=self._dial(self.downstream_address),
-                address=self.downstream_address,
-                job_id=self.job_id,
-                epoch=self.epoch,
-                mailbox=self.mailbox,
-                limits=options.limits.codec(),
-                duplicate_sends=options.duplicate_sends,
-                shm_bytes=options.shm_bytes,
-                metrics=options.metrics,
-            )
-        self.downstream.send(key, tensor)
-
-    def _send_gradient(self, key: MailKey, tensor: torch.Tensor) -> None:
-        if self.upstream is None:
-            raise FailedPreconditionError("no upstream stream to send gradients on")
-        self.upstream.send(key, tensor)
-
-    def close(self) -> None:
-        if self.downstream is not None:
-            self.downstream.close()
-        if self.upstream is not None:
-            self.upstream.close()
 
 
 def _rss_bytes() -> int:
@@ -159,7 +61,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
         self._options = options
         self._codec = options.limits.codec()
         self._lock = threading.Lock()
-        self._job: _Assignment | None = None
+        self._job: Assignment | None = None
         self._channels: dict[str, grpc.Channel] = {}
 
     @property
@@ -170,7 +72,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
 
     # -- helpers -----------------------------------------------------------------------------
 
-    def _current(self, job_id: str, epoch: int | None = None) -> _Assignment:
+    def _current(self, job_id: str, epoch: int | None = None) -> Assignment:
         with self._lock:
             job = self._job
         if job is None or job.job_id != job_id:
@@ -255,7 +157,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
             num_stages=request.num_stages,
             device=self._options.device,
         )
-        assignment = _Assignment(
+        assignment = Assignment(
             job_id=request.job_id,
             epoch=request.plan_epoch,
             runtime=runtime,
@@ -410,7 +312,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
         self, request_iterator: Iterable[stage_pb2.LoadStateRequest], context: object
     ) -> object:
         staged: dict[str, torch.Tensor] = {}
-        job: _Assignment | None = None
+        job: Assignment | None = None
 
         def frames() -> Iterator[common_pb2.TensorFrame]:
             nonlocal job

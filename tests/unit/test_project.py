@@ -44,6 +44,7 @@ PURE_MODULES = sorted(
         PACKAGE / "stage" / "mailbox.py",
         PACKAGE / "stage" / "frame_wire.py",
         PACKAGE / "stage" / "engine.py",
+        PACKAGE / "stage" / "options.py",
         PACKAGE / "stage" / "microbatch_id.py",
         PACKAGE / "stage" / "reader.py",
         PACKAGE / "stage" / "sender.py",
