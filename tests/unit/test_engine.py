@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,8 +19,14 @@ import torch
 
 from pipesvc import microbatch, models, partition, schedule
 from pipesvc.config import JobConfig
-from pipesvc.errors import FailedPreconditionError, StageUnavailableError, StepAbortedError
+from pipesvc.errors import (
+    FailedPreconditionError,
+    ResourceExhaustedError,
+    StageUnavailableError,
+    StepAbortedError,
+)
 from pipesvc.stage.engine import RunInputs, RunResult, SendFn, StepEngine
+from pipesvc.stage.faults import FaultKill
 from pipesvc.stage.mailbox import Mailbox, MailKey
 from pipesvc.stage.recorder import RunRecorder
 from pipesvc.stage.runtime import StageRuntime
@@ -70,6 +77,7 @@ class Pipeline:
         optimizer: Mapping[str, Any],
         clip_grad_norm: float | None,
         num_microbatches: int = NUM_MICROBATCHES,
+        fault_kill: FaultKill | None = None,
     ) -> None:
         self.config = JobConfig(
             model=problem.model,
@@ -102,6 +110,7 @@ class Pipeline:
                 send_gradient=self._sender(rank, rank - 1),
                 recorder=RunRecorder(),
                 recv_timeout_s=JOIN_TIMEOUT_S / 2,
+                fault_kill=fault_kill,
             )
             for rank, (start, end) in enumerate(ranges)
         ]
@@ -260,7 +269,9 @@ def test_engines_with_dropout_draw_the_reference_masks(schedule_name: str, num_s
         _assert_tensors(pipeline.tensors("parameters"), reference.model.state_dict())
 
 
-def _pipeline(problem: Problem, num_stages: int = 3) -> Pipeline:
+def _pipeline(
+    problem: Problem, num_stages: int = 3, fault_kill: FaultKill | None = None
+) -> Pipeline:
     return Pipeline(
         problem,
         schedule_name="1f1b",
@@ -268,6 +279,7 @@ def _pipeline(problem: Problem, num_stages: int = 3) -> Pipeline:
         seed=3,
         optimizer={"name": "sgd", "lr": 0.1},
         clip_grad_norm=None,
+        fault_kill=fault_kill,
     )
 
 
@@ -323,3 +335,33 @@ def test_a_run_waits_for_the_pending_commit_and_runs_are_ordered() -> None:
     pipeline.abort(5)
     with pytest.raises(FailedPreconditionError, match="run 3 is not after the last run 5"):
         first.run_step(3, training=True, num_microbatches=4, data=data)
+
+
+@pytest.mark.parametrize("when", ["forward", "backward", "commit"])
+def test_injected_fault_fails_its_point_once(when: str, tmp_path: Path) -> None:
+    """A ``fail`` fault at rank 1's forward or backward of step 1 fails that run there (the
+    others are aborted, nothing is committed); at its commit, the commit fails and the run
+    stays pending. The fault fires once: the retry trains like the reference."""
+    problem = PROBLEMS["mlp"]
+    reference = Reference(
+        problem, seed=3, optimizer={"name": "sgd", "lr": 0.1}, clip_grad_norm=None
+    )
+    fault = FaultKill(when=when, step=1, rank=1, marker=str(tmp_path / "fired"), action="fail")
+    pipeline = _pipeline(problem, fault_kill=fault)
+    x, y = problem.batch(8, seed=0)
+    results = pipeline.run(x, y, run_id=1)
+    if when == "commit":
+        assert all(isinstance(r, RunResult) for r in results), results
+        with pytest.raises(ResourceExhaustedError, match="fault injection: commit of step 1"):
+            pipeline.engines[1].commit(1, None)
+        assert pipeline.engines[1].pending_commit == 1
+        for engine in pipeline.engines:
+            assert engine.commit(1, None) == 1
+    else:
+        assert isinstance(results[1], ResourceExhaustedError), results
+        assert [e.runtime.step for e in pipeline.engines] == [0, 0, 0]
+        pipeline.run_id = 1
+        pipeline.train_step(x, y)
+    assert (tmp_path / "fired").exists()
+    reference.step(x, y)
+    _assert_tensors(pipeline.tensors("parameters"), reference.model.state_dict())
