@@ -7,7 +7,6 @@ Sends wait only in short polls and fail once the stream ended or the run was abo
 from __future__ import annotations
 
 import contextlib
-import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -24,8 +23,6 @@ from pipesvc.stage.microbatch_id import microbatch_id
 from pipesvc.stage.shm_handshake import ShmOutlet
 from pipesvc.tensor_codec import DEFAULT_FRAME_BYTES, frame_views
 from pipesvc.v1 import stage_pb2
-
-logger = logging.getLogger(__name__)
 
 SEND_QUEUE_ITEMS = 64
 """Tensors waiting to be sent before a sender waits (backpressure)."""
