@@ -230,6 +230,8 @@ def test_engines_train_like_one_process(model: str, schedule_name: str, num_stag
         optimizer=optimizer,
         clip_grad_norm=clip,
     )
+    if model == "cnn" and num_stages == 4:  # the Flatten alone: a stage with no parameters
+        assert [e.runtime.num_parameters == 0 for e in pipeline.engines].count(True) == 1
     _assert_tensors(pipeline.tensors("parameters"), reference.model.state_dict())
     for step, batch_size in enumerate(BATCH_SIZES):
         x, y = problem.batch(batch_size, seed=step)
