@@ -58,8 +58,9 @@ def _timed(plan: Plan, round_trip: Callable[[torch.Tensor], None]) -> list[float
 
 def _pipesvc_server(q: Queue, plan: Plan, shm_bytes: int = DEFAULT_SHM_BYTES) -> None:
     from pipesvc.allocator import tune_malloc
-    from pipesvc.stage.links import UpstreamLink, add_stage_service
+    from pipesvc.stage.links import UpstreamLink
     from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
+    from pipesvc.stage.server import add_stage_service
     from pipesvc.tensor_codec import CodecLimits
     from pipesvc.transport import create_server
     from pipesvc.v1 import stage_pb2_grpc

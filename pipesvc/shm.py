@@ -35,10 +35,11 @@ neighbour) can unmap memory or close an fd under a thread still using it. The ``
 closed explicitly: closing an area or a view only drops its own references, and the mapping
 goes with the last Python object over it; every tensor over it holds one (``torch.frombuffer``
 references the mmap, ``numpy.frombuffer`` exports it, and a copy in flight holds the byte
-tensor in a local). The area's fd and the doorbell's fd are ``_SharedFd``: a call uses the fd
-under a count, closing only marks it closed, and the last user closes the number, so a write
-never lands on a reused fd number. Waits on the doorbell poll with a short timeout and end
-when their side is closed (or the caller cancels), so closing wakes every waiter.
+tensor in a local). The area's fd and the doorbell's fd are ``SharedFd`` (pipesvc.shm_files):
+a call uses the fd under a count, closing only marks it closed, and the last user closes the
+number, so a write never lands on a reused fd number. Waits on the doorbell poll with a short
+timeout and end when their side is closed (or the caller cancels), so closing wakes every
+waiter.
 
 Pages of a tmpfs file are allocated on first touch; writing to one when ``/dev/shm`` is full
 raises SIGBUS. The sender therefore reserves pages with ``posix_fallocate`` before it first
@@ -57,32 +58,57 @@ torch calls between the two are full barriers in practice elsewhere.
 
 from __future__ import annotations
 
-import bisect
-import collections
 import contextlib
 import errno
 import logging
 import mmap
 import os
-import re
 import secrets
 import select
 import stat
 import struct
 import threading
-import time
 import weakref
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import numpy
 import torch
 
 from pipesvc.errors import WireFormatError
+from pipesvc.shm_files import (
+    AREA_NAME,
+    BELL_SUFFIX,
+    POLL_S,
+    SHM_DIR,
+    STALE_AFTER_S,
+    Mapping,
+    SharedFd,
+    open_bell_reader,
+    process_id,
+    read_exact,
+    remove_stale_areas,
+)
+from pipesvc.shm_ring import ALIGN, Ring, Slot
+
+__all__ = [
+    "ALIGN",
+    "BELL_SUFFIX",
+    "DEFAULT_AREA_BYTES",
+    "HEADER_BYTES",
+    "MAX_AREA_BYTES",
+    "MAX_BELL_MESSAGE",
+    "MIN_AREA_BYTES",
+    "SHM_DIR",
+    "STALE_AFTER_S",
+    "Ring",
+    "ShmArea",
+    "ShmView",
+    "Slot",
+    "remove_stale_areas",
+]
 
 logger = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
 DEFAULT_AREA_BYTES = 256 << 20
 """Largest area a sender creates (sparse: only touched pages use memory)."""
 MIN_AREA_BYTES = 1 << 20
@@ -91,104 +117,13 @@ MAX_AREA_BYTES = 1 << 40
 """Largest offered area a receiver maps (mapping reserves address space, not memory)."""
 HEADER_BYTES = 4096
 """The nonce and the receiver's consumed counter live here; slots start after it."""
-ALIGN = 64
 _NONCE_BYTES = 16
-_CONSUMED_OFFSET = 64
-_NAME = re.compile(r"pipesvc-([0-9]+)-([0-9]+)-[0-9a-f]{32}")
-"""pipesvc-<creator's pid>-<its start time in clock ticks>-<random>: the pair names a process
-uniquely on a host (a pid alone is reused, e.g. pid 1 of every restarted container)."""
-STALE_AFTER_S = 30.0
-"""An area file this old whose creator is gone is stale (the file normally lives only between
-offer and answer, well under a second)."""
 _TRIM_MIN_BYTES = 1 << 20
 """Freed pages above the live slots are given back once there are more than this many."""
-_POLL_S = 0.1
-"""How often a wait on the doorbell checks whether its side was closed or cancelled."""
 _LENGTH_BYTES = 4
-BELL_SUFFIX = ".bell"
 MAX_BELL_MESSAGE = 4096 - _LENGTH_BYTES
 """Largest doorbell message body (a message and its length prefix are one atomic write)."""
 _LENGTH = struct.Struct("<I")
-
-
-@dataclass(frozen=True, slots=True)
-class Slot:
-    """Where one payload went in an area."""
-
-    seq: int
-    offset: int
-
-
-def _round_up(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-class Ring:
-    """Slot placement in an area of ``capacity`` bytes (offsets from 0; pure bookkeeping).
-
-    Live slots are kept in placement order (they are released in that order) and the free
-    space as a sorted list of merged ranges, so placing a slot looks only at the gaps, not at
-    every live slot: a GPipe stage keeps all of a step's activations live, and a scan over them
-    per placement made a step quadratic in its micro-batches.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._live: collections.deque[tuple[int, int, int]] = collections.deque()  # seq, start, end
-        self._free: list[tuple[int, int]] = [(0, capacity)]  # disjoint, sorted, merged
-        self._next_seq = 1
-
-    @property
-    def live(self) -> int:
-        """Slots placed and not yet released."""
-        return len(self._live)
-
-    def release(self, consumed_seq: int) -> None:
-        """Frees every slot numbered ``consumed_seq`` or lower."""
-        while self._live and self._live[0][0] <= consumed_seq:
-            _, begin, end = self._live.popleft()
-            self._give_back(begin, end)
-
-    def retract(self) -> None:
-        """Takes back the newest slot (placed but never handed out)."""
-        _, begin, end = self._live.pop()
-        self._give_back(begin, end)
-        self._next_seq -= 1
-
-    def place(self, num_bytes: int) -> Slot | None:
-        """The lowest slot for ``num_bytes`` that overlaps no live slot, or None when none fits
-        now. Lowest first keeps a link's touched (resident) pages to what it has in flight."""
-        size = _round_up(max(num_bytes, 1))
-        index = next((i for i, (b, e) in enumerate(self._free) if e - b >= size), None)
-        if index is None:
-            return None
-        begin, end = self._free[index]
-        if end - begin == size:
-            del self._free[index]
-        else:
-            self._free[index] = (begin + size, end)
-        slot = Slot(self._next_seq, begin)
-        self._live.append((slot.seq, begin, begin + size))
-        self._next_seq += 1
-        return slot
-
-    @property
-    def high(self) -> int:
-        """End of the highest live slot (0 when none is live)."""
-        if not self._live:
-            return 0
-        last_begin, last_end = self._free[-1] if self._free else (0, 0)
-        return last_begin if last_end == self.capacity else self.capacity
-
-    def _give_back(self, begin: int, end: int) -> None:
-        """Returns ``[begin, end)`` to the free list, merged with the ranges it touches."""
-        index = bisect.bisect_left(self._free, (begin, end))
-        if index > 0 and self._free[index - 1][1] == begin:
-            index -= 1
-            begin = self._free.pop(index)[0]
-        if index < len(self._free) and self._free[index][0] == end:
-            end = self._free.pop(index)[1]
-        self._free.insert(index, (begin, end))
 
 
 def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -209,117 +144,6 @@ def _page_up(n: int) -> int:
     return (n + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
 
 
-def _start_ticks(pid: int) -> int:
-    """When process ``pid`` started (clock ticks after boot); -1 when no such process is seen
-    here (/proc/<pid>/stat field 22)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat_file:
-            return int(stat_file.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return -1
-
-
-def _process_id() -> str:
-    """This process's part of an area name (computed each time: a fork is another process)."""
-    pid = os.getpid()
-    return f"{pid}-{_start_ticks(pid)}"
-
-
-def remove_stale_areas(directory: str = SHM_DIR, min_age_s: float = STALE_AFTER_S) -> list[str]:
-    """Removes area files (and doorbells) whose creating process is gone, older than
-    ``min_age_s``: what a sender killed between offer and answer leaves behind. Returns the
-    names removed. (A process of another pid namespace sharing ``/dev/shm`` may look dead
-    here; the age keeps its fresh offers safe, and an old one removed is refused and sent as
-    frames.)"""
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return []
-    removed = []
-    now = time.time()
-    for name in names:
-        match = _NAME.fullmatch(name.removesuffix(BELL_SUFFIX))
-        if match is None or _start_ticks(int(match.group(1))) == int(match.group(2)):
-            continue  # not an area, or its creator lives
-        path = os.path.join(directory, name)
-        try:
-            if now - os.lstat(path).st_mtime < min_age_s:
-                continue
-            os.unlink(path)
-        except OSError:
-            continue  # gone already, or not ours to remove
-        removed.append(name)
-    if removed:
-        logger.info("removed %d stale shared-memory files: %s", len(removed), removed)
-    return removed
-
-
-class _SharedFd:
-    """A file descriptor closed only when no call uses it any more (see [Note: shared-memory
-    lifetime]): ``close`` marks it closed, and the last user closes the number."""
-
-    def __init__(self, fd: int, what: str) -> None:
-        self._fd = fd
-        self._what = what
-        self._users = 0
-        self._closed = False
-        self._lock = threading.Lock()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @contextlib.contextmanager
-    def use(self) -> Iterator[int]:
-        """The fd, open for the duration of the block.
-
-        Raises:
-            OSError: EBADF, it was closed.
-        """
-        with self._lock:
-            if self._closed:
-                raise OSError(errno.EBADF, f"{self._what} is closed")
-            self._users += 1
-        try:
-            yield self._fd
-        finally:
-            with self._lock:
-                self._users -= 1
-                last = self._closed and self._users == 0
-            if last:
-                os.close(self._fd)
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            last = self._users == 0
-        if last:
-            os.close(self._fd)
-
-
-class _Mapping:
-    """A mapped area file and a byte tensor over it.
-
-    ``close`` drops this object's references only: the mmap is unmapped when the last tensor
-    or array over it is gone (see [Note: shared-memory lifetime])."""
-
-    def __init__(self, fd: int, size: int) -> None:
-        mapped = mmap.mmap(fd, size)
-        self.mmap: mmap.mmap | None = mapped
-        self.bytes: torch.Tensor | None = torch.frombuffer(mapped, dtype=torch.uint8)
-        self.consumed = self.bytes[_CONSUMED_OFFSET : _CONSUMED_OFFSET + 8].view(torch.int64)
-        self.size = size
-
-    def close(self) -> None:
-        # Never mmap.close(): torch.frombuffer does not pin the buffer, so an explicit close
-        # would unmap under a copy in flight or a tensor over a slot.
-        self.mmap = None
-        self.bytes = None
-        self.consumed = torch.zeros(1, dtype=torch.int64)
-
-
 class ShmArea:
     """The sender's area: it writes payloads in; the receiver's tensors are its slots.
 
@@ -329,8 +153,8 @@ class ShmArea:
         self.path = path
         self.name = os.path.basename(path)
         self.nonce = secrets.token_bytes(_NONCE_BYTES)
-        self._map = _Mapping(fd, size)
-        self._fd = _SharedFd(fd, f"shared-memory area {self.name}")
+        self._map = Mapping(fd, size)
+        self._fd = SharedFd(fd, f"shared-memory area {self.name}")
         assert self._map.bytes is not None
         self._map.bytes[:_NONCE_BYTES].copy_(
             torch.frombuffer(bytearray(self.nonce), dtype=torch.uint8)
@@ -338,7 +162,7 @@ class ShmArea:
         self._ring = Ring(size - HEADER_BYTES)
         self._reserved = HEADER_BYTES
         self._unlinked = False
-        self._bell: _SharedFd | None = None
+        self._bell: SharedFd | None = None
         self._closed = False
         self._bell_lock = threading.Lock()  # open_bell (reading thread) against close
 
@@ -350,7 +174,7 @@ class ShmArea:
         size = _area_size(limit)
         if size < MIN_AREA_BYTES:
             return None
-        path = os.path.join(SHM_DIR, f"pipesvc-{_process_id()}-{secrets.token_hex(16)}")
+        path = os.path.join(SHM_DIR, f"pipesvc-{process_id()}-{secrets.token_hex(16)}")
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         except OSError:
@@ -434,7 +258,7 @@ class ShmArea:
             if self._closed:  # closed meanwhile: this end would never be closed
                 os.close(fd)
                 return False
-            self._bell = _SharedFd(fd, f"doorbell of {self.name}")
+            self._bell = SharedFd(fd, f"doorbell of {self.name}")
         return True
 
     def ring(self, message: bytes, cancelled: Callable[[], bool] | None = None) -> bool:
@@ -466,7 +290,7 @@ class ShmArea:
                     raise OSError(errno.EBADF, f"the doorbell of {self.name} was closed")
                 if cancelled is not None and cancelled():
                     return False
-                poller.poll(_POLL_S * 1000)
+                poller.poll(POLL_S * 1000)
 
     def unlink(self) -> None:
         """Removes the files; the mappings and open ends stay valid (called once the receiver
@@ -500,7 +324,7 @@ class ShmView:
             WireFormatError: the name is not an area name, or the size is out of bounds.
             OSError: the file cannot be opened or is not the offered one (another host).
         """
-        if not _NAME.fullmatch(name):
+        if not AREA_NAME.fullmatch(name):
             raise WireFormatError(
                 f"shared-memory area name {name!r} is not pipesvc-<pid>-<start>-<32 hex>"
             )
@@ -513,7 +337,7 @@ class ShmView:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode) or info.st_size != size:
                 raise OSError(f"{name} is not a {size}-byte regular file")
-            mapping = _Mapping(fd, size)
+            mapping = Mapping(fd, size)
         finally:
             os.close(fd)
         assert mapping.bytes is not None
@@ -531,7 +355,7 @@ class ShmView:
         self._release_lock = threading.RLock()
         self._closed = False
         try:
-            self._bell = _open_bell_reader(os.path.join(SHM_DIR, name + BELL_SUFFIX))
+            self._bell = open_bell_reader(os.path.join(SHM_DIR, name + BELL_SUFFIX))
         except OSError:
             mapping.close()
             raise
@@ -547,13 +371,13 @@ class ShmView:
         """
         if self._bell < 0:
             return None
-        head = _read_exact(self._bell, _LENGTH_BYTES, self._poller, self._is_closed)
+        head = read_exact(self._bell, _LENGTH_BYTES, self._poller, self._is_closed)
         if head is None or self._closed:
             return None
         (length,) = _LENGTH.unpack(head)
         if length > MAX_BELL_MESSAGE:
             raise WireFormatError(f"doorbell message of {length} bytes; at most {MAX_BELL_MESSAGE}")
-        body = _read_exact(self._bell, length, self._poller, self._is_closed)
+        body = read_exact(self._bell, length, self._poller, self._is_closed)
         if self._closed:
             return None
         if body is None:
@@ -606,41 +430,3 @@ class ShmView:
         doorbell's reader (which closes the doorbell)."""
         self._closed = True
         self._map.close()
-
-
-def _open_bell_reader(path: str) -> int:
-    """Opens a doorbell FIFO for reading (non-blocking) without waiting for a writer.
-
-    Raises:
-        OSError: missing, or not a FIFO.
-    """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
-    if not stat.S_ISFIFO(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(errno.EINVAL, f"{path} is not a FIFO")
-    return fd
-
-
-def _read_exact(fd: int, n: int, poller: select.poll, closed: Callable[[], bool]) -> bytes | None:
-    """``n`` bytes from the non-blocking FIFO ``fd``; None at end-of-file before the first
-    byte, or once ``closed()``. It waits in ``poll`` before reading: on Linux a FIFO reports
-    hang-up only after a writer has come and gone, while ``read`` returns end-of-file whenever
-    no writer is there, also before the first one has opened it."""
-    chunks: list[bytes] = []
-    got = 0
-    while got < n:
-        if not poller.poll(_POLL_S * 1000):
-            if closed():
-                return None
-            continue
-        try:
-            chunk = os.read(fd, n - got)
-        except BlockingIOError:
-            continue
-        if not chunk:
-            if got == 0:
-                return None
-            raise WireFormatError(f"doorbell closed after {got} of {n} bytes")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)

@@ -14,10 +14,11 @@ from grpc_health.v1 import health_pb2
 from pipesvc import models
 from pipesvc.errors import StageUnavailableError
 from pipesvc.security import Security
-from pipesvc.stage.links import add_stage_service
+from pipesvc.stage.frame_wire import parse, serialize
+from pipesvc.stage.links import EXCHANGE_METHOD
 from pipesvc.stage.service import StageOptions, StageService
 from pipesvc.transport import check_health, create_server, open_channel, split_address
-from pipesvc.v1 import coordinator_pb2, coordinator_pb2_grpc
+from pipesvc.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,33 @@ def device_memory_bytes(device: torch.device) -> int:
     except OSError:
         pass
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def add_stage_service(servicer: stage_pb2_grpc.StageServiceServicer, server: grpc.Server) -> None:
+    """Registers the stage service on ``server`` with Exchange's frames (de)serialized without
+    copying payloads through protobuf (see [Note: frame wire])."""
+
+    class _Capture:
+        def __init__(self) -> None:
+            self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+        def add_generic_rpc_handlers(self, handlers: object) -> None:
+            pass
+
+        def add_registered_method_handlers(
+            self, service: str, handlers: dict[str, grpc.RpcMethodHandler]
+        ) -> None:
+            self.handlers = dict(handlers)
+
+    capture = _Capture()
+    stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, capture)
+    handlers = capture.handlers
+    handlers["Exchange"] = grpc.stream_stream_rpc_method_handler(
+        servicer.Exchange, request_deserializer=parse, response_serializer=serialize
+    )
+    service = EXCHANGE_METHOD.split("/")[1]
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)
 
 
 def register(

@@ -1,4 +1,9 @@
-"""The stage servicer: a thin adapter from StageService RPCs to StageRuntime and the links."""
+"""The stage servicer: a thin adapter from StageService RPCs to the step engine and the links.
+
+It decodes and checks requests, holds at most one job (``Assignment``: its step engine and its
+links to the neighbours) and delegates runs, commits and aborts to ``StepEngine``
+(pipesvc.stage.engine), which has no gRPC in it.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,6 @@ import logging
 import os
 import threading
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -20,20 +24,18 @@ from pipesvc.errors import (
     PipesvcError,
     StepAbortedError,
 )
-from pipesvc.limits import MAX_MICROBATCHES, Limits
-from pipesvc.metrics import Metrics
+from pipesvc.limits import MAX_MICROBATCHES
 from pipesvc.rpc_status import abort_with, handle_errors
-from pipesvc.schedule import Action, ActionKind, forward_only_actions, stage_actions
-from pipesvc.security import Security
-from pipesvc.shm import DEFAULT_AREA_BYTES
-from pipesvc.stage.faults import FaultKill
-from pipesvc.stage.links import DownstreamLink, UpstreamLink
-from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
-from pipesvc.stage.recorder import RunRecorder
+from pipesvc.stage.assignment import Assignment
+from pipesvc.stage.engine import RunInputs
+from pipesvc.stage.links import UpstreamLink
+from pipesvc.stage.options import StageOptions
 from pipesvc.stage.runtime import StageRuntime
 from pipesvc.tensor_codec import decode, encode, named_frames, read_named_frames
 from pipesvc.transport import open_channel
 from pipesvc.v1 import common_pb2, stage_pb2, stage_pb2_grpc
+
+__all__ = ["StageOptions", "StageService"]
 
 logger = logging.getLogger(__name__)
 _STATE_KINDS = {
@@ -41,54 +43,6 @@ _STATE_KINDS = {
     common_pb2.GRADIENTS: "gradients",
     common_pb2.CHECKPOINT: "checkpoint",
 }
-
-
-@dataclass(kw_only=True)
-class StageOptions:
-    """How a stage server runs; set once from the command line."""
-
-    address: str
-    """host:port that neighbours and the coordinator dial."""
-    device: torch.device
-    """Where layers live and compute runs."""
-    memory_bytes: int
-    """Memory of that device, reported to the coordinator."""
-    recv_timeout_s: float = 300.0
-    """Longest wait for one activation or gradient before the run fails."""
-    limits: Limits = field(default_factory=Limits)
-    """Limits on everything received (tensors here; messages and calls in the server)."""
-    shm_bytes: int = DEFAULT_AREA_BYTES
-    """Size of the shared-memory area offered to a neighbour on the same host (0: never)."""
-    security: Security = field(default_factory=Security)
-    """Token and TLS for the channels this stage opens to its neighbour."""
-    duplicate_sends: bool = False
-    """Fault injection for tests: send every activation and gradient twice."""
-    fault_kill: FaultKill | None = None
-    """Fault injection for tests: SIGKILL this stage at a chosen point."""
-    metrics: Metrics = field(default_factory=Metrics)
-    """Where the stage records its metrics (nothing by default)."""
-
-
-@dataclass(kw_only=True)
-class _Assignment:
-    job_id: str
-    epoch: int
-    runtime: StageRuntime
-    downstream_address: str
-    mailbox: Mailbox = field(default_factory=Mailbox)
-    run_lock: threading.Lock = field(default_factory=threading.Lock)
-    last_run_id: int = 0
-    pending_commit: int | None = None
-    downstream: DownstreamLink | None = None
-    upstream: UpstreamLink | None = None
-    staged: dict[str, torch.Tensor] = field(default_factory=dict)
-    recorder: RunRecorder = field(default_factory=RunRecorder)
-
-    def close(self) -> None:
-        if self.downstream is not None:
-            self.downstream.close()
-        if self.upstream is not None:
-            self.upstream.close()
 
 
 def _rss_bytes() -> int:
@@ -107,7 +61,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
         self._options = options
         self._codec = options.limits.codec()
         self._lock = threading.Lock()
-        self._job: _Assignment | None = None
+        self._job: Assignment | None = None
         self._channels: dict[str, grpc.Channel] = {}
 
     @property
@@ -118,7 +72,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
 
     # -- helpers -----------------------------------------------------------------------------
 
-    def _current(self, job_id: str, epoch: int | None = None) -> _Assignment:
+    def _current(self, job_id: str, epoch: int | None = None) -> Assignment:
         with self._lock:
             job = self._job
         if job is None or job.job_id != job_id:
@@ -130,25 +84,13 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
             )
         return job
 
-    def _downstream(self, job: _Assignment) -> DownstreamLink:
-        if job.downstream is None:
-            address = job.downstream_address
-            if address not in self._channels:
-                self._channels[address] = open_channel(
-                    address, self._options.security, self._options.limits
-                )
-            job.downstream = DownstreamLink(
-                channel=self._channels[address],
-                address=address,
-                job_id=job.job_id,
-                epoch=job.epoch,
-                mailbox=job.mailbox,
-                limits=self._codec,
-                duplicate_sends=self._options.duplicate_sends,
-                shm_bytes=self._options.shm_bytes,
-                metrics=self._options.metrics,
+    def _dial(self, address: str) -> grpc.Channel:
+        """The channel to ``address``, opened on first use and kept while it is a neighbour."""
+        if address not in self._channels:
+            self._channels[address] = open_channel(
+                address, self._options.security, self._options.limits
             )
-        return job.downstream
+        return self._channels[address]
 
     def _close_channel(self, address: str, still_used: str) -> None:
         """Closes the channel to a downstream neighbour this stage no longer sends to: after
@@ -215,12 +157,13 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
             num_stages=request.num_stages,
             device=self._options.device,
         )
-        assignment = _Assignment(
+        assignment = Assignment(
             job_id=request.job_id,
             epoch=request.plan_epoch,
             runtime=runtime,
             downstream_address=request.downstream_address,
-            recorder=RunRecorder(self._options.metrics),
+            options=self._options,
+            dial=self._dial,
         )
         with self._lock:
             previous, self._job = self._job, assignment
@@ -272,9 +215,9 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
             info.num_duplicates_dropped = job.mailbox.num_duplicates
             info.num_stale_dropped = job.mailbox.num_stale
             info.plan_epoch = job.epoch
-            info.last_run_id = job.last_run_id
-            info.pending_run_id = job.pending_commit or 0
-            info.microbatches_per_s = job.recorder.microbatches_per_s
+            info.last_run_id = job.engine.last_run_id
+            info.pending_run_id = job.engine.pending_commit or 0
+            info.microbatches_per_s = job.engine.recorder.microbatches_per_s
             info.downstream_shm = job.downstream is not None and job.downstream.uses_shm
             info.upstream_shm = job.upstream is not None and job.upstream.uses_shm
         return info
@@ -306,151 +249,31 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
             )
         inputs = [decode(t, self._codec) for t in request.inputs]
         targets = [decode(t, self._codec) for t in request.targets]
-        with job.run_lock:
-            if request.run_id <= job.last_run_id:
-                raise FailedPreconditionError(
-                    f"run {request.run_id} is not after the last run {job.last_run_id}"
-                )
-            if job.pending_commit is not None:
-                raise FailedPreconditionError(
-                    f"run {job.pending_commit} awaits commit or abort; run {request.run_id} waits"
-                )
-            job.last_run_id = request.run_id
-            if training:
-                actions = stage_actions(
-                    rt.config.schedule, rank=rt.rank, num_stages=rt.num_stages, num_microbatches=m
-                )
-            else:
-                actions = forward_only_actions(m)
-            rt.begin_run(training)
-            try:
-                response = self._execute(
-                    job,
-                    request.run_id,
-                    actions,
-                    inputs=inputs,
-                    targets=targets,
-                    weights=list(request.loss_weights),
-                    training=training,
-                )
-            except BaseException:
-                rt.abort()
-                job.mailbox.abort(request.run_id)
-                raise
-            finally:
-                job.mailbox.finish(request.run_id)
-            if training:
-                job.pending_commit = request.run_id
-                if rt.config.clip_grad_norm is not None:  # a pass over every gradient
-                    response.grad_norm_sq = rt.grad_norm_sq()
-            return response
-
-    def _execute(
-        self,
-        job: _Assignment,
-        run_id: int,
-        actions: list[Action],
-        *,
-        inputs: list[torch.Tensor],
-        targets: list[torch.Tensor],
-        weights: list[float],
-        training: bool,
-    ) -> stage_pb2.RunStepResponse:
-        rt = job.runtime
-        rec = job.recorder
-        rec.begin(run_id, rt.step + 1 if training else 0, job_id=job.job_id, rank=rt.rank)
-        timeout_s = self._options.recv_timeout_s
-        losses: dict[int, float] = {}
-        outputs: dict[int, torch.Tensor] = {}
-        for action in actions:
-            mb = action.microbatch_index
-            if self._options.fault_kill is not None and training:
-                self._options.fault_kill.check(
-                    when="forward" if action.kind is ActionKind.FORWARD else "backward",
-                    step=rt.step + 1,
-                    rank=rt.rank,
-                    microbatch=mb,
-                    last_mb=len(actions) // 2 - 1,
-                )
-            if action.kind is ActionKind.FORWARD:
-                if rt.is_first:
-                    x = inputs[mb]
-                else:
-                    with rec.span("wait", mb):
-                        x = job.mailbox.get(
-                            MailKey(run_id, ACTIVATION, mb),
-                            timeout_s,
-                            f" from rank {rt.rank - 1}",
-                        )
-                with rec.span("forward", mb):
-                    y = rt.forward(mb, x, training=training)
-                    if rt.is_last and training:
-                        losses[mb] = float(rt.loss(mb, targets[mb], weights[mb]))
-                self._options.metrics.set("microbatches_in_flight", rt.live)
-                if not rt.is_last:
-                    with rec.span("send", mb):
-                        self._downstream(job).send(MailKey(run_id, ACTIVATION, mb), y)
-                elif not training:
-                    outputs[mb] = y
-            else:
-                grad = None
-                if not rt.is_last:
-                    with rec.span("wait", mb):
-                        grad = job.mailbox.get(
-                            MailKey(run_id, GRADIENT, mb),
-                            timeout_s,
-                            f" from rank {rt.rank + 1} ({job.downstream_address})",
-                        )
-                with rec.span("backward", mb):
-                    grad_input = rt.backward(mb, grad)
-                self._options.metrics.set("microbatches_in_flight", rt.live)
-                if grad_input is not None:
-                    if job.upstream is None:
-                        raise FailedPreconditionError("no upstream stream to send gradients on")
-                    with rec.span("send", mb):
-                        job.upstream.send(MailKey(run_id, GRADIENT, mb), grad_input)
-        rec.end(training=training)
-        return stage_pb2.RunStepResponse(
-            losses=[losses[i] for i in sorted(losses)],
-            outputs=[encode(outputs[i]) for i in sorted(outputs)],
-            max_live_activations=rt.max_live,
+        result = job.engine.run_step(
+            request.run_id,
+            training=training,
+            num_microbatches=m,
+            data=RunInputs(inputs=inputs, targets=targets, loss_weights=list(request.loss_weights)),
         )
+        response = stage_pb2.RunStepResponse(
+            losses=result.losses,
+            outputs=[encode(output) for output in result.outputs],
+            max_live_activations=result.max_live_activations,
+        )
+        if result.grad_norm_sq is not None:
+            response.grad_norm_sq = result.grad_norm_sq
+        return response
 
     @handle_errors
     def Commit(self, request: stage_pb2.CommitRequest, context: object) -> object:
         job = self._current(request.job_id, request.plan_epoch)
-        if self._options.fault_kill is not None:
-            self._options.fault_kill.check(
-                when="commit",
-                step=job.runtime.step + 1,
-                rank=job.runtime.rank,
-                microbatch=0,
-                last_mb=0,
-            )
-        with job.run_lock:
-            if job.pending_commit != request.run_id:
-                raise FailedPreconditionError(
-                    f"run {request.run_id} has nothing to commit (pending: {job.pending_commit})"
-                )
-            scale = request.grad_scale if request.HasField("grad_scale") else None
-            step = job.runtime.commit(scale)
-            job.pending_commit = None
-        return stage_pb2.CommitResponse(step=step)
+        scale = request.grad_scale if request.HasField("grad_scale") else None
+        return stage_pb2.CommitResponse(step=job.engine.commit(request.run_id, scale))
 
     @handle_errors
     def Abort(self, request: stage_pb2.AbortRequest, context: object) -> object:
         job = self._current(request.job_id, request.plan_epoch)
-        job.mailbox.abort(request.run_id)
-        with job.run_lock:
-            job.last_run_id = max(job.last_run_id, request.run_id)
-            job.pending_commit = None
-            job.runtime.abort()
-        logger.info(
-            "job %s: run %d aborted",
-            job.job_id,
-            request.run_id,
-            extra={"job": job.job_id, "rank": job.runtime.rank},
-        )
+        job.engine.abort(request.run_id)
         return stage_pb2.AbortResponse()
 
     # -- state -------------------------------------------------------------------------------
@@ -464,7 +287,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
             raise InvalidArgumentError(
                 f"state kind {request.kind} must be PARAMETERS, GRADIENTS or CHECKPOINT"
             )
-        with job.run_lock:
+        with job.engine.run_lock:
             tensors = job.runtime.tensors(_STATE_KINDS[request.kind])
         # One tensor copied at a time (under the run lock, so never mid-commit), not the whole
         # state up front: a stage's peak while it is saved grows by one tensor, not by all of
@@ -479,7 +302,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
                     microbatch=index,
                     last_mb=len(tensors) - 1,
                 )
-            with job.run_lock:
+            with job.engine.run_lock:
                 copied = live.to("cpu", copy=True)
             yield from named_frames(name, copied)
             del copied
@@ -489,7 +312,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
         self, request_iterator: Iterable[stage_pb2.LoadStateRequest], context: object
     ) -> object:
         staged: dict[str, torch.Tensor] = {}
-        job: _Assignment | None = None
+        job: Assignment | None = None
 
         def frames() -> Iterator[common_pb2.TensorFrame]:
             nonlocal job
@@ -506,14 +329,14 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
                 raise InvalidArgumentError(f"tensor {name!r} sent twice")
             staged[name] = tensor
         if job is not None:
-            with job.run_lock:
+            with job.engine.run_lock:
                 job.staged = staged
         return stage_pb2.LoadStateResponse(num_tensors=len(staged))
 
     @handle_errors
     def ApplyState(self, request: stage_pb2.ApplyStateRequest, context: object) -> object:
         job = self._current(request.job_id)
-        with job.run_lock:
+        with job.engine.run_lock:
             if request.check:
                 job.runtime.check_state(job.staged)
                 return stage_pb2.ApplyStateResponse()
@@ -538,7 +361,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
                     start_unix_ns=e.start_ns,
                     end_unix_ns=e.end_ns,
                 )
-                for e in job.recorder.events(request.max_runs)
+                for e in job.engine.recorder.events(request.max_runs)
             ],
         )
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import pipesvc
-from pipesvc.stage.links import SEND_QUEUE_ITEMS
+from pipesvc.stage.sender import SEND_QUEUE_ITEMS
 from tests.cluster.faults import MLP, OPTIMIZER, Run, stage_pid
 from tests.integration.reference import Problem, Reference
 

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import pipesvc
-from pipesvc.stage.links import SEND_QUEUE_ITEMS
+from pipesvc.stage.sender import SEND_QUEUE_ITEMS
 from tests.cluster.faults import stage_pid
 from tests.integration.reference import PROBLEMS, Problem
 

@@ -13,15 +13,11 @@ import torch
 from pipesvc.errors import StageUnavailableError, StepAbortedError
 from pipesvc.metrics import NO_METRICS
 from pipesvc.stage.frame_wire import OutFrame
-from pipesvc.stage.links import (
-    SEND_QUEUE_ITEMS,
-    DownstreamLink,
-    FrameReader,
-    Sender,
-    UpstreamLink,
-    add_stage_service,
-)
+from pipesvc.stage.links import DownstreamLink, UpstreamLink
 from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
+from pipesvc.stage.reader import FrameReader
+from pipesvc.stage.sender import SEND_QUEUE_ITEMS, Sender
+from pipesvc.stage.server import add_stage_service
 from pipesvc.tensor_codec import CodecLimits
 from pipesvc.transport import create_server, open_channel
 from pipesvc.v1 import stage_pb2, stage_pb2_grpc

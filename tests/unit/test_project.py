@@ -34,6 +34,8 @@ PURE_MODULES = sorted(
                 "limits",
                 "plan",
                 "shm",
+                "shm_files",
+                "shm_ring",
                 "allocator",
                 "action",
             )
@@ -43,6 +45,12 @@ PURE_MODULES = sorted(
         PACKAGE / "stage" / "mailbox.py",
         PACKAGE / "stage" / "frame_wire.py",
         PACKAGE / "coordinator" / "placement.py",
+        PACKAGE / "stage" / "engine.py",
+        PACKAGE / "stage" / "options.py",
+        PACKAGE / "stage" / "microbatch_id.py",
+        PACKAGE / "stage" / "reader.py",
+        PACKAGE / "stage" / "sender.py",
+        PACKAGE / "stage" / "shm_handshake.py",
     ]
 )
 EDGE_MODULES = (

@@ -1,0 +1,256 @@
+"""A stage's step engine: the run/commit state machine and the action loop of one run.
+
+No gRPC here: the engine takes the runtime, the mailbox its neighbours' tensors arrive in, a
+function per direction that sends a tensor on, and the recorder. The stage service decodes
+requests and hands them to it; a test wires several engines together with in-process send
+functions and runs whole pipelined steps in one process.
+
+[Note: run and commit] A stage runs one run at a time, in increasing run ids. A training run
+leaves its gradients pending until Commit (apply the optimizer step) or Abort (drop them);
+until then no other run starts. ``run_lock`` serialises every call that reads or changes the
+runtime's state, so state is never read or replaced mid-run or mid-commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pipesvc.errors import FailedPreconditionError
+from pipesvc.metrics import NO_METRICS, Metrics
+from pipesvc.schedule import Action, ActionKind, forward_only_actions, stage_actions
+from pipesvc.stage.faults import FaultKill
+from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
+from pipesvc.stage.recorder import RunRecorder
+from pipesvc.stage.runtime import StageRuntime
+
+logger = logging.getLogger(__name__)
+
+SendFn = Callable[[MailKey, torch.Tensor], None]
+"""Sends one tensor to a neighbour (waits while its queue is full; raises if it cannot)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunResult:
+    """What one run of this stage produced."""
+
+    losses: list[float]
+    """Weighted loss of each micro-batch, in order (last stage, training only)."""
+    outputs: list[torch.Tensor]
+    """Output of each micro-batch, in order (last stage, inference only)."""
+    max_live_activations: int
+    """Most micro-batches whose activations were held at once."""
+    grad_norm_sq: float | None
+    """Squared norm of this stage's gradients (training with clipping only)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunInputs:
+    """A run's data: inputs on the first stage, targets and loss weights on the last."""
+
+    inputs: list[torch.Tensor]
+    targets: list[torch.Tensor]
+    loss_weights: list[float]
+
+
+class StepEngine:
+    """Runs, commits and aborts the steps of one stage of one job (see [Note: run and commit])."""
+
+    def __init__(
+        self,
+        *,
+        runtime: StageRuntime,
+        mailbox: Mailbox,
+        send_activation: SendFn,
+        send_gradient: SendFn,
+        recorder: RunRecorder,
+        recv_timeout_s: float,
+        job_id: str = "",
+        downstream_address: str = "",
+        metrics: Metrics = NO_METRICS,
+        fault_kill: FaultKill | None = None,
+    ) -> None:
+        self.runtime = runtime
+        self.mailbox = mailbox
+        self.recorder = recorder
+        self.run_lock = threading.Lock()
+        """Held by every call that reads or changes the runtime's state."""
+        self.last_run_id = 0
+        """The newest run begun or aborted here; a run must come after it."""
+        self.pending_commit: int | None = None
+        """The training run whose gradients await Commit or Abort."""
+        self._send_activation = send_activation
+        self._send_gradient = send_gradient
+        self._recv_timeout_s = recv_timeout_s
+        self._job_id = job_id
+        self._downstream_address = downstream_address
+        self._metrics = metrics
+        self._fault_kill = fault_kill
+
+    def run_step(
+        self, run_id: int, *, training: bool, num_microbatches: int, data: RunInputs
+    ) -> RunResult:
+        """Runs this stage's part of run ``run_id``; a training run then awaits commit.
+
+        Raises:
+            FailedPreconditionError: ``run_id`` is not after the last run, or a run awaits
+                commit or abort.
+            PipesvcError: the run failed (a neighbour, a timeout, an abort); the runtime and
+                the run's mail are dropped.
+        """
+        rt = self.runtime
+        with self.run_lock:
+            if run_id <= self.last_run_id:
+                raise FailedPreconditionError(
+                    f"run {run_id} is not after the last run {self.last_run_id}"
+                )
+            if self.pending_commit is not None:
+                raise FailedPreconditionError(
+                    f"run {self.pending_commit} awaits commit or abort; run {run_id} waits"
+                )
+            self.last_run_id = run_id
+            if training:
+                actions = stage_actions(
+                    rt.config.schedule,
+                    rank=rt.rank,
+                    num_stages=rt.num_stages,
+                    num_microbatches=num_microbatches,
+                )
+            else:
+                actions = forward_only_actions(num_microbatches)
+            rt.begin_run(training)
+            try:
+                losses, outputs = self._execute(run_id, actions, data, training=training)
+            except BaseException:
+                rt.abort()
+                self.mailbox.abort(run_id)
+                raise
+            finally:
+                self.mailbox.finish(run_id)
+            grad_norm_sq = None
+            if training:
+                self.pending_commit = run_id
+                if rt.config.clip_grad_norm is not None:  # a pass over every gradient
+                    grad_norm_sq = rt.grad_norm_sq()
+            return RunResult(
+                losses=losses,
+                outputs=outputs,
+                max_live_activations=rt.max_live,
+                grad_norm_sq=grad_norm_sq,
+            )
+
+    def _execute(
+        self, run_id: int, actions: list[Action], data: RunInputs, *, training: bool
+    ) -> tuple[list[float], list[torch.Tensor]]:
+        rt = self.runtime
+        rec = self.recorder
+        rec.begin(run_id, rt.step + 1 if training else 0, job_id=self._job_id, rank=rt.rank)
+        losses: dict[int, float] = {}
+        outputs: dict[int, torch.Tensor] = {}
+        for action in actions:
+            mb = action.microbatch_index
+            if self._fault_kill is not None and training:
+                self._fault_kill.check(
+                    when="forward" if action.kind is ActionKind.FORWARD else "backward",
+                    step=rt.step + 1,
+                    rank=rt.rank,
+                    microbatch=mb,
+                    last_mb=len(actions) // 2 - 1,
+                )
+            if action.kind is ActionKind.FORWARD:
+                self._forward(run_id, mb, data, training, losses, outputs)
+            else:
+                self._backward(run_id, mb)
+        rec.end(training=training)
+        return [losses[i] for i in sorted(losses)], [outputs[i] for i in sorted(outputs)]
+
+    def _forward(
+        self,
+        run_id: int,
+        mb: int,
+        data: RunInputs,
+        training: bool,
+        losses: dict[int, float],
+        outputs: dict[int, torch.Tensor],
+    ) -> None:
+        rt, rec = self.runtime, self.recorder
+        if rt.is_first:
+            x = data.inputs[mb]
+        else:
+            with rec.span("wait", mb):
+                x = self.mailbox.get(
+                    MailKey(run_id, ACTIVATION, mb),
+                    self._recv_timeout_s,
+                    f" from rank {rt.rank - 1}",
+                )
+        with rec.span("forward", mb):
+            y = rt.forward(mb, x, training=training)
+            if rt.is_last and training:
+                loss = rt.loss(mb, data.targets[mb], data.loss_weights[mb])
+                losses[mb] = float(loss.detach())  # float() of a tensor needing grad warns
+        self._metrics.set("microbatches_in_flight", rt.live)
+        if not rt.is_last:
+            with rec.span("send", mb):
+                self._send_activation(MailKey(run_id, ACTIVATION, mb), y)
+        elif not training:
+            outputs[mb] = y
+
+    def _backward(self, run_id: int, mb: int) -> None:
+        rt, rec = self.runtime, self.recorder
+        grad = None
+        if not rt.is_last:
+            with rec.span("wait", mb):
+                grad = self.mailbox.get(
+                    MailKey(run_id, GRADIENT, mb),
+                    self._recv_timeout_s,
+                    f" from rank {rt.rank + 1} ({self._downstream_address})",
+                )
+        with rec.span("backward", mb):
+            grad_input = rt.backward(mb, grad)
+        self._metrics.set("microbatches_in_flight", rt.live)
+        if grad_input is not None:
+            with rec.span("send", mb):
+                self._send_gradient(MailKey(run_id, GRADIENT, mb), grad_input)
+
+    def commit(self, run_id: int, grad_scale: float | None) -> int:
+        """Applies the pending run's optimizer step; returns the step count.
+
+        Raises:
+            FailedPreconditionError: ``run_id`` is not the run awaiting commit.
+            InvalidArgumentError: ``grad_scale`` is not a finite non-negative number.
+        """
+        if self._fault_kill is not None:
+            self._fault_kill.check(
+                when="commit",
+                step=self.runtime.step + 1,
+                rank=self.runtime.rank,
+                microbatch=0,
+                last_mb=0,
+            )
+        with self.run_lock:
+            if self.pending_commit != run_id:
+                raise FailedPreconditionError(
+                    f"run {run_id} has nothing to commit (pending: {self.pending_commit})"
+                )
+            step = self.runtime.commit(grad_scale)
+            self.pending_commit = None
+        return step
+
+    def abort(self, run_id: int) -> None:
+        """Aborts run ``run_id``: wakes its waits and sends, drops its mail, its activations
+        and (if it is an uncommitted training run) its gradients; no later run may reuse it."""
+        self.mailbox.abort(run_id)
+        with self.run_lock:
+            self.last_run_id = max(self.last_run_id, run_id)
+            self.pending_commit = None
+            self.runtime.abort()
+        logger.info(
+            "job %s: run %d aborted",
+            self._job_id,
+            run_id,
+            extra={"job": self._job_id, "rank": self.runtime.rank},
+        )

@@ -1,0 +1,39 @@
+"""How a stage server runs: its options, set once from the command line (no gRPC here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pipesvc.limits import Limits
+from pipesvc.metrics import Metrics
+from pipesvc.security import Security
+from pipesvc.shm import DEFAULT_AREA_BYTES
+from pipesvc.stage.faults import FaultKill
+
+
+@dataclass(kw_only=True)
+class StageOptions:
+    """How a stage server runs; set once from the command line."""
+
+    address: str
+    """host:port that neighbours and the coordinator dial."""
+    device: torch.device
+    """Where layers live and compute runs."""
+    memory_bytes: int
+    """Memory of that device, reported to the coordinator."""
+    recv_timeout_s: float = 300.0
+    """Longest wait for one activation or gradient before the run fails."""
+    limits: Limits = field(default_factory=Limits)
+    """Limits on everything received (tensors here; messages and calls in the server)."""
+    shm_bytes: int = DEFAULT_AREA_BYTES
+    """Size of the shared-memory area offered to a neighbour on the same host (0: never)."""
+    security: Security = field(default_factory=Security)
+    """Token and TLS for the channels this stage opens to its neighbour."""
+    duplicate_sends: bool = False
+    """Fault injection for tests: send every activation and gradient twice."""
+    fault_kill: FaultKill | None = None
+    """Fault injection for tests: SIGKILL this stage at a chosen point."""
+    metrics: Metrics = field(default_factory=Metrics)
+    """Where the stage records its metrics (nothing by default)."""

@@ -1,0 +1,369 @@
+"""The step engine in one process: P engines wired by in-process sends train exactly like the
+whole model in one process, for every schedule; an abort commits nothing; runs are ordered.
+
+Each engine has a real StageRuntime for its layers and a Mailbox; a send puts a copy of the
+tensor into the neighbour's mailbox (as the links deliver a copy), and each engine's run goes on
+its own thread, as each stage's does in its own process.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pipesvc import microbatch, models, partition, schedule
+from pipesvc.config import JobConfig
+from pipesvc.errors import (
+    FailedPreconditionError,
+    ResourceExhaustedError,
+    StageUnavailableError,
+    StepAbortedError,
+)
+from pipesvc.stage.engine import RunInputs, RunResult, SendFn, StepEngine
+from pipesvc.stage.faults import FaultKill
+from pipesvc.stage.mailbox import Mailbox, MailKey
+from pipesvc.stage.recorder import RunRecorder
+from pipesvc.stage.runtime import StageRuntime
+from tests.integration.reference import DROPOUT_GPT, PROBLEMS, Problem, Reference
+
+GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-6
+WEIGHT_RTOL, WEIGHT_ATOL = 1e-4, 1e-5
+OPTIMIZER_CYCLE = [
+    {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1},
+    {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+    {"name": "adam", "lr": 1e-2, "betas": [0.8, 0.95]},
+]
+NUM_MICROBATCHES = 4
+# Even, uneven (7 = 2+2+2+1) and uneven-the-other-way (9) batches over 4 micro-batches.
+BATCH_SIZES = (8, 7, 9)
+JOIN_TIMEOUT_S = 60.0
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_per_engine() -> Iterator[None]:
+    """Each engine computes on one thread, as a stage of a one-thread-per-stage cluster does:
+    P engines each starting torch's intra-op pool oversubscribe the cores many times over,
+    and a test then takes seconds instead of milliseconds."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+CASES = [
+    (model, name, num_stages)
+    for model in sorted(PROBLEMS)
+    for name in schedule.schedule_names()
+    for num_stages in (2, 3, 4)
+]
+
+
+class Pipeline:
+    """P engines of one job, wired by in-process sends; drives them as the coordinator does."""
+
+    def __init__(
+        self,
+        problem: Problem,
+        *,
+        schedule_name: str,
+        num_stages: int,
+        seed: int,
+        optimizer: Mapping[str, Any],
+        clip_grad_norm: float | None,
+        num_microbatches: int = NUM_MICROBATCHES,
+        fault_kill: FaultKill | None = None,
+    ) -> None:
+        self.config = JobConfig(
+            model=problem.model,
+            model_args=problem.model_args,
+            seed=seed,
+            num_stages=num_stages,
+            num_microbatches=num_microbatches,
+            schedule=schedule_name,
+            optimizer=optimizer,
+            loss=problem.loss,
+            clip_grad_norm=clip_grad_norm,
+        )
+        num_layers = len(models.build(problem.model, seed=seed, **problem.model_args))
+        ranges = partition.uniform(num_layers, num_stages)
+        self.mailboxes = [Mailbox() for _ in ranges]
+        self.fail_send: tuple[int, int] | None = None
+        """(rank, micro-batch): that rank's send of that micro-batch's activation raises."""
+        self.engines = [
+            StepEngine(
+                runtime=StageRuntime(
+                    config=self.config,
+                    start_layer=start,
+                    end_layer=end,
+                    rank=rank,
+                    num_stages=num_stages,
+                    device=torch.device("cpu"),
+                ),
+                mailbox=self.mailboxes[rank],
+                send_activation=self._sender(rank, rank + 1),
+                send_gradient=self._sender(rank, rank - 1),
+                recorder=RunRecorder(),
+                recv_timeout_s=JOIN_TIMEOUT_S / 2,
+                fault_kill=fault_kill,
+            )
+            for rank, (start, end) in enumerate(ranges)
+        ]
+        self.run_id = 0
+
+    def _sender(self, rank: int, to: int) -> SendFn:
+        def send(key: MailKey, tensor: torch.Tensor) -> None:
+            if self.fail_send == (rank, key.microbatch_index) and to > rank:
+                raise StageUnavailableError(f"rank {rank} cannot send {key}")
+            self.mailboxes[to].put(key, tensor.detach().clone())
+
+        return send
+
+    def run(
+        self, x: torch.Tensor, y: torch.Tensor | None, run_id: int
+    ) -> list[RunResult | BaseException]:
+        """Every engine's part of one run, each on its own thread; a result or error each."""
+        xs = microbatch.split(x, min(self.config.num_microbatches, x.shape[0]))
+        ys = microbatch.split(y, len(xs)) if y is not None else []
+        weights = microbatch.loss_weights([len(t) for t in xs]) if y is not None else []
+        last = len(self.engines) - 1
+        results: list[RunResult | BaseException] = [
+            TimeoutError(f"rank {r} did not finish") for r in range(len(self.engines))
+        ]
+
+        def run_one(rank: int, engine: StepEngine) -> None:
+            try:
+                results[rank] = engine.run_step(
+                    run_id,
+                    training=y is not None,
+                    num_microbatches=len(xs),
+                    data=RunInputs(
+                        inputs=xs if rank == 0 else [],
+                        targets=ys if rank == last else [],
+                        loss_weights=weights if rank == last else [],
+                    ),
+                )
+            except BaseException as exc:  # reported to the test thread
+                results[rank] = exc
+                # As the coordinator does once a stage reports a failed run.
+                self.abort(run_id)
+
+        threads = [
+            threading.Thread(target=run_one, args=(rank, engine), daemon=True)
+            for rank, engine in enumerate(self.engines)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(JOIN_TIMEOUT_S)
+        return results
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Runs and commits one training step (global clipping as the coordinator does)."""
+        self.run_id += 1
+        results = self.run(x, y, self.run_id)
+        replies = [r for r in results if isinstance(r, RunResult)]
+        assert len(replies) == len(results), results
+        scale = None
+        if self.config.clip_grad_norm is not None:
+            total = math.sqrt(sum(r.grad_norm_sq or 0.0 for r in replies))
+            scale = min(1.0, self.config.clip_grad_norm / (total + 1e-6))
+        for engine in self.engines:
+            engine.commit(self.run_id, scale)
+        return float(sum(replies[-1].losses))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.run_id += 1
+        results = self.run(x, None, self.run_id)
+        last = results[-1]
+        assert isinstance(last, RunResult), results
+        return torch.cat(last.outputs, dim=0)
+
+    def abort(self, run_id: int) -> None:
+        for engine in self.engines:
+            engine.abort(run_id)
+
+    def tensors(self, kind: str) -> dict[str, torch.Tensor]:
+        merged: dict[str, torch.Tensor] = {}
+        for engine in self.engines:
+            merged.update(engine.runtime.tensors(kind))
+        return merged
+
+
+def _assert_tensors(
+    actual: dict[str, torch.Tensor],
+    expected: Mapping[str, torch.Tensor],
+    rtol: float = WEIGHT_RTOL,
+    atol: float = WEIGHT_ATOL,
+) -> None:
+    assert actual.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(
+            actual[key], value, rtol=rtol, atol=atol, msg=_prefixed(f"{key}: ")
+        )
+
+
+def _prefixed(prefix: str) -> Callable[[str], str]:
+    return lambda message: prefix + message
+
+
+@pytest.mark.parametrize(("model", "schedule_name", "num_stages"), CASES)
+def test_engines_train_like_one_process(model: str, schedule_name: str, num_stages: int) -> None:
+    """Losses, gradients and weights after each commit equal the one-process reference's, on
+    even and uneven micro-batches (cnn at 4 stages puts its parameter-free Flatten alone)."""
+    index = CASES.index((model, schedule_name, num_stages))
+    problem = PROBLEMS[model]
+    optimizer = OPTIMIZER_CYCLE[index % len(OPTIMIZER_CYCLE)]
+    clip = 0.5 if index % 2 else None
+    seed = 100 + index
+    reference = Reference(problem, seed=seed, optimizer=optimizer, clip_grad_norm=clip)
+    pipeline = Pipeline(
+        problem,
+        schedule_name=schedule_name,
+        num_stages=num_stages,
+        seed=seed,
+        optimizer=optimizer,
+        clip_grad_norm=clip,
+    )
+    if model == "cnn" and num_stages == 4:  # the Flatten alone: a stage with no parameters
+        assert [e.runtime.num_parameters == 0 for e in pipeline.engines].count(True) == 1
+    _assert_tensors(pipeline.tensors("parameters"), reference.model.state_dict())
+    for step, batch_size in enumerate(BATCH_SIZES):
+        x, y = problem.batch(batch_size, seed=step)
+        expected_grads = reference.accumulated_gradients(x, y, NUM_MICROBATCHES)
+        loss = pipeline.train_step(x, y)
+        assert loss == pytest.approx(reference.step(x, y), rel=1e-5, abs=1e-6)
+        _assert_tensors(pipeline.tensors("gradients"), expected_grads, GRAD_RTOL, GRAD_ATOL)
+        _assert_tensors(pipeline.tensors("parameters"), reference.model.state_dict())
+    assert [e.runtime.step for e in pipeline.engines] == [len(BATCH_SIZES)] * num_stages
+    x, _ = problem.batch(5, seed=99)
+    with torch.no_grad():
+        expected_out = reference.model(x)
+    torch.testing.assert_close(
+        pipeline.forward(x), expected_out, rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL
+    )
+
+
+@pytest.mark.parametrize("schedule_name", schedule.schedule_names())
+@pytest.mark.parametrize("num_stages", [2, 4])
+def test_engines_with_dropout_draw_the_reference_masks(schedule_name: str, num_stages: int) -> None:
+    """A gpt with dropout: each step equals the reference's micro-batch accumulation."""
+    optimizer = {"name": "adamw", "lr": 1e-3}
+    reference = Reference(DROPOUT_GPT, seed=5, optimizer=optimizer, clip_grad_norm=1.0)
+    pipeline = Pipeline(
+        DROPOUT_GPT,
+        schedule_name=schedule_name,
+        num_stages=num_stages,
+        seed=5,
+        optimizer=optimizer,
+        clip_grad_norm=1.0,
+        num_microbatches=3,
+    )
+    for step in range(2):
+        x, y = DROPOUT_GPT.batch(7, seed=step)
+        loss = pipeline.train_step(x, y)
+        assert loss == pytest.approx(reference.step(x, y, 3), rel=1e-5, abs=1e-6)
+        _assert_tensors(pipeline.tensors("parameters"), reference.model.state_dict())
+
+
+def _pipeline(
+    problem: Problem, num_stages: int = 3, fault_kill: FaultKill | None = None
+) -> Pipeline:
+    return Pipeline(
+        problem,
+        schedule_name="1f1b",
+        num_stages=num_stages,
+        seed=3,
+        optimizer={"name": "sgd", "lr": 0.1},
+        clip_grad_norm=None,
+        fault_kill=fault_kill,
+    )
+
+
+@pytest.mark.parametrize("schedule_name", schedule.schedule_names())
+def test_abort_mid_run_commits_nothing(schedule_name: str) -> None:
+    """A send fails in the middle of a run: that stage's run fails, the abort wakes the others,
+    nothing is committed or left pending, and the next run trains like the reference."""
+    problem = PROBLEMS["mlp"]
+    reference = Reference(
+        problem, seed=3, optimizer={"name": "sgd", "lr": 0.1}, clip_grad_norm=None
+    )
+    pipeline = _pipeline(problem)
+    pipeline.fail_send = (1, 1)
+    before = {k: v.clone() for k, v in pipeline.tensors("parameters").items()}
+    x, y = problem.batch(8, seed=0)
+    results = pipeline.run(x, y, run_id=1)
+    assert isinstance(results[1], StageUnavailableError), results
+    # The others' runs were woken by the abort (or, a thread started late, refused after it).
+    others = (StepAbortedError, FailedPreconditionError)
+    assert all(isinstance(r, others) for r in results[:1] + results[2:]), results
+    for engine in pipeline.engines:
+        assert engine.pending_commit is None
+        assert engine.runtime.step == 0
+        assert engine.runtime.live == 0
+        with pytest.raises(FailedPreconditionError, match="run 1 has nothing to commit"):
+            engine.commit(1, None)
+    _assert_tensors(pipeline.tensors("parameters"), before)
+    assert pipeline.tensors("gradients") == {}
+
+    pipeline.fail_send = None
+    pipeline.run_id = 1
+    loss = pipeline.train_step(x, y)
+    assert loss == pytest.approx(reference.step(x, y), rel=1e-5, abs=1e-6)
+    _assert_tensors(pipeline.tensors("parameters"), reference.model.state_dict())
+
+
+def test_a_run_waits_for_the_pending_commit_and_runs_are_ordered() -> None:
+    problem = PROBLEMS["mlp"]
+    pipeline = _pipeline(problem, num_stages=2)
+    x, y = problem.batch(8, seed=0)
+    assert all(isinstance(r, RunResult) for r in pipeline.run(x, y, run_id=1))
+    data = RunInputs(inputs=microbatch.split(x, 4), targets=[], loss_weights=[])
+    first = pipeline.engines[0]
+    with pytest.raises(FailedPreconditionError, match="run 1 awaits commit or abort; run 2 waits"):
+        first.run_step(2, training=True, num_microbatches=4, data=data)
+    assert (first.pending_commit, first.last_run_id) == (1, 1)
+    with pytest.raises(FailedPreconditionError, match="run 2 has nothing to commit"):
+        first.commit(2, None)
+    for engine in pipeline.engines:
+        assert engine.commit(1, None) == 1
+    with pytest.raises(FailedPreconditionError, match="run 1 is not after the last run 1"):
+        first.run_step(1, training=True, num_microbatches=4, data=data)
+    pipeline.abort(5)
+    with pytest.raises(FailedPreconditionError, match="run 3 is not after the last run 5"):
+        first.run_step(3, training=True, num_microbatches=4, data=data)
+
+
+@pytest.mark.parametrize("when", ["forward", "backward", "commit"])
+def test_injected_fault_fails_its_point_once(when: str, tmp_path: Path) -> None:
+    """A ``fail`` fault at rank 1's forward or backward of step 1 fails that run there (the
+    others are aborted, nothing is committed); at its commit, the commit fails and the run
+    stays pending. The fault fires once: the retry trains like the reference."""
+    problem = PROBLEMS["mlp"]
+    reference = Reference(
+        problem, seed=3, optimizer={"name": "sgd", "lr": 0.1}, clip_grad_norm=None
+    )
+    fault = FaultKill(when=when, step=1, rank=1, marker=str(tmp_path / "fired"), action="fail")
+    pipeline = _pipeline(problem, fault_kill=fault)
+    x, y = problem.batch(8, seed=0)
+    results = pipeline.run(x, y, run_id=1)
+    if when == "commit":
+        assert all(isinstance(r, RunResult) for r in results), results
+        with pytest.raises(ResourceExhaustedError, match="fault injection: commit of step 1"):
+            pipeline.engines[1].commit(1, None)
+        assert pipeline.engines[1].pending_commit == 1
+        for engine in pipeline.engines:
+            assert engine.commit(1, None) == 1
+    else:
+        assert isinstance(results[1], ResourceExhaustedError), results
+        assert [e.runtime.step for e in pipeline.engines] == [0, 0, 0]
+        pipeline.run_id = 1
+        pipeline.train_step(x, y)
+    assert (tmp_path / "fired").exists()
+    reference.step(x, y)
+    _assert_tensors(pipeline.tensors("parameters"), reference.model.state_dict())
