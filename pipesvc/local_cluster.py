@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +22,9 @@ from pipesvc.security import Security
 def default_threads_per_stage(num_stages: int) -> int:
     """Cores divided among the stages (at least one each), so stages don't oversubscribe."""
     return max(1, (os.cpu_count() or 1) // max(1, num_stages))
+
+
+_ADVERTISED = re.compile(r"advertised as (\S+), device")
 
 
 class LocalCluster:
@@ -160,12 +164,17 @@ class LocalCluster:
         Raises:
             StageUnavailableError: it did not come up in time.
         """
-        before = {s.address for s in self._client().stages()}
         proc = self._spawn_stage(extra_args)
+        log = self.log_dir / f"stage-{self._stage_count - 1}.log"
 
         def registered() -> bool:
+            # By the address the stage itself reports: a port freed by a dead stage can be
+            # reused by the new one, so "an address not seen before" may never appear.
+            found = _ADVERTISED.search(log.read_text(errors="replace"))
+            if found is None:
+                return False
             stages = self._client().stages()
-            return any(s.address not in before and s.health == "SERVING" for s in stages)
+            return any(s.address == found[1] and s.health == "SERVING" for s in stages)
 
         self._wait(registered, "waiting for the added stage", [proc])
         return proc.pid

@@ -30,6 +30,8 @@ WIDE = Problem(
 """Two layers, one per stage, with 64 KiB of activation per row between them and little
 compute: enough bytes in flight to fill gRPC's and the kernel's buffers and the send queue."""
 
+pytestmark = pytest.mark.heavy
+
 
 def _gpipe_run(client: pipesvc.Client, num_microbatches: int, problem: Problem = MLP) -> Run:
     job = client.create_job(
