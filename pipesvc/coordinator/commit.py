@@ -59,15 +59,19 @@ def commit_all(
         CommitIncompleteError: some stage could not be brought to the step.
     """
     what = f"commit of step {step}"
-    try:
+
+    def commit_on(stages: Sequence[PipelineStage]) -> None:
         call_all(
             registry,
-            plan,
+            stages,
             lambda s: ("Commit", request),
             deadlines.control_s,
             deadlines=deadlines,
             what=what,
         )
+
+    try:
+        commit_on(plan)
         return
     except StageLostError:
         raise
@@ -83,14 +87,7 @@ def commit_all(
             logger.warning("%s completed on every stage", what)
             return
         try:
-            call_all(
-                registry,
-                laggards,
-                lambda s: ("Commit", request),
-                deadlines.control_s,
-                deadlines=deadlines,
-                what=what,
-            )
+            commit_on(laggards)
         except StageLostError:
             raise
         except PipesvcError as exc:
