@@ -14,7 +14,7 @@ How busy and idle are defined:
   includes its loss), ``wait`` (blocked on an activation or a gradient from a neighbour) and
   ``send`` (handing a tensor to the link that streams it to the neighbour).
 - The **step window** runs from the earliest start to the latest end of any event of that
-  step on any stage (``pipesvc.trace.busy_idle(timelines, step=s)``). It holds the stages'
+  step on any stage (``pipesvc.observe.trace.busy_idle(timelines, step=s)``). It holds the stages'
   schedules only: the client's request, the coordinator's dispatch and the batch transfer
   before the first event, and the commit (optimizer step) after the last one, are outside it.
   ``client ms/step`` is the whole step as the client sees it, for comparison.
@@ -27,7 +27,7 @@ How busy and idle are defined:
   stage that gets the step's request late starts late).
 - A stage's **idle fraction** is its idle time summed over the timed steps divided by their
   windows summed; ``mean idle`` and ``max idle`` are over the stages.
-- The **ideal bubble** is ``(p - 1) / (m + p - 1)`` (``pipesvc.trace.ideal_bubble``): the
+- The **ideal bubble** is ``(p - 1) / (m + p - 1)`` (``pipesvc.observe.trace.ideal_bubble``): the
   idle fraction of every stage when each stage's forward and backward of a micro-batch take
   the same time on every stage and communication is free (window ``(m + p - 1)(t_f + t_b)``,
   busy ``m (t_f + t_b)``; GPipe and 1F1B alike). ``mean/ideal`` is mean idle over it.
@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 import pipesvc
-from pipesvc.trace import StageTimeline, busy_idle, ideal_bubble
+from pipesvc.observe.trace import StageTimeline, busy_idle, ideal_bubble
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WIDTH, DEPTH, BATCH, NUM_MICROBATCHES, LR = 1024, 8, 64, 8, 1e-3

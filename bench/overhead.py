@@ -58,9 +58,9 @@ sys.path.insert(0, str(REPO_ROOT))  # spawned children inherit sys.path
 import pipesvc  # noqa: E402
 from bench import pipeline as base  # noqa: E402
 from pipesvc.coordinator.state_db import JobRecord, StateDB  # noqa: E402
-from pipesvc.partition import uniform  # noqa: E402
-from pipesvc.step_log import StepLog  # noqa: E402
-from pipesvc.trace import StageTimeline  # noqa: E402
+from pipesvc.coordinator.step_log import StepLog  # noqa: E402
+from pipesvc.core.partition import uniform  # noqa: E402
+from pipesvc.observe.trace import StageTimeline  # noqa: E402
 
 BATCH, NUM_MICROBATCHES, LR = 64, 4, 1e-3
 WARMUP_STEPS = 5

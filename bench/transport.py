@@ -5,9 +5,9 @@ sends it back, A receives it whole; MB/s counts both directions (2 x bytes per r
 
 - pipesvc: ``DownstreamLink`` (A) -> ``Exchange`` bidi stream -> ``UpstreamLink`` (B), i.e. the
   real stage data plane (shared-memory handshake, identity checks, mailboxes, send queues,
-  gRPC options of ``pipesvc.transport``, the malloc settings of ``pipesvc stage``); B's servicer
-  echoes each activation back as a gradient instead of running a StageService schedule. Both
-  processes share this host's ``/dev/shm``, so payloads go through shared memory and the
+  gRPC options of ``pipesvc.wire.transport``, the malloc settings of ``pipesvc stage``); B's
+  servicer echoes each activation back as a gradient instead of running a StageService schedule.
+  Both processes share this host's ``/dev/shm``, so payloads go through shared memory and the
   stream carries headers.
 - pipesvc-frames: the same with shared memory off (``shm_bytes=0``): payloads travel as 1 MiB
   frames on the stream, as between stages on different hosts.
@@ -57,13 +57,13 @@ def _timed(plan: Plan, round_trip: Callable[[torch.Tensor], None]) -> list[float
 
 
 def _pipesvc_server(q: Queue, plan: Plan, shm_bytes: int = DEFAULT_SHM_BYTES) -> None:
-    from pipesvc.allocator import tune_malloc
+    from pipesvc.core.tensor_codec import CodecLimits
     from pipesvc.stage.links import UpstreamLink
     from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
+    from pipesvc.stage.malloc import tune_malloc
     from pipesvc.stage.server import add_stage_service
-    from pipesvc.tensor_codec import CodecLimits
-    from pipesvc.transport import create_server
     from pipesvc.v1 import stage_pb2_grpc
+    from pipesvc.wire.transport import create_server
 
     torch.set_num_threads(1)
     tune_malloc()  # as `pipesvc stage` does
@@ -98,11 +98,11 @@ def _pipesvc_server(q: Queue, plan: Plan, shm_bytes: int = DEFAULT_SHM_BYTES) ->
 
 
 def _pipesvc_client(q: Queue, address: str, plan: Plan, shm_bytes: int = DEFAULT_SHM_BYTES) -> None:
-    from pipesvc.allocator import tune_malloc
+    from pipesvc.core.tensor_codec import CodecLimits
     from pipesvc.stage.links import DownstreamLink
     from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
-    from pipesvc.tensor_codec import CodecLimits
-    from pipesvc.transport import open_channel
+    from pipesvc.stage.malloc import tune_malloc
+    from pipesvc.wire.transport import open_channel
 
     torch.set_num_threads(1)
     tune_malloc()  # as `pipesvc stage` does

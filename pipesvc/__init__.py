@@ -5,7 +5,8 @@ See README.md for the tour; the public API is listed in ``__all__``.
 
 from pipesvc import models
 from pipesvc.client import Client, Job, StageStatus, connect
-from pipesvc.config import JobConfig
+from pipesvc.core.config import JobConfig
+from pipesvc.core.plan import PipelineStage
 from pipesvc.errors import (
     FailedPreconditionError,
     InternalError,
@@ -23,9 +24,8 @@ from pipesvc.errors import (
 )
 from pipesvc.local_cluster import LocalCluster
 from pipesvc.models import LayerSpec, register_model
-from pipesvc.plan import PipelineStage
-from pipesvc.security import TLSConfig
-from pipesvc.weights import WeightLimits, load_weights, save_weights
+from pipesvc.storage.weights import WeightLimits, load_weights, save_weights
+from pipesvc.wire.security import TLSConfig
 
 __version__ = "0.1.0"
 

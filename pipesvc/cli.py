@@ -13,12 +13,12 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from pipesvc import logs
+from pipesvc.core.limits import Limits, parse_bytes
+from pipesvc.core.schedule import schedule_names
 from pipesvc.errors import PipesvcError
-from pipesvc.limits import Limits, parse_bytes
-from pipesvc.metrics import NO_METRICS, Metrics
-from pipesvc.schedule import schedule_names
-from pipesvc.security import Security
+from pipesvc.observe import logs
+from pipesvc.observe.metrics import NO_METRICS, Metrics
+from pipesvc.wire.security import Security
 
 logger = logging.getLogger("pipesvc")
 DEFAULT_COORDINATOR = "127.0.0.1:7070"
@@ -76,7 +76,7 @@ def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
 def _metrics(args: argparse.Namespace) -> Metrics:
     if args.metrics_port is None:
         return NO_METRICS
-    from pipesvc.metrics import PrometheusMetrics
+    from pipesvc.observe.metrics import PrometheusMetrics
 
     metrics = PrometheusMetrics()
     host = args.listen.rpartition(":")[0].strip("[]") or "127.0.0.1"
@@ -102,9 +102,9 @@ def _warn_if_exposed(listen: str, security: Security) -> None:
 
 
 def _cmd_coordinator(args: argparse.Namespace) -> int:
-    from pipesvc.allocator import single_arena
     from pipesvc.coordinator.server import run_coordinator
     from pipesvc.coordinator.stage_calls import Deadlines
+    from pipesvc.stage.malloc import single_arena
 
     single_arena()
     security = _security(args)
@@ -131,8 +131,8 @@ def _cmd_stage(args: argparse.Namespace) -> int:
     import torch
 
     from pipesvc import models
-    from pipesvc.allocator import tune_malloc
     from pipesvc.stage.faults import FaultKill
+    from pipesvc.stage.malloc import tune_malloc
     from pipesvc.stage.server import default_device, device_memory_bytes, run_stage
     from pipesvc.stage.service import StageOptions
 
@@ -248,7 +248,7 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 
 
 def _cmd_health(args: argparse.Namespace) -> int:
-    from pipesvc.transport import check_health
+    from pipesvc.wire.transport import check_health
 
     status = check_health(args.target, args.timeout_s, _security(args))
     print(status)
@@ -438,7 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``pipesvc`` console script."""
     args = build_parser().parse_args(argv)
     if args.command == "stage":
-        from pipesvc.allocator import reexec_with_tunables
+        from pipesvc.stage.malloc import reexec_with_tunables
 
         reexec_with_tunables(sys.argv[1:] if argv is None else list(argv))
     logs.install(args.log_level, args.log_format)

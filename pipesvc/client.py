@@ -20,22 +20,22 @@ from typing import Any
 import grpc
 import torch
 
-from pipesvc.checkpoint import (
+from pipesvc.core.config import JobConfig, config_from_proto, config_to_dict, config_to_proto
+from pipesvc.core.plan import PipelineStage, plan_to_dicts
+from pipesvc.core.tensor_codec import decode, encode, named_frames, read_named_frames
+from pipesvc.errors import InvalidArgumentError
+from pipesvc.observe.trace import StageTimeline, TraceEvent, write_trace_files
+from pipesvc.storage.checkpoint import (
     Manifest,
     read_layers,
     read_manifest,
     verify,
     write_checkpoint,
 )
-from pipesvc.config import JobConfig, config_from_proto, config_to_dict, config_to_proto
-from pipesvc.errors import InvalidArgumentError
-from pipesvc.plan import PipelineStage, plan_to_dicts
-from pipesvc.rpc_status import error_from_rpc
-from pipesvc.security import Security, TLSConfig
-from pipesvc.tensor_codec import decode, encode, named_frames, read_named_frames
-from pipesvc.trace import StageTimeline, TraceEvent, write_trace_files
-from pipesvc.transport import call, open_channel
 from pipesvc.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from pipesvc.wire.rpc_status import error_from_rpc
+from pipesvc.wire.security import Security, TLSConfig
+from pipesvc.wire.transport import call, open_channel
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

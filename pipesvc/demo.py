@@ -18,8 +18,8 @@ import torch
 from pipesvc import models
 from pipesvc.client import Client, Job
 from pipesvc.local_cluster import LocalCluster
-from pipesvc.security import Security
-from pipesvc.trace import busy_idle, ideal_bubble
+from pipesvc.observe.trace import busy_idle, ideal_bubble
+from pipesvc.wire.security import Security
 
 SEQUENCE_LENGTH = 64
 

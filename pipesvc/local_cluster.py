@@ -13,10 +13,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
-from pipesvc.allocator import stage_environ
 from pipesvc.client import Client
 from pipesvc.errors import PipesvcError, StageUnavailableError
-from pipesvc.security import Security
+from pipesvc.stage.malloc import stage_environ
+from pipesvc.wire.security import Security
 
 
 def default_threads_per_stage(num_stages: int) -> int:

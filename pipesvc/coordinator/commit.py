@@ -27,8 +27,8 @@ from collections.abc import Sequence
 
 from pipesvc.coordinator.registry import StageRegistry
 from pipesvc.coordinator.stage_calls import Deadlines, StageLostError, call_all, where
+from pipesvc.core.plan import PipelineStage
 from pipesvc.errors import PipesvcError, StageUnavailableError
-from pipesvc.plan import PipelineStage
 from pipesvc.v1 import stage_pb2
 
 logger = logging.getLogger(__name__)

@@ -33,8 +33,6 @@ from typing import Any
 
 import torch
 
-from pipesvc import microbatch
-from pipesvc.config import JobConfig, config_from_dict, config_to_proto
 from pipesvc.coordinator import planner
 from pipesvc.coordinator.commit import commit_all
 from pipesvc.coordinator.job_state import JobState
@@ -43,15 +41,17 @@ from pipesvc.coordinator.registry import StageRegistry
 from pipesvc.coordinator.stage_calls import Deadlines, StageLostError
 from pipesvc.coordinator.stage_group import StageGroup
 from pipesvc.coordinator.state_db import JobRecord
+from pipesvc.core import microbatch
+from pipesvc.core.config import JobConfig, config_from_dict, config_to_proto
+from pipesvc.core.plan import PipelineStage, plan_from_dicts
+from pipesvc.core.tensor_codec import decode
 from pipesvc.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     PipesvcError,
     StageUnavailableError,
 )
-from pipesvc.metrics import NO_METRICS, Metrics
-from pipesvc.plan import PipelineStage, plan_from_dicts
-from pipesvc.tensor_codec import decode
+from pipesvc.observe.metrics import NO_METRICS, Metrics
 from pipesvc.v1 import common_pb2, coordinator_pb2, stage_pb2
 
 logger = logging.getLogger(__name__)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipesvc.config import JobConfig, config_to_dict
 from pipesvc.coordinator.state_db import JobRecord
-from pipesvc.plan import PipelineStage, plan_to_dicts
+from pipesvc.core.config import JobConfig, config_to_dict
+from pipesvc.core.plan import PipelineStage, plan_to_dicts
 from pipesvc.v1 import stage_pb2
 
 

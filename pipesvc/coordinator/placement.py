@@ -15,10 +15,10 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from pipesvc import partition, schedule
-from pipesvc.config import JobConfig
+from pipesvc.core import partition, schedule
+from pipesvc.core.config import JobConfig
+from pipesvc.core.plan import PipelineStage, check_plan
 from pipesvc.errors import PlanError, ResourceExhaustedError
-from pipesvc.plan import PipelineStage, check_plan
 from pipesvc.v1 import stage_pb2
 
 logger = logging.getLogger(__name__)

@@ -11,12 +11,12 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 
-from pipesvc.config import JobConfig
 from pipesvc.coordinator import placement
 from pipesvc.coordinator.registry import StageRecord, StageRegistry
 from pipesvc.coordinator.stage_calls import call_stage
+from pipesvc.core.config import JobConfig
+from pipesvc.core.plan import PipelineStage
 from pipesvc.errors import InvalidArgumentError, PlanError, UnknownModelError
-from pipesvc.plan import PipelineStage
 from pipesvc.v1 import stage_pb2
 
 logger = logging.getLogger(__name__)

@@ -17,13 +17,14 @@ from typing import Any
 
 import torch
 
-from pipesvc import microbatch
-from pipesvc.checkpoint import CheckpointStore, CheckpointWriter, read_layers, read_manifest
 from pipesvc.coordinator import planner
 from pipesvc.coordinator.job_state import JobState
 from pipesvc.coordinator.stage_calls import StageLostError, health_of
 from pipesvc.coordinator.stage_group import StageGroup
 from pipesvc.coordinator.state_db import JobRecord, StateDB
+from pipesvc.coordinator.step_log import StepLog
+from pipesvc.core import microbatch
+from pipesvc.core.tensor_codec import named_frames, read_named_frames
 from pipesvc.errors import (
     InternalError,
     InvalidArgumentError,
@@ -32,9 +33,8 @@ from pipesvc.errors import (
     ResourceExhaustedError,
     UnauthenticatedError,
 )
-from pipesvc.metrics import Metrics
-from pipesvc.step_log import StepLog
-from pipesvc.tensor_codec import named_frames, read_named_frames
+from pipesvc.observe.metrics import Metrics
+from pipesvc.storage.checkpoint import CheckpointStore, CheckpointWriter, read_layers, read_manifest
 from pipesvc.v1 import common_pb2, stage_pb2
 
 logger = logging.getLogger(__name__)

@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pipesvc.core.limits import Limits
 from pipesvc.errors import InvalidArgumentError
-from pipesvc.limits import Limits
-from pipesvc.security import Security
-from pipesvc.transport import health_status, open_channel, split_address
 from pipesvc.v1 import stage_pb2_grpc
+from pipesvc.wire.security import Security
+from pipesvc.wire.transport import health_status, open_channel, split_address
 
 
 @dataclass(kw_only=True)

@@ -8,11 +8,11 @@ from pathlib import Path
 
 from pipesvc.coordinator.service import CoordinatorService
 from pipesvc.coordinator.stage_calls import Deadlines
-from pipesvc.limits import Limits
-from pipesvc.metrics import Metrics
-from pipesvc.security import Security
-from pipesvc.transport import create_server, split_address
+from pipesvc.core.limits import Limits
+from pipesvc.observe.metrics import Metrics
 from pipesvc.v1 import coordinator_pb2_grpc
+from pipesvc.wire.security import Security
+from pipesvc.wire.transport import create_server, split_address
 
 logger = logging.getLogger(__name__)
 

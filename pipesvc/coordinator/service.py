@@ -12,20 +12,20 @@ from pathlib import Path
 import grpc
 import torch
 
-from pipesvc.config import config_from_proto
 from pipesvc.coordinator import planner
 from pipesvc.coordinator.job import JobDriver, create_job
 from pipesvc.coordinator.recovery import JobStorage
 from pipesvc.coordinator.registry import StageRecord, StageRegistry
 from pipesvc.coordinator.stage_calls import Deadlines
 from pipesvc.coordinator.state_db import StateDB
+from pipesvc.core.config import config_from_proto
+from pipesvc.core.limits import Limits
+from pipesvc.core.tensor_codec import decode, encode
 from pipesvc.errors import InvalidArgumentError, NotFoundError
-from pipesvc.limits import Limits
-from pipesvc.metrics import NO_METRICS, Metrics
-from pipesvc.rpc_status import handle_errors
-from pipesvc.security import Security
-from pipesvc.tensor_codec import decode, encode
+from pipesvc.observe.metrics import NO_METRICS, Metrics
 from pipesvc.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, stage_pb2
+from pipesvc.wire.rpc_status import handle_errors
+from pipesvc.wire.security import Security
 
 logger = logging.getLogger(__name__)
 

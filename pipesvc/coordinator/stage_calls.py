@@ -19,10 +19,10 @@ from typing import Any
 import grpc
 
 from pipesvc.coordinator.registry import StageRegistry
+from pipesvc.core.plan import PipelineStage
 from pipesvc.errors import PipesvcError, StageUnavailableError, StepAbortedError
-from pipesvc.plan import PipelineStage
-from pipesvc.rpc_status import error_from_rpc
-from pipesvc.transport import call
+from pipesvc.wire.rpc_status import error_from_rpc
+from pipesvc.wire.transport import call
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,6 @@ from typing import Any
 
 import torch
 
-from pipesvc import microbatch
-from pipesvc.config import JobConfig, config_to_proto
 from pipesvc.coordinator.registry import StageRegistry
 from pipesvc.coordinator.stage_calls import (
     Deadlines,
@@ -21,9 +19,11 @@ from pipesvc.coordinator.stage_calls import (
     where,
 )
 from pipesvc.coordinator.state_transfer import load_into_stages
+from pipesvc.core import microbatch
+from pipesvc.core.config import JobConfig, config_to_proto
+from pipesvc.core.plan import PipelineStage
+from pipesvc.core.tensor_codec import encode
 from pipesvc.errors import PipesvcError
-from pipesvc.plan import PipelineStage
-from pipesvc.tensor_codec import encode
 from pipesvc.v1 import common_pb2, stage_pb2
 
 logger = logging.getLogger(__name__)

@@ -11,11 +11,11 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
 from typing import Any
 
-from pipesvc.checkpoint import OPTIM_PREFIX, layer_of
 from pipesvc.coordinator.registry import StageRegistry
 from pipesvc.coordinator.stage_calls import call_all, call_stage
+from pipesvc.core.plan import PipelineStage
 from pipesvc.errors import InvalidArgumentError, PipesvcError
-from pipesvc.plan import PipelineStage
+from pipesvc.storage.checkpoint import OPTIM_PREFIX, layer_of
 from pipesvc.v1 import common_pb2, stage_pb2
 
 FRAMES_IN_FLIGHT = 16

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from pipesvc.core.schedule import Action, ActionKind, forward_only_actions, stage_actions
 from pipesvc.errors import FailedPreconditionError
-from pipesvc.metrics import NO_METRICS, Metrics
-from pipesvc.schedule import Action, ActionKind, forward_only_actions, stage_actions
+from pipesvc.observe.metrics import NO_METRICS, Metrics
 from pipesvc.stage.faults import FaultKill
 from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
 from pipesvc.stage.recorder import RunRecorder

@@ -4,7 +4,7 @@ The upstream stage opens ``Exchange`` on its downstream neighbour once per job a
 activation frames flow down the request side, gradient frames come back on the response side.
 Encoding and sending run on gRPC's stream threads, fed by bounded queues, so a stage computes
 the next micro-batch while the previous one is on the wire. Between stages on one host the
-payloads go through shared memory instead (see [Note: the shared-memory path] in pipesvc.shm).
+payloads go through shared memory instead (see [Note: the shared-memory path] in pipesvc.stage.shm).
 
 [Note: bounded waits] No wait in the data plane outlives the stream or the run it serves. A
 send waits for room in its queue (or the doorbell's pipe) in short polls, and fails at once
@@ -27,17 +27,17 @@ from collections.abc import Callable, Iterable, Iterator
 import grpc
 import torch
 
+from pipesvc.core.tensor_codec import CodecLimits
 from pipesvc.errors import PipesvcError, StageUnavailableError
-from pipesvc.metrics import NO_METRICS, Metrics
-from pipesvc.rpc_status import error_from_rpc
-from pipesvc.shm import DEFAULT_AREA_BYTES
+from pipesvc.observe.metrics import NO_METRICS, Metrics
 from pipesvc.stage.frame_wire import InFrame, OutFrame, parse, serialize
 from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
 from pipesvc.stage.microbatch_id import opposite
 from pipesvc.stage.reader import FrameReader
 from pipesvc.stage.sender import Sender
-from pipesvc.tensor_codec import CodecLimits
+from pipesvc.stage.shm import DEFAULT_AREA_BYTES
 from pipesvc.v1 import stage_pb2
+from pipesvc.wire.rpc_status import error_from_rpc
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pipesvc.core.limits import MAX_MICROBATCHES
 from pipesvc.errors import PipelineTimeoutError, ResourceExhaustedError, StepAbortedError
-from pipesvc.limits import MAX_MICROBATCHES
 
 logger = logging.getLogger(__name__)
 

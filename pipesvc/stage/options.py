@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipesvc.limits import Limits
-from pipesvc.metrics import Metrics
-from pipesvc.security import Security
-from pipesvc.shm import DEFAULT_AREA_BYTES
+from pipesvc.core.limits import Limits
+from pipesvc.observe.metrics import Metrics
 from pipesvc.stage.faults import FaultKill
+from pipesvc.stage.shm import DEFAULT_AREA_BYTES
+from pipesvc.wire.security import Security
 
 
 @dataclass(kw_only=True)

@@ -10,15 +10,15 @@ from collections.abc import Callable
 
 import torch
 
+from pipesvc.core.tensor_codec import CodecLimits, FrameAssembler, check_header, view_as_header
 from pipesvc.errors import PipesvcError, WireFormatError
-from pipesvc.metrics import Metrics
-from pipesvc.shm import ShmView
+from pipesvc.observe.metrics import Metrics
 from pipesvc.stage.frame_wire import InFrame
 from pipesvc.stage.mailbox import Mailbox, MailKey
 from pipesvc.stage.microbatch_id import DIRECTIONS
 from pipesvc.stage.sender import Sender
+from pipesvc.stage.shm import ShmView
 from pipesvc.stage.shm_handshake import ShmInlet
-from pipesvc.tensor_codec import CodecLimits, FrameAssembler, check_header, view_as_header
 from pipesvc.v1 import stage_pb2
 
 

@@ -12,8 +12,8 @@ import threading
 import time
 from collections.abc import Iterator
 
-from pipesvc.metrics import NO_METRICS, Metrics
-from pipesvc.trace import TraceEvent
+from pipesvc.observe.metrics import NO_METRICS, Metrics
+from pipesvc.observe.trace import TraceEvent
 
 logger = logging.getLogger(__name__)
 COMPUTE = ("forward", "backward")

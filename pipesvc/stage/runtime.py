@@ -37,12 +37,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pipesvc.checkpoint import OPTIM_PREFIX, group_by_layer
-from pipesvc.config import JobConfig
+from pipesvc.core.config import JobConfig
+from pipesvc.core.loss import compute_loss
+from pipesvc.core.optim import build_optimizer
 from pipesvc.errors import FailedPreconditionError, InvalidArgumentError
-from pipesvc.loss import compute_loss
 from pipesvc.models import batch_statistics, build_layers, layer_rng, uses_rng
-from pipesvc.optim import build_optimizer
+from pipesvc.storage.checkpoint import OPTIM_PREFIX, group_by_layer
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -14,14 +14,14 @@ from typing import TypeAlias
 
 import torch
 
+from pipesvc.core.tensor_codec import DEFAULT_FRAME_BYTES, frame_views
 from pipesvc.errors import PipesvcError, StageUnavailableError, StepAbortedError
-from pipesvc.metrics import NO_METRICS, Metrics
-from pipesvc.shm import DEFAULT_AREA_BYTES
+from pipesvc.observe.metrics import NO_METRICS, Metrics
 from pipesvc.stage.frame_wire import OutFrame
 from pipesvc.stage.mailbox import MailKey
 from pipesvc.stage.microbatch_id import microbatch_id
+from pipesvc.stage.shm import DEFAULT_AREA_BYTES
 from pipesvc.stage.shm_handshake import ShmOutlet
-from pipesvc.tensor_codec import DEFAULT_FRAME_BYTES, frame_views
 from pipesvc.v1 import stage_pb2
 
 SEND_QUEUE_ITEMS = 64

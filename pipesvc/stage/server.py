@@ -13,12 +13,12 @@ from grpc_health.v1 import health_pb2
 
 from pipesvc import models
 from pipesvc.errors import StageUnavailableError
-from pipesvc.security import Security
 from pipesvc.stage.frame_wire import parse, serialize
 from pipesvc.stage.links import EXCHANGE_METHOD
 from pipesvc.stage.service import StageOptions, StageService
-from pipesvc.transport import check_health, create_server, open_channel, split_address
 from pipesvc.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2_grpc
+from pipesvc.wire.security import Security
+from pipesvc.wire.transport import check_health, create_server, open_channel, split_address
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,9 @@ import grpc
 import torch
 
 from pipesvc import models
-from pipesvc.config import config_from_proto, parse_json_object
+from pipesvc.core.config import config_from_proto, parse_json_object
+from pipesvc.core.limits import MAX_MICROBATCHES
+from pipesvc.core.tensor_codec import decode, encode, named_frames, read_named_frames
 from pipesvc.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -24,16 +26,14 @@ from pipesvc.errors import (
     PipesvcError,
     StepAbortedError,
 )
-from pipesvc.limits import MAX_MICROBATCHES
-from pipesvc.rpc_status import abort_with, handle_errors
 from pipesvc.stage.assignment import Assignment
 from pipesvc.stage.engine import RunInputs
 from pipesvc.stage.links import UpstreamLink
 from pipesvc.stage.options import StageOptions
 from pipesvc.stage.runtime import StageRuntime
-from pipesvc.tensor_codec import decode, encode, named_frames, read_named_frames
-from pipesvc.transport import open_channel
 from pipesvc.v1 import common_pb2, stage_pb2, stage_pb2_grpc
+from pipesvc.wire.rpc_status import abort_with, handle_errors
+from pipesvc.wire.transport import open_channel
 
 __all__ = ["StageOptions", "StageService"]
 

@@ -3,7 +3,7 @@
 The sending end (``ShmOutlet``) creates an area, offers it on the stream and, once the peer
 accepts, writes tensors into it and rings the doorbell; the receiving end (``ShmInlet``) maps an
 offered area, answers, and runs the thread that reads the doorbell. See [Note: the
-shared-memory path] in pipesvc.shm.
+shared-memory path] in pipesvc.stage.shm.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from collections.abc import Callable
 import torch
 from google.protobuf.message import DecodeError
 
+from pipesvc.core.tensor_codec import make_header
 from pipesvc.errors import PipesvcError, StepAbortedError, WireFormatError
-from pipesvc.metrics import Metrics
-from pipesvc.shm import MAX_AREA_BYTES, ShmArea, ShmView
+from pipesvc.observe.metrics import Metrics
 from pipesvc.stage.mailbox import MailKey
 from pipesvc.stage.microbatch_id import microbatch_id, opposite
-from pipesvc.tensor_codec import make_header
+from pipesvc.stage.shm import MAX_AREA_BYTES, ShmArea, ShmView
 from pipesvc.v1 import stage_pb2
 
 logger = logging.getLogger(__name__)

@@ -12,9 +12,9 @@ import time
 
 import pipesvc
 from pipesvc.errors import PipesvcError
-from pipesvc.security import Security
-from pipesvc.transport import open_channel
 from pipesvc.v1 import stage_pb2, stage_pb2_grpc
+from pipesvc.wire.security import Security
+from pipesvc.wire.transport import open_channel
 from tests.cluster.faults import Run
 
 

@@ -30,11 +30,11 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor, MethodDescri
 from google.protobuf.message import DecodeError, Message
 from hypothesis import strategies as st
 
-from pipesvc.checkpoint import OPTIM_PREFIX
-from pipesvc.config import config_from_proto
+from pipesvc.core.config import config_from_proto
+from pipesvc.core.limits import Limits
+from pipesvc.core.tensor_codec import decode, encode, encode_frames, named_frames, read_named_frames
 from pipesvc.errors import PipesvcError
-from pipesvc.limits import Limits
-from pipesvc.tensor_codec import decode, encode, encode_frames, named_frames, read_named_frames
+from pipesvc.storage.checkpoint import OPTIM_PREFIX
 from pipesvc.v1 import common_pb2, coordinator_pb2, stage_pb2
 
 LIMITS = Limits()

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from pipesvc import models
-from pipesvc.microbatch import loss_weights, split
+from pipesvc.core.microbatch import loss_weights, split
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,9 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 import pipesvc
-from pipesvc.rpc_status import ERROR_CLASS_KEY
-from pipesvc.tensor_codec import named_frames
+from pipesvc.core.tensor_codec import named_frames
 from pipesvc.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
+from pipesvc.wire.rpc_status import ERROR_CLASS_KEY
 from tests.integration.fuzz_messages import (
     COORDINATOR_RPCS,
     STAGE_RPCS,

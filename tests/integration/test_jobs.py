@@ -9,7 +9,7 @@ import torch
 
 import pipesvc
 from pipesvc import models
-from pipesvc.limits import MAX_MICROBATCHES
+from pipesvc.core.limits import MAX_MICROBATCHES
 from tests.integration.conftest import NUM_STAGES
 from tests.integration.reference import PROBLEMS, Reference
 from tests.integration.stage_probe import stage_info

@@ -10,17 +10,17 @@ from typing import Any
 import pytest
 import torch
 
+from pipesvc.core.tensor_codec import CodecLimits
 from pipesvc.errors import StageUnavailableError, StepAbortedError
-from pipesvc.metrics import NO_METRICS
+from pipesvc.observe.metrics import NO_METRICS
 from pipesvc.stage.frame_wire import OutFrame
 from pipesvc.stage.links import DownstreamLink, UpstreamLink
 from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
 from pipesvc.stage.reader import FrameReader
 from pipesvc.stage.sender import SEND_QUEUE_ITEMS, Sender
 from pipesvc.stage.server import add_stage_service
-from pipesvc.tensor_codec import CodecLimits
-from pipesvc.transport import create_server, open_channel
 from pipesvc.v1 import stage_pb2, stage_pb2_grpc
+from pipesvc.wire.transport import create_server, open_channel
 
 SIZES = [1, 1000, 3 << 20, 0, 5, (1 << 20) + 3]
 
@@ -135,8 +135,8 @@ def test_an_area_the_receiver_cannot_map_is_refused_and_frames_flow() -> None:
 
 
 def test_a_slot_without_an_accepted_offer_is_a_wire_error() -> None:
+    from pipesvc.core.tensor_codec import make_header
     from pipesvc.errors import WireFormatError
-    from pipesvc.tensor_codec import make_header
 
     frame = stage_pb2.DataFrame(
         id=stage_pb2.MicrobatchId(
@@ -150,9 +150,9 @@ def test_a_slot_without_an_accepted_offer_is_a_wire_error() -> None:
 
 
 def test_doorbell_frames_are_checked() -> None:
+    from pipesvc.core.tensor_codec import make_header
     from pipesvc.errors import WireFormatError
-    from pipesvc.shm import MAX_AREA_BYTES, ShmArea, ShmView
-    from pipesvc.tensor_codec import make_header
+    from pipesvc.stage.shm import MAX_AREA_BYTES, ShmArea, ShmView
 
     area = ShmArea.create(4 << 20)
     assert area is not None

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import pipesvc
-from pipesvc.limits import parse_bytes
+from pipesvc.core.limits import parse_bytes
 from tests.integration.reference import Problem, Reference
 
 # 4 layers of 263, 263, 263 and 8 kB of float32 weights; with gradients and SGD's momentum a

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 import pipesvc
-from pipesvc.schedule import stage_actions
-from pipesvc.trace import StageTimeline, TraceEvent, busy_idle, order_of
+from pipesvc.core.schedule import stage_actions
+from pipesvc.observe.trace import StageTimeline, TraceEvent, busy_idle, order_of
 from tests.cluster.faults import free_port
 from tests.integration.processes import run_coordinator_briefly
 from tests.integration.reference import PROBLEMS

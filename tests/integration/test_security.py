@@ -17,11 +17,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import pipesvc
 from pipesvc.coordinator.service import CoordinatorService
-from pipesvc.limits import Limits
-from pipesvc.security import Security, TLSConfig
-from pipesvc.tensor_codec import encode
-from pipesvc.transport import create_server, open_channel
+from pipesvc.core.limits import Limits
+from pipesvc.core.tensor_codec import encode
 from pipesvc.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
+from pipesvc.wire.security import Security, TLSConfig
+from pipesvc.wire.transport import create_server, open_channel
 from tests.integration.reference import PROBLEMS, Reference
 
 TOKEN = "s3cret-token-for-tests"

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from pipesvc import models
-from pipesvc.checkpoint import (
+from pipesvc.errors import InvalidArgumentError
+from pipesvc.storage.checkpoint import (
     MANIFEST,
     group_by_layer,
     read_layers,
@@ -19,7 +20,6 @@ from pipesvc.checkpoint import (
     verify,
     write_checkpoint,
 )
-from pipesvc.errors import InvalidArgumentError
 
 
 def _info(num_layers: int) -> dict[str, Any]:

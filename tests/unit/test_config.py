@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from pipesvc.config import (
+from pipesvc.core.config import (
     JobConfig,
     config_from_dict,
     config_from_proto,
@@ -16,12 +16,12 @@ from pipesvc.config import (
     config_to_proto,
     parse_json_object,
 )
+from pipesvc.core.limits import MAX_MICROBATCHES
+from pipesvc.core.loss import compute_loss
+from pipesvc.core.microbatch import loss_weights, split
+from pipesvc.core.optim import build_optimizer
+from pipesvc.core.plan import PipelineStage, check_plan
 from pipesvc.errors import InvalidArgumentError
-from pipesvc.limits import MAX_MICROBATCHES
-from pipesvc.loss import compute_loss
-from pipesvc.microbatch import loss_weights, split
-from pipesvc.optim import build_optimizer
-from pipesvc.plan import PipelineStage, check_plan
 from pipesvc.stage import mailbox
 
 

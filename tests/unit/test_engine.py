@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-from pipesvc import microbatch, models, partition, schedule
-from pipesvc.config import JobConfig
+from pipesvc import models
+from pipesvc.core import microbatch, partition, schedule
+from pipesvc.core.config import JobConfig
 from pipesvc.errors import (
     FailedPreconditionError,
     ResourceExhaustedError,

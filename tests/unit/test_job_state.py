@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pipesvc.config import JobConfig, config_from_dict
 from pipesvc.coordinator.job_state import JobState
-from pipesvc.plan import PipelineStage
+from pipesvc.core.config import JobConfig, config_from_dict
+from pipesvc.core.plan import PipelineStage
 from pipesvc.v1 import stage_pb2
 
 LAYERS = [stage_pb2.LayerDescription(index=i, num_parameters=4) for i in range(3)]

@@ -9,13 +9,13 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from pipesvc.core.limits import MAX_MICROBATCHES
 from pipesvc.errors import (
     PipelineTimeoutError,
     ResourceExhaustedError,
     StageUnavailableError,
     StepAbortedError,
 )
-from pipesvc.limits import MAX_MICROBATCHES
 from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
 
 SHORT_S = 0.05

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from pipesvc.config import JobConfig
 from pipesvc.coordinator import placement, planner
 from pipesvc.coordinator.registry import StageRecord, StageRegistry
+from pipesvc.core.config import JobConfig
+from pipesvc.core.plan import PipelineStage
 from pipesvc.errors import PlanError, ResourceExhaustedError
-from pipesvc.plan import PipelineStage
 from pipesvc.v1 import stage_pb2
 
 MIB = 1 << 20
@@ -172,4 +172,4 @@ def test_placement_makes_no_calls() -> None:
         for alias in node.names
     ]
     assert not [m for m in imported if m.startswith(("grpc", "pipesvc.coordinator"))]
-    assert not [m for m in imported if m.endswith("_grpc") or m == "pipesvc.transport"]
+    assert not [m for m in imported if m.endswith("_grpc") or m == "pipesvc.wire.transport"]

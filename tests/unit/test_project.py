@@ -10,57 +10,48 @@ from pathlib import Path
 import pytest
 
 import pipesvc
-from pipesvc import proto_build
+from pipesvc.wire import proto_build
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "pipesvc"
 GENERATED = PACKAGE / "v1"
 
-PURE_MODULES = sorted(
-    [
-        *(
-            PACKAGE / f"{name}.py"
-            for name in (
-                "errors",
-                "config",
-                "partition",
-                "schedule",
-                "microbatch",
-                "tensor_codec",
-                "loss",
-                "optim",
-                "weights",
-                "security",
-                "limits",
-                "plan",
-                "shm",
-                "shm_files",
-                "shm_ring",
-                "allocator",
-                "action",
-            )
-        ),
-        *(PACKAGE / "models").glob("*.py"),
-        PACKAGE / "stage" / "runtime.py",
-        PACKAGE / "stage" / "mailbox.py",
-        PACKAGE / "stage" / "frame_wire.py",
-        PACKAGE / "coordinator" / "placement.py",
-        PACKAGE / "stage" / "engine.py",
-        PACKAGE / "stage" / "options.py",
-        PACKAGE / "stage" / "microbatch_id.py",
-        PACKAGE / "stage" / "reader.py",
-        PACKAGE / "stage" / "sender.py",
-        PACKAGE / "stage" / "shm_handshake.py",
-    ]
+LAYERS: dict[str, frozenset[str]] = {
+    # A folder (or top-level module) of the package, and what it may import from the package.
+    "errors": frozenset(),
+    "v1": frozenset(),
+    "models": frozenset({"errors"}),
+    "storage": frozenset({"errors"}),
+    "observe": frozenset({"errors"}),
+    "core": frozenset({"errors", "v1", "models"}),
+    "wire": frozenset({"errors", "v1", "core"}),
+    "stage": frozenset({"errors", "v1", "core", "models", "storage", "observe", "wire"}),
+    "coordinator": frozenset({"errors", "v1", "core", "models", "storage", "observe", "wire"}),
+    "client": frozenset({"errors", "v1", "core", "storage", "observe", "wire"}),
+}
+"""The rest (``cli``, ``local_cluster``, ``demo``, ``__init__``) is the application on top."""
+PURE_LAYERS = ("errors", "models", "storage", "observe", "core")
+"""Folders that must never reach gRPC, directly or through another module."""
+PURE_IN_SERVERS = (
+    "pipesvc.stage.engine",
+    "pipesvc.stage.runtime",
+    "pipesvc.stage.mailbox",
+    "pipesvc.stage.frame_wire",
+    "pipesvc.stage.options",
+    "pipesvc.stage.microbatch_id",
+    "pipesvc.stage.reader",
+    "pipesvc.stage.sender",
+    "pipesvc.stage.shm_handshake",
+    "pipesvc.stage.shm",
+    "pipesvc.stage.shm_files",
+    "pipesvc.stage.slot_allocator",
+    "pipesvc.stage.malloc",
+    "pipesvc.coordinator.placement",
+    "pipesvc.coordinator.job_state",
+    "pipesvc.coordinator.step_log",
 )
-EDGE_MODULES = (
-    "pipesvc.transport",
-    "pipesvc.rpc_status",
-    "pipesvc.client",
-    "pipesvc.stage.service",
-    "pipesvc.stage.links",
-    "pipesvc.coordinator",
-)
+"""The step engine and its parts, and the coordinator's pure planning and state: testable in one
+process without a server."""
 BANNED_MODULES = ("pickle", "cPickle", "_pickle", "marshal", "dill", "shelve")
 BANNED_BUILTINS = ("eval", "exec")
 
@@ -68,6 +59,12 @@ BANNED_BUILTINS = ("eval", "exec")
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(module: str) -> str:
+    """``pipesvc.stage.engine`` -> ``stage``; ``pipesvc.client`` -> ``client``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
 
 
 def imported_modules(tree: ast.AST, importer: str) -> Iterator[str]:
@@ -85,38 +82,74 @@ def imported_modules(tree: ast.AST, importer: str) -> Iterator[str]:
             yield from (f"{base}.{alias.name}" for alias in node.names)
 
 
-def grpc_imports(source: str, importer: str) -> list[str]:
-    bad = []
-    for name in imported_modules(ast.parse(source), importer):
-        top = name.split(".")[0]
-        edge = any(name == m or name.startswith(f"{m}.") for m in EDGE_MODULES)
-        if top == "grpc" or top.startswith("grpc_") or edge or name.endswith("_pb2_grpc"):
-            bad.append(name)
-    return bad
+def reaches_grpc(sources: dict[str, str]) -> dict[str, list[str]]:
+    """For each module, the imports through which it reaches gRPC (directly or transitively).
+
+    A module reaches gRPC if it imports grpc, a ``*_pb2_grpc`` module, or a module of
+    ``sources`` that reaches gRPC.
+    """
+    imports = {m: set(imported_modules(ast.parse(s), m)) for m, s in sources.items()}
+    bound: dict[str, list[str]] = {}
+    changed = True
+    while changed:
+        changed = False
+        for module, names in imports.items():
+            via = sorted(
+                n
+                for n in names
+                if n.split(".")[0] == "grpc"
+                or n.split(".")[0].startswith("grpc_")
+                or n.endswith("_pb2_grpc")
+                or n in bound
+            )
+            if via and bound.get(module) != via:
+                bound[module] = via
+                changed = True
+    return bound
 
 
-def test_import_checker_finds_violations() -> None:
-    source = (
-        "import grpc\nimport grpc_health.v1\nfrom pipesvc import client\n"
-        "from pipesvc.coordinator.job import Job\nfrom . import service\n"
-        "from pipesvc.v1 import stage_pb2_grpc\nimport os, torch\n"
-        "from pipesvc.v1 import common_pb2\n"
-    )
-    assert grpc_imports(source, "pipesvc.stage.runtime") == [
-        "grpc",
-        "grpc_health.v1",
-        "pipesvc.client",
-        "pipesvc.coordinator.job",
-        "pipesvc.coordinator.job.Job",
-        "pipesvc.stage.service",
-        "pipesvc.v1.stage_pb2_grpc",
-    ]
+def package_sources() -> dict[str, str]:
+    return {
+        module_name(p): p.read_text() for p in PACKAGE.rglob("*.py") if GENERATED not in p.parents
+    }
 
 
-@pytest.mark.parametrize("path", PURE_MODULES, ids=lambda p: str(p.relative_to(ROOT)))
-def test_pure_modules_never_import_grpc(path: Path) -> None:
-    assert path.is_file()
-    assert grpc_imports(path.read_text(), module_name(path)) == []
+def test_grpc_reach_is_transitive() -> None:
+    sources = {
+        "pkg.wire": "import grpc\n",
+        "pkg.edge": "from pkg import wire\n",
+        "pkg.core": "import os\nfrom pkg.v1 import common_pb2\n",
+        "pkg.stub": "from pkg.v1 import stage_pb2_grpc\n",
+        "pkg.far": "from pkg.edge import thing\nfrom pkg.core import x\n",
+    }
+    bound = reaches_grpc(sources)
+    assert sorted(bound) == ["pkg.edge", "pkg.far", "pkg.stub", "pkg.wire"]
+    assert bound["pkg.far"] == ["pkg.edge"]
+    assert bound["pkg.stub"] == ["pkg.v1.stage_pb2_grpc"]
+
+
+def test_pure_modules_never_reach_grpc() -> None:
+    sources = package_sources()
+    assert [m for m in PURE_IN_SERVERS if m not in sources] == []
+    pure = [m for m in sources if layer_of(m) in PURE_LAYERS] + list(PURE_IN_SERVERS)
+    bound = reaches_grpc(sources)
+    assert {m: bound[m] for m in sorted(pure) if m in bound} == {}
+
+
+def test_every_folder_imports_only_its_lower_layers() -> None:
+    wrong = {}
+    for module, source in package_sources().items():
+        allowed = LAYERS.get(layer_of(module))
+        if allowed is None:
+            continue
+        layers = {
+            layer_of(name)
+            for name in imported_modules(ast.parse(source), module)
+            if name.startswith("pipesvc.")
+        }
+        if extra := sorted(layers - allowed - {layer_of(module)}):
+            wrong[module] = extra
+    assert wrong == {}
 
 
 def unsafe_uses(source: str) -> list[str]:
@@ -188,7 +221,7 @@ def test_generated_wire_code_is_fresh(tmp_path: Path) -> None:
     assert set(fresh) == expected_names
     assert set(committed) == set(fresh), "committed generated files differ from the fresh set"
     stale = sorted(name for name in fresh if fresh[name] != committed[name])
-    assert stale == [], f"regenerate with `python -m pipesvc.proto_build`: {stale} are stale"
+    assert stale == [], f"regenerate with `python -m pipesvc.wire.proto_build`: {stale} are stale"
 
 
 def test_every_proto_is_compiled() -> None:

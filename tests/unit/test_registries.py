@@ -7,13 +7,13 @@ from typing import Any
 
 import pytest
 
-from pipesvc import partition, schedule
 from pipesvc.cli import build_parser
-from pipesvc.config import JobConfig
 from pipesvc.coordinator.placement import check_schedule
+from pipesvc.core import partition, schedule
+from pipesvc.core.config import JobConfig
+from pipesvc.core.plan import PipelineStage, plan_from_dicts, plan_to_dicts
+from pipesvc.core.schedule import Action, ActionKind
 from pipesvc.errors import InternalError, InvalidArgumentError
-from pipesvc.plan import PipelineStage, plan_from_dicts, plan_to_dicts
-from pipesvc.schedule import Action, ActionKind
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

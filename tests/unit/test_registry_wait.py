@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
-from pipesvc.config import JobConfig
 from pipesvc.coordinator import planner
 from pipesvc.coordinator.registry import StageRecord, StageRegistry
+from pipesvc.core.config import JobConfig
 from pipesvc.errors import InvalidArgumentError
 
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipesvc import models
-from pipesvc.config import JobConfig
+from pipesvc.core.config import JobConfig
 from pipesvc.errors import InvalidArgumentError
 from pipesvc.models import registry
 from pipesvc.stage.runtime import StageRuntime

@@ -1,4 +1,4 @@
-"""Unit tests for pipesvc.rpc_status: the class <-> status-code table in both directions."""
+"""Unit tests for pipesvc.wire.rpc_status: the class <-> status-code table in both directions."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from pipesvc import errors
 from pipesvc.errors import ALL_ERRORS, PipesvcError
-from pipesvc.rpc_status import (
+from pipesvc.wire.rpc_status import (
     ERROR_CLASS_KEY,
     STATUS_CODES,
     error_from_rpc,
@@ -176,7 +176,10 @@ def test_unary_plain_exception_is_internal_never_unknown(
     exc: Exception, caplog: pytest.LogCaptureFixture
 ) -> None:
     context = FakeContext()
-    with caplog.at_level(logging.ERROR, logger="pipesvc.rpc_status"), pytest.raises(AbortedRpc):
+    with (
+        caplog.at_level(logging.ERROR, logger="pipesvc.wire.rpc_status"),
+        pytest.raises(AbortedRpc),
+    ):
         Servicer().Unary(exc, context)
     assert context.code == grpc.StatusCode.INTERNAL
     assert "Unary" in context.details

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pipesvc import models
-from pipesvc.allocator import STAGE_GLIBC_TUNABLES, stage_environ
-from pipesvc.config import JobConfig
+from pipesvc.core.config import JobConfig
+from pipesvc.stage.malloc import STAGE_GLIBC_TUNABLES, stage_environ
 from pipesvc.stage.runtime import StageRuntime
 
 ARGS = {"in_features": 6, "hidden_features": 10, "out_features": 3, "num_layers": 4}

@@ -1,11 +1,10 @@
-"""Unit tests for pipesvc.schedule: actions, GPipe/1F1B lists, the simulator and its errors."""
+"""Unit tests for pipesvc.core.schedule: actions, GPipe/1F1B lists, the simulator and its errors."""
 
 from __future__ import annotations
 
 import pytest
 
-from pipesvc.errors import InvalidArgumentError
-from pipesvc.schedule import (
+from pipesvc.core.schedule import (
     Action,
     ActionKind,
     bubble_fraction,
@@ -18,6 +17,7 @@ from pipesvc.schedule import (
     stage_actions,
     validate,
 )
+from pipesvc.errors import InvalidArgumentError
 
 SCHEDULES = schedule_names()
 

@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipesvc import shm
 from pipesvc.errors import WireFormatError
-from pipesvc.shm import ALIGN, HEADER_BYTES, Ring, ShmArea, ShmView
+from pipesvc.stage import shm
+from pipesvc.stage.shm import ALIGN, HEADER_BYTES, ShmArea, ShmView, SlotAllocator
 
 
 def _area() -> ShmArea:
@@ -21,7 +21,7 @@ def _area() -> ShmArea:
 
 
 def test_ring_starts_over_when_nothing_is_live() -> None:
-    ring = Ring(1000 * ALIGN)
+    ring = SlotAllocator(1000 * ALIGN)
     first = ring.place(10)
     second = ring.place(10)
     assert first is not None and second is not None
@@ -33,7 +33,7 @@ def test_ring_starts_over_when_nothing_is_live() -> None:
 
 
 def test_ring_wraps_and_refuses_when_full() -> None:
-    ring = Ring(4 * ALIGN)
+    ring = SlotAllocator(4 * ALIGN)
     slots = [ring.place(ALIGN) for _ in range(4)]
     assert [s.offset for s in slots if s] == [0, ALIGN, 2 * ALIGN, 3 * ALIGN]
     assert ring.place(1) is None
@@ -45,7 +45,7 @@ def test_ring_wraps_and_refuses_when_full() -> None:
 
 
 def test_ring_retract_reuses_the_sequence_number() -> None:
-    ring = Ring(10 * ALIGN)
+    ring = SlotAllocator(10 * ALIGN)
     assert ring.place(1) is not None
     ring.retract()
     again = ring.place(1)
@@ -56,7 +56,7 @@ def test_ring_retract_reuses_the_sequence_number() -> None:
 @given(st.lists(st.tuples(st.integers(1, 700), st.integers(0, 3)), min_size=1, max_size=60))
 def test_ring_never_overlaps_live_slots(ops: list[tuple[int, int]]) -> None:
     capacity = 16 * ALIGN
-    ring = Ring(capacity)
+    ring = SlotAllocator(capacity)
     live: list[tuple[int, int, int]] = []  # seq, start, end
     placed = 0
     for size, frees in ops:
@@ -97,7 +97,7 @@ def test_ring_places_lowest_first_and_knows_its_high_end(
     ops: list[tuple[int, int, bool]],
 ) -> None:
     capacity = 24 * ALIGN
-    ring = Ring(capacity)
+    ring = SlotAllocator(capacity)
     live: list[tuple[int, int, int]] = []  # seq, start, end (rounded)
     for size, frees, retract in ops:
         if frees and live:

@@ -1,4 +1,4 @@
-"""Unit tests for pipesvc.tensor_codec: round trips, framing, and validation before allocation."""
+"""Unit tests for the tensor codec: round trips, framing, and validation before allocation."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import time
 import pytest
 import torch
 
-from pipesvc.errors import PipesvcError, ResourceExhaustedError, WireFormatError
-from pipesvc.tensor_codec import (
+from pipesvc.core.tensor_codec import (
     CodecLimits,
     FrameAssembler,
     check_header,
@@ -17,6 +16,7 @@ from pipesvc.tensor_codec import (
     encode_frames,
     wire_dtype,
 )
+from pipesvc.errors import PipesvcError, ResourceExhaustedError, WireFormatError
 from pipesvc.v1 import common_pb2
 
 DTYPES = [
@@ -270,7 +270,7 @@ def test_decoded_tensor_is_independent_of_the_message() -> None:
 
 
 def test_named_frames_round_trip_and_order_rules() -> None:
-    from pipesvc.tensor_codec import named_frames, read_named_frames
+    from pipesvc.core.tensor_codec import named_frames, read_named_frames
 
     tensors = {"0.weight": torch.randn(5, 7), "1.bias": torch.arange(3)}
     frames = [f for name, t in tensors.items() for f in named_frames(name, t, frame_bytes=16)]
@@ -296,7 +296,7 @@ def test_named_frames_round_trip_and_order_rules() -> None:
     ids=["f32", "bf16", "strided", "empty"],
 )
 def test_frame_views_carry_the_bytes_encode_frames_copies(tensor: torch.Tensor) -> None:
-    from pipesvc.tensor_codec import encode_frames, frame_views
+    from pipesvc.core.tensor_codec import encode_frames, frame_views
 
     header, views = frame_views(tensor, frame_bytes=256)
     expected_header, payloads = encode_frames(tensor, frame_bytes=256)

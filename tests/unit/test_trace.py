@@ -1,4 +1,4 @@
-"""Unit tests for pipesvc.trace: Chrome trace JSON, PNG timeline, busy/idle and run order."""
+"""Unit tests for the step trace: Chrome trace JSON, PNG timeline, busy/idle and run order."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from pipesvc.core.schedule import Action, ActionKind, bubble_fraction, simulate, stage_actions
 from pipesvc.errors import InvalidArgumentError
-from pipesvc.schedule import Action, ActionKind, bubble_fraction, simulate, stage_actions
-from pipesvc.trace import (
+from pipesvc.observe.trace import (
     BETWEEN_RUNS,
     StageTimeline,
     TraceEvent,
@@ -236,7 +236,7 @@ def test_plot_timeline_leaves_pyplot_and_the_callers_backend_alone(tmp_path: Pat
     script = (
         "import sys, matplotlib\n"
         "matplotlib.use('svg')\n"
-        "import pipesvc.trace as t\n"
+        "import pipesvc.observe.trace as t\n"
         "assert 'matplotlib.pyplot' not in sys.modules\n"
         "e = t.TraceEvent(run_id=0, step=0, name='forward', microbatch=0, start_ns=0, end_ns=10)\n"
         f"t.plot_timeline([t.StageTimeline(rank=0, address='a', events=(e,))], {str(tmp_path / 'p.png')!r})\n"  # noqa: E501
@@ -257,7 +257,7 @@ def test_plot_timeline_leaves_pyplot_and_the_callers_backend_alone(tmp_path: Pat
 
 def test_importing_trace_does_not_import_matplotlib_or_grpc() -> None:
     done = subprocess.run(
-        [sys.executable, "-c", "import sys, pipesvc.trace; print(sorted(sys.modules))"],
+        [sys.executable, "-c", "import sys, pipesvc.observe.trace; print(sorted(sys.modules))"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -266,7 +266,7 @@ def test_importing_trace_does_not_import_matplotlib_or_grpc() -> None:
     )
     loaded = done.stdout
     assert "'matplotlib'" not in loaded
-    source = (ROOT / "pipesvc" / "trace.py").read_text(encoding="utf-8")
+    source = (ROOT / "pipesvc" / "observe" / "trace.py").read_text(encoding="utf-8")
     imported = [
         alias.name if isinstance(node, ast.Import) else node.module or ""
         for node in ast.walk(ast.parse(source))

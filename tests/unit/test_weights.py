@@ -1,4 +1,4 @@
-"""Unit tests for pipesvc.weights: round trips, atomic saves, and hostile files rejected early."""
+"""Unit tests for weight files: round trips, atomic saves, and hostile files rejected early."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import pipesvc.weights as weights_module
+import pipesvc.storage.weights as weights_module
 from pipesvc.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
-from pipesvc.weights import (
+from pipesvc.storage.weights import (
     TensorEntry,
     WeightLimits,
     load_weights,

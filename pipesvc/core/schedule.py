@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from pipesvc.action import Action, ActionKind
+from pipesvc.core.action import Action, ActionKind
 from pipesvc.errors import InternalError, InvalidArgumentError
 
 __all__ = [

@@ -35,7 +35,7 @@ neighbour) can unmap memory or close an fd under a thread still using it. The ``
 closed explicitly: closing an area or a view only drops its own references, and the mapping
 goes with the last Python object over it; every tensor over it holds one (``torch.frombuffer``
 references the mmap, ``numpy.frombuffer`` exports it, and a copy in flight holds the byte
-tensor in a local). The area's fd and the doorbell's fd are ``SharedFd`` (pipesvc.shm_files):
+tensor in a local). The area's fd and the doorbell's fd are ``SharedFd`` (pipesvc.stage.shm_files):
 a call uses the fd under a count, closing only marks it closed, and the last user closes the
 number, so a write never lands on a reused fd number. Waits on the doorbell poll with a short
 timeout and end when their side is closed (or the caller cancels), so closing wakes every
@@ -75,7 +75,7 @@ import numpy
 import torch
 
 from pipesvc.errors import WireFormatError
-from pipesvc.shm_files import (
+from pipesvc.stage.shm_files import (
     AREA_NAME,
     BELL_SUFFIX,
     POLL_S,
@@ -88,7 +88,7 @@ from pipesvc.shm_files import (
     read_exact,
     remove_stale_areas,
 )
-from pipesvc.shm_ring import ALIGN, Ring, Slot
+from pipesvc.stage.slot_allocator import ALIGN, Slot, SlotAllocator
 
 __all__ = [
     "ALIGN",
@@ -100,10 +100,10 @@ __all__ = [
     "MIN_AREA_BYTES",
     "SHM_DIR",
     "STALE_AFTER_S",
-    "Ring",
     "ShmArea",
     "ShmView",
     "Slot",
+    "SlotAllocator",
     "remove_stale_areas",
 ]
 
@@ -159,7 +159,7 @@ class ShmArea:
         self._map.bytes[:_NONCE_BYTES].copy_(
             torch.frombuffer(bytearray(self.nonce), dtype=torch.uint8)
         )
-        self._ring = Ring(size - HEADER_BYTES)
+        self._ring = SlotAllocator(size - HEADER_BYTES)
         self._reserved = HEADER_BYTES
         self._unlinked = False
         self._bell: SharedFd | None = None

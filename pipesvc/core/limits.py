@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipesvc.core.tensor_codec import CodecLimits
 from pipesvc.errors import InvalidArgumentError
-from pipesvc.tensor_codec import CodecLimits
 
 MAX_MICROBATCHES = 4096
 """Most micro-batches in one run: a job's ``num_microbatches``, checked by the client, the

@@ -32,6 +32,6 @@ def generate(repo_root: Path, out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     generate(root, root)
     sys.exit(0)

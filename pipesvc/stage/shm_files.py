@@ -2,7 +2,7 @@
 descriptors shared between threads, their mappings, and reading the doorbell FIFO (no gRPC
 here).
 
-See [Note: the shared-memory path] and [Note: shared-memory lifetime] in pipesvc.shm.
+See [Note: the shared-memory path] and [Note: shared-memory lifetime] in pipesvc.stage.shm.
 """
 
 from __future__ import annotations

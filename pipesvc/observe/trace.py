@@ -355,7 +355,7 @@ def ideal_bubble(num_stages: int, num_microbatches: int) -> float:
 def order_of(timeline: StageTimeline, run_id: int) -> list[str]:
     """Returns the compute events of one run on one stage in start order: ``["F0", "B0"]``.
 
-    The spelling is ``str(pipesvc.schedule.Action)``; an unknown ``run_id`` gives ``[]``.
+    The spelling is ``str(pipesvc.core.schedule.Action)``; an unknown ``run_id`` gives ``[]``.
     """
     compute = [e for e in timeline.events if e.run_id == run_id and e.name in _COMPUTE]
     compute.sort(key=lambda e: (e.start_ns, e.end_ns))

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from pipesvc.errors import InvalidArgumentError, NotFoundError
-from pipesvc.weights import load_weights, save_weights, sync_file_and_directory
+from pipesvc.storage.weights import load_weights, save_weights, sync_file_and_directory
 
 FORMAT = 2
 READABLE_FORMATS = (1, 2)

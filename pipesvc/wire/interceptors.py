@@ -13,8 +13,8 @@ from typing import Any, NamedTuple
 
 import grpc
 
-from pipesvc.rpc_status import ERROR_CLASS_KEY
-from pipesvc.security import AUTH_METADATA_KEY
+from pipesvc.wire.rpc_status import ERROR_CLASS_KEY
+from pipesvc.wire.security import AUTH_METADATA_KEY
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from pipesvc.errors import NotFoundError
-from pipesvc.weights import load_weights, save_weights
+from pipesvc.storage.weights import load_weights, save_weights
 
 
 class StepLog:

@@ -9,14 +9,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipesvc.core.limits import MAX_MICROBATCHES
+from pipesvc.core.loss import check_loss
+from pipesvc.core.optim import check_optimizer
+from pipesvc.core.partition import get_partition
+from pipesvc.core.schedule import get_schedule
 from pipesvc.errors import InvalidArgumentError
-from pipesvc.limits import MAX_MICROBATCHES
-from pipesvc.loss import check_loss
 from pipesvc.models import check_model_args
 from pipesvc.models.registry import INPUT_DTYPES, MAX_INPUT_DIMS
-from pipesvc.optim import check_optimizer
-from pipesvc.partition import get_partition
-from pipesvc.schedule import get_schedule
 from pipesvc.v1 import common_pb2
 
 _MODEL_NAME = re.compile(r"[a-z][a-z0-9_-]{0,63}")
@@ -41,14 +41,14 @@ class JobConfig:
     num_microbatches: int = 4
     """Micro-batches per step."""
     schedule: str = "1f1b"
-    """A registered pipeline schedule (``pipesvc.schedule.schedule_names()``: ``gpipe``,
+    """A registered pipeline schedule (``pipesvc.core.schedule.schedule_names()``: ``gpipe``,
     ``1f1b`` and any registered with ``register_schedule``)."""
     optimizer: Mapping[str, Any] = field(default_factory=_default_optimizer)
     """``{"name": "sgd" | "adam" | "adamw", **torch keyword arguments}``."""
     loss: str = "cross_entropy"
     """``cross_entropy`` or ``mse``, mean-reduced."""
     partition: str = "parameters"
-    """A registered partition method (``pipesvc.partition.partition_names()``): ``parameters``
+    """A registered partition method (``pipesvc.core.partition.partition_names()``): ``parameters``
     (balance parameter counts), ``uniform`` (equal layer counts), ``memory`` (balance each
     stage's memory estimate against its budget), or any registered with
     ``register_partition``."""

@@ -10,11 +10,11 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pipesvc.core.limits import Limits
 from pipesvc.errors import InvalidArgumentError, StageUnavailableError
-from pipesvc.interceptors import AuthInterceptor, ConcurrencyInterceptor, TokenInterceptor
-from pipesvc.limits import Limits
-from pipesvc.rpc_status import error_from_rpc
-from pipesvc.security import Security
+from pipesvc.wire.interceptors import AuthInterceptor, ConcurrencyInterceptor, TokenInterceptor
+from pipesvc.wire.rpc_status import error_from_rpc
+from pipesvc.wire.security import Security
 
 logger = logging.getLogger(__name__)
 

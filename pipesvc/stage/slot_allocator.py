@@ -22,7 +22,7 @@ def round_up(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-class Ring:
+class SlotAllocator:
     """Slot placement in an area of ``capacity`` bytes (offsets from 0; pure bookkeeping).
 
     Live slots are kept in placement order (they are released in that order) and the free

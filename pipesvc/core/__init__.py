@@ -1,0 +1,1 @@
+"""Pure core: schedules, partitions, plans, micro-batches, losses, optimizers, config (no gRPC)."""

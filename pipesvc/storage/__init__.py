@@ -1,0 +1,1 @@
+"""Storage: weight files and checkpoints (no gRPC)."""

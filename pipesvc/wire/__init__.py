@@ -1,0 +1,1 @@
+"""The wire: gRPC transport, status mapping, interceptors, security, limits and the tensor codec."""
