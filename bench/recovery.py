@@ -39,12 +39,12 @@ import torch
 import pipesvc
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))  # bench.bench_models, tests.cluster.faults
+sys.path.insert(0, str(REPO_ROOT))  # bench.bench_models, tests.support.faults
 os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p
 )  # for the stage processes, which import bench.bench_models
 
-from tests.cluster.faults import TcpProxy, free_port, stage_pid  # noqa: E402
+from tests.support.faults import TcpProxy, free_port, stage_pid  # noqa: E402
 
 BATCH, NUM_MICROBATCHES, CHECKPOINT_EVERY = 64, 8, 5
 OPTIMIZER = {"name": "sgd", "lr": 1e-3, "momentum": 0.9}

@@ -16,8 +16,8 @@ import pytest
 
 import pipesvc
 from pipesvc.stage.sender import SEND_QUEUE_ITEMS
-from tests.cluster.faults import MLP, OPTIMIZER, Run, stage_pid
-from tests.integration.reference import Problem, Reference
+from tests.support.faults import MLP, OPTIMIZER, Run, stage_pid
+from tests.support.reference import Problem, Reference
 
 MANY_MICROBATCHES = 4 * SEND_QUEUE_ITEMS
 WIDE = Problem(

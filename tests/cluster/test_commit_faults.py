@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 import pipesvc
-from tests.cluster.faults import stage_pid
-from tests.integration.param_free import MODELS_MODULE, PARAM_FREE, Training
-from tests.integration.stage_probe import stage_info
+from tests.support.faults import stage_pid
+from tests.support.param_free import MODELS_MODULE, PARAM_FREE, Training
+from tests.support.stage_probe import stage_info
 
 NUM_STEPS = 7  # periodic checkpoints at steps 2, 4 and 6
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import pipesvc
-from tests.integration.reference import DROPOUT_GPT, Reference
+from tests.support.reference import DROPOUT_GPT, Reference
 
 OPTIMIZER = {"name": "adam", "lr": 1e-2}
 NUM_MICROBATCHES = 4

@@ -26,8 +26,8 @@ import torch
 
 import pipesvc
 from pipesvc.stage.sender import SEND_QUEUE_ITEMS
-from tests.cluster.faults import stage_pid
-from tests.integration.reference import PROBLEMS, Problem
+from tests.support.faults import stage_pid
+from tests.support.reference import PROBLEMS, Problem
 
 pytestmark = [pytest.mark.heavy, pytest.mark.timeout(600)]
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import pipesvc
-from tests.cluster.faults import (
+from tests.support.faults import (
     FAULT_TOL,
     MLP,
     Cut,

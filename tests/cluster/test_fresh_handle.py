@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import pipesvc
-from tests.cluster.faults import Run
+from tests.support.faults import Run
 
 
 def test_plan_and_recoveries_follow_a_recovery_without_refresh(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import pipesvc
-from tests.integration.reference import PROBLEMS
+from tests.support.reference import PROBLEMS
 
 MLP = PROBLEMS["mlp"]
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import pipesvc
-from tests.integration.param_free import MODELS_MODULE, PARAM_FREE, Training
-from tests.integration.reference import PROBLEMS, Reference
+from tests.support.param_free import MODELS_MODULE, PARAM_FREE, Training
+from tests.support.reference import PROBLEMS, Reference
 
 GPT = PROBLEMS["gpt"]
 OPTIMIZER = {"name": "adamw", "lr": 1e-2}

@@ -17,7 +17,7 @@ import torch
 import pipesvc
 from pipesvc import models
 from pipesvc.cli import build_parser
-from tests.integration.processes import run_coordinator_briefly
+from tests.support.processes import run_coordinator_briefly
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -136,7 +136,7 @@ def test_help_lists_every_command() -> None:
 
 def test_operator_model_module(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    module = "tests.integration.custom.tiny_models"
+    module = "tests.support.models.tiny_models"
     with (
         pipesvc.LocalCluster(num_stages=2, models=[module], threads_per_stage=1) as cluster,
         pipesvc.connect(cluster.address) as client,

@@ -11,8 +11,8 @@ import torch
 
 import pipesvc
 from pipesvc.v1 import stage_pb2
-from tests.integration.reference import PROBLEMS, Reference
-from tests.integration.stage_probe import stage_info
+from tests.support.reference import PROBLEMS, Reference
+from tests.support.stage_probe import stage_info
 
 GRAD_TOL = {"rtol": 1e-5, "atol": 1e-6}
 WEIGHT_TOL = {"rtol": 1e-4, "atol": 1e-5}

@@ -30,7 +30,7 @@ import pipesvc
 from pipesvc.core.tensor_codec import named_frames
 from pipesvc.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 from pipesvc.wire.rpc_status import ERROR_CLASS_KEY
-from tests.integration.fuzz_messages import (
+from tests.support.fuzz_messages import (
     COORDINATOR_RPCS,
     STAGE_RPCS,
     Rpc,
@@ -41,7 +41,7 @@ from tests.integration.fuzz_messages import (
     requests,
     sometimes,
 )
-from tests.integration.reference import PROBLEMS, Reference
+from tests.support.reference import PROBLEMS, Reference
 
 pytestmark = pytest.mark.filterwarnings(
     # On a failure hypothesis imports libcst to suggest a patch; this libcst warns on import,

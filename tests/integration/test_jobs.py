@@ -11,8 +11,8 @@ import pipesvc
 from pipesvc import models
 from pipesvc.core.limits import MAX_MICROBATCHES
 from tests.integration.conftest import NUM_STAGES
-from tests.integration.reference import PROBLEMS, Reference
-from tests.integration.stage_probe import stage_info
+from tests.support.reference import PROBLEMS, Reference
+from tests.support.stage_probe import stage_info
 
 MLP = PROBLEMS["mlp"]
 

@@ -7,7 +7,7 @@ import torch
 
 import pipesvc
 from pipesvc.core.limits import parse_bytes
-from tests.integration.reference import Problem, Reference
+from tests.support.reference import Problem, Reference
 
 # 4 layers of 263, 263, 263 and 8 kB of float32 weights; with gradients and SGD's momentum a
 # stage needs 3x that: 2.4 MB for the whole model, 0.79 MB for one wide layer.

@@ -15,9 +15,9 @@ import pytest
 import pipesvc
 from pipesvc.core.schedule import stage_actions
 from pipesvc.observe.trace import StageTimeline, TraceEvent, busy_idle, order_of
-from tests.cluster.faults import free_port
-from tests.integration.processes import run_coordinator_briefly
-from tests.integration.reference import PROBLEMS
+from tests.support.faults import free_port
+from tests.support.processes import run_coordinator_briefly
+from tests.support.reference import PROBLEMS
 
 MLP = PROBLEMS["mlp"]
 

@@ -22,7 +22,7 @@ from pipesvc.core.tensor_codec import encode
 from pipesvc.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 from pipesvc.wire.security import Security, TLSConfig
 from pipesvc.wire.transport import create_server, open_channel
-from tests.integration.reference import PROBLEMS, Reference
+from tests.support.reference import PROBLEMS, Reference
 
 TOKEN = "s3cret-token-for-tests"
 GPT = PROBLEMS["gpt"]

@@ -13,10 +13,10 @@ import torch
 
 import pipesvc
 from pipesvc import models
-from tests.integration.reference import DROPOUT_GPT, Problem, Reference
+from tests.support.reference import DROPOUT_GPT, Problem, Reference
 
 REPO = Path(__file__).resolve().parents[2]
-NORM_MODULE = "tests.integration.custom.norm_models"
+NORM_MODULE = "tests.support.models.norm_models"
 GRAD_TOL = {"rtol": 1e-5, "atol": 1e-6}
 WEIGHT_TOL = {"rtol": 1e-4, "atol": 1e-5}
 OPTIMIZER = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1}

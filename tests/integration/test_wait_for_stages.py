@@ -10,7 +10,7 @@ import pytest
 
 import pipesvc
 from pipesvc.errors import PlanError
-from tests.integration.reference import PROBLEMS
+from tests.support.reference import PROBLEMS
 
 MLP = PROBLEMS["mlp"]
 

@@ -31,7 +31,7 @@ from pipesvc.stage.faults import FaultKill
 from pipesvc.stage.mailbox import Mailbox, MailKey
 from pipesvc.stage.recorder import RunRecorder
 from pipesvc.stage.runtime import StageRuntime
-from tests.integration.reference import DROPOUT_GPT, PROBLEMS, Problem, Reference
+from tests.support.reference import DROPOUT_GPT, PROBLEMS, Problem, Reference
 
 GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-6
 WEIGHT_RTOL, WEIGHT_ATOL = 1e-4, 1e-5

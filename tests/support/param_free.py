@@ -1,6 +1,6 @@
 """Models with parameter-free layers, trained next to the one-process oracle.
 
-``cnn`` has a Flatten layer; ``relu-mlp`` (tests/integration/custom/relu_models.py, loaded by
+``cnn`` has a Flatten layer; ``relu-mlp`` (tests/support/models/relu_models.py, loaded by
 stages with ``--models``) alternates Linear and ReLU layers. Both must checkpoint, resume,
 recover and replay like any model.
 """
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import pipesvc
-import tests.integration.custom.relu_models  # noqa: F401 - registers relu-mlp here too
-from tests.integration.reference import PROBLEMS, Problem, Reference
+import tests.support.models.relu_models  # noqa: F401 - registers relu-mlp here too
+from tests.support.reference import PROBLEMS, Problem, Reference
 
-MODELS_MODULE = "tests.integration.custom.relu_models"
+MODELS_MODULE = "tests.support.models.relu_models"
 PARAM_FREE = {
     "cnn": PROBLEMS["cnn"],
     "relu-mlp": Problem("relu-mlp", {"width": 6, "depth": 3}, "mse", (6,), target_shape=(3,)),

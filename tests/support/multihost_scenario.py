@@ -15,7 +15,7 @@ from pipesvc.errors import PipesvcError
 from pipesvc.v1 import stage_pb2, stage_pb2_grpc
 from pipesvc.wire.security import Security
 from pipesvc.wire.transport import open_channel
-from tests.cluster.faults import Run
+from tests.support.faults import Run
 
 
 def _shm_flags(address: str, token: str) -> list[bool]:

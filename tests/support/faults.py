@@ -15,7 +15,7 @@ import torch
 
 import pipesvc
 from pipesvc.v1 import stage_pb2, stage_pb2_grpc
-from tests.integration.reference import PROBLEMS, Problem, Reference
+from tests.support.reference import PROBLEMS, Problem, Reference
 
 MLP = PROBLEMS["mlp"]
 FAULT_TOL = {"rtol": 1e-5, "atol": 1e-6}
