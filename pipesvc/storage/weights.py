@@ -19,7 +19,7 @@ import json
 import os
 import secrets
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -427,6 +427,53 @@ def read_metadata(
         NotFoundError, InvalidArgumentError, ResourceExhaustedError: as ``read_header``.
     """
     return _read(path, limits)[1]
+
+
+def read_tensors(
+    path: str | os.PathLike[str],
+    names: Iterable[str],
+    *,
+    limits: WeightLimits = DEFAULT_WEIGHT_LIMITS,
+) -> dict[str, torch.Tensor]:
+    """Only the named tensors of a safetensors file, each read from its own byte range.
+
+    The header is checked first (see [Note: validate before loading]); then each tensor is read
+    straight into its own new CPU tensor, so memory grows by the named tensors alone, never by
+    the file: a stage reads its layers out of a checkpoint far larger than its memory.
+
+    Raises:
+        NotFoundError, InvalidArgumentError, ResourceExhaustedError: as ``read_header``.
+        NotFoundError: a name is not in the file.
+        InvalidArgumentError: the file is shorter than its header says (changed under us).
+    """
+    where = os.fspath(path)
+    raw, _ = _read_raw_header(where, limits)
+    entries = read_header(where, limits)
+    wanted = list(dict.fromkeys(names))
+    if missing := [n for n in wanted if n not in entries]:
+        raise NotFoundError(f"{where!r} holds no tensor {missing[0]!r} ({len(missing)} missing)")
+    data_start = _PREFIX_BYTES + len(raw)
+    tensors: dict[str, torch.Tensor] = {}
+    with open(where, "rb", buffering=0) as file:
+        for name in wanted:
+            entry = entries[name]
+            tensor = torch.empty(entry.shape, dtype=_TO_TORCH[entry.dtype])
+            buffer = tensor.view(-1).view(torch.uint8).numpy()
+            view = memoryview(buffer.data) if tensor.numel() else None
+            file.seek(data_start + entry.begin)
+            done = 0
+            while view is not None and done < entry.num_bytes:  # a read returns at most ~2 GiB
+                got = file.readinto(view[done:])
+                if not got:
+                    break
+                done += got
+            if done != entry.num_bytes:
+                raise InvalidArgumentError(
+                    f"{where!r}: tensor {name!r} needs {entry.num_bytes} bytes at offset "
+                    f"{data_start + entry.begin}; the file gave {done} (was it truncated?)"
+                )
+            tensors[name] = tensor
+    return tensors
 
 
 def load_weights(

@@ -20,7 +20,7 @@ LAYERS: dict[str, frozenset[str]] = {
     # A folder (or top-level module) of the package, and what it may import from the package.
     "errors": frozenset(),
     "v1": frozenset(),
-    "models": frozenset({"errors"}),
+    "models": frozenset({"errors", "storage"}),
     "storage": frozenset({"errors"}),
     "observe": frozenset({"errors"}),
     "core": frozenset({"errors", "v1", "models"}),

@@ -1,0 +1,207 @@
+"""Hugging Face causal LMs as pipesvc layers: equal to transformers' own forward and backward,
+read by byte range from (sharded) safetensors checkpoints, with hostile directories refused."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from pipesvc.errors import InvalidArgumentError, NotFoundError
+from pipesvc.models import registry
+from pipesvc.models.hf import (
+    FAMILIES,
+    SINGLE_FILE,
+    build_hf_layer,
+    hf_layer_specs,
+    register_hf_model,
+)
+from pipesvc.storage.weights import read_tensors, save_weights
+
+VOCAB = 64
+SMALL = {"vocab_size": VOCAB, "max_position_embeddings": 64}
+CONFIGS: dict[str, dict[str, Any]] = {
+    # grouped-query attention: 4 query heads share 2 key/value heads
+    "llama": {**SMALL, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+              "num_attention_heads": 4, "num_key_value_heads": 2},
+    "mistral": {**SMALL, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2},
+    "qwen2": {**SMALL, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 1},
+    # multi-query attention, a scaled embedding, tied head
+    "gemma": {**SMALL, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 8},
+    "phi": {**SMALL, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4},
+    # the head is stored under an older name ("embed_out")
+    "gpt_neox": {**SMALL, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                 "num_attention_heads": 4},
+    # learned positions, tied head
+    "gpt2": {"vocab_size": VOCAB, "n_positions": 64, "n_embd": 32, "n_layer": 3, "n_head": 4,
+             "bos_token_id": 0, "eos_token_id": 0},
+}  # fmt: skip
+
+
+def save_model(model_type: str, directory: Path, *, shard: str | None = None) -> Any:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(model_type, **CONFIGS[model_type])
+    )
+    kwargs = {"max_shard_size": shard} if shard else {}
+    model.save_pretrained(directory, **kwargs)
+    return model.eval()
+
+
+def chain(directory: Path) -> torch.nn.Sequential:
+    specs = hf_layer_specs(directory)
+    return torch.nn.Sequential(
+        *(registry.build_layer(s, seed=0, index=i) for i, s in enumerate(specs))
+    ).eval()
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_layers_equal_transformers_forward_and_backward(model_type: str, tmp_path: Path) -> None:
+    hf = save_model(model_type, tmp_path, shard="20KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()  # sharded: several files
+    ours = chain(tmp_path)
+    assert len(ours) == hf.config.num_hidden_layers + 2
+    ids = torch.randint(0, VOCAB, (3, 11), generator=torch.Generator().manual_seed(1))
+    targets = torch.randint(0, VOCAB, (3, 11), generator=torch.Generator().manual_seed(2))
+
+    def loss(logits: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+    ours_logits, hf_logits = ours(ids), hf(ids).logits
+    assert torch.equal(ours_logits, hf_logits)
+    loss(ours_logits).backward()
+    loss(hf_logits).backward()
+    # Every parameter of ours has a twin in transformers' model with the same gradient; a tied
+    # head's gradient is one part of the tied weight's, so the two parts must add up to it.
+    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
+    embed = [n for n in hf_grads if n.endswith(FAMILIES[model_type].embed + ".weight")]
+    tied = bool(hf.config.tie_word_embeddings)
+    for index, layer in enumerate(ours):
+        for name, param in layer.named_parameters():
+            assert param.grad is not None, (index, name)
+            if tied and (index, name) == (0, "embed.weight"):
+                continue  # checked with the head's below
+            if tied and name == "head.weight":
+                embed_grad = ours[0].embed.weight.grad
+                assert torch.allclose(param.grad + embed_grad, hf_grads[embed[0]], atol=1e-6)
+                continue
+            twin = _twin(hf, model_type, index, name, len(ours) - 1)
+            assert torch.allclose(param.grad, hf_grads[twin], atol=1e-6), (index, name)
+
+
+def _twin(hf: Any, model_type: str, index: int, name: str, last: int) -> str:
+    family = FAMILIES[model_type]
+    part, _, rest = name.partition(".")
+    if index == 0:
+        path = {"embed": family.embed, "positions": family.positions}[part]
+    elif index == last:
+        path = {"norm": family.norm, "head": family.head}[part]
+    else:
+        path = f"{family.blocks}.{index - 1}"
+    return f"{path}.{rest}"
+
+
+def test_a_stage_reads_only_its_own_layers_bytes(tmp_path: Path) -> None:
+    # One file of ~4.2 MB; one block is ~1/6 of it. /proc/self/io counts bytes read by syscalls.
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        "llama", vocab_size=256, hidden_size=128, intermediate_size=512, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    file_bytes = (tmp_path / SINGLE_FILE).stat().st_size
+    specs = hf_layer_specs(tmp_path)
+    registry.build_layer(specs[1], seed=0, index=1)  # config, header and skeleton: read once
+
+    def bytes_read() -> int:
+        io = Path(f"/proc/{os.getpid()}/io").read_text()
+        return int(next(line for line in io.splitlines() if line.startswith("rchar:")).split()[1])
+
+    before = bytes_read()
+    block = registry.build_layer(specs[3], seed=0, index=3)
+    read = bytes_read() - before
+    block_bytes = sum(p.numel() * p.element_size() for p in block.parameters())
+    assert block_bytes <= read < block_bytes + 256 << 10, (read, block_bytes, file_bytes)
+    assert read < file_bytes / 4
+
+
+def test_describing_reads_no_tensor_and_counts_every_parameter(tmp_path: Path) -> None:
+    hf = save_model("llama", tmp_path)
+    register_hf_model("hf-describe", tmp_path)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("pipesvc.models.hf.read_tensors", _refuse)
+        described = registry.describe("hf-describe", {}, input_shape=[2, 5], input_dtype="int64")
+    assert described.num_layers == hf.config.num_hidden_layers + 2
+    assert sum(described.parameter_counts) == sum(p.numel() for p in hf.parameters())
+    assert all(layer.activation_bytes > 0 for layer in described.layers)
+
+
+def _refuse(*args: object, **kwargs: object) -> None:
+    raise AssertionError("describe read tensors")
+
+
+def test_registering_the_same_directory_twice_is_allowed_another_is_not(tmp_path: Path) -> None:
+    save_model("gpt_neox", tmp_path / "a")
+    save_model("gpt_neox", tmp_path / "b")
+    register_hf_model("hf-twice", tmp_path / "a")
+    register_hf_model("hf-twice", tmp_path / "a")
+    with pytest.raises(InvalidArgumentError, match="already registered"):
+        register_hf_model("hf-twice", tmp_path / "b")
+    with pytest.raises(InvalidArgumentError, match="must match"):
+        register_hf_model("hf/../x", tmp_path / "a")
+
+
+def test_bad_directories_are_refused_with_what_is_wrong(tmp_path: Path) -> None:
+    with pytest.raises(NotFoundError, match="does not exist"):
+        register_hf_model("hf-bad", tmp_path / "missing")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(InvalidArgumentError, match="'bert' is not supported; expected one of"):
+        register_hf_model("hf-bad", tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(NotFoundError, match=r"neither model\.safetensors nor"):
+        register_hf_model("hf-bad", tmp_path)
+    index = {"weight_map": {"lm_head.weight": "../outside.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(InvalidArgumentError, match="expected a file name inside"):
+        register_hf_model("hf-bad", tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(InvalidArgumentError, match="must hold a JSON object"):
+        register_hf_model("hf-bad", tmp_path)
+    assert "hf-bad" not in registry.known_models()
+
+
+def test_a_layer_index_outside_the_model_is_refused(tmp_path: Path) -> None:
+    save_model("phi", tmp_path)
+    with pytest.raises(InvalidArgumentError, match=r"layer 9 is outside \[0, 3\]"):
+        build_hf_layer(str(tmp_path.resolve()), 9)
+
+
+def test_read_tensors_reads_the_named_tensors_only(tmp_path: Path) -> None:
+    path = tmp_path / "w.safetensors"
+    tensors = {
+        "a": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        "b": torch.tensor([1, 2], dtype=torch.int64),
+        "c": torch.ones(4, dtype=torch.bfloat16),
+        "empty": torch.zeros(0, 3),
+    }
+    save_weights(tensors, path)
+    got = read_tensors(path, ["c", "a", "empty"])
+    assert list(got) == ["c", "a", "empty"]
+    for name, tensor in got.items():
+        assert tensor.dtype == tensors[name].dtype and torch.equal(tensor, tensors[name])
+    with pytest.raises(NotFoundError, match="holds no tensor 'z'"):
+        read_tensors(path, ["a", "z"])
+    data = path.read_bytes()
+    path.write_bytes(data[:-4])  # the header still promises the last tensor's bytes
+    with pytest.raises(InvalidArgumentError):
+        read_tensors(path, ["a", "b", "c"])
