@@ -29,7 +29,10 @@ def loss_weights(sizes: list[int]) -> list[float]:
 
     [Note: uneven micro-batches] Scaling micro-batch ``i``'s mean loss by ``n_i / N`` makes
     the sum of the scaled losses, and of their gradients, equal to the whole-batch mean loss
-    and its gradient, whatever the split.
+    and its gradient, whatever the split. ``n_i`` counts what the loss averages over: rows, or
+    for a causal LM the labels that count (``loss.loss_units``), so padding spread unevenly
+    over the micro-batches still gives the whole batch's mean. With nothing to count anywhere
+    every weight is 0.
     """
     total = sum(sizes)
-    return [size / total for size in sizes]
+    return [size / total if total else 0.0 for size in sizes]
