@@ -21,6 +21,7 @@ from pipesvc.coordinator.stage_calls import (
 from pipesvc.coordinator.state_transfer import load_into_stages
 from pipesvc.core import microbatch
 from pipesvc.core.config import JobConfig, config_to_proto
+from pipesvc.core.loss import loss_units
 from pipesvc.core.plan import PipelineStage
 from pipesvc.core.tensor_codec import encode
 from pipesvc.errors import PipesvcError
@@ -92,7 +93,8 @@ class StageGroup:
             StageLostError: the watchdog declared a stage lost (the caller aborts the run).
             PipesvcError: the first root-cause error of any stage, naming it.
         """
-        weights = microbatch.loss_weights([len(t) for t in inputs])
+        units = [loss_units(self.config.loss, t) for t in targets]
+        weights = microbatch.loss_weights(units) if targets else []
         last = len(self.plan) - 1
         encoded_inputs = [encode(t) for t in inputs]
         encoded_targets = [encode(t) for t in targets]

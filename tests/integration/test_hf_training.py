@@ -1,0 +1,136 @@
+"""Hugging Face models trained through real stage processes equal transformers' model trained
+in one process: causal-LM loss over padded batches split unevenly, AdamW, both schedules."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import pipesvc
+from pipesvc.core.loss import IGNORE_INDEX
+from pipesvc.models.hf import Checkpoint, hf_layer_specs
+from pipesvc.models.hf import _local_to_stored as stored_names
+
+VOCAB = 48
+FAMILIES = {
+    # grouped-query attention
+    "hf-llama": ("llama", {"num_key_value_heads": 2}),
+    # a head stored under an older name, biases, parallel attention and MLP
+    "hf-neox": ("gpt_neox", {}),
+}
+OPTIMIZER = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6}
+# eps 1e-6, not 1e-8: a key bias's gradient is zero in exact arithmetic (softmax ignores a
+# shift shared by all keys), so in floating point it is rounding noise of ~1e-10, which Adam
+# with eps 1e-8 turns into updates of up to lr whose sign depends on the order of sums.
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    dirs = {}
+    for name, (model_type, extra) in FAMILIES.items():
+        torch.manual_seed(0)
+        config = AutoConfig.for_model(
+            model_type, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+            num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=32, **extra,
+        )  # fmt: skip
+        directory = tmp_path_factory.mktemp(name)
+        AutoModelForCausalLM.from_config(config).save_pretrained(directory, max_shard_size="30KB")
+        dirs[name] = directory
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def hf_client(hf_dirs: dict[str, Path]) -> Iterator[pipesvc.Client]:
+    with pytest.MonkeyPatch.context() as patch:
+        listing = ";".join(f"{name}={d}" for name, d in hf_dirs.items())
+        patch.setenv("PIPESVC_TEST_HF_MODELS", listing)
+        with (
+            pipesvc.LocalCluster(
+                num_stages=3, threads_per_stage=1, models=["tests.support.models.hf_env"]
+            ) as cluster,
+            pipesvc.connect(cluster.address, timeout_s=120) as client,
+        ):
+            yield client
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """7 rows of 10 tokens; rows padded unevenly at the end (labels -100 there)."""
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, VOCAB, (7, 10), generator=g)
+    labels = ids.clone()
+    for row in range(7):
+        labels[row, 10 - (row * (step + 1)) % 7 :] = IGNORE_INDEX
+    return ids, labels
+
+
+def reference_run(directory: Path) -> tuple[list[float], Any]:
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
+    losses = []
+    for step in range(STEPS):
+        ids, labels = batch(step)
+        optimizer.zero_grad()
+        loss = model(ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, model
+
+
+@pytest.mark.parametrize(
+    ("name", "schedule", "num_stages"),
+    [("hf-llama", "1f1b", 3), ("hf-llama", "gpipe", 2), ("hf-neox", "gpipe", 3),
+     ("hf-neox", "1f1b", 2)],
+)  # fmt: skip
+def test_training_equals_transformers_in_one_process(
+    hf_client: pipesvc.Client, hf_dirs: dict[str, Path], name: str, schedule: str, num_stages: int
+) -> None:
+    job = hf_client.create_job(
+        model=name,
+        loss="causal_lm",
+        optimizer=OPTIMIZER,
+        schedule=schedule,
+        num_stages=num_stages,
+        num_microbatches=3,
+        input_shape=[3, 10],
+        input_dtype="int64",
+        checkpoint_every=2,
+    )
+    try:
+        losses = [job.train_step(*batch(step)) for step in range(STEPS)]
+        expected_losses, reference = reference_run(hf_dirs[name])
+        assert losses == pytest.approx(expected_losses, rel=1e-5, abs=1e-6)
+        ids, _ = batch(99)
+        reference.eval()
+        with torch.no_grad():
+            expected_logits = reference(ids).logits
+        assert torch.allclose(job.forward(ids), expected_logits, rtol=1e-4, atol=1e-5)
+        weights = hf_keyed(job.state_dict(), hf_dirs[name])
+        expected = reference.state_dict()
+        assert sorted(weights) == sorted(expected)
+        for key, value in weights.items():
+            assert torch.allclose(value, expected[key], rtol=1e-4, atol=1e-5), key
+    finally:
+        job.close()
+
+
+def hf_keyed(state: dict[str, torch.Tensor], directory: Path) -> dict[str, torch.Tensor]:
+    """``{layer}.{param}`` keys -> the Hugging Face model's own keys."""
+    ckpt = Checkpoint(directory)
+    specs = hf_layer_specs(directory)
+    out = {}
+    for index, spec in enumerate(specs):
+        with torch.device("meta"):
+            layer = copy.deepcopy(spec.build())
+        for local, stored in stored_names(ckpt, index, layer).items():
+            hf_name = stored.replace("embed_out.", "lm_head.")
+            out[hf_name] = state[f"{index}.{local}"]
+    return out
