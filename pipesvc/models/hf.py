@@ -193,6 +193,11 @@ class Checkpoint:
             model: nn.Module = AutoModelForCausalLM.from_config(self.config)
         return model
 
+    def prepare(self) -> None:
+        """Parses the config and builds the skeleton now (importing ``transformers`` and the
+        family's modelling code), so a bad config fails at start, not at the first job."""
+        _ = self.meta_model
+
     @property
     def num_blocks(self) -> int:
         return len(_part(self.meta_model, self.family.blocks))
@@ -392,14 +397,16 @@ def hf_layer_specs(directory: str | os.PathLike[str]) -> list[LayerSpec]:
 def register_hf_model(name: str, directory: str | os.PathLike[str]) -> None:
     """Serves the Hugging Face model in ``directory`` under ``name``; requests name only ``name``.
 
-    The directory is checked now (config, family, weight files), so a mistake fails at start.
+    The directory is checked now (config, family, weight files), so a mistake fails at start;
+    ``transformers`` and the family's code are imported now too (about 200 MB of a process's
+    memory, once, whatever the model's size).
 
     Raises:
         NotFoundError: the directory, its config or its weights do not exist.
         InvalidArgumentError: the name is invalid or taken, or the model family is unsupported.
     """
     where = str(Path(directory).resolve())
-    _checkpoint(where)
+    _checkpoint(where).prepare()
     register_model(name)(_factory(where))
 
 
