@@ -24,6 +24,7 @@ from pipesvc.errors import (
 )
 from pipesvc.local_cluster import LocalCluster
 from pipesvc.models import LayerSpec, register_model
+from pipesvc.models.hf import register_hf_model
 from pipesvc.storage.weights import WeightLimits, load_weights, save_weights
 from pipesvc.wire.security import TLSConfig
 
@@ -56,6 +57,7 @@ __all__ = [
     "connect",
     "load_weights",
     "models",
+    "register_hf_model",
     "register_model",
     "save_weights",
 ]

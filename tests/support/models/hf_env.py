@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from pipesvc.models.hf import register_hf_model
+from pipesvc import register_hf_model
 
 for entry in filter(None, os.environ.get("PIPESVC_TEST_HF_MODELS", "").split(";")):
     name, _, directory = entry.partition("=")
