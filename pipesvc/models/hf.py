@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from pipesvc.errors import InvalidArgumentError, NotFoundError
+from pipesvc.models.lora import add_lora, check_lora
 from pipesvc.models.registry import LayerSpec, register_model
 from pipesvc.models.rng import RNG_LOCK
 from pipesvc.storage.weights import read_header, read_tensors
@@ -337,10 +338,13 @@ def _rotary(ckpt: Checkpoint) -> nn.Module | None:
     return copy.deepcopy(_part(ckpt.meta_model, path)) if path is not None else None
 
 
-def build_hf_layer(directory: str, index: int) -> nn.Module:
+def build_hf_layer(
+    directory: str, index: int, lora: Mapping[str, object] | None = None
+) -> nn.Module:
     """Builds layer ``index`` of the model in ``directory`` with its checkpoint tensors.
 
-    On the meta device (describing the model) nothing is read.
+    On the meta device (describing the model) nothing is read. With ``lora`` the layer gets
+    adapters and only they train (see [Note: LoRA on stages]).
     """
     ckpt = _checkpoint(directory)
     model, family, last = ckpt.meta_model, ckpt.family, ckpt.num_blocks + 1
@@ -365,7 +369,8 @@ def build_hf_layer(directory: str, index: int) -> nn.Module:
         layer = Block(block, _rotary(ckpt))
     device = torch.get_default_device()
     if device.type == "meta":
-        return layer.to("meta")
+        layer = layer.to("meta")
+        return add_lora(layer, lora) if lora is not None else layer
     stored = ckpt.read(_local_to_stored(ckpt, index, layer))
     for name, param in list(layer.named_parameters()):
         owner, _, attribute = name.rpartition(".")
@@ -379,7 +384,7 @@ def build_hf_layer(directory: str, index: int) -> nn.Module:
         for name, tensor in layer.state_dict().items():  # persistent buffers
             if name in stored:
                 tensor.copy_(stored[name])
-    return layer
+    return add_lora(layer, lora) if lora is not None else layer
 
 
 @functools.lru_cache(maxsize=16)
@@ -387,11 +392,16 @@ def _checkpoint(directory: str) -> Checkpoint:
     return Checkpoint(directory)
 
 
-def hf_layer_specs(directory: str | os.PathLike[str]) -> list[LayerSpec]:
-    """The unbuilt layers of the model in ``directory``: embedding, blocks, norm with head."""
+def hf_layer_specs(
+    directory: str | os.PathLike[str], lora: Mapping[str, object] | None = None
+) -> list[LayerSpec]:
+    """The unbuilt layers of the model in ``directory``: embedding, blocks, norm with head;
+    with LoRA adapters where ``lora`` says (peft's ``LoraConfig`` fields)."""
     where = str(Path(directory).resolve())
     ckpt = _checkpoint(where)
-    return [LayerSpec(build_hf_layer, where, i) for i in range(ckpt.num_blocks + 2)]
+    if lora is not None:
+        lora = check_lora(lora)
+    return [LayerSpec(build_hf_layer, where, i, lora) for i in range(ckpt.num_blocks + 2)]
 
 
 def register_hf_model(name: str, directory: str | os.PathLike[str]) -> None:
@@ -414,8 +424,8 @@ def register_hf_model(name: str, directory: str | os.PathLike[str]) -> None:
 def _factory(directory: str) -> Any:
     """One factory per directory, so registering the same name and directory twice is a no-op."""
 
-    def factory() -> list[LayerSpec]:
-        return hf_layer_specs(directory)
+    def factory(lora: dict[str, object] | None = None) -> list[LayerSpec]:
+        return hf_layer_specs(directory, lora)
 
     factory.__qualname__ = f"hf_model[{directory}]"
     return factory

@@ -122,10 +122,12 @@ def test_training_equals_transformers_in_one_process(
         job.close()
 
 
-def hf_keyed(state: dict[str, torch.Tensor], directory: Path) -> dict[str, torch.Tensor]:
+def hf_keyed(
+    state: dict[str, torch.Tensor], directory: Path, lora: dict[str, Any] | None = None
+) -> dict[str, torch.Tensor]:
     """``{layer}.{param}`` keys -> the Hugging Face model's own keys."""
     ckpt = Checkpoint(directory)
-    specs = hf_layer_specs(directory)
+    specs = hf_layer_specs(directory, lora)
     out = {}
     for index, spec in enumerate(specs):
         with torch.device("meta"):
@@ -134,3 +136,61 @@ def hf_keyed(state: dict[str, torch.Tensor], directory: Path) -> dict[str, torch
             hf_name = stored.replace("embed_out.", "lm_head.")
             out[hf_name] = state[f"{index}.{local}"]
     return out
+
+
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_lora_training_equals_peft_in_one_process(
+    hf_client: pipesvc.Client, hf_dirs: dict[str, Path], schedule: str
+) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    job = hf_client.create_job(
+        model="hf-llama",
+        model_args={"lora": LORA},
+        loss="causal_lm",
+        optimizer=OPTIMIZER,
+        schedule=schedule,
+        num_stages=3,
+        num_microbatches=3,
+        input_shape=[3, 10],
+        input_dtype="int64",
+        checkpoint_every=2,
+    )
+    try:
+        initial = hf_keyed(job.state_dict(), hf_dirs["hf-llama"], LORA)
+        losses = [job.train_step(*batch(step)) for step in range(STEPS)]
+        final = hf_keyed(job.state_dict(), hf_dirs["hf-llama"], LORA)
+    finally:
+        job.close()
+    reference = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(hf_dirs["hf-llama"]),
+        LoraConfig(**LORA),  # type: ignore[arg-type]
+    )
+    params = dict(reference.named_parameters())
+    with torch.no_grad():
+        for name, value in initial.items():
+            params[f"base_model.model.{name}"].copy_(value)
+    trainable = [p for p in reference.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-2, weight_decay=0.1, eps=1e-6)
+    expected_losses = []
+    for step in range(STEPS):
+        ids, labels = batch(step)
+        optimizer.zero_grad()
+        loss = reference(ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        expected_losses.append(loss.item())
+    assert losses == pytest.approx(expected_losses, rel=1e-5, abs=1e-6)
+    changed = 0
+    for name, value in final.items():
+        expected = params[f"base_model.model.{name}"]
+        assert torch.allclose(value, expected, rtol=1e-4, atol=1e-5), name
+        if "lora_" in name:
+            changed += not torch.equal(value, initial[name])
+        else:
+            assert torch.equal(value, initial[name]), name  # frozen
+    assert changed == 4 * 3  # lora_A and lora_B of q_proj and v_proj, in each of 3 blocks

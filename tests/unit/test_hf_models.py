@@ -13,15 +13,19 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from pipesvc.core.loss import compute_loss
 from pipesvc.errors import InvalidArgumentError, NotFoundError
 from pipesvc.models import registry
 from pipesvc.models.hf import (
     FAMILIES,
     SINGLE_FILE,
+    Checkpoint,
     build_hf_layer,
     hf_layer_specs,
     register_hf_model,
 )
+from pipesvc.models.hf import _local_to_stored as stored_names
+from pipesvc.models.lora import check_lora
 from pipesvc.storage.weights import read_tensors, save_weights
 
 VOCAB = 64
@@ -205,3 +209,70 @@ def test_read_tensors_reads_the_named_tensors_only(tmp_path: Path) -> None:
     path.write_bytes(data[:-4])  # the header still promises the last tensor's bytes
     with pytest.raises(InvalidArgumentError):
         read_tensors(path, ["a", "b", "c"])
+
+
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+
+
+# peft 0.21 with transformers 5 asks a deprecated property while wrapping the reference model.
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_lora_trains_only_the_adapters_and_equals_peft_in_one_process(tmp_path: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    hf = save_model("llama", tmp_path)
+    specs = hf_layer_specs(tmp_path, LORA)
+    ours = torch.nn.Sequential(
+        *(registry.build_layer(s, seed=5, index=i) for i, s in enumerate(specs))
+    )
+    reference = get_peft_model(hf, LoraConfig(**LORA))  # type: ignore[arg-type]
+    ckpt_names = {}  # ours (layer, local name) -> the peft model's name
+    for index, layer in enumerate(ours):
+        for name in dict(layer.named_parameters()):
+            stored = stored_names(Checkpoint(tmp_path), index, layer)[name]
+            ckpt_names[(index, name)] = f"base_model.model.{stored}"
+    ref_params = dict(reference.named_parameters())
+    trainable = {key for key, p in ref_params.items() if p.requires_grad}
+    ours_trainable = {
+        ckpt_names[(i, n)] for i, layer in enumerate(ours) for n, p in layer.named_parameters()
+        if p.requires_grad
+    }  # fmt: skip
+    assert (
+        ours_trainable == trainable and len(trainable) == 4 * CONFIGS["llama"]["num_hidden_layers"]
+    )
+    with torch.no_grad():  # the same initial adapters (ours come from the layer seeds)
+        for (index, name), ref_name in ckpt_names.items():
+            if "lora_" in name:
+                ref_params[ref_name].copy_(ours[index].get_parameter(name))
+    frozen_before = {
+        k: p.detach().clone() for k, p in ours.named_parameters() if not p.requires_grad
+    }
+    ours_opt = torch.optim.AdamW([p for p in ours.parameters() if p.requires_grad], lr=1e-2)
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, VOCAB, (2, 9), generator=g)
+        losses = []
+        for model, optimizer in ((ours, ours_opt), (reference, ref_opt)):
+            optimizer.zero_grad()
+            logits = model(ids) if model is ours else model(ids).logits
+            loss = compute_loss("causal_lm", logits, ids)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    for (index, name), ref_name in ckpt_names.items():
+        assert torch.allclose(ours[index].get_parameter(name), ref_params[ref_name], atol=1e-6)
+    for key, value in ours.named_parameters():
+        if key in frozen_before:
+            assert value.grad is None and torch.equal(value, frozen_before[key])
+
+
+def test_lora_arguments_are_checked() -> None:
+    for bad, message in [
+        ({"r": 4, "target_modules": ["q_proj"], "modules_to_save": ["x"]}, "not accepted"),
+        ({"r": 0, "target_modules": ["q_proj"]}, "r .* must be an int"),
+        ({"r": 4, "target_modules": []}, "non-empty list"),
+        ({"r": 4, "target_modules": ["q"], "lora_dropout": 1.0}, r"must be in \[0, 1\)"),
+    ]:
+        with pytest.raises(InvalidArgumentError, match=message):
+            check_lora(bad)
