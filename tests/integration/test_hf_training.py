@@ -14,8 +14,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import pipesvc
 from pipesvc.core.loss import IGNORE_INDEX
-from pipesvc.models.hf import Checkpoint, hf_layer_specs
-from pipesvc.models.hf import _local_to_stored as stored_names
+from pipesvc.models.hf import hf_layer_specs, stored_names
+from pipesvc.models.hf_checkpoint import Checkpoint
 
 VOCAB = 48
 FAMILIES = {

@@ -16,15 +16,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from pipesvc.core.loss import compute_loss
 from pipesvc.errors import InvalidArgumentError, NotFoundError
 from pipesvc.models import registry
-from pipesvc.models.hf import (
-    FAMILIES,
-    SINGLE_FILE,
-    Checkpoint,
-    build_hf_layer,
-    hf_layer_specs,
-    register_hf_model,
-)
-from pipesvc.models.hf import _local_to_stored as stored_names
+from pipesvc.models.hf import build_hf_layer, hf_layer_specs, register_hf_model, stored_names
+from pipesvc.models.hf_checkpoint import SINGLE_FILE, Checkpoint
+from pipesvc.models.hf_family import FAMILIES
 from pipesvc.models.lora import check_lora
 from pipesvc.storage.weights import read_tensors, save_weights
 
@@ -143,7 +137,7 @@ def test_describing_reads_no_tensor_and_counts_every_parameter(tmp_path: Path) -
     hf = save_model("llama", tmp_path)
     register_hf_model("hf-describe", tmp_path)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("pipesvc.models.hf.read_tensors", _refuse)
+        patch.setattr("pipesvc.models.hf_checkpoint.read_tensors", _refuse)
         described = registry.describe("hf-describe", {}, input_shape=[2, 5], input_dtype="int64")
     assert described.num_layers == hf.config.num_hidden_layers + 2
     assert sum(described.parameter_counts) == sum(p.numel() for p in hf.parameters())

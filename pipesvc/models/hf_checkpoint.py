@@ -1,0 +1,172 @@
+"""A Hugging Face model directory: its config, family, tensor index and meta skeleton.
+
+Security: a directory is named by the operator who starts the stage, never by a request;
+``config.json`` is read as JSON and no code from the directory runs (``trust_remote_code`` stays
+off); the weight index may only name files inside the directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipesvc.errors import InvalidArgumentError, NotFoundError
+from pipesvc.models.hf_family import FAMILIES
+from pipesvc.models.rng import RNG_LOCK
+from pipesvc.storage.weights import read_header, read_tensors
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+MAX_CONFIG_BYTES = 1 << 20
+"""Largest ``config.json`` or index read (1 MiB; real ones are a few KiB to a few hundred)."""
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise NotFoundError(f"{str(path)!r} does not exist") from None
+    if size > MAX_CONFIG_BYTES:
+        raise InvalidArgumentError(f"{str(path)!r} is {size} bytes; at most {MAX_CONFIG_BYTES}")
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidArgumentError(f"{str(path)!r} is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise InvalidArgumentError(f"{str(path)!r} must hold a JSON object")
+    return value
+
+
+class Checkpoint:
+    """A Hugging Face model directory: its config, family and where each tensor is stored."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory).resolve()
+        if not self.directory.is_dir():
+            raise NotFoundError(f"Hugging Face model directory {str(directory)!r} does not exist")
+        config = _read_json(self.directory / CONFIG_FILE)
+        self.model_type = str(config.get("model_type", ""))
+        family = FAMILIES.get(self.model_type)
+        if family is None:
+            raise InvalidArgumentError(
+                f"{str(self.directory)!r}: model_type {self.model_type!r} is not supported; "
+                f"expected one of {', '.join(sorted(FAMILIES))}"
+            )
+        self.family = family
+        self.files = self._tensor_files()
+
+    def _tensor_files(self) -> dict[str, Path]:
+        """Tensor name -> the file holding it, from the index or the single file's header."""
+        index = self.directory / INDEX_FILE
+        if index.exists():
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise InvalidArgumentError(f"{str(index)!r} has no weight_map object")
+            files: dict[str, Path] = {}
+            for name, file in weight_map.items():
+                if not isinstance(file, str) or Path(file).name != file or file in ("", ".", ".."):
+                    raise InvalidArgumentError(
+                        f"{str(index)!r}: tensor {name!r} is mapped to {file!r}; expected a file "
+                        "name inside the model directory"
+                    )
+                files[str(name)] = self.directory / file
+            return files
+        single = self.directory / SINGLE_FILE
+        if not single.exists():
+            raise NotFoundError(
+                f"{str(self.directory)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}"
+            )
+        return {name: single for name in read_header(single)}
+
+    @functools.cached_property
+    def config(self) -> Any:
+        """The ``transformers`` config, with the ``sdpa`` attention (causal without a mask)."""
+        from transformers import AutoConfig  # optional dependency, imported when used
+
+        config = AutoConfig.from_pretrained(
+            str(self.directory), local_files_only=True, trust_remote_code=False
+        )
+        config._attn_implementation = "sdpa"
+        return config
+
+    @functools.cached_property
+    def meta_model(self) -> nn.Module:
+        """The whole model with its parameters on the meta device (no memory) and its buffers
+        real: computed buffers that no checkpoint holds (rotary frequencies, embedding scales)
+        keep their values."""
+        from transformers import AutoModelForCausalLM
+
+        with RNG_LOCK, _parameters_on_meta():
+            model: nn.Module = AutoModelForCausalLM.from_config(self.config)
+        return model
+
+    def prepare(self) -> None:
+        """Parses the config and builds the skeleton now (importing ``transformers`` and the
+        family's modelling code), so a bad config fails at start, not at the first job."""
+        _ = self.meta_model
+
+    @property
+    def num_blocks(self) -> int:
+        return len(part_of(self.meta_model, self.family.blocks))
+
+    @property
+    def tied(self) -> bool:
+        return bool(getattr(self.config, "tie_word_embeddings", False))
+
+    def read(self, names: Mapping[str, str]) -> dict[str, torch.Tensor]:
+        """``{local name: checkpoint name}`` -> ``{local name: tensor}``, each file read once."""
+        names = {local: self._stored_name(stored) for local, stored in names.items()}
+        by_file: dict[Path, list[str]] = {}
+        for stored in names.values():
+            by_file.setdefault(self.files[stored], []).append(stored)
+        found: dict[str, torch.Tensor] = {}
+        for file, stored_names in by_file.items():
+            found.update(read_tensors(file, stored_names))
+        return {local: found[stored] for local, stored in names.items()}
+
+    def _stored_name(self, name: str) -> str:
+        if name in self.files:
+            return name
+        for path, older in self.family.stored:
+            if name.startswith(f"{path}.") and (alias := older + name[len(path) :]) in self.files:
+                return alias
+        raise NotFoundError(f"{str(self.directory)!r} holds no tensor {name!r}")
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Every parameter registered inside is moved to the meta device; buffers stay real.
+
+    Patches ``nn.Module.register_parameter`` for the duration, so callers hold ``RNG_LOCK``
+    (which serialises every layer construction in the process).
+    """
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            module._parameters[name] = meta
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def part_of(model: nn.Module, path: str) -> Any:
+    """``model``'s submodule at the dotted ``path``."""
+    part: Any = model
+    for attribute in path.split("."):
+        part = getattr(part, attribute)
+    return part
