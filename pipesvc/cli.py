@@ -6,12 +6,17 @@ This is the only module that reads flags and installs logging handlers.
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
+import inspect
+import itertools
 import logging
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from pipesvc.core.limits import Limits, parse_bytes
 from pipesvc.core.schedule import schedule_names
@@ -24,6 +29,63 @@ logger = logging.getLogger("pipesvc")
 DEFAULT_COORDINATOR = "127.0.0.1:7070"
 """Where `coordinator` and `up` listen and `status` and `trace` look unless told otherwise."""
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
+
+
+def _default(cls: type, name: str) -> Any:
+    """The default of field ``name`` of dataclass ``cls``: flags take their defaults from the
+    options they fill, so each default is written once."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            if f.default is not dataclasses.MISSING:
+                return f.default
+            if f.default_factory is not dataclasses.MISSING:
+                return f.default_factory()
+    raise KeyError(f"{cls.__name__} has no field {name!r} with a default")
+
+
+def _param_default(function: Callable[..., object], name: str) -> Any:
+    """The default of keyword ``name`` of ``function`` (for settings passed as arguments)."""
+    default = inspect.signature(function).parameters[name].default
+    if default is inspect.Parameter.empty:
+        raise KeyError(f"{function.__qualname__} has no default for {name!r}")
+    return default
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The docstrings under the fields of dataclass ``cls`` (the text a flag's help repeats);
+    empty when the source cannot be read."""
+    try:
+        tree = ast.parse(inspect.getsource(cls).strip())
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs = {}
+    for field, doc in itertools.pairwise(body):
+        if (
+            isinstance(field, ast.AnnAssign)
+            and isinstance(field.target, ast.Name)
+            and isinstance(doc, ast.Expr)
+            and isinstance(doc.value, ast.Constant)
+            and isinstance(doc.value.value, str)
+        ):
+            docs[field.target.id] = " ".join(doc.value.value.split())
+    return docs
+
+
+def _help(doc: str) -> str:
+    """A field's docstring as argparse help text, with the default after it."""
+    if not doc:
+        return "default %(default)s"
+    text = doc.replace("%", "%%").rstrip(".")
+    return f"{text[:1].lower()}{text[1:]} (default %(default)s)"
+
+
+def _bytes_text(count: int) -> str:
+    """``268435456`` as ``"256MiB"``: a size in the form ``--shm-bytes`` takes."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count and count % size == 0:
+            return f"{count // size}{unit}"
+    return str(count)
 
 
 def _stop_on_signals() -> threading.Event:
@@ -62,14 +124,14 @@ def _add_security_flags(parser: argparse.ArgumentParser) -> None:
 
 def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("limits (exceeding one gets RESOURCE_EXHAUSTED)")
-    defaults = Limits()
+    docs = _field_docs(Limits)
     for name in Limits.__dataclass_fields__:
         group.add_argument(
             "--" + name.replace("_", "-"),
             dest=name,
             type=int,
-            default=getattr(defaults, name),
-            help="default %(default)s",
+            default=_default(Limits, name),
+            help=_help(docs.get(name, "")),
         )
 
 
@@ -273,6 +335,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
+    from pipesvc.coordinator.stage_calls import Deadlines
+    from pipesvc.demo import DemoOptions
+    from pipesvc.stage.options import StageOptions
+    from pipesvc.stage.server import run_stage
+
     parser = argparse.ArgumentParser(
         prog="pipesvc", description="Pipeline-parallel PyTorch training as a gRPC service cluster."
     )
@@ -292,25 +359,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--step-timeout-s",
         type=float,
-        default=600.0,
+        default=_default(Deadlines, "step_s"),
         help="deadline of one pipelined step on a stage (default %(default)s)",
     )
     p.add_argument(
         "--control-timeout-s",
         type=float,
-        default=120.0,
+        default=_default(Deadlines, "control_s"),
         help="deadline of assign, commit, abort and state calls (default %(default)s)",
     )
     p.add_argument(
         "--health-interval-s",
         type=float,
-        default=1.0,
+        default=_default(Deadlines, "health_interval_s"),
         help="health-check the stages a step waits on this often (default %(default)s)",
     )
     p.add_argument(
         "--health-failures",
         type=int,
-        default=2,
+        default=_default(Deadlines, "health_failures"),
         help="missed health checks in a row that declare a stage lost (default %(default)s)",
     )
     _add_metrics_flag(p)
@@ -337,8 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--recv-timeout-s",
         type=float,
-        default=300.0,
-        help="longest wait for one activation or gradient (default %(default)s)",
+        default=_default(StageOptions, "recv_timeout_s"),
+        help=_help(_field_docs(StageOptions).get("recv_timeout_s", "")),
     )
     p.add_argument(
         "--register-timeout-s",
@@ -349,14 +416,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--heartbeat-interval-s",
         type=float,
-        default=2.0,
+        default=_param_default(run_stage, "heartbeat_interval_s"),
         help="re-register with the coordinator this often (default %(default)s)",
     )
     p.add_argument(
         "--drain-timeout-s",
         type=float,
-        default=60.0,
-        help="on SIGTERM, wait this long for the coordinator to move the layers away",
+        default=_param_default(run_stage, "drain_timeout_s"),
+        help="on SIGTERM, wait this long for the coordinator to move the layers away "
+        "(default %(default)s)",
     )
     p.add_argument(
         "--memory-budget",
@@ -364,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--shm-bytes",
-        default="256MiB",
+        default=_bytes_text(_default(StageOptions, "shm_bytes")),
         help="shared-memory area offered to a neighbour on the same host; 0 turns the "
         "shared-memory path off both ways: no area offered, none of a neighbour's mapped "
         "(default %(default)s)",
@@ -392,12 +460,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_up)
 
     p = sub.add_parser("demo", help="train the built-in GPT on a local cluster (the main job)")
-    p.add_argument("--stages", type=int, default=4, help="pipeline stages (default %(default)s)")
-    p.add_argument("--minutes", type=float, default=3.0, help="training time (default %(default)s)")
-    p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: none)")
+    p.add_argument(
+        "--stages",
+        type=int,
+        default=_default(DemoOptions, "num_stages"),
+        help="pipeline stages (default %(default)s)",
+    )
+    p.add_argument(
+        "--minutes",
+        type=float,
+        default=_default(DemoOptions, "duration_s") / 60,
+        help="training time (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-steps",
+        type=int,
+        default=_default(DemoOptions, "max_steps"),
+        help="stop after this many steps (0: none)",
+    )
     p.add_argument(
         "--schedule",
-        default="1f1b",
+        default=_default(DemoOptions, "schedule"),
         choices=schedule_names(),
         help="pipeline schedule (default %(default)s)",
     )

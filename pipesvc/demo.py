@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import TextIO
 
 import torch
+from tqdm import tqdm  # type: ignore[import-untyped]
 
 from pipesvc import models
 from pipesvc.client import Client, Job
@@ -22,6 +24,8 @@ from pipesvc.observe.trace import busy_idle, ideal_bubble
 from pipesvc.wire.security import Security
 
 SEQUENCE_LENGTH = 64
+LOG_EVERY_S = 10.0
+"""Away from a terminal (a log, a pipe) the progress is one plain line this often."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -85,9 +89,92 @@ class CharCorpus:
         return [self.index[c] for c in text if c in self.index]
 
 
-def _bar(fraction: float, width: int = 24) -> str:
-    filled = round(fraction * width)
-    return "#" * filled + "-" * (width - filled)
+def _terminal_rows(out: TextIO) -> int:
+    """The height of the terminal ``out`` writes to; 0 when it reports none or is no terminal."""
+    try:
+        return os.get_terminal_size(out.fileno()).lines
+    except (OSError, ValueError):  # io.UnsupportedOperation is both
+        return 0
+
+
+class Progress:
+    """The training loop's progress: steps against the expected total, with the step rate, the
+    time left, the smoothed loss and tokens/s.
+
+    On a terminal it is a live tqdm bar fitted to the terminal's width. Elsewhere (a log file, a
+    pipe, a test's buffer) a bar redrawn with carriage returns would be one endless line, so it
+    is a plain line every :data:`LOG_EVERY_S` seconds and one at the end.
+
+    The run stops at the time budget or at ``max_steps``, whichever comes first, so the expected
+    total is the steps done plus those the current rate fits into the time left, capped at
+    ``max_steps``; the estimated time left then follows both limits.
+    """
+
+    def __init__(
+        self, out: TextIO, *, duration_s: float, max_steps: int, tokens_per_step: int
+    ) -> None:
+        self.out = out
+        self.duration_s = duration_s
+        self.max_steps = max_steps
+        self.tokens_per_step = tokens_per_step
+        self.interactive = out.isatty()
+        self.steps = 1  # the first step ran before the clock started (it is checked separately)
+        self.elapsed = 0.0
+        self.postfix = ""
+        self._last_line_at = 0.0
+        self._bar = tqdm(
+            total=self._expected_total(),
+            initial=self.steps,
+            unit="step",
+            file=out,
+            # Fitted to the terminal's width as it changes; a terminal that reports no height
+            # (some pseudo-terminals) would make tqdm hide the bar, so then it assumes one.
+            dynamic_ncols=_terminal_rows(out) > 0,
+            nrows=None if _terminal_rows(out) > 0 else 24,
+            disable=not self.interactive,
+        )
+
+    def _expected_total(self) -> int:
+        timed_steps = self.steps - 1
+        if timed_steps and self.elapsed > 0:
+            left_s = max(self.duration_s - self.elapsed, 0.0)
+            total = self.steps + math.floor(timed_steps / self.elapsed * left_s)
+        else:
+            total = self.max_steps or self.steps
+        return max(self.steps, min(total, self.max_steps) if self.max_steps else total)
+
+    def update(self, *, steps: int, elapsed: float, loss: float) -> None:
+        """Records that ``steps`` steps are done ``elapsed`` seconds after the first one."""
+        advanced, self.steps, self.elapsed = steps - self.steps, steps, elapsed
+        tokens_per_s = self.tokens_per_step * (steps - 1) / max(elapsed, 1e-9)
+        self.postfix = f"loss {loss:.3f}, {tokens_per_s:,.0f} tokens/s"
+        if self.interactive:
+            self._bar.total = self._expected_total()
+            self._bar.set_postfix_str(self.postfix, refresh=False)
+            self._bar.update(advanced)
+        elif elapsed - self._last_line_at >= LOG_EVERY_S:
+            self._print_line()
+
+    def _print_line(self) -> None:
+        self._last_line_at = self.elapsed
+        line = tqdm.format_meter(
+            self.steps,
+            self._expected_total(),
+            self.elapsed,
+            ncols=100,
+            ascii=True,
+            unit="step",
+            postfix=self.postfix,
+            initial=1,
+        )
+        print(line, file=self.out, flush=True)
+
+    def close(self) -> None:
+        """Ends the bar (leaving it on screen), or prints the last line."""
+        if self.interactive:
+            self._bar.close()
+        elif self.steps > 1 and self._last_line_at < self.elapsed:
+            self._print_line()
 
 
 def check_first_step(
@@ -190,32 +277,25 @@ def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> dict[str, float]
         )
         losses = [first_loss]
         tokens = options.batch_size * SEQUENCE_LENGTH
+        progress = Progress(
+            out,
+            duration_s=options.duration_s,
+            max_steps=options.max_steps,
+            tokens_per_step=tokens,
+        )
         start = time.monotonic()
-        interactive = out.isatty()
-        last_print = 0.0
-        while True:
-            elapsed = time.monotonic() - start
-            steps = len(losses)
-            if elapsed >= options.duration_s or (options.max_steps and steps >= options.max_steps):
-                break
-            x, y = corpus.batch(options.batch_size, generator)
-            losses.append(job.train_step(x, y))
-            elapsed = time.monotonic() - start
-            smooth = sum(losses[-10:]) / len(losses[-10:])
-            fraction = min(1.0, elapsed / options.duration_s)
-            if options.max_steps:
-                fraction = max(fraction, len(losses) / options.max_steps)
-            line = (
-                f"[{_bar(fraction)}] step {len(losses):4d}  loss {smooth:.3f}  "
-                f"{tokens * (len(losses) - 1) / elapsed:,.0f} tokens/s  {elapsed:5.0f} s"
-            )
-            if interactive:
-                print("\r" + line, end="", file=out, flush=True)
-            elif elapsed - last_print >= 10:
-                print(line, file=out, flush=True)
-                last_print = elapsed
-        if interactive:
-            print(file=out)
+        with contextlib.closing(progress):
+            while True:
+                elapsed = time.monotonic() - start
+                steps = len(losses)
+                if elapsed >= options.duration_s or (
+                    options.max_steps and steps >= options.max_steps
+                ):
+                    break
+                x, y = corpus.batch(options.batch_size, generator)
+                losses.append(job.train_step(x, y))
+                smooth = sum(losses[-10:]) / len(losses[-10:])
+                progress.update(steps=len(losses), elapsed=time.monotonic() - start, loss=smooth)
         elapsed = time.monotonic() - start
         end_loss = sum(losses[-10:]) / len(losses[-10:])
         throughput = tokens * (len(losses) - 1) / max(elapsed, 1e-9)

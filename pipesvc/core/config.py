@@ -6,7 +6,7 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from pipesvc.core.limits import MAX_MICROBATCHES
@@ -150,23 +150,30 @@ def parse_json_object(text: str, field_name: str) -> dict[str, Any]:
     return value
 
 
+_JSON_ON_THE_WIRE = ("model_args", "optimizer")
+"""Mapping fields the wire carries as JSON text, in ``<name>_json``."""
+_EMPTY_ON_THE_WIRE_MEANS_DEFAULT = ("input_dtype",)
+"""Fields added to the wire after the first clients: an older client's spec leaves them empty."""
+
+
+def wire_field_name(name: str) -> str:
+    """The ``JobSpec`` field that carries the JobConfig field ``name``."""
+    return f"{name}_json" if name in _JSON_ON_THE_WIRE else name
+
+
+def _to_plain(value: Any) -> Any:
+    """A field's JSON-ready form: mappings as dicts, tuples as lists."""
+    if isinstance(value, Mapping):
+        return dict(value)
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
 def config_to_dict(config: JobConfig) -> dict[str, Any]:
-    """``config`` as a JSON-ready dict (for manifests and the state database)."""
-    return {
-        "model": config.model,
-        "model_args": dict(config.model_args),
-        "seed": config.seed,
-        "num_stages": config.num_stages,
-        "num_microbatches": config.num_microbatches,
-        "schedule": config.schedule,
-        "optimizer": dict(config.optimizer),
-        "loss": config.loss,
-        "partition": config.partition,
-        "clip_grad_norm": config.clip_grad_norm,
-        "checkpoint_every": config.checkpoint_every,
-        "input_shape": list(config.input_shape) if config.input_shape else None,
-        "input_dtype": config.input_dtype,
-    }
+    """``config`` as a JSON-ready dict (for manifests and the state database), one key per field
+    in declaration order."""
+    return {f.name: _to_plain(getattr(config, f.name)) for f in fields(JobConfig)}
 
 
 def config_from_dict(values: Mapping[str, Any]) -> JobConfig:
@@ -185,23 +192,17 @@ def config_from_dict(values: Mapping[str, Any]) -> JobConfig:
 
 
 def config_to_proto(config: JobConfig) -> common_pb2.JobSpec:
-    """The wire form of ``config``."""
-    spec = common_pb2.JobSpec(
-        model=config.model,
-        model_args_json=config.model_args_json(),
-        seed=config.seed,
-        num_stages=config.num_stages,
-        num_microbatches=config.num_microbatches,
-        schedule=config.schedule,
-        optimizer_json=config.optimizer_json(),
-        loss=config.loss,
-        partition=config.partition,
-        checkpoint_every=config.checkpoint_every,
-        input_shape=list(config.input_shape or ()),
-        input_dtype=config.input_dtype,
-    )
-    if config.clip_grad_norm is not None:
-        spec.clip_grad_norm = float(config.clip_grad_norm)
+    """The wire form of ``config``; a None field (``clip_grad_norm``, ``input_shape``) is left
+    unset."""
+    spec = common_pb2.JobSpec()
+    for f in fields(JobConfig):
+        value = getattr(config, f.name)
+        if f.name in _JSON_ON_THE_WIRE:
+            setattr(spec, wire_field_name(f.name), json.dumps(dict(value), sort_keys=True))
+        elif isinstance(value, tuple):
+            getattr(spec, f.name).extend(value)
+        elif value is not None:
+            setattr(spec, f.name, value)
     return spec
 
 
@@ -211,18 +212,20 @@ def config_from_proto(spec: common_pb2.JobSpec) -> JobConfig:
     Raises:
         InvalidArgumentError: any field is invalid.
     """
-    return JobConfig(
-        model=spec.model,
-        model_args=parse_json_object(spec.model_args_json, "model_args_json"),
-        seed=spec.seed,
-        num_stages=spec.num_stages,
-        num_microbatches=spec.num_microbatches,
-        schedule=spec.schedule,
-        optimizer=parse_json_object(spec.optimizer_json, "optimizer_json"),
-        loss=spec.loss,
-        partition=spec.partition,
-        clip_grad_norm=spec.clip_grad_norm if spec.HasField("clip_grad_norm") else None,
-        checkpoint_every=spec.checkpoint_every,
-        input_shape=tuple(spec.input_shape) or None,
-        input_dtype=spec.input_dtype or "float32",
-    )
+    values: dict[str, Any] = {}
+    wire_fields = common_pb2.JobSpec.DESCRIPTOR.fields_by_name
+    for f in fields(JobConfig):
+        wire_name = wire_field_name(f.name)
+        wire = wire_fields[wire_name]
+        value = getattr(spec, wire_name)
+        if f.name in _JSON_ON_THE_WIRE:
+            values[f.name] = parse_json_object(value, wire_name)
+        elif wire.is_repeated:
+            values[f.name] = tuple(value) or None
+        elif wire.has_presence and not spec.HasField(wire_name):
+            values[f.name] = None
+        elif f.name in _EMPTY_ON_THE_WIRE_MEANS_DEFAULT and not value:
+            values[f.name] = f.default
+        else:
+            values[f.name] = value
+    return JobConfig(**values)

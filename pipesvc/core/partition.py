@@ -10,11 +10,11 @@ planner handles itself: it needs the stages' budgets, so it calls :func:`fit_cap
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from pipesvc.errors import InternalError, InvalidArgumentError
+from pipesvc.registry import Registry
 
 __all__ = [
     "PARTITION_NAME_PATTERN",
@@ -37,8 +37,7 @@ _PartitionT = TypeVar("_PartitionT", bound=PartitionFn)
 PARTITION_NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
 """Partition method names: lowercase letters, digits, ``_`` and ``-``."""
 
-_PARTITIONS: dict[str, PartitionFn] = {}
-_LOCK = threading.Lock()
+_PARTITIONS: Registry[PartitionFn] = Registry("partition", PARTITION_NAME_PATTERN)
 
 
 def register_partition(name: str) -> Callable[[_PartitionT], _PartitionT]:
@@ -48,21 +47,10 @@ def register_partition(name: str) -> Callable[[_PartitionT], _PartitionT]:
         InvalidArgumentError: ``name`` does not match :data:`PARTITION_NAME_PATTERN`, or is
             already registered to a different function.
     """
-    if not isinstance(name, str) or PARTITION_NAME_PATTERN.fullmatch(name) is None:
-        raise InvalidArgumentError(
-            f"partition name {name!r} must match {PARTITION_NAME_PATTERN.pattern!r} "
-            "(lowercase letters, digits, '_' and '-'; at most 64 characters)"
-        )
+    _PARTITIONS.check_name(name)
 
     def decorator(method: _PartitionT) -> _PartitionT:
-        with _LOCK:
-            existing = _PARTITIONS.get(name)
-            if existing is not None and existing is not method:
-                raise InvalidArgumentError(
-                    f"partition name {name!r} is already registered to "
-                    f"{existing.__module__}.{existing.__qualname__}"
-                )
-            _PARTITIONS[name] = method
+        _PARTITIONS.register(name, method)
         return method
 
     return decorator
@@ -70,8 +58,13 @@ def register_partition(name: str) -> Callable[[_PartitionT], _PartitionT]:
 
 def partition_names() -> tuple[str, ...]:
     """Returns the registered partition method names, in registration order."""
-    with _LOCK:
-        return tuple(_PARTITIONS)
+    return _PARTITIONS.names()
+
+
+def _unknown_method(name: object, known: tuple[str, ...]) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"unknown partition method {name!r}; expected one of {', '.join(known)}"
+    )
 
 
 def get_partition(name: str) -> PartitionFn:
@@ -80,14 +73,7 @@ def get_partition(name: str) -> PartitionFn:
     Raises:
         InvalidArgumentError: ``name`` is not registered; the message lists the known names.
     """
-    with _LOCK:
-        found = _PARTITIONS.get(name) if isinstance(name, str) else None
-        known = tuple(_PARTITIONS)
-    if found is None:
-        raise InvalidArgumentError(
-            f"unknown partition method {name!r}; expected one of {', '.join(known)}"
-        )
-    return found
+    return _PARTITIONS.get(name, _unknown_method)
 
 
 def _check_counts(num_layers: int, num_stages: int) -> None:

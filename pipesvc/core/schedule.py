@@ -16,13 +16,13 @@ schedule keeps on one rank at once, :func:`max_in_flight_of` the same measured o
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from pipesvc.core.action import Action, ActionKind
 from pipesvc.errors import InternalError, InvalidArgumentError
+from pipesvc.registry import Registry
 
 __all__ = [
     "SCHEDULE_NAME_PATTERN",
@@ -91,8 +91,9 @@ class Schedule:
     action list (the closed form keeps planning fast at thousands of micro-batches)."""
 
 
-_SCHEDULES: dict[str, Schedule] = {}
-_LOCK = threading.Lock()
+_SCHEDULES: Registry[Schedule] = Registry(
+    "schedule", SCHEDULE_NAME_PATTERN, origin=lambda found: found.actions
+)
 
 
 def register_schedule(
@@ -107,22 +108,10 @@ def register_schedule(
         InvalidArgumentError: ``name`` does not match :data:`SCHEDULE_NAME_PATTERN`, or is
             already registered to a different function.
     """
-    if not isinstance(name, str) or SCHEDULE_NAME_PATTERN.fullmatch(name) is None:
-        raise InvalidArgumentError(
-            f"schedule name {name!r} must match {SCHEDULE_NAME_PATTERN.pattern!r} "
-            "(lowercase letters, digits, '_' and '-'; at most 64 characters)"
-        )
+    _SCHEDULES.check_name(name)
 
     def decorator(actions: _ActionsT) -> _ActionsT:
-        with _LOCK:
-            existing = _SCHEDULES.get(name)
-            if existing is not None and existing.actions is not actions:
-                where = getattr(existing.actions, "__qualname__", repr(existing.actions))
-                raise InvalidArgumentError(
-                    f"schedule name {name!r} is already registered to "
-                    f"{existing.actions.__module__}.{where}"
-                )
-            _SCHEDULES[name] = Schedule(name, actions, in_flight)
+        _SCHEDULES.register(name, Schedule(name, actions, in_flight))
         return actions
 
     return decorator
@@ -130,8 +119,7 @@ def register_schedule(
 
 def schedule_names() -> tuple[str, ...]:
     """Returns the registered schedule names, in registration order."""
-    with _LOCK:
-        return tuple(_SCHEDULES)
+    return _SCHEDULES.names()
 
 
 def get_schedule(name: str) -> Schedule:
@@ -140,12 +128,7 @@ def get_schedule(name: str) -> Schedule:
     Raises:
         InvalidArgumentError: ``name`` is not registered; the message lists the known names.
     """
-    with _LOCK:
-        found = _SCHEDULES.get(name) if isinstance(name, str) else None
-        known = tuple(_SCHEDULES)
-    if found is None:
-        raise InvalidArgumentError(f"unknown schedule {name!r}; expected one of {', '.join(known)}")
-    return found
+    return _SCHEDULES.get(name)
 
 
 def _check_stage(rank: int, num_stages: int, num_microbatches: int) -> None:

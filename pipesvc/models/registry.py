@@ -15,7 +15,6 @@ import hashlib
 import importlib
 import inspect
 import re
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -25,6 +24,7 @@ from torch import nn
 
 from pipesvc.errors import InternalError, InvalidArgumentError, UnknownModelError
 from pipesvc.models.rng import RNG_LOCK as _RNG_LOCK
+from pipesvc.registry import Registry
 
 ModelFactory = Callable[..., list["LayerSpec"]]
 """A factory takes JSON-typed keyword arguments and returns the model's unbuilt layers."""
@@ -38,8 +38,7 @@ MAX_ARG_DEPTH = 8
 """Deepest nesting of lists and dicts allowed inside one model argument."""
 
 _JSON_SCALARS = (str, int, float, bool, type(None))
-_FACTORIES: dict[str, ModelFactory] = {}
-_LOCK = threading.Lock()
+_FACTORIES: Registry[ModelFactory] = Registry("model", MODEL_NAME_PATTERN)
 
 
 class LayerSpec:
@@ -115,21 +114,10 @@ def register_model(name: str) -> Callable[[_FactoryT], _FactoryT]:
         InvalidArgumentError: ``name`` does not match ``MODEL_NAME_PATTERN``, or is already
             registered to a different function.
     """
-    if not isinstance(name, str) or MODEL_NAME_PATTERN.fullmatch(name) is None:
-        raise InvalidArgumentError(
-            f"model name {name!r} must match {MODEL_NAME_PATTERN.pattern!r} "
-            "(lowercase letters, digits, '_' and '-'; at most 64 characters)"
-        )
+    _FACTORIES.check_name(name)
 
     def decorator(factory: _FactoryT) -> _FactoryT:
-        with _LOCK:
-            existing = _FACTORIES.get(name)
-            if existing is not None and existing is not factory:
-                raise InvalidArgumentError(
-                    f"model name {name!r} is already registered to "
-                    f"{existing.__module__}.{existing.__qualname__}"
-                )
-            _FACTORIES[name] = factory
+        _FACTORIES.register(name, factory)
         return factory
 
     return decorator
@@ -137,8 +125,11 @@ def register_model(name: str) -> Callable[[_FactoryT], _FactoryT]:
 
 def known_models() -> list[str]:
     """Returns the registered model names, sorted."""
-    with _LOCK:
-        return sorted(_FACTORIES)
+    return sorted(_FACTORIES.names())
+
+
+def _unknown_model(name: object, known: tuple[str, ...]) -> UnknownModelError:
+    return UnknownModelError(f"unknown model {name!r}; known models: {', '.join(sorted(known))}")
 
 
 def check_model_args(model_args: Mapping[str, object]) -> None:
@@ -194,11 +185,7 @@ def layer_specs(name: str, model_args: Mapping[str, object]) -> list[LayerSpec]:
             signature, are rejected by the factory, or give no layers.
         InternalError: the factory returned something other than a list of ``LayerSpec``.
     """
-    with _LOCK:
-        factory = _FACTORIES.get(name)
-        known = sorted(_FACTORIES)
-    if factory is None:
-        raise UnknownModelError(f"unknown model {name!r}; known models: {', '.join(known)}")
+    factory = _FACTORIES.get(name, _unknown_model)
     check_model_args(model_args)
     _bind_args(name, factory, model_args)
     try:

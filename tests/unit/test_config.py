@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import json
 import math
 from typing import Any
 
 import pytest
 import torch
 
+from pipesvc.client import Client
 from pipesvc.core.config import (
     JobConfig,
     config_from_dict,
@@ -15,6 +19,7 @@ from pipesvc.core.config import (
     config_to_dict,
     config_to_proto,
     parse_json_object,
+    wire_field_name,
 )
 from pipesvc.core.limits import MAX_MICROBATCHES
 from pipesvc.core.loss import compute_loss
@@ -23,6 +28,7 @@ from pipesvc.core.optim import build_optimizer
 from pipesvc.core.plan import PipelineStage, check_plan
 from pipesvc.errors import InvalidArgumentError
 from pipesvc.stage import mailbox
+from pipesvc.v1 import common_pb2
 
 
 @pytest.mark.parametrize(
@@ -110,6 +116,115 @@ def test_config_proto_round_trip(
     assert spec.HasField("clip_grad_norm") == (clip_grad_norm is not None)
     wire = type(spec).FromString(spec.SerializeToString())
     assert config_from_proto(wire) == config
+
+
+NON_DEFAULT: dict[str, Any] = {
+    "model": "gpt",
+    "model_args": {"num_layers": 3, "sizes": [4, 8], "nested": {"a": None}},
+    "seed": 2**63 - 1,
+    "num_stages": 5,
+    "num_microbatches": 7,
+    "schedule": "gpipe",
+    "optimizer": {"name": "sgd", "lr": 0.5, "momentum": 0.9},
+    "loss": "mse",
+    "partition": "memory",
+    "clip_grad_norm": 0.25,
+    "checkpoint_every": 0,
+    "input_shape": (2, 3, 4),
+    "input_dtype": "bfloat16",
+}
+"""A value for every JobConfig field, none of them the default."""
+
+
+def test_every_field_survives_the_dict_and_the_wire() -> None:
+    names = [f.name for f in dataclasses.fields(JobConfig)]
+    assert sorted(NON_DEFAULT) == sorted(names), "give every JobConfig field a value above"
+    config = JobConfig(**NON_DEFAULT)
+    defaults = JobConfig(model="mlp")
+    assert [n for n in names if getattr(config, n) == getattr(defaults, n)] == []
+    as_dict = config_to_dict(config)
+    assert list(as_dict) == names
+    assert config_from_dict(json.loads(json.dumps(as_dict))) == config
+    wire = common_pb2.JobSpec.FromString(config_to_proto(config).SerializeToString())
+    assert config_from_proto(wire) == config
+
+
+def test_every_field_has_its_place_in_the_wire_job_spec() -> None:
+    """A field added to JobConfig without a JobSpec field (or the reverse) fails here."""
+    wire_names = set(common_pb2.JobSpec.DESCRIPTOR.fields_by_name)
+    carried = {wire_field_name(f.name) for f in dataclasses.fields(JobConfig)}
+    assert sorted(carried - wire_names) == [], "add these to JobSpec in common.proto"
+    assert sorted(wire_names - carried) == [], "JobSpec fields that JobConfig lacks"
+
+
+def test_the_dict_and_wire_forms_are_unchanged() -> None:
+    """Rows saved in the state database and specs of older clients must still load."""
+    saved_row = {
+        "model": "gpt",
+        "model_args": {"vocab_size": 17},
+        "seed": 3,
+        "num_stages": 2,
+        "num_microbatches": 4,
+        "schedule": "1f1b",
+        "optimizer": {"name": "adamw", "lr": 0.001},
+        "loss": "cross_entropy",
+        "partition": "parameters",
+        "clip_grad_norm": 1.0,
+        "checkpoint_every": 10,
+        "input_shape": [8, 64],
+        "input_dtype": "int64",
+    }
+    config = config_from_dict(saved_row)
+    assert config == JobConfig(
+        model="gpt",
+        model_args={"vocab_size": 17},
+        seed=3,
+        clip_grad_norm=1.0,
+        input_shape=(8, 64),
+        input_dtype="int64",
+    )
+    assert config_to_dict(config) == saved_row
+    old_defaults = {**saved_row, "clip_grad_norm": None, "input_shape": None}
+    assert config_to_dict(config_from_dict(old_defaults)) == old_defaults
+    spec = common_pb2.JobSpec(
+        model="gpt",
+        model_args_json='{"vocab_size": 17}',
+        seed=3,
+        num_stages=2,
+        num_microbatches=4,
+        schedule="1f1b",
+        optimizer_json='{"lr": 0.001, "name": "adamw"}',
+        loss="cross_entropy",
+        partition="parameters",
+        clip_grad_norm=1.0,
+        checkpoint_every=10,
+        input_shape=[8, 64],
+        input_dtype="int64",
+    )
+    assert config_to_proto(config) == spec
+    assert config_from_proto(spec) == config
+    older_client = common_pb2.JobSpec()
+    older_client.CopyFrom(spec)
+    for name in ("clip_grad_norm", "input_shape", "input_dtype"):
+        older_client.ClearField(name)
+    loaded = config_from_proto(older_client)
+    assert loaded == dataclasses.replace(
+        config, clip_grad_norm=None, input_shape=None, input_dtype="float32"
+    )
+
+
+def test_create_job_defaults_are_the_config_defaults() -> None:
+    """``Client.create_job`` spells out every field for its users; its defaults must not drift."""
+    parameters = inspect.signature(Client.create_job).parameters
+    for f in dataclasses.fields(JobConfig):
+        assert f.name in parameters, f"Client.create_job lacks {f.name}"
+        default = parameters[f.name].default
+        if f.default is not dataclasses.MISSING:
+            assert default == f.default, f.name
+        elif f.default_factory is not dataclasses.MISSING:
+            assert default is None, f"{f.name}: None stands for {f.default_factory()}"
+        else:
+            assert default is inspect.Parameter.empty, f.name
 
 
 def test_config_from_proto_validates() -> None:

@@ -6,6 +6,7 @@ import resource
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -26,9 +27,10 @@ SMALL_ARGS: dict[str, dict[str, Any]] = {
 
 
 @pytest.fixture
-def isolated_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+def isolated_registry() -> Iterator[None]:
     """Lets a test register models without leaking them into other tests."""
-    monkeypatch.setattr(registry, "_FACTORIES", dict(registry._FACTORIES))
+    with registry._FACTORIES.scratch():
+        yield
 
 
 def test_all_is_sorted_and_complete() -> None:

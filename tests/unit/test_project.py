@@ -20,17 +20,22 @@ LAYERS: dict[str, frozenset[str]] = {
     # A folder (or top-level module) of the package, and what it may import from the package.
     "errors": frozenset(),
     "v1": frozenset(),
-    "models": frozenset({"errors", "storage"}),
+    "registry": frozenset({"errors"}),
+    "models": frozenset({"errors", "registry", "storage"}),
     "storage": frozenset({"errors"}),
     "observe": frozenset({"errors"}),
-    "core": frozenset({"errors", "v1", "models"}),
-    "wire": frozenset({"errors", "v1", "core"}),
-    "stage": frozenset({"errors", "v1", "core", "models", "storage", "observe", "wire"}),
-    "coordinator": frozenset({"errors", "v1", "core", "models", "storage", "observe", "wire"}),
-    "client": frozenset({"errors", "v1", "core", "storage", "observe", "wire"}),
+    "core": frozenset({"errors", "registry", "v1", "models"}),
+    "wire": frozenset({"errors", "registry", "v1", "core"}),
+    "stage": frozenset(
+        {"errors", "registry", "v1", "core", "models", "storage", "observe", "wire"}
+    ),
+    "coordinator": frozenset(
+        {"errors", "registry", "v1", "core", "models", "storage", "observe", "wire"}
+    ),
+    "client": frozenset({"errors", "registry", "v1", "core", "storage", "observe", "wire"}),
 }
 """The rest (``cli``, ``local_cluster``, ``demo``, ``__init__``) is the application on top."""
-PURE_LAYERS = ("errors", "models", "storage", "observe", "core")
+PURE_LAYERS = ("errors", "registry", "models", "storage", "observe", "core")
 """Folders that must never reach gRPC, directly or through another module."""
 PURE_IN_SERVERS = (
     "pipesvc.stage.engine",

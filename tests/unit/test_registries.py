@@ -1,7 +1,10 @@
-"""Unit tests for the schedule and partition registries and the plan entry's conversions."""
+"""Unit tests for the generic registry, the schedule and partition registries built on it, and the
+plan entry's conversions."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,16 +16,18 @@ from pipesvc.core import partition, schedule
 from pipesvc.core.config import JobConfig
 from pipesvc.core.plan import PipelineStage, plan_from_dicts, plan_to_dicts
 from pipesvc.core.schedule import Action, ActionKind
-from pipesvc.errors import InternalError, InvalidArgumentError
+from pipesvc.errors import InternalError, InvalidArgumentError, NotFoundError, UnknownModelError
+from pipesvc.models import registry as model_registry
+from pipesvc.registry import Registry
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 @pytest.fixture
-def scratch_registries(monkeypatch: pytest.MonkeyPatch) -> None:
+def scratch_registries() -> Iterator[None]:
     """Registrations made by a test vanish after it (the registries are process-wide)."""
-    monkeypatch.setattr(schedule, "_SCHEDULES", dict(schedule._SCHEDULES))
-    monkeypatch.setattr(partition, "_PARTITIONS", dict(partition._PARTITIONS))
+    with schedule._SCHEDULES.scratch(), partition._PARTITIONS.scratch():
+        yield
 
 
 def lifo_gpipe(*, rank: int, num_stages: int, num_microbatches: int) -> list[Action]:
@@ -39,6 +44,100 @@ def cyclic(*, rank: int, num_stages: int, num_microbatches: int) -> list[Action]
     if rank < num_stages - 1:
         return [Action(kind, i) for i in range(m) for kind in ActionKind]
     return lifo_gpipe(rank=rank, num_stages=num_stages, num_microbatches=m)
+
+
+def one() -> int:
+    return 1
+
+
+def two() -> int:
+    return 2
+
+
+def fresh_registry() -> Registry[Any]:
+    return Registry("widget", re.compile(r"[a-z]{1,8}"), rule="one to eight letters")
+
+
+def test_registry_keeps_registration_order_and_returns_the_value() -> None:
+    widgets = fresh_registry()
+    assert widgets.register("zeta", two) is two
+    assert widgets.register("alpha", one) is one
+    assert widgets.names() == ("zeta", "alpha")
+    assert widgets.get("alpha") is one
+    assert widgets.get("zeta") is two
+
+
+@pytest.mark.parametrize("bad", ["", "Upper", "a-b", "toolongname", None, 3])
+def test_registry_refuses_names_off_its_pattern(bad: Any) -> None:
+    widgets = fresh_registry()
+    with pytest.raises(InvalidArgumentError) as info:
+        widgets.register(bad, one)
+    assert str(info.value) == (
+        f"widget name {bad!r} must match '[a-z]{{1,8}}' (one to eight letters)"
+    )
+    assert widgets.names() == ()
+
+
+def test_registry_accepts_the_same_function_again_and_refuses_another() -> None:
+    widgets = fresh_registry()
+    widgets.register("w", one)
+    widgets.register("w", one)
+    with pytest.raises(InvalidArgumentError) as info:
+        widgets.register("w", two)
+    assert str(info.value) == f"widget name 'w' is already registered to {__name__}.one"
+    assert widgets.get("w") is one
+
+
+def test_registry_compares_and_names_the_origin_of_wrapped_values() -> None:
+    wrapped: Registry[tuple[Any, int]] = Registry(
+        "wrapper", re.compile(r"[a-z]+"), origin=lambda value: value[0]
+    )
+    wrapped.register("w", (one, 1))
+    wrapped.register("w", (one, 2))  # same function, new settings: replaces
+    assert wrapped.get("w") == (one, 2)
+    with pytest.raises(InvalidArgumentError, match=f"registered to {__name__}.one$"):
+        wrapped.register("w", (two, 2))
+
+
+@pytest.mark.parametrize("name", ["nope", "", None, ["w"]])
+def test_registry_unknown_names_list_the_known_ones(name: Any) -> None:
+    widgets = fresh_registry()
+    widgets.register("b", two)
+    widgets.register("a", one)
+    with pytest.raises(InvalidArgumentError) as info:
+        widgets.get(name)
+    assert str(info.value) == f"unknown widget {name!r}; expected one of b, a"
+
+    def not_found(value: object, known: tuple[str, ...]) -> NotFoundError:
+        return NotFoundError(f"no {value!r} among {known}")
+
+    with pytest.raises(NotFoundError) as custom:
+        widgets.get(name, not_found)
+    assert str(custom.value) == f"no {name!r} among ('b', 'a')"
+
+
+def test_registry_scratch_restores_the_registrations_before_it() -> None:
+    widgets = fresh_registry()
+    widgets.register("kept", one)
+    with widgets.scratch() as inside:
+        assert inside is widgets
+        widgets.register("temp", two)
+        assert widgets.names() == ("kept", "temp")
+    assert widgets.names() == ("kept",)
+    with pytest.raises(InvalidArgumentError, match="unknown widget 'temp'"):
+        widgets.get("temp")
+    with pytest.raises(RuntimeError), widgets.scratch():
+        widgets.register("lost", two)
+        raise RuntimeError("restored on errors too")
+    assert widgets.names() == ("kept",)
+
+
+def test_model_registry_keeps_its_own_error_type_and_sorted_names() -> None:
+    known = ", ".join(model_registry.known_models())
+    for name in ("nope", ["gpt"]):
+        with pytest.raises(UnknownModelError) as info:
+            model_registry.layer_specs(name, {})  # type: ignore[arg-type]
+        assert str(info.value) == f"unknown model {name!r}; known models: {known}"
 
 
 def test_builtin_names_and_lookups() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -32,8 +33,9 @@ OPTIMIZER = {"name": "adamw", "lr": 1e-2}
 
 
 @pytest.fixture
-def isolated_registry(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(registry, "_FACTORIES", dict(registry._FACTORIES))
+def isolated_registry() -> Iterator[None]:
+    with registry._FACTORIES.scratch():
+        yield
 
 
 def _config(**overrides: object) -> JobConfig:
