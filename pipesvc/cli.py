@@ -189,6 +189,25 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hf_model(text: str) -> tuple[str, str]:
+    name, sep, directory = text.partition("=")
+    if not sep or not name or not directory:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=DIR")
+    return name, directory
+
+
+def _add_hf_model_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--hf-model",
+        type=_hf_model,
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="serve the Hugging Face model in DIR (config.json and safetensors) under NAME; "
+        "requests name only NAME (repeatable)",
+    )
+
+
 def _cmd_stage(args: argparse.Namespace) -> int:
     import torch
 
@@ -203,6 +222,8 @@ def _cmd_stage(args: argparse.Namespace) -> int:
     tune_malloc()
     if args.models:
         models.import_model_modules(args.models)
+    for name, directory in args.hf_model:
+        models.register_hf_model(name, directory)
     security = _security(args)
     _warn_if_exposed(args.listen, security)
     device = torch.device(args.device) if args.device else default_device()
@@ -241,6 +262,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     cluster = LocalCluster(
         args.stages,
         models=args.models or (),
+        hf_models=dict(args.hf_model),
         threads_per_stage=args.threads_per_stage,
         device=args.device,
         state_dir=args.state_dir,
@@ -400,6 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="import this module so its models can be built (repeatable)",
     )
+    _add_hf_model_flag(p)
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: default)")
     p.add_argument(
         "--recv-timeout-s",
@@ -453,6 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--stages", type=int, default=4, help="stage processes (default %(default)s)")
     p.add_argument("--models", action="append", default=[], help="model module (repeatable)")
+    _add_hf_model_flag(p)
     p.add_argument("--threads-per-stage", type=int, help="default: cores / stages")
     p.add_argument("--device", help="device of every stage")
     p.add_argument("--state-dir", help="coordinator state directory (default: temporary)")

@@ -33,6 +33,9 @@ class LocalCluster:
     On ``__enter__`` it waits until every stage is registered and SERVING; on exit, or on an
     error while starting, it stops every process it started (SIGTERM, then SIGKILL).
 
+    ``models`` are modules every stage imports (``--models``); ``hf_models`` maps a name to a
+    Hugging Face model directory every stage serves under that name (``--hf-model``).
+
     Usage::
 
         with pipesvc.LocalCluster(num_stages=4) as cluster:
@@ -44,6 +47,7 @@ class LocalCluster:
         num_stages: int = 2,
         *,
         models: Sequence[str] = (),
+        hf_models: Mapping[str, str | Path] | None = None,
         threads_per_stage: int | None = None,
         device: str | None = None,
         state_dir: str | Path | None = None,
@@ -60,6 +64,7 @@ class LocalCluster:
             raise ValueError(f"num_stages ({num_stages}) must be at least 1")
         self.num_stages = num_stages
         self.models = list(models)
+        self.hf_models = {name: Path(d).resolve() for name, d in (hf_models or {}).items()}
         self.threads_per_stage = threads_per_stage or default_threads_per_stage(num_stages)
         self.device = device
         self.startup_timeout_s = startup_timeout_s
@@ -153,6 +158,8 @@ class LocalCluster:
             args += ["--device", self.device]
         for module in self.models:
             args += ["--models", module]
+        for name, directory in self.hf_models.items():
+            args += ["--hf-model", f"{name}={directory}"]
         args += [*self._security_args, *self.stage_args, *extra_args]
         self._stage_count += 1
         return self._spawn(f"stage-{self._stage_count - 1}", args, stage_environ())

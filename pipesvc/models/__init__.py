@@ -9,6 +9,7 @@ own layer range, with weights identical to a local ``build(name, seed=..., **arg
 from __future__ import annotations
 
 from pipesvc.models import cnn, gpt, mlp
+from pipesvc.models.hf import register_hf_model
 from pipesvc.models.registry import (
     LayerInfo,
     LayerSpec,
@@ -50,6 +51,7 @@ __all__ = [
     "layer_rng",
     "layer_seed",
     "layer_specs",
+    "register_hf_model",
     "register_model",
     "seeded_forward",
     "uses_rng",

@@ -128,6 +128,17 @@ def test_status_without_coordinator_is_a_clear_error() -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_a_bad_hf_model_flag_stops_the_stage_with_what_is_wrong(tmp_path: Path) -> None:
+    result = _pipesvc("stage", "--hf-model", "no-equals-sign")
+    assert result.returncode == 2
+    assert "'no-equals-sign' is not NAME=DIR" in result.stderr
+    missing = tmp_path / "missing"
+    result = _pipesvc("stage", "--hf-model", f"x={missing}", "--coordinator", "127.0.0.1:1")
+    assert result.returncode == 2
+    assert f"Hugging Face model directory '{missing}' does not exist" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_help_lists_every_command() -> None:
     result = _pipesvc("--help")
     for command in ("coordinator", "stage", "up", "demo", "status", "health"):

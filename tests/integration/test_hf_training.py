@@ -48,16 +48,11 @@ def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def hf_client(hf_dirs: dict[str, Path]) -> Iterator[pipesvc.Client]:
-    with pytest.MonkeyPatch.context() as patch:
-        listing = ";".join(f"{name}={d}" for name, d in hf_dirs.items())
-        patch.setenv("PIPESVC_TEST_HF_MODELS", listing)
-        with (
-            pipesvc.LocalCluster(
-                num_stages=3, threads_per_stage=1, models=["tests.support.models.hf_env"]
-            ) as cluster,
-            pipesvc.connect(cluster.address, timeout_s=120) as client,
-        ):
-            yield client
+    with (
+        pipesvc.LocalCluster(num_stages=3, threads_per_stage=1, hf_models=hf_dirs) as cluster,
+        pipesvc.connect(cluster.address, timeout_s=120) as client,
+    ):
+        yield client
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
