@@ -278,7 +278,7 @@ class Job:
             self._update(reply.job)
         return decode(reply.outputs)
 
-    def _read_state(self, kind: int) -> dict[str, torch.Tensor]:
+    def _read_state(self, kind: common_pb2.StateKind.ValueType) -> dict[str, torch.Tensor]:
         request = coordinator_pb2.GetJobStateRequest(job_id=self.id, kind=kind)
         try:
             stream = self._client._stub.GetState(request, timeout=self._client.timeout_s)

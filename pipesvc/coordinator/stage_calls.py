@@ -162,7 +162,7 @@ def call_all(
         PipesvcError: the first root-cause error of any stage, naming it.
     """
     cond = threading.Condition()
-    calls: dict[int, grpc.Future] = {}  # by index into ``plan``
+    calls: dict[int, grpc.Future[Any]] = {}  # by index into ``plan``
     for index, stage in enumerate(plan):
         method, request = make(stage)
         stub = registry.stub(stage.address)
@@ -207,7 +207,7 @@ def _notify(cond: threading.Condition) -> None:
         cond.notify_all()
 
 
-def _error(future: grpc.Future) -> PipesvcError | None:
+def _error(future: grpc.Future[Any]) -> PipesvcError | None:
     if future.cancelled():
         return StepAbortedError("the call was cancelled")
     exc = future.exception()

@@ -6,6 +6,7 @@ import logging
 import os
 import threading
 import time
+from typing import Any, cast
 
 import grpc
 import torch
@@ -48,18 +49,19 @@ def add_stage_service(servicer: stage_pb2_grpc.StageServiceServicer, server: grp
 
     class _Capture:
         def __init__(self) -> None:
-            self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+            self.handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
 
         def add_generic_rpc_handlers(self, handlers: object) -> None:
             pass
 
         def add_registered_method_handlers(
-            self, service: str, handlers: dict[str, grpc.RpcMethodHandler]
+            self, service: str, handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]
         ) -> None:
             self.handlers = dict(handlers)
 
     capture = _Capture()
-    stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, capture)
+    # The generated function only calls the two registration methods _Capture has.
+    stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, cast(grpc.Server, capture))
     handlers = capture.handlers
     handlers["Exchange"] = grpc.stream_stream_rpc_method_handler(
         servicer.Exchange, request_deserializer=parse, response_serializer=serialize

@@ -10,8 +10,8 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar, cast
 
 import grpc
 
@@ -70,7 +70,8 @@ def error_from_rpc(error: grpc.RpcError, where: str = "") -> PipesvcError:
     details = (error.details() if hasattr(error, "details") else None) or str(code)
     name = ""
     trailing = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
-    for key, value in trailing or ():
+    # grpc's entries are (key, value) named tuples; the stubs call them a non-iterable class.
+    for key, value in cast("Iterable[tuple[str, str | bytes]]", trailing or ()):
         if key == ERROR_CLASS_KEY:
             name = str(value)
     cls = _CLASS_BY_NAME.get(name) or _CLASS_FOR_CODE.get(code, errors.InternalError)

@@ -147,7 +147,8 @@ def call(method: Callable[..., _T], request: Any, *, timeout_s: float, where: st
 def health_status(channel: grpc.Channel, timeout_s: float) -> str:
     """``"SERVING"``, ``"NOT_SERVING"`` or ``"UNREACHABLE"`` for the server behind ``channel``."""
     try:
-        reply = health_pb2_grpc.HealthStub(channel).Check(
+        # types-grpcio-health-checking declares HealthStub without its methods.
+        reply = health_pb2_grpc.HealthStub(channel).Check(  # type: ignore[attr-defined]
             health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
         )
     except grpc.RpcError:
