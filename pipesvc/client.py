@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
 import torch
 
 from pipesvc.core.config import JobConfig, config_from_proto, config_to_dict, config_to_proto
@@ -33,7 +32,7 @@ from pipesvc.storage.checkpoint import (
     write_checkpoint,
 )
 from pipesvc.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from pipesvc.wire.rpc_status import error_from_rpc
+from pipesvc.wire.rpc_status import rpc_errors
 from pipesvc.wire.security import Security, TLSConfig
 from pipesvc.wire.transport import call, open_channel
 
@@ -68,13 +67,15 @@ class Client:
         self.security = security or Security()
         self._channel = open_channel(address, self.security)
         self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
+        self._where = f"coordinator {address}"
+        """How errors of failed calls name the coordinator."""
 
     def _call(self, method: str, request: Any) -> Any:
         return call(
             getattr(self._stub, method),
             request,
             timeout_s=self.timeout_s,
-            where=f"coordinator {self.address}",
+            where=self._where,
         )
 
     def create_job(
@@ -280,11 +281,9 @@ class Job:
 
     def _read_state(self, kind: common_pb2.StateKind.ValueType) -> dict[str, torch.Tensor]:
         request = coordinator_pb2.GetJobStateRequest(job_id=self.id, kind=kind)
-        try:
+        with rpc_errors(self._client._where):
             stream = self._client._stub.GetState(request, timeout=self._client.timeout_s)
             return dict(read_named_frames(stream))
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, f"coordinator {self._client.address}") from exc
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's tensors under ``build(...)``'s keys (streamed from the stages)."""
@@ -341,7 +340,7 @@ class Job:
         """
         self.refresh()
         request = coordinator_pb2.GetJobStateRequest(job_id=self.id, kind=common_pb2.CHECKPOINT)
-        try:
+        with rpc_errors(self._client._where):
             stream = self._client._stub.GetState(request, timeout=self._client.timeout_s)
             write_checkpoint(
                 path,
@@ -352,8 +351,6 @@ class Job:
                 num_layers=self.num_layers,
                 plan=plan_to_dicts(self.plan),
             )
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, f"coordinator {self._client.address}") from exc
 
     def _load_checkpoint(self, path: Path, manifest: Manifest) -> None:
         def requests() -> Iterator[coordinator_pb2.LoadJobStateRequest]:

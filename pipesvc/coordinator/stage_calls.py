@@ -21,7 +21,7 @@ import grpc
 from pipesvc.coordinator.registry import StageRegistry
 from pipesvc.core.plan import PipelineStage
 from pipesvc.errors import PipesvcError, StageUnavailableError, StepAbortedError
-from pipesvc.wire.rpc_status import error_from_rpc
+from pipesvc.wire.rpc_status import error_from_rpc, rpc_errors
 from pipesvc.wire.transport import call
 
 logger = logging.getLogger(__name__)
@@ -129,14 +129,18 @@ def stream_stage(
 
     threading.Thread(target=watch, name=f"watch-{stage.address}", daemon=True).start()
     try:
-        yield from replies
-    except grpc.RpcError as exc:
+        with rpc_errors(where(stage)):
+            yield from replies
+    except PipesvcError as exc:
         if lost.is_set():
             raise StageLostError(
                 f"{where(stage)} stopped answering health checks during {what}",
                 {stage.address},
             ) from exc
-        raise _named(error_from_rpc(exc, where(stage)), stage) from exc
+        named = _named(exc, stage)
+        if named is exc:
+            raise  # as rpc_errors raised it, chained to the RpcError
+        raise named from exc
     finally:
         done.set()
         replies.cancel()

@@ -18,6 +18,7 @@ from pipesvc.stage.frame_wire import parse, serialize
 from pipesvc.stage.links import EXCHANGE_METHOD
 from pipesvc.stage.service import StageOptions, StageService
 from pipesvc.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2_grpc
+from pipesvc.wire.rpc_status import rpc_errors
 from pipesvc.wire.security import Security
 from pipesvc.wire.transport import check_health, create_server, open_channel, split_address
 
@@ -92,12 +93,12 @@ def register(
     )
     with open_channel(coordinator, security) as channel:
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
-        try:
-            stub.RegisterStage(request, timeout=timeout_s, wait_for_ready=True)
-        except grpc.RpcError as exc:
-            raise StageUnavailableError(
+        with rpc_errors(
+            convert=lambda exc: StageUnavailableError(
                 f"could not register with the coordinator at {coordinator}: {exc.details()}"
-            ) from exc
+            )
+        ):
+            stub.RegisterStage(request, timeout=timeout_s, wait_for_ready=True)
 
 
 def _heartbeat(

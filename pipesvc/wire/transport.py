@@ -13,7 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from pipesvc.core.limits import Limits
 from pipesvc.errors import InvalidArgumentError, StageUnavailableError
 from pipesvc.wire.interceptors import AuthInterceptor, ConcurrencyInterceptor, TokenInterceptor
-from pipesvc.wire.rpc_status import error_from_rpc
+from pipesvc.wire.rpc_status import rpc_errors
 from pipesvc.wire.security import Security
 
 logger = logging.getLogger(__name__)
@@ -138,10 +138,8 @@ def call(method: Callable[..., _T], request: Any, *, timeout_s: float, where: st
     Raises:
         PipesvcError: the subclass the server raised, or StageUnavailableError and friends.
     """
-    try:
+    with rpc_errors(where):
         return method(request, timeout=timeout_s)
-    except grpc.RpcError as exc:
-        raise error_from_rpc(exc, where) from exc
 
 
 def health_status(channel: grpc.Channel, timeout_s: float) -> str:
