@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from pipesvc.core.config import JobConfig, config_from_proto, config_to_dict, config_to_proto
+from pipesvc.core.health import Health
 from pipesvc.core.plan import PipelineStage, plan_to_dicts
 from pipesvc.core.tensor_codec import decode, encode, named_frames, read_named_frames
 from pipesvc.errors import InvalidArgumentError
@@ -49,7 +50,7 @@ class StageStatus:
     start_layer: int
     end_layer: int
     rank: int
-    health: str
+    health: Health
     rss_bytes: int = 0
     """Resident memory of the stage process."""
     microbatches_per_s: float = 0.0
@@ -181,7 +182,7 @@ class Client:
                 start_layer=s.start_layer,
                 end_layer=s.end_layer,
                 rank=s.rank,
-                health=s.health,
+                health=Health.from_wire(s.health),
                 rss_bytes=s.rss_bytes,
                 microbatches_per_s=s.microbatches_per_s,
             )

@@ -19,6 +19,7 @@ from pipesvc.coordinator.registry import StageRecord, StageRegistry
 from pipesvc.coordinator.stage_calls import Deadlines
 from pipesvc.coordinator.state_db import StateDB
 from pipesvc.core.config import config_from_proto
+from pipesvc.core.health import Health
 from pipesvc.core.limits import Limits
 from pipesvc.core.tensor_codec import decode, encode
 from pipesvc.errors import InvalidArgumentError, NotFoundError
@@ -163,8 +164,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
             ]
         )
 
-    def _live_info(self, record: StageRecord, health: str) -> stage_pb2.StageInfo | None:
-        if health == "UNREACHABLE":
+    def _live_info(self, record: StageRecord, health: Health) -> stage_pb2.StageInfo | None:
+        if health == Health.UNREACHABLE:
             return None
         try:
             return self.registry.stub(record.address).Info(stage_pb2.InfoRequest(), timeout=1.0)

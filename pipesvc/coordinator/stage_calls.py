@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 
 from pipesvc.coordinator.registry import StageRegistry
+from pipesvc.core.health import Health
 from pipesvc.core.plan import PipelineStage
 from pipesvc.errors import PipesvcError, StageUnavailableError, StepAbortedError
 from pipesvc.wire.rpc_status import error_from_rpc, rpc_errors
@@ -85,7 +86,7 @@ def call_stage(
 
 def health_of(
     registry: StageRegistry, addresses: Sequence[str], timeout_s: float
-) -> dict[str, str]:
+) -> dict[str, Health]:
     """Each address's health status, checked in parallel."""
     if not addresses:
         return {}
@@ -232,7 +233,7 @@ def _watch(
     statuses = health_of(registry, [plan[r].address for r in pending], deadlines.health_s)
     lost = []
     for index in pending:
-        if statuses[plan[index].address] == "UNREACHABLE":
+        if statuses[plan[index].address] == Health.UNREACHABLE:
             failures[index] = failures.get(index, 0) + 1
             logger.warning(
                 "%s missed a health check (%d in a row)", where(plan[index]), failures[index]

@@ -13,6 +13,7 @@ import torch
 from grpc_health.v1 import health_pb2
 
 from pipesvc import models
+from pipesvc.core.health import Health
 from pipesvc.errors import StageUnavailableError
 from pipesvc.stage.frame_wire import parse, serialize
 from pipesvc.stage.links import EXCHANGE_METHOD
@@ -127,7 +128,7 @@ def _drain(
     """Waits while the stage still holds a job and its coordinator can move the layers away."""
     deadline = time.monotonic() + timeout_s
     while service.holds_job and time.monotonic() < deadline:
-        if check_health(coordinator, 1.0, security) != "SERVING":
+        if check_health(coordinator, 1.0, security) != Health.SERVING:
             logger.warning("coordinator %s is gone; stopping without handing over", coordinator)
             return
         time.sleep(0.25)

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pipesvc.core.health import Health
 from pipesvc.core.limits import Limits
 from pipesvc.errors import InvalidArgumentError, StageUnavailableError
 from pipesvc.wire.interceptors import AuthInterceptor, ConcurrencyInterceptor, TokenInterceptor
@@ -142,19 +143,19 @@ def call(method: Callable[..., _T], request: Any, *, timeout_s: float, where: st
         return method(request, timeout=timeout_s)
 
 
-def health_status(channel: grpc.Channel, timeout_s: float) -> str:
-    """``"SERVING"``, ``"NOT_SERVING"`` or ``"UNREACHABLE"`` for the server behind ``channel``."""
+def health_status(channel: grpc.Channel, timeout_s: float) -> Health:
+    """The health of the server behind ``channel`` (UNREACHABLE if the check failed)."""
     try:
         # types-grpcio-health-checking declares HealthStub without its methods.
         reply = health_pb2_grpc.HealthStub(channel).Check(  # type: ignore[attr-defined]
             health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
         )
     except grpc.RpcError:
-        return "UNREACHABLE"
-    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+        return Health.UNREACHABLE
+    return Health.from_wire(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
 
 
-def check_health(address: str, timeout_s: float = 2.0, security: Security = NO_SECURITY) -> str:
+def check_health(address: str, timeout_s: float = 2.0, security: Security = NO_SECURITY) -> Health:
     """``health_status`` of the server at ``address``, on a channel of its own."""
     with open_channel(address, security) as channel:
         return health_status(channel, timeout_s)
