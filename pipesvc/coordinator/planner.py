@@ -89,7 +89,7 @@ def describe(
     reply = call_stage(
         registry,
         describer,
-        "Describe",
+        lambda stub: stub.Describe,
         stage_pb2.DescribeRequest(
             model=config.model,
             model_args_json=config.model_args_json(),

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent import futures
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -35,6 +35,7 @@ def _message_options(limits: Limits) -> list[tuple[str, Any]]:
 
 
 _T = TypeVar("_T")
+_Req = TypeVar("_Req")
 NO_SECURITY = Security()
 DEFAULT_LIMITS = Limits()
 
@@ -133,8 +134,24 @@ def open_channel(
     return channel
 
 
-def call(method: Callable[..., _T], request: Any, *, timeout_s: float, where: str) -> _T:
-    """Calls a unary (or request-streaming) method with a deadline, mapping errors.
+@overload
+def call(
+    method: grpc.UnaryUnaryMultiCallable[_Req, _T], request: _Req, *, timeout_s: float, where: str
+) -> _T: ...
+
+
+@overload
+def call(
+    method: grpc.StreamUnaryMultiCallable[_Req, _T],
+    request: Iterator[_Req],
+    *,
+    timeout_s: float,
+    where: str,
+) -> _T: ...
+
+
+def call(method: Callable[..., Any], request: Any, *, timeout_s: float, where: str) -> Any:
+    """Calls a unary (or request-streaming) method of a stub with a deadline, mapping errors.
 
     Raises:
         PipesvcError: the subclass the server raised, or StageUnavailableError and friends.
