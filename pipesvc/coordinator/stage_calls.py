@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 StageStub: TypeAlias = stage_pb2_grpc.StageServiceStub
 _Req = TypeVar("_Req")
 _Resp = TypeVar("_Resp")
-UnaryMethod: TypeAlias = Callable[[StageStub], grpc.UnaryUnaryMultiCallable[_Req, _Resp]]
+# A string: grpc's classes are generic only in its stubs, not at run time.
+UnaryMethod: TypeAlias = "Callable[[StageStub], grpc.UnaryUnaryMultiCallable[_Req, _Resp]]"
 """Picks a unary method off a stub (``lambda stub: stub.Commit``): mypy then checks the
 method's name, its request type and its reply type at the call site."""
 
