@@ -15,12 +15,13 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import grpc
 import torch
 
 from pipesvc.core.config import JobConfig, config_from_proto, config_to_dict, config_to_proto
+from pipesvc.core.health import Health
 from pipesvc.core.plan import PipelineStage, plan_to_dicts
 from pipesvc.core.tensor_codec import decode, encode, named_frames, read_named_frames
 from pipesvc.errors import InvalidArgumentError
@@ -33,9 +34,12 @@ from pipesvc.storage.checkpoint import (
     write_checkpoint,
 )
 from pipesvc.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from pipesvc.wire.rpc_status import error_from_rpc
+from pipesvc.wire.rpc_status import rpc_errors
 from pipesvc.wire.security import Security, TLSConfig
 from pipesvc.wire.transport import call, open_channel
+
+_Req = TypeVar("_Req")
+_Resp = TypeVar("_Resp")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -50,7 +54,7 @@ class StageStatus:
     start_layer: int
     end_layer: int
     rank: int
-    health: str
+    health: Health
     rss_bytes: int = 0
     """Resident memory of the stage process."""
     microbatches_per_s: float = 0.0
@@ -68,14 +72,20 @@ class Client:
         self.security = security or Security()
         self._channel = open_channel(address, self.security)
         self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
+        self._where = f"coordinator {address}"
+        """How errors of failed calls name the coordinator."""
 
-    def _call(self, method: str, request: Any) -> Any:
-        return call(
-            getattr(self._stub, method),
-            request,
-            timeout_s=self.timeout_s,
-            where=f"coordinator {self.address}",
-        )
+    @overload
+    def _call(self, method: grpc.UnaryUnaryMultiCallable[_Req, _Resp], request: _Req) -> _Resp: ...
+
+    @overload
+    def _call(
+        self, method: grpc.StreamUnaryMultiCallable[_Req, _Resp], request: Iterator[_Req]
+    ) -> _Resp: ...
+
+    def _call(self, method: Any, request: Any) -> Any:
+        """Calls a method of ``self._stub`` (``self._stub.GetJob``) with this client's deadline."""
+        return call(method, request, timeout_s=self.timeout_s, where=self._where)
 
     def create_job(
         self,
@@ -140,7 +150,7 @@ class Client:
                     f"optimizer state; the job asks for {config.optimizer.get('name')!r}"
                 )
         info = self._call(
-            "CreateJob",
+            self._stub.CreateJob,
             coordinator_pb2.CreateJobRequest(
                 spec=config_to_proto(config), wait_for_stages_s=wait_for_stages_s
             ),
@@ -160,16 +170,18 @@ class Client:
         Raises:
             NotFoundError: no such job.
         """
-        return Job(self, self._call("GetJob", coordinator_pb2.GetJobRequest(job_id=job_id)))
+        return Job(
+            self, self._call(self._stub.GetJob, coordinator_pb2.GetJobRequest(job_id=job_id))
+        )
 
     def jobs(self) -> list[Job]:
         """Every open job, oldest first; ``job.close()`` on one frees its stages."""
-        reply = self._call("ListJobs", coordinator_pb2.ListJobsRequest())
+        reply = self._call(self._stub.ListJobs, coordinator_pb2.ListJobsRequest())
         return [Job(self, info) for info in reply.jobs]
 
     def stages(self) -> list[StageStatus]:
         """Every registered stage with its health and assignment."""
-        reply = self._call("ListStages", coordinator_pb2.ListStagesRequest())
+        reply = self._call(self._stub.ListStages, coordinator_pb2.ListStagesRequest())
         return [
             StageStatus(
                 address=s.address,
@@ -180,7 +192,7 @@ class Client:
                 start_layer=s.start_layer,
                 end_layer=s.end_layer,
                 rank=s.rank,
-                health=s.health,
+                health=Health.from_wire(s.health),
                 rss_bytes=s.rss_bytes,
                 microbatches_per_s=s.microbatches_per_s,
             )
@@ -249,7 +261,7 @@ class Job:
                 step is in the step log and the job's next call completes it on every stage.
         """
         reply = self._client._call(
-            "TrainStep",
+            self._client._stub.TrainStep,
             coordinator_pb2.TrainStepRequest(
                 job_id=self.id, inputs=encode(inputs), targets=encode(targets)
             ),
@@ -262,7 +274,11 @@ class Job:
 
     def refresh(self) -> Job:
         """Re-reads the job's plan, step and recovery count (to see other clients' calls)."""
-        self._update(self._client._call("GetJob", coordinator_pb2.GetJobRequest(job_id=self.id)))
+        self._update(
+            self._client._call(
+                self._client._stub.GetJob, coordinator_pb2.GetJobRequest(job_id=self.id)
+            )
+        )
         return self
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -272,19 +288,18 @@ class Job:
             InvalidArgumentError: the batch does not fit the model.
         """
         reply = self._client._call(
-            "Forward", coordinator_pb2.ForwardRequest(job_id=self.id, inputs=encode(inputs))
+            self._client._stub.Forward,
+            coordinator_pb2.ForwardRequest(job_id=self.id, inputs=encode(inputs)),
         )
         if reply.HasField("job"):
             self._update(reply.job)
         return decode(reply.outputs)
 
-    def _read_state(self, kind: int) -> dict[str, torch.Tensor]:
+    def _read_state(self, kind: common_pb2.StateKind.ValueType) -> dict[str, torch.Tensor]:
         request = coordinator_pb2.GetJobStateRequest(job_id=self.id, kind=kind)
-        try:
+        with rpc_errors(self._client._where):
             stream = self._client._stub.GetState(request, timeout=self._client.timeout_s)
             return dict(read_named_frames(stream))
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, f"coordinator {self._client.address}") from exc
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's tensors under ``build(...)``'s keys (streamed from the stages)."""
@@ -297,7 +312,8 @@ class Job:
     def timelines(self, max_runs: int = 0) -> list[StageTimeline]:
         """Every stage's timed actions of the job's newest ``max_runs`` runs (0: all kept)."""
         reply = self._client._call(
-            "GetTrace", common_pb2.GetTraceRequest(job_id=self.id, max_runs=max_runs)
+            self._client._stub.GetTrace,
+            common_pb2.GetTraceRequest(job_id=self.id, max_runs=max_runs),
         )
         return [
             StageTimeline(
@@ -341,7 +357,7 @@ class Job:
         """
         self.refresh()
         request = coordinator_pb2.GetJobStateRequest(job_id=self.id, kind=common_pb2.CHECKPOINT)
-        try:
+        with rpc_errors(self._client._where):
             stream = self._client._stub.GetState(request, timeout=self._client.timeout_s)
             write_checkpoint(
                 path,
@@ -352,8 +368,6 @@ class Job:
                 num_layers=self.num_layers,
                 plan=plan_to_dicts(self.plan),
             )
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, f"coordinator {self._client.address}") from exc
 
     def _load_checkpoint(self, path: Path, manifest: Manifest) -> None:
         def requests() -> Iterator[coordinator_pb2.LoadJobStateRequest]:
@@ -367,7 +381,7 @@ class Job:
                         first = False
                     yield request
 
-        self._client._call("LoadState", requests())
+        self._client._call(self._client._stub.LoadState, requests())
         self.step = manifest.step
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
@@ -382,11 +396,13 @@ class Job:
                 for frame in named_frames(name, tensor):
                     yield coordinator_pb2.LoadJobStateRequest(job_id=self.id, frame=frame)
 
-        self._client._call("LoadState", requests())
+        self._client._call(self._client._stub.LoadState, requests())
 
     def close(self) -> None:
         """Frees the job's stages."""
-        self._client._call("CloseJob", coordinator_pb2.CloseJobRequest(job_id=self.id))
+        self._client._call(
+            self._client._stub.CloseJob, coordinator_pb2.CloseJobRequest(job_id=self.id)
+        )
 
     def __enter__(self) -> Job:
         return self

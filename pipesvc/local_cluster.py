@@ -14,6 +14,7 @@ from pathlib import Path
 from types import TracebackType
 
 from pipesvc.client import Client
+from pipesvc.core.health import Health
 from pipesvc.errors import PipesvcError, StageUnavailableError
 from pipesvc.stage.malloc import stage_environ
 from pipesvc.wire.security import Security
@@ -181,7 +182,7 @@ class LocalCluster:
             if found is None:
                 return False
             stages = self._client().stages()
-            return any(s.address == found[1] and s.health == "SERVING" for s in stages)
+            return any(s.address == found[1] and s.health == Health.SERVING for s in stages)
 
         self._wait(registered, "waiting for the added stage", [proc])
         return proc.pid
@@ -232,7 +233,7 @@ class LocalCluster:
                         stages = client.stages()
                     except PipesvcError:
                         return False
-                    serving = [s for s in stages if s.health == "SERVING"]
+                    serving = [s for s in stages if s.health == Health.SERVING]
                     return len(serving) >= self.num_stages
 
                 self._wait(all_serving, f"waiting for {self.num_stages} stages")

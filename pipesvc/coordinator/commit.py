@@ -64,7 +64,7 @@ def commit_all(
         call_all(
             registry,
             stages,
-            lambda s: ("Commit", request),
+            lambda stub, s: (stub.Commit, request),
             deadlines.control_s,
             deadlines=deadlines,
             what=what,
@@ -118,7 +118,7 @@ def _laggards(
         infos = call_all(
             registry,
             plan,
-            lambda s: ("Info", stage_pb2.InfoRequest()),
+            lambda stub, s: (stub.Info, stage_pb2.InfoRequest()),
             deadlines.control_s,
             deadlines=deadlines,
             what="commit check",

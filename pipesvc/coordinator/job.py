@@ -157,7 +157,10 @@ class JobDriver:
     # -- calls ---------------------------------------------------------------------------------
 
     def _run(
-        self, mode: int, inputs: list[torch.Tensor], targets: list[torch.Tensor]
+        self,
+        mode: stage_pb2.RunMode.ValueType,
+        inputs: list[torch.Tensor],
+        targets: list[torch.Tensor],
     ) -> tuple[int, list[stage_pb2.RunStepResponse]]:
         """One run phase on every stage under a new run id; aborted everywhere if it fails."""
         state = self.state
@@ -298,7 +301,9 @@ class JobDriver:
 
     # -- state ---------------------------------------------------------------------------------
 
-    def stream_state(self, kind: int) -> Iterator[common_pb2.TensorFrame]:
+    def stream_state(
+        self, kind: common_pb2.StateKind.ValueType
+    ) -> Iterator[common_pb2.TensorFrame]:
         """Every stage's tensors in layer order, frame by frame (never the whole model).
 
         Gradients are the last committed step's; after an aborted training step there are
@@ -371,7 +376,7 @@ class JobDriver:
             self._check_open()
             request = common_pb2.GetTraceRequest(job_id=self.job_id, max_runs=max_runs)
             replies = self.group.call_all(
-                "GetTrace", lambda s: request, self.group.deadlines.control_s
+                lambda stub: stub.GetTrace, lambda s: request, self.group.deadlines.control_s
             )
         return coordinator_pb2.JobTrace(stages=replies)
 

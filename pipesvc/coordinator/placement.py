@@ -17,6 +17,7 @@ from typing import Protocol
 
 from pipesvc.core import partition, schedule
 from pipesvc.core.config import JobConfig
+from pipesvc.core.health import Health
 from pipesvc.core.plan import PipelineStage, check_plan
 from pipesvc.errors import PlanError, ResourceExhaustedError
 from pipesvc.v1 import stage_pb2
@@ -159,12 +160,12 @@ def replan(
     lost: set[str],
     *,
     candidates: Sequence[Stage],
-    health: Mapping[str, str],
+    health: Mapping[str, Health],
     stages: Mapping[str, Stage],
     job_id: str,
 ) -> list[PipelineStage]:
     """A plan without the ``lost`` stages: each replaced by a spare (a free ``candidate``
-    whose ``health`` is ``"SERVING"``, in order) where there are enough, else the model
+    whose ``health`` is SERVING, in order) where there are enough, else the model
     re-partitioned over the survivors and the spares. ``stages`` holds every stage by address
     (the survivors' memory is read there).
 
@@ -173,7 +174,9 @@ def replan(
         ResourceExhaustedError: the survivors' memory cannot hold the model.
     """
     survivors = [s for s in plan if s.address not in lost]
-    spares = [c for c in candidates if c.address not in lost and health[c.address] == "SERVING"]
+    spares = [
+        c for c in candidates if c.address not in lost and health[c.address] == Health.SERVING
+    ]
     if len(spares) >= len(plan) - len(survivors):
         replacements = iter(spares)
         chosen = [s.address if s.address not in lost else next(replacements).address for s in plan]

@@ -15,6 +15,7 @@ from pipesvc.coordinator import placement
 from pipesvc.coordinator.registry import StageRecord, StageRegistry
 from pipesvc.coordinator.stage_calls import call_stage
 from pipesvc.core.config import JobConfig
+from pipesvc.core.health import Health
 from pipesvc.core.plan import PipelineStage
 from pipesvc.errors import InvalidArgumentError, PlanError, UnknownModelError
 from pipesvc.v1 import stage_pb2
@@ -88,7 +89,7 @@ def describe(
     reply = call_stage(
         registry,
         describer,
-        "Describe",
+        lambda stub: stub.Describe,
         stage_pb2.DescribeRequest(
             model=config.model,
             model_args_json=config.model_args_json(),
@@ -140,7 +141,7 @@ def replan(
     job_id: str,
     *,
     candidates: Sequence[StageRecord],
-    health: Mapping[str, str],
+    health: Mapping[str, Health],
 ) -> list[PipelineStage]:
     """A plan without the ``lost`` stages (see ``placement.replan``), from the
     ``candidates`` of :func:`spare_candidates` and their ``health``; claims and places it.

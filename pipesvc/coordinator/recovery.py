@@ -24,6 +24,7 @@ from pipesvc.coordinator.stage_group import StageGroup
 from pipesvc.coordinator.state_db import JobRecord, StateDB
 from pipesvc.coordinator.step_log import StepLog
 from pipesvc.core import microbatch
+from pipesvc.core.health import Health
 from pipesvc.core.tensor_codec import named_frames, read_named_frames
 from pipesvc.errors import (
     InternalError,
@@ -111,10 +112,10 @@ class Recovery:
         if time.monotonic() - self._checked_at < self.group.deadlines.health_interval_s:
             return
         statuses = self.group.health()
-        lost = {a for a, s in statuses.items() if s == "UNREACHABLE"}
+        lost = {a for a, s in statuses.items() if s == Health.UNREACHABLE}
         if lost:
             raise StageLostError(f"stages {', '.join(sorted(lost))} are unreachable", lost)
-        leaving = {a for a, s in statuses.items() if s != "SERVING"}
+        leaving = {a for a, s in statuses.items() if s != Health.SERVING}
         if leaving:
             self.migrate(leaving)
         self._checked_at = time.monotonic()
@@ -126,7 +127,7 @@ class Recovery:
         if isinstance(error, FINAL_ERRORS):
             return None
         statuses = self.group.health()
-        lost = {a for a, status in statuses.items() if status == "UNREACHABLE"}
+        lost = {a for a, status in statuses.items() if status == Health.UNREACHABLE}
         logger.warning(
             "job %s: %s; unreachable stages: %s",
             self.group.job_id,
@@ -276,7 +277,9 @@ class Recovery:
         infos: list[Any] = []
         if consistent:
             try:
-                infos = group.call_all("Info", lambda s: stage_pb2.InfoRequest(), 5.0)
+                infos = group.call_all(
+                    lambda stub: stub.Info, lambda s: stage_pb2.InfoRequest(), 5.0
+                )
             except PipesvcError:
                 consistent = False
         consistent = consistent and all(

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pipesvc.core.health import Health
 from pipesvc.core.limits import Limits
 from pipesvc.errors import InvalidArgumentError
 from pipesvc.v1 import stage_pb2_grpc
@@ -134,8 +135,8 @@ class StageRegistry:
                 self._channels[address] = open_channel(address, self.security, self.limits)
             return stage_pb2_grpc.StageServiceStub(self._channels[address])
 
-    def health(self, address: str, timeout_s: float) -> str:
-        """``"SERVING"``, ``"NOT_SERVING"`` or ``"UNREACHABLE"``, on the cached channel."""
+    def health(self, address: str, timeout_s: float) -> Health:
+        """The health of the stage at ``address``, checked on the cached channel."""
         with self._lock:
             if address not in self._channels:
                 self._channels[address] = open_channel(address, self.security, self.limits)

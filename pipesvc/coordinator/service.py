@@ -19,6 +19,7 @@ from pipesvc.coordinator.registry import StageRecord, StageRegistry
 from pipesvc.coordinator.stage_calls import Deadlines
 from pipesvc.coordinator.state_db import StateDB
 from pipesvc.core.config import config_from_proto
+from pipesvc.core.health import Health
 from pipesvc.core.limits import Limits
 from pipesvc.core.tensor_codec import decode, encode
 from pipesvc.errors import InvalidArgumentError, NotFoundError
@@ -55,7 +56,7 @@ def _in_terms_of_the_batch(
     return type(error)(f"{sent}, run as {m} micro-batches of {size}: {error}")
 
 
-class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):  # type: ignore[misc]
+class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
     """Registers stages and drives jobs; holds no model weights."""
 
     def __init__(
@@ -119,7 +120,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):  # ty
     @handle_errors
     def RegisterStage(
         self, request: coordinator_pb2.RegisterStageRequest, context: object
-    ) -> object:
+    ) -> coordinator_pb2.RegisterStageResponse:
         arrived = self.registry.register(
             StageRecord(
                 address=request.address,
@@ -137,7 +138,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):  # ty
         return coordinator_pb2.RegisterStageResponse()
 
     @handle_errors
-    def ListStages(self, request: coordinator_pb2.ListStagesRequest, context: object) -> object:
+    def ListStages(
+        self, request: coordinator_pb2.ListStagesRequest, context: object
+    ) -> coordinator_pb2.ListStagesResponse:
         records = self.registry.all()
         with futures.ThreadPoolExecutor(max_workers=max(1, min(16, len(records)))) as pool:
             health = list(pool.map(lambda r: self.registry.health(r.address, 1.0), records))
@@ -161,8 +164,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):  # ty
             ]
         )
 
-    def _live_info(self, record: StageRecord, health: str) -> stage_pb2.StageInfo | None:
-        if health == "UNREACHABLE":
+    def _live_info(self, record: StageRecord, health: Health) -> stage_pb2.StageInfo | None:
+        if health == Health.UNREACHABLE:
             return None
         try:
             return self.registry.stub(record.address).Info(stage_pb2.InfoRequest(), timeout=1.0)
@@ -170,11 +173,15 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):  # ty
             return None
 
     @handle_errors
-    def GetTrace(self, request: common_pb2.GetTraceRequest, context: object) -> object:
+    def GetTrace(
+        self, request: common_pb2.GetTraceRequest, context: object
+    ) -> coordinator_pb2.JobTrace:
         return self._job(request.job_id).trace(request.max_runs)
 
     @handle_errors
-    def CreateJob(self, request: coordinator_pb2.CreateJobRequest, context: object) -> object:
+    def CreateJob(
+        self, request: coordinator_pb2.CreateJobRequest, context: object
+    ) -> coordinator_pb2.JobInfo:
         config = config_from_proto(request.spec)
         remaining = getattr(context, "time_remaining", lambda: None)()
         planner.wait_for_stages(self.registry, config, request.wait_for_stages_s, remaining)
@@ -187,17 +194,23 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):  # ty
         return job.info()
 
     @handle_errors
-    def GetJob(self, request: coordinator_pb2.GetJobRequest, context: object) -> object:
+    def GetJob(
+        self, request: coordinator_pb2.GetJobRequest, context: object
+    ) -> coordinator_pb2.JobInfo:
         return self._job(request.job_id).info()
 
     @handle_errors
-    def ListJobs(self, request: coordinator_pb2.ListJobsRequest, context: object) -> object:
+    def ListJobs(
+        self, request: coordinator_pb2.ListJobsRequest, context: object
+    ) -> coordinator_pb2.ListJobsResponse:
         with self._lock:
             jobs = [j for j in self._jobs.values() if not j.closed]
         return coordinator_pb2.ListJobsResponse(jobs=[j.info() for j in jobs])
 
     @handle_errors
-    def TrainStep(self, request: coordinator_pb2.TrainStepRequest, context: object) -> object:
+    def TrainStep(
+        self, request: coordinator_pb2.TrainStepRequest, context: object
+    ) -> coordinator_pb2.TrainStepResponse:
         if not request.HasField("inputs") or not request.HasField("targets"):
             raise InvalidArgumentError("a training step needs both inputs and targets")
         inputs = decode(request.inputs, self._codec)
@@ -213,7 +226,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):  # ty
         return coordinator_pb2.TrainStepResponse(loss=loss, step=step, job=job.info())
 
     @handle_errors
-    def Forward(self, request: coordinator_pb2.ForwardRequest, context: object) -> object:
+    def Forward(
+        self, request: coordinator_pb2.ForwardRequest, context: object
+    ) -> coordinator_pb2.ForwardResponse:
         if not request.HasField("inputs"):
             raise InvalidArgumentError("forward needs inputs")
         inputs = decode(request.inputs, self._codec)
@@ -240,7 +255,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):  # ty
     @handle_errors
     def LoadState(
         self, request_iterator: Iterable[coordinator_pb2.LoadJobStateRequest], context: object
-    ) -> object:
+    ) -> coordinator_pb2.LoadJobStateResponse:
         iterator = iter(request_iterator)
         first = next(iterator, None)
         if first is None:
@@ -260,7 +275,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):  # ty
         return coordinator_pb2.LoadJobStateResponse(num_tensors=job.load_state(frames(), step))
 
     @handle_errors
-    def CloseJob(self, request: coordinator_pb2.CloseJobRequest, context: object) -> object:
+    def CloseJob(
+        self, request: coordinator_pb2.CloseJobRequest, context: object
+    ) -> coordinator_pb2.CloseJobResponse:
         job = self._job(request.job_id)
         job.close()
         with self._lock:

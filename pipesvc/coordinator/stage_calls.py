@@ -14,17 +14,27 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias, TypeVar, overload
 
 import grpc
 
 from pipesvc.coordinator.registry import StageRegistry
+from pipesvc.core.health import Health
 from pipesvc.core.plan import PipelineStage
 from pipesvc.errors import PipesvcError, StageUnavailableError, StepAbortedError
-from pipesvc.wire.rpc_status import error_from_rpc
+from pipesvc.v1 import stage_pb2_grpc
+from pipesvc.wire.rpc_status import error_from_rpc, rpc_errors
 from pipesvc.wire.transport import call
 
 logger = logging.getLogger(__name__)
+
+StageStub: TypeAlias = stage_pb2_grpc.StageServiceStub
+_Req = TypeVar("_Req")
+_Resp = TypeVar("_Resp")
+# A string: grpc's classes are generic only in its stubs, not at run time.
+UnaryMethod: TypeAlias = "Callable[[StageStub], grpc.UnaryUnaryMultiCallable[_Req, _Resp]]"
+"""Picks a unary method off a stub (``lambda stub: stub.Commit``): mypy then checks the
+method's name, its request type and its reply type at the call site."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -68,24 +78,49 @@ def _named(error: PipesvcError, stage: PipelineStage) -> PipesvcError:
     return named
 
 
+@overload
 def call_stage(
-    registry: StageRegistry, stage: PipelineStage, method: str, request: Any, timeout_s: float
+    registry: StageRegistry,
+    stage: PipelineStage,
+    method: UnaryMethod[_Req, _Resp],
+    request: _Req,
+    timeout_s: float,
+) -> _Resp: ...
+
+
+@overload
+def call_stage(
+    registry: StageRegistry,
+    stage: PipelineStage,
+    method: Callable[[StageStub], grpc.StreamUnaryMultiCallable[_Req, _Resp]],
+    request: Iterator[_Req],
+    timeout_s: float,
+) -> _Resp: ...
+
+
+def call_stage(
+    registry: StageRegistry,
+    stage: PipelineStage,
+    method: Callable[[StageStub], Any],
+    request: Any,
+    timeout_s: float,
 ) -> Any:
-    """Calls ``method`` on a stage with a deadline; errors keep their class and name the stage.
+    """Calls ``method(stub)`` (a unary or request-streaming method of the stage's stub, e.g.
+    ``lambda stub: stub.Abort``) with a deadline; errors keep their class and name the stage.
 
     Raises:
         PipesvcError: what the stage raised, or StageUnavailableError if it was unreachable.
     """
     stub = registry.stub(stage.address)
     try:
-        return call(getattr(stub, method), request, timeout_s=timeout_s, where=where(stage))
+        return call(method(stub), request, timeout_s=timeout_s, where=where(stage))
     except PipesvcError as exc:
         raise _named(exc, stage) from exc
 
 
 def health_of(
     registry: StageRegistry, addresses: Sequence[str], timeout_s: float
-) -> dict[str, str]:
+) -> dict[str, Health]:
     """Each address's health status, checked in parallel."""
     if not addresses:
         return {}
@@ -97,13 +132,13 @@ def health_of(
 def stream_stage(
     registry: StageRegistry,
     stage: PipelineStage,
-    method: str,
-    request: Any,
+    method: Callable[[StageStub], grpc.UnaryStreamMultiCallable[_Req, _Resp]],
+    request: _Req,
     timeout_s: float,
     *,
     deadlines: Deadlines,
     what: str,
-) -> Iterator[Any]:
+) -> Iterator[_Resp]:
     """The replies of a server-streaming call on one stage, under the health watchdog.
 
     A stage that is killed, stopped or cut off while it streams (its state into a checkpoint,
@@ -115,7 +150,7 @@ def stream_stage(
         StageLostError: the watchdog declared the stage lost.
         PipesvcError: what the stage raised, naming it.
     """
-    replies = getattr(registry.stub(stage.address), method)(request, timeout=timeout_s)
+    replies = method(registry.stub(stage.address))(request, timeout=timeout_s)
     done = threading.Event()
     lost = threading.Event()
 
@@ -129,14 +164,18 @@ def stream_stage(
 
     threading.Thread(target=watch, name=f"watch-{stage.address}", daemon=True).start()
     try:
-        yield from replies
-    except grpc.RpcError as exc:
+        with rpc_errors(where(stage)):
+            yield from replies
+    except PipesvcError as exc:
         if lost.is_set():
             raise StageLostError(
                 f"{where(stage)} stopped answering health checks during {what}",
                 {stage.address},
             ) from exc
-        raise _named(error_from_rpc(exc, where(stage)), stage) from exc
+        named = _named(exc, stage)
+        if named is exc:
+            raise  # as rpc_errors raised it, chained to the RpcError
+        raise named from exc
     finally:
         done.set()
         replies.cancel()
@@ -145,14 +184,17 @@ def stream_stage(
 def call_all(
     registry: StageRegistry,
     plan: Sequence[PipelineStage],
-    make: Callable[[PipelineStage], tuple[str, Any]],
+    make: Callable[
+        [StageStub, PipelineStage], tuple[grpc.UnaryUnaryMultiCallable[_Req, _Resp], _Req]
+    ],
     timeout_s: float,
     *,
     deadlines: Deadlines | None = None,
     what: str = "",
-) -> list[Any]:
+) -> list[_Resp]:
     """Calls a unary method on every stage of ``plan`` (all of a job's, or some) at once;
-    returns the replies in the order of ``plan``.
+    returns the replies in the order of ``plan``. ``make(stub, stage)`` gives the method and
+    the request for a stage, e.g. ``lambda stub, s: (stub.Commit, request)``.
 
     With ``deadlines``, a watchdog health-checks the stages still running (see [Note:
     detection]). On the first failure the other calls are left to finish (a caller aborts them).
@@ -162,11 +204,10 @@ def call_all(
         PipesvcError: the first root-cause error of any stage, naming it.
     """
     cond = threading.Condition()
-    calls: dict[int, grpc.Future] = {}  # by index into ``plan``
+    calls: dict[int, grpc.Future[_Resp]] = {}  # by index into ``plan``
     for index, stage in enumerate(plan):
-        method, request = make(stage)
-        stub = registry.stub(stage.address)
-        future = getattr(stub, method).future(request, timeout=timeout_s)
+        method, request = make(registry.stub(stage.address), stage)
+        future = method.future(request, timeout=timeout_s)
         future.add_done_callback(lambda _f: _notify(cond))
         calls[index] = future
     failures: dict[int, int] = {}
@@ -182,8 +223,8 @@ def call_all(
             next_check = time.monotonic() + deadlines.health_interval_s
             lost = _watch(registry, plan, pending, failures, deadlines)
             if lost:
-                for future in calls.values():
-                    future.cancel()
+                for pending_call in calls.values():
+                    pending_call.cancel()
                 names = ", ".join(where(plan[r]) for r in lost)
                 raise StageLostError(
                     f"{names} stopped answering health checks during {what or 'a call'}; "
@@ -207,7 +248,7 @@ def _notify(cond: threading.Condition) -> None:
         cond.notify_all()
 
 
-def _error(future: grpc.Future) -> PipesvcError | None:
+def _error(future: grpc.Future[Any]) -> PipesvcError | None:
     if future.cancelled():
         return StepAbortedError("the call was cancelled")
     exc = future.exception()
@@ -228,7 +269,7 @@ def _watch(
     statuses = health_of(registry, [plan[r].address for r in pending], deadlines.health_s)
     lost = []
     for index in pending:
-        if statuses[plan[index].address] == "UNREACHABLE":
+        if statuses[plan[index].address] == Health.UNREACHABLE:
             failures[index] = failures.get(index, 0) + 1
             logger.warning(
                 "%s missed a health check (%d in a row)", where(plan[index]), failures[index]

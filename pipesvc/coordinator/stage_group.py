@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent import futures
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from pipesvc.coordinator.registry import StageRegistry
 from pipesvc.coordinator.stage_calls import (
     Deadlines,
+    UnaryMethod,
     call_all,
     call_stage,
     health_of,
@@ -21,11 +22,15 @@ from pipesvc.coordinator.stage_calls import (
 from pipesvc.coordinator.state_transfer import load_into_stages
 from pipesvc.core import microbatch
 from pipesvc.core.config import JobConfig, config_to_proto
+from pipesvc.core.health import Health
 from pipesvc.core.loss import loss_units
 from pipesvc.core.plan import PipelineStage
 from pipesvc.core.tensor_codec import encode
 from pipesvc.errors import PipesvcError
 from pipesvc.v1 import common_pb2, stage_pb2
+
+_Req = TypeVar("_Req")
+_Resp = TypeVar("_Resp")
 
 logger = logging.getLogger(__name__)
 
@@ -68,19 +73,27 @@ class StageGroup:
         """The plan on the wire."""
         return [s.to_proto() for s in self.plan]
 
-    def health(self) -> dict[str, str]:
+    def health(self) -> dict[str, Health]:
         """Each stage's health status, checked in parallel."""
         return health_of(self.registry, self.addresses, self.deadlines.health_s)
 
-    def call_all(self, method: str, make: Any, timeout_s: float, **kw: Any) -> list[Any]:
-        """``method`` on every stage at once, with ``make(stage)`` as its request (see
-        ``stage_calls.call_all`` for ``kw``); the replies in rank order."""
-        return call_all(self.registry, self.plan, lambda s: (method, make(s)), timeout_s, **kw)
+    def call_all(
+        self,
+        method: UnaryMethod[_Req, _Resp],
+        make: Callable[[PipelineStage], _Req],
+        timeout_s: float,
+        **kw: Any,
+    ) -> list[_Resp]:
+        """``method`` (``lambda stub: stub.Info``) on every stage at once, with ``make(stage)``
+        as its request (see ``stage_calls.call_all`` for ``kw``); the replies in rank order."""
+        return call_all(
+            self.registry, self.plan, lambda stub, s: (method(stub), make(s)), timeout_s, **kw
+        )
 
     def run_step(
         self,
         run_id: int,
-        mode: int,
+        mode: stage_pb2.RunMode.ValueType,
         inputs: list[torch.Tensor],
         targets: list[torch.Tensor],
         *,
@@ -112,7 +125,9 @@ class StageGroup:
             )
 
         deadlines = self.deadlines
-        return self.call_all("RunStep", request, deadlines.step_s, deadlines=deadlines, what=what)
+        return self.call_all(
+            lambda stub: stub.RunStep, request, deadlines.step_s, deadlines=deadlines, what=what
+        )
 
     def abort(self, run_id: int, *, lost: Collection[str] = ()) -> None:
         """Aborts run ``run_id`` on every stage at once (best effort on each: it may be dead),
@@ -122,7 +137,9 @@ class StageGroup:
 
         def abort_one(stage: PipelineStage) -> None:
             try:
-                call_stage(self.registry, stage, "Abort", request, self.deadlines.abort_s)
+                call_stage(
+                    self.registry, stage, lambda stub: stub.Abort, request, self.deadlines.abort_s
+                )
             except PipesvcError as exc:
                 logger.warning(
                     "job %s: abort of run %d on %s failed: %s",
@@ -141,7 +158,7 @@ class StageGroup:
             call_stage(
                 self.registry,
                 stage,
-                "Release",
+                lambda stub: stub.Release,
                 stage_pb2.ReleaseRequest(job_id=self.job_id),
                 self.deadlines.abort_s,
             )
@@ -164,16 +181,18 @@ class StageGroup:
                 downstream_address=downstream,
             )
 
-        self.call_all("Assign", assign, self.deadlines.control_s)
+        self.call_all(lambda stub: stub.Assign, assign, self.deadlines.control_s)
 
-    def stream_state(self, kind: int) -> Iterator[common_pb2.TensorFrame]:
+    def stream_state(
+        self, kind: common_pb2.StateKind.ValueType
+    ) -> Iterator[common_pb2.TensorFrame]:
         """Every stage's tensors of ``kind`` in layer order, frame by frame, each stream under
         the health watchdog."""
         for stage in self.plan:
             yield from stream_stage(
                 self.registry,
                 stage,
-                "GetState",
+                lambda stub: stub.GetState,
                 stage_pb2.GetStateRequest(job_id=self.job_id, kind=kind),
                 self.deadlines.control_s,
                 deadlines=self.deadlines,

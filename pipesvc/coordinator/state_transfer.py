@@ -11,8 +11,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
 from typing import Any
 
+import grpc
+
 from pipesvc.coordinator.registry import StageRegistry
-from pipesvc.coordinator.stage_calls import call_all, call_stage
+from pipesvc.coordinator.stage_calls import StageStub, call_all, call_stage
 from pipesvc.core.plan import PipelineStage
 from pipesvc.errors import InvalidArgumentError, PipesvcError
 from pipesvc.storage.checkpoint import OPTIM_PREFIX, layer_of
@@ -74,10 +76,10 @@ def load_into_stages(
         while (frame := queues[rank].get()) is not None:
             yield stage_pb2.LoadStateRequest(job_id=job_id, frame=frame)
 
-    calls = {
-        s.rank: pool.submit(call_stage, registry, s, "LoadState", feed(s.rank), timeout_s)
-        for s in plan
-    }
+    def load(stage: PipelineStage) -> stage_pb2.LoadStateResponse:
+        return call_stage(registry, stage, lambda stub: stub.LoadState, feed(stage.rank), timeout_s)
+
+    calls = {s.rank: pool.submit(load, s) for s in plan}
 
     def put(rank: int, item: common_pb2.TensorFrame | None) -> None:
         # A stage that refused the stream stops reading: never block on its queue.
@@ -107,16 +109,21 @@ def load_into_stages(
         # Every stage checks what it staged before any stage applies: all or none.
         check = stage_pb2.ApplyStateRequest(job_id=job_id, check=True)
         try:
-            call_all(registry, plan, lambda s: ("ApplyState", check), timeout_s)
+            call_all(registry, plan, lambda stub, s: (stub.ApplyState, check), timeout_s)
         except PipesvcError as exc:
             failure = exc
     apply = failure is None and not missing
 
-    def apply_request(stage: PipelineStage) -> tuple[str, Any]:
+    def apply_request(
+        stub: StageStub, stage: PipelineStage
+    ) -> tuple[
+        grpc.UnaryUnaryMultiCallable[stage_pb2.ApplyStateRequest, stage_pb2.ApplyStateResponse],
+        stage_pb2.ApplyStateRequest,
+    ]:
         request = stage_pb2.ApplyStateRequest(job_id=job_id, apply=apply)
         if apply and step is not None:
             request.step = step
-        return "ApplyState", request
+        return stub.ApplyState, request
 
     call_all(registry, plan, apply_request, timeout_s)
     if failure is not None:

@@ -222,7 +222,7 @@ def config_from_proto(spec: common_pb2.JobSpec) -> JobConfig:
             values[f.name] = parse_json_object(value, wire_name)
         elif wire.is_repeated:
             values[f.name] = tuple(value) or None
-        elif wire.has_presence and not spec.HasField(wire_name):
+        elif wire.has_presence and not spec.HasField(wire_name):  # type: ignore[arg-type]
             values[f.name] = None
         elif f.name in _EMPTY_ON_THE_WIRE_MEANS_DEFAULT and not value:
             values[f.name] = f.default

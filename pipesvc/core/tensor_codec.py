@@ -18,7 +18,7 @@ from pipesvc.errors import ResourceExhaustedError, WireFormatError
 from pipesvc.v1 import common_pb2
 
 # Wire values of DType and the torch dtype each stands for (fixed; see common.proto).
-_TO_TORCH: dict[int, torch.dtype] = {
+_TO_TORCH: dict[common_pb2.DType.ValueType, torch.dtype] = {
     common_pb2.FLOAT32: torch.float32,
     common_pb2.FLOAT64: torch.float64,
     common_pb2.FLOAT16: torch.float16,
@@ -30,7 +30,7 @@ _TO_TORCH: dict[int, torch.dtype] = {
     common_pb2.UINT8: torch.uint8,
     common_pb2.BOOL: torch.bool,
 }
-_TO_WIRE: dict[torch.dtype, int] = {v: k for k, v in _TO_TORCH.items()}
+_TO_WIRE: dict[torch.dtype, common_pb2.DType.ValueType] = {v: k for k, v in _TO_TORCH.items()}
 # numpy has no bfloat16: such tensors travel as their int16 bit pattern.
 _BIT_VIEW: dict[torch.dtype, torch.dtype] = {torch.bfloat16: torch.int16}
 
@@ -58,7 +58,7 @@ class CodecLimits:
 DEFAULT_LIMITS = CodecLimits()
 
 
-def wire_dtype(dtype: torch.dtype) -> int:
+def wire_dtype(dtype: torch.dtype) -> common_pb2.DType.ValueType:
     """The DType enum value for a torch dtype.
 
     Raises:

@@ -76,7 +76,7 @@ def add_lora(layer: nn.Module, args: Mapping[str, object]) -> nn.Module:
     if _targets(layer, targets):
         from peft import LoraConfig, inject_adapter_in_model  # optional dependency
 
-        inject_adapter_in_model(LoraConfig(**kwargs), layer)  # type: ignore[arg-type]
+        inject_adapter_in_model(LoraConfig(**kwargs), layer)
     for name, param in layer.named_parameters():
         param.requires_grad_(ADAPTER_MARK in name)
     return layer

@@ -6,17 +6,20 @@ import logging
 import os
 import threading
 import time
+from typing import Any, cast
 
 import grpc
 import torch
 from grpc_health.v1 import health_pb2
 
 from pipesvc import models
+from pipesvc.core.health import Health
 from pipesvc.errors import StageUnavailableError
 from pipesvc.stage.frame_wire import parse, serialize
 from pipesvc.stage.links import EXCHANGE_METHOD
 from pipesvc.stage.service import StageOptions, StageService
 from pipesvc.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2_grpc
+from pipesvc.wire.rpc_status import rpc_errors
 from pipesvc.wire.security import Security
 from pipesvc.wire.transport import check_health, create_server, open_channel, split_address
 
@@ -48,18 +51,19 @@ def add_stage_service(servicer: stage_pb2_grpc.StageServiceServicer, server: grp
 
     class _Capture:
         def __init__(self) -> None:
-            self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+            self.handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
 
         def add_generic_rpc_handlers(self, handlers: object) -> None:
             pass
 
         def add_registered_method_handlers(
-            self, service: str, handlers: dict[str, grpc.RpcMethodHandler]
+            self, service: str, handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]
         ) -> None:
             self.handlers = dict(handlers)
 
     capture = _Capture()
-    stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, capture)
+    # The generated function only calls the two registration methods _Capture has.
+    stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, cast(grpc.Server, capture))
     handlers = capture.handlers
     handlers["Exchange"] = grpc.stream_stream_rpc_method_handler(
         servicer.Exchange, request_deserializer=parse, response_serializer=serialize
@@ -90,12 +94,12 @@ def register(
     )
     with open_channel(coordinator, security) as channel:
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
-        try:
-            stub.RegisterStage(request, timeout=timeout_s, wait_for_ready=True)
-        except grpc.RpcError as exc:
-            raise StageUnavailableError(
+        with rpc_errors(
+            convert=lambda exc: StageUnavailableError(
                 f"could not register with the coordinator at {coordinator}: {exc.details()}"
-            ) from exc
+            )
+        ):
+            stub.RegisterStage(request, timeout=timeout_s, wait_for_ready=True)
 
 
 def _heartbeat(
@@ -124,7 +128,7 @@ def _drain(
     """Waits while the stage still holds a job and its coordinator can move the layers away."""
     deadline = time.monotonic() + timeout_s
     while service.holds_job and time.monotonic() < deadline:
-        if check_health(coordinator, 1.0, security) != "SERVING":
+        if check_health(coordinator, 1.0, security) != Health.SERVING:
             logger.warning("coordinator %s is gone; stopping without handing over", coordinator)
             return
         time.sleep(0.25)

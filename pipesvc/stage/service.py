@@ -28,6 +28,7 @@ from pipesvc.errors import (
 )
 from pipesvc.stage.assignment import Assignment
 from pipesvc.stage.engine import RunInputs
+from pipesvc.stage.frame_wire import OutFrame
 from pipesvc.stage.links import UpstreamLink
 from pipesvc.stage.options import StageOptions
 from pipesvc.stage.runtime import StageRuntime
@@ -54,7 +55,7 @@ def _rss_bytes() -> int:
         return 0
 
 
-class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
+class StageService(stage_pb2_grpc.StageServiceServicer):
     """Serves one stage; holds at most one job's layers at a time."""
 
     def __init__(self, options: StageOptions) -> None:
@@ -104,7 +105,9 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
     # -- control -----------------------------------------------------------------------------
 
     @handle_errors
-    def Describe(self, request: stage_pb2.DescribeRequest, context: object) -> object:
+    def Describe(
+        self, request: stage_pb2.DescribeRequest, context: object
+    ) -> stage_pb2.DescribeResponse:
         args = parse_json_object(request.model_args_json, "model_args_json")
         description = models.describe(
             request.model,
@@ -129,7 +132,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
         )
 
     @handle_errors
-    def Assign(self, request: stage_pb2.AssignRequest, context: object) -> object:
+    def Assign(self, request: stage_pb2.AssignRequest, context: object) -> stage_pb2.AssignResponse:
         if not request.job_id:
             raise InvalidArgumentError("job_id must not be empty")
         config = config_from_proto(request.spec)
@@ -182,7 +185,9 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
         return stage_pb2.AssignResponse(num_parameters=runtime.num_parameters)
 
     @handle_errors
-    def Release(self, request: stage_pb2.ReleaseRequest, context: object) -> object:
+    def Release(
+        self, request: stage_pb2.ReleaseRequest, context: object
+    ) -> stage_pb2.ReleaseResponse:
         job = self._current(request.job_id)
         with self._lock:
             self._job = None
@@ -192,7 +197,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
         return stage_pb2.ReleaseResponse()
 
     @handle_errors
-    def Info(self, request: stage_pb2.InfoRequest, context: object) -> object:
+    def Info(self, request: stage_pb2.InfoRequest, context: object) -> stage_pb2.StageInfo:
         info = stage_pb2.StageInfo(
             address=self._options.address,
             device=str(self._options.device),
@@ -225,7 +230,9 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
     # -- runs --------------------------------------------------------------------------------
 
     @handle_errors
-    def RunStep(self, request: stage_pb2.RunStepRequest, context: object) -> object:
+    def RunStep(
+        self, request: stage_pb2.RunStepRequest, context: object
+    ) -> stage_pb2.RunStepResponse:
         job = self._current(request.job_id, request.plan_epoch)
         rt = job.runtime
         if request.mode not in (stage_pb2.TRAIN, stage_pb2.INFER):
@@ -265,13 +272,13 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
         return response
 
     @handle_errors
-    def Commit(self, request: stage_pb2.CommitRequest, context: object) -> object:
+    def Commit(self, request: stage_pb2.CommitRequest, context: object) -> stage_pb2.CommitResponse:
         job = self._current(request.job_id, request.plan_epoch)
         scale = request.grad_scale if request.HasField("grad_scale") else None
         return stage_pb2.CommitResponse(step=job.engine.commit(request.run_id, scale))
 
     @handle_errors
-    def Abort(self, request: stage_pb2.AbortRequest, context: object) -> object:
+    def Abort(self, request: stage_pb2.AbortRequest, context: object) -> stage_pb2.AbortResponse:
         job = self._current(request.job_id, request.plan_epoch)
         job.engine.abort(request.run_id)
         return stage_pb2.AbortResponse()
@@ -310,7 +317,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
     @handle_errors
     def LoadState(
         self, request_iterator: Iterable[stage_pb2.LoadStateRequest], context: object
-    ) -> object:
+    ) -> stage_pb2.LoadStateResponse:
         staged: dict[str, torch.Tensor] = {}
         job: Assignment | None = None
 
@@ -334,7 +341,9 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
         return stage_pb2.LoadStateResponse(num_tensors=len(staged))
 
     @handle_errors
-    def ApplyState(self, request: stage_pb2.ApplyStateRequest, context: object) -> object:
+    def ApplyState(
+        self, request: stage_pb2.ApplyStateRequest, context: object
+    ) -> stage_pb2.ApplyStateResponse:
         job = self._current(request.job_id)
         with job.engine.run_lock:
             if request.check:
@@ -347,7 +356,9 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
         return stage_pb2.ApplyStateResponse()
 
     @handle_errors
-    def GetTrace(self, request: common_pb2.GetTraceRequest, context: object) -> object:
+    def GetTrace(
+        self, request: common_pb2.GetTraceRequest, context: object
+    ) -> common_pb2.StageTrace:
         job = self._current(request.job_id)
         return common_pb2.StageTrace(
             rank=job.runtime.rank,
@@ -367,9 +378,10 @@ class StageService(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
 
     # -- data plane --------------------------------------------------------------------------
 
-    def Exchange(
+    # Served with frame_wire's codec (see stage.server.add_stage_service), so it yields OutFrame.
+    def Exchange(  # type: ignore[override]
         self, request_iterator: Iterable[stage_pb2.DataFrame], context: grpc.ServicerContext
-    ) -> Iterator[stage_pb2.DataFrame]:
+    ) -> Iterator[OutFrame | stage_pb2.DataFrame]:
         with self._lock:
             job = self._job
         if job is None:

@@ -20,8 +20,9 @@ HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 
 def _replace_behavior(
-    handler: grpc.RpcMethodHandler, wrap: Callable[[Callable[..., Any], bool], Callable[..., Any]]
-) -> grpc.RpcMethodHandler:
+    handler: grpc.RpcMethodHandler[Any, Any],
+    wrap: Callable[[Callable[..., Any], bool], Callable[..., Any]],
+) -> grpc.RpcMethodHandler[Any, Any]:
     """A handler like ``handler`` whose behavior is ``wrap(behavior, response_streaming)``."""
     if handler.request_streaming and handler.response_streaming:
         make, behavior = grpc.stream_stream_rpc_method_handler, handler.stream_stream
@@ -31,6 +32,7 @@ def _replace_behavior(
         make, behavior = grpc.unary_stream_rpc_method_handler, handler.unary_stream
     else:
         make, behavior = grpc.unary_unary_rpc_method_handler, handler.unary_unary
+    assert behavior is not None, "a handler has the behavior its streaming flags name"
     return make(
         wrap(behavior, handler.response_streaming),
         request_deserializer=handler.request_deserializer,
@@ -43,15 +45,17 @@ def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, error: str, mes
     context.abort(code, message)
 
 
-class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
+class AuthInterceptor(grpc.ServerInterceptor):
     """Refuses every RPC but health unless it carries the shared token (constant-time check)."""
 
     def __init__(self, token: str) -> None:
         self._expected = f"Bearer {token}".encode()
 
     def intercept_service(
-        self, continuation: Callable[[Any], grpc.RpcMethodHandler], details: Any
-    ) -> grpc.RpcMethodHandler | None:
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = continuation(details)
         if handler is None or details.method.startswith(HEALTH_PREFIX):
             return handler
@@ -77,7 +81,7 @@ class AuthInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
         return _replace_behavior(handler, deny)
 
 
-class ConcurrencyInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
+class ConcurrencyInterceptor(grpc.ServerInterceptor):
     """Caps unary and streaming calls in flight; a call over a cap gets RESOURCE_EXHAUSTED."""
 
     def __init__(self, max_rpcs: int, max_streams: int) -> None:
@@ -86,8 +90,10 @@ class ConcurrencyInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
         self._limits = (max_rpcs, max_streams)
 
     def intercept_service(
-        self, continuation: Callable[[Any], grpc.RpcMethodHandler], details: Any
-    ) -> grpc.RpcMethodHandler | None:
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = continuation(details)
         if handler is None or details.method.startswith(HEALTH_PREFIX):
             return handler
@@ -140,10 +146,10 @@ class _CallDetails(NamedTuple):
 
 
 class TokenInterceptor(
-    grpc.UnaryUnaryClientInterceptor,  # type: ignore[misc]
-    grpc.UnaryStreamClientInterceptor,  # type: ignore[misc]
-    grpc.StreamUnaryClientInterceptor,  # type: ignore[misc]
-    grpc.StreamStreamClientInterceptor,  # type: ignore[misc]
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
 ):
     """Adds the shared token to every outgoing call, streams included."""
 

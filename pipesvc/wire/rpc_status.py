@@ -1,17 +1,18 @@
 """The one table from error classes to gRPC status codes, and both directions of the mapping.
 
 Servers raise PipesvcError subclasses; ``handle_errors`` turns them into a status code plus the
-class name in trailing metadata. Clients call ``error_from_rpc`` to raise the same class with the
-server's message, so callers never see ``grpc.RpcError``.
+class name in trailing metadata. Clients make their calls inside ``rpc_errors``, which raises the
+same class with the server's message (``error_from_rpc``), so callers never see ``grpc.RpcError``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar, cast
 
 import grpc
 
@@ -70,13 +71,33 @@ def error_from_rpc(error: grpc.RpcError, where: str = "") -> PipesvcError:
     details = (error.details() if hasattr(error, "details") else None) or str(code)
     name = ""
     trailing = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
-    for key, value in trailing or ():
+    # grpc's entries are (key, value) named tuples; the stubs call them a non-iterable class.
+    for key, value in cast("Iterable[tuple[str, str | bytes]]", trailing or ()):
         if key == ERROR_CLASS_KEY:
             name = str(value)
     cls = _CLASS_BY_NAME.get(name) or _CLASS_FOR_CODE.get(code, errors.InternalError)
     if not name and where:
         details = f"{where}: {details}"
     return cls(details)
+
+
+@contextlib.contextmanager
+def rpc_errors(
+    where: str = "", *, convert: Callable[[grpc.RpcError], PipesvcError] | None = None
+) -> Iterator[None]:
+    """Inside, a failed call raises the PipesvcError it stands for, chained to the RpcError.
+
+    The one place client code turns ``grpc.RpcError`` into the typed error tree: by default
+    with ``error_from_rpc(exc, where)``; ``convert`` replaces that for a site whose failures all
+    mean one thing (e.g. "could not register"). Other exceptions pass through untouched.
+
+    Raises:
+        PipesvcError: a call inside failed.
+    """
+    try:
+        yield
+    except grpc.RpcError as exc:
+        raise (convert(exc) if convert is not None else error_from_rpc(exc, where)) from exc
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent import futures
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pipesvc.core.health import Health
 from pipesvc.core.limits import Limits
 from pipesvc.errors import InvalidArgumentError, StageUnavailableError
 from pipesvc.wire.interceptors import AuthInterceptor, ConcurrencyInterceptor, TokenInterceptor
-from pipesvc.wire.rpc_status import error_from_rpc
+from pipesvc.wire.rpc_status import rpc_errors
 from pipesvc.wire.security import Security
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ def _message_options(limits: Limits) -> list[tuple[str, Any]]:
 
 
 _T = TypeVar("_T")
+_Req = TypeVar("_Req")
 NO_SECURITY = Security()
 DEFAULT_LIMITS = Limits()
 
@@ -132,30 +134,45 @@ def open_channel(
     return channel
 
 
-def call(method: Callable[..., _T], request: Any, *, timeout_s: float, where: str) -> _T:
-    """Calls a unary (or request-streaming) method with a deadline, mapping errors.
+@overload
+def call(
+    method: grpc.UnaryUnaryMultiCallable[_Req, _T], request: _Req, *, timeout_s: float, where: str
+) -> _T: ...
+
+
+@overload
+def call(
+    method: grpc.StreamUnaryMultiCallable[_Req, _T],
+    request: Iterator[_Req],
+    *,
+    timeout_s: float,
+    where: str,
+) -> _T: ...
+
+
+def call(method: Callable[..., Any], request: Any, *, timeout_s: float, where: str) -> Any:
+    """Calls a unary (or request-streaming) method of a stub with a deadline, mapping errors.
 
     Raises:
         PipesvcError: the subclass the server raised, or StageUnavailableError and friends.
     """
-    try:
+    with rpc_errors(where):
         return method(request, timeout=timeout_s)
-    except grpc.RpcError as exc:
-        raise error_from_rpc(exc, where) from exc
 
 
-def health_status(channel: grpc.Channel, timeout_s: float) -> str:
-    """``"SERVING"``, ``"NOT_SERVING"`` or ``"UNREACHABLE"`` for the server behind ``channel``."""
+def health_status(channel: grpc.Channel, timeout_s: float) -> Health:
+    """The health of the server behind ``channel`` (UNREACHABLE if the check failed)."""
     try:
-        reply = health_pb2_grpc.HealthStub(channel).Check(
+        # types-grpcio-health-checking declares HealthStub without its methods.
+        reply = health_pb2_grpc.HealthStub(channel).Check(  # type: ignore[attr-defined]
             health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
         )
     except grpc.RpcError:
-        return "UNREACHABLE"
-    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+        return Health.UNREACHABLE
+    return Health.from_wire(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
 
 
-def check_health(address: str, timeout_s: float = 2.0, security: Security = NO_SECURITY) -> str:
+def check_health(address: str, timeout_s: float = 2.0, security: Security = NO_SECURITY) -> Health:
     """``health_status`` of the server at ``address``, on a channel of its own."""
     with open_channel(address, security) as channel:
         return health_status(channel, timeout_s)

@@ -216,12 +216,13 @@ def test_public_all_is_sorted_unique_and_resolves() -> None:
 def test_generated_wire_code_is_fresh(tmp_path: Path) -> None:
     proto_build.generate(ROOT, tmp_path)
     fresh_dir = tmp_path / "pipesvc" / "v1"
-    fresh = {p.name: p.read_bytes() for p in fresh_dir.glob("*_pb2*.py")}
-    committed = {p.name: p.read_bytes() for p in GENERATED.glob("*_pb2*.py")}
+    fresh = {p.name: p.read_bytes() for p in fresh_dir.glob("*_pb2*.py*")}
+    committed = {p.name: p.read_bytes() for p in GENERATED.glob("*_pb2*.py*")}
     expected_names = {
-        f"{Path(proto).stem}_pb2{suffix}.py"
+        f"{Path(proto).stem}_pb2{suffix}{ext}"
         for proto in proto_build.PROTO_FILES
         for suffix in ("", "_grpc")
+        for ext in (".py", ".pyi")  # the code and its typed stubs for mypy
     }
     assert set(fresh) == expected_names
     assert set(committed) == set(fresh), "committed generated files differ from the fresh set"

@@ -16,6 +16,7 @@ from pipesvc.wire.rpc_status import (
     STATUS_CODES,
     error_from_rpc,
     handle_errors,
+    rpc_errors,
     status_code,
 )
 
@@ -115,23 +116,27 @@ def test_class_name_in_metadata_maps_back_to_that_class(cls: type[PipesvcError])
     assert str(error) == "stage 3 says no"
 
 
-@pytest.mark.parametrize(
-    ("code", "cls"),
-    [
-        (grpc.StatusCode.INVALID_ARGUMENT, errors.InvalidArgumentError),
-        (grpc.StatusCode.NOT_FOUND, errors.NotFoundError),
-        (grpc.StatusCode.FAILED_PRECONDITION, errors.FailedPreconditionError),
-        (grpc.StatusCode.RESOURCE_EXHAUSTED, errors.ResourceExhaustedError),
-        (grpc.StatusCode.UNAVAILABLE, errors.StageUnavailableError),
-        (grpc.StatusCode.DEADLINE_EXCEEDED, errors.PipelineTimeoutError),
-        (grpc.StatusCode.ABORTED, errors.StepAbortedError),
-        (grpc.StatusCode.CANCELLED, errors.StepAbortedError),
-        (grpc.StatusCode.INTERNAL, errors.InternalError),
-        (grpc.StatusCode.UNKNOWN, errors.InternalError),
-        (grpc.StatusCode.UNIMPLEMENTED, errors.InternalError),
-    ],
-    ids=lambda v: getattr(v, "name", getattr(v, "__name__", str(v))),
-)
+CODE_CLASSES = [
+    (grpc.StatusCode.INVALID_ARGUMENT, errors.InvalidArgumentError),
+    (grpc.StatusCode.NOT_FOUND, errors.NotFoundError),
+    (grpc.StatusCode.FAILED_PRECONDITION, errors.FailedPreconditionError),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, errors.ResourceExhaustedError),
+    (grpc.StatusCode.UNAVAILABLE, errors.StageUnavailableError),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, errors.PipelineTimeoutError),
+    (grpc.StatusCode.ABORTED, errors.StepAbortedError),
+    (grpc.StatusCode.CANCELLED, errors.StepAbortedError),
+    (grpc.StatusCode.INTERNAL, errors.InternalError),
+    (grpc.StatusCode.UNKNOWN, errors.InternalError),
+    (grpc.StatusCode.UNIMPLEMENTED, errors.InternalError),
+]
+"""Each status code and the class it maps to when the server sent no class name."""
+
+
+def _code_ids(value: object) -> str:
+    return str(getattr(value, "name", getattr(value, "__name__", value)))
+
+
+@pytest.mark.parametrize(("code", "cls"), CODE_CLASSES, ids=_code_ids)
 def test_code_without_metadata_maps_to_its_class(
     code: grpc.StatusCode, cls: type[PipesvcError]
 ) -> None:
@@ -220,3 +225,54 @@ def test_stream_error_after_the_client_left_is_dropped() -> None:
     context = FakeContext(active=False)
     assert list(Servicer().Stream(errors.NotFoundError("gone"), context)) == [1, 2]
     assert context.code is None
+
+
+@pytest.mark.parametrize(("code", "cls"), CODE_CLASSES, ids=_code_ids)
+def test_rpc_errors_raises_the_typed_error_of_each_code(
+    code: grpc.StatusCode, cls: type[PipesvcError]
+) -> None:
+    rpc_error = FakeRpcError(code, "connection refused")
+    with pytest.raises(PipesvcError) as caught, rpc_errors("coordinator 10.0.0.1:5"):
+        raise rpc_error
+    assert type(caught.value) is cls
+    assert str(caught.value) == "coordinator 10.0.0.1:5: connection refused"
+    assert caught.value.__cause__ is rpc_error
+
+
+@pytest.mark.parametrize("cls", ALL_ERRORS, ids=lambda c: c.__name__)
+def test_rpc_errors_keeps_the_class_the_server_named(cls: type[PipesvcError]) -> None:
+    rpc_error = FakeRpcError(STATUS_CODES[cls], "job j1: no", ((ERROR_CLASS_KEY, cls.__name__),))
+    with pytest.raises(PipesvcError) as caught, rpc_errors("stage 127.0.0.1:1"):
+        raise rpc_error
+    assert type(caught.value) is cls
+    assert str(caught.value) == "job j1: no"
+
+
+def test_rpc_errors_convert_decides_the_error() -> None:
+    def unavailable(exc: grpc.RpcError) -> PipesvcError:
+        return errors.StageUnavailableError(f"could not register: {exc.details()}")
+
+    rpc_error = FakeRpcError(grpc.StatusCode.NOT_FOUND, "refused")
+    with pytest.raises(PipesvcError) as caught, rpc_errors("ignored", convert=unavailable):
+        raise rpc_error
+    assert type(caught.value) is errors.StageUnavailableError
+    assert str(caught.value) == "could not register: refused"
+    assert caught.value.__cause__ is rpc_error
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [KeyError("j1"), errors.NotFoundError("no job j1"), ValueError("bad")],
+    ids=lambda e: type(e).__name__,
+)
+def test_rpc_errors_lets_other_exceptions_through_unchanged(exc: Exception) -> None:
+    with pytest.raises(type(exc)) as caught, rpc_errors("coordinator 10.0.0.1:5"):
+        raise exc
+    assert caught.value is exc
+    assert caught.value.__cause__ is None
+
+
+def test_rpc_errors_returns_normally_without_an_error() -> None:
+    with rpc_errors("coordinator 10.0.0.1:5"):
+        result = 7
+    assert result == 7
