@@ -1,0 +1,148 @@
+"""A Hugging Face Llama-shaped model (~100M parameters, random, from a config) trained through
+pipesvc stages, against the same model trained in one process with gradient accumulation.
+
+Model: ``LlamaForCausalLM`` with vocabulary 32000, hidden 768, MLP 2048, 8 blocks, 12 heads
+sharing 4 key/value heads (about 110M parameters, 440 MB in float32), saved with
+``save_pretrained`` into a temporary directory and served by every stage with
+``LocalCluster(hf_models={"bench-llama": DIR})``. Batch: 8 rows of 128 tokens in 4
+micro-batches, ``causal_lm`` loss, AdamW (lr 1e-4), 1F1B, checkpoints off.
+
+- one process: ``AutoModelForCausalLM.from_pretrained(DIR)``, the same 4 micro-batches
+  accumulated (each loss weighted by its share of the labels), one AdamW step; the process's
+  peak RSS (``VmHWM``) from its own start.
+- pipesvc: 2 and 4 stages (``LocalCluster(threads_per_stage=1)``; the one-process run gets as
+  many torch threads as the cluster has stages, so both use the same cores); each stage's
+  peak RSS, and the largest.
+
+Steps/s is over the timed steps after one warm-up step. Only fp32: ``bf16-mixed`` is not
+built yet.
+
+Usage: ``python bench/hf.py [--steps 3] [--stages 2,4]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+import pipesvc  # noqa: E402
+from pipesvc.core.loss import compute_loss, loss_units  # noqa: E402
+from pipesvc.core.microbatch import loss_weights, split  # noqa: E402
+
+MiB = 1 << 20
+CONFIG = {
+    "vocab_size": 32000,
+    "hidden_size": 768,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 256,
+}
+BATCH, LENGTH, MICROBATCHES, LR = 8, 128, 4, 1e-4
+
+
+def peak_rss(pid: int | str = "self") -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, CONFIG["vocab_size"], (BATCH, LENGTH), generator=g)
+    return ids, ids.clone()
+
+
+def one_process(directory: str, steps: int, threads: int, out: Any) -> None:
+    """Runs in a fresh process, so its peak RSS is its own."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    times = []
+    for step in range(steps + 1):
+        ids, labels = batch(step)
+        started = time.perf_counter()
+        optimizer.zero_grad()
+        label_mbs = split(labels, MICROBATCHES)
+        weights = loss_weights([loss_units("causal_lm", t) for t in label_mbs])
+        for x, y, w in zip(split(ids, MICROBATCHES), label_mbs, weights, strict=True):
+            (compute_loss("causal_lm", model(x).logits, y) * w).backward()
+        optimizer.step()
+        times.append(time.perf_counter() - started)
+    out.put((steps / sum(times[1:]), peak_rss()))
+
+
+def pipelined(directory: str, num_stages: int, steps: int) -> tuple[float, list[int]]:
+    with (
+        pipesvc.LocalCluster(
+            num_stages=num_stages,
+            threads_per_stage=1,
+            hf_models={"bench-llama": directory},  # type: ignore[call-arg]
+        ) as cluster,
+        cluster.connect() as client,
+        client.create_job(
+            model="bench-llama",
+            loss="causal_lm",
+            optimizer={"name": "adamw", "lr": LR},
+            num_stages=num_stages,
+            num_microbatches=MICROBATCHES,
+            input_shape=[BATCH // MICROBATCHES, LENGTH],
+            input_dtype="int64",
+            checkpoint_every=0,
+        ) as job,
+    ):
+        times = []
+        for step in range(steps + 1):
+            started = time.perf_counter()
+            job.train_step(*batch(step))
+            times.append(time.perf_counter() - started)
+        return steps / sum(times[1:]), [peak_rss(pid) for pid in cluster.pids[1:]]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per run (default 3)")
+    parser.add_argument("--stages", default="2,4", help="stage counts (default 2,4)")
+    args = parser.parse_args()
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory(prefix="pipesvc-bench-hf-") as tmp:
+        directory = str(Path(tmp) / "llama")
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **CONFIG))
+        params = sum(p.numel() for p in model.parameters())
+        model.save_pretrained(directory)
+        del model
+        print(f"model: {params / 1e6:.0f}M parameters, batch {BATCH} x {LENGTH} tokens in "
+              f"{MICROBATCHES} micro-batches, AdamW, fp32, {args.steps} timed steps")  # fmt: skip
+        print(f"{'run':<14} {'steps/s':>8} {'vs one':>7} {'peak RSS MiB (per process)':>30}")
+        for num_stages in [int(s) for s in args.stages.split(",")]:
+            ctx = multiprocessing.get_context("spawn")
+            queue = ctx.Queue()
+            child = ctx.Process(target=one_process, args=(directory, args.steps, num_stages, queue))
+            child.start()
+            base_rate, base_peak = queue.get()
+            child.join()
+            rate, peaks = pipelined(directory, num_stages, args.steps)
+            print(f"{'one process':<14} {base_rate:>8.3f} {1.0:>7.2f} {base_peak / MiB:>30.0f}")
+            cells = " ".join(f"{p / MiB:.0f}" for p in peaks)
+            print(f"{f'{num_stages} stages':<14} {rate:>8.3f} {rate / base_rate:>7.2f} {cells:>30}")
+
+
+if __name__ == "__main__":
+    main()
