@@ -42,3 +42,16 @@ def test_every_test_file_the_docs_name_exists() -> None:
     assert named, "the docs name no test files"
     missing = sorted((doc, path) for doc, path in named if not (root / path).is_file())
     assert missing == []
+
+
+def test_readme_hugging_face_example_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
+    example = [b for b in blocks if b.startswith("# Bring a Hugging Face model")]
+    assert len(example) == 1, "README has no Hugging Face example"
+    monkeypatch.chdir(tmp_path)  # the model directory is written here
+    exec(compile(example[0], "README.md", "exec"), {})  # our own README, not input
+    assert (tmp_path / "tiny-llama" / "config.json").exists()
+    (line,) = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"loss \d+\.\d{4}, logits \(4, 32, 128\)", line), line
