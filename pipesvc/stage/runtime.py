@@ -88,8 +88,9 @@ class StageRuntime:
         # (global index, layer, whether its training call is seeded), fixed at build time.
         self._layers = [(start_layer + i, layer, uses_rng(layer)) for i, layer in enumerate(layers)]
         self._training = True  # modules are built in training mode
-        params = list(self.module.parameters())
-        # A stage of parameter-free layers (e.g. only a Flatten) has nothing to optimise.
+        # Frozen parameters (LoRA's base weights) get no optimizer state; a stage with nothing
+        # to train (only a Flatten, or only frozen layers) has no optimizer.
+        params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(config.optimizer, params) if params else None
         self.step = 0
         self.max_live = 0
@@ -206,6 +207,10 @@ class StageRuntime:
         if microbatch not in self._saved:
             raise FailedPreconditionError(f"backward of micro-batch {microbatch} before forward")
         x, y = self._saved.pop(microbatch)
+        if not y.requires_grad:
+            # Nothing before this point trains (a first stage whose layers are all frozen, as
+            # the embedding under LoRA): there is no gradient to compute or send.
+            return None if self.is_first else torch.zeros_like(x)
         if grad_output is None:
             torch.autograd.backward(y)
         else:
