@@ -103,6 +103,7 @@ class Client:
         checkpoint_every: int = 10,
         input_shape: Sequence[int] | None = None,
         input_dtype: str = "float32",
+        precision: str = "fp32",
         resume_from: str | Path | None = None,
         wait_for_stages_s: float = 0.0,
     ) -> Job:
@@ -133,6 +134,7 @@ class Client:
             checkpoint_every=checkpoint_every,
             input_shape=tuple(input_shape) if input_shape is not None else None,
             input_dtype=input_dtype,
+            precision=precision,
         )
         manifest = read_manifest(resume_from) if resume_from is not None else None
         if manifest is not None and resume_from is not None:

@@ -22,6 +22,10 @@ from pipesvc.v1 import common_pb2
 _MODEL_NAME = re.compile(r"[a-z][a-z0-9_-]{0,63}")
 
 
+PRECISIONS = ("fp32", "bf16-mixed", "bf16")
+"""How a job's layers compute and store numbers (``JobConfig.precision``)."""
+
+
 def _default_optimizer() -> dict[str, Any]:
     return {"name": "adamw", "lr": 1e-3}
 
@@ -63,6 +67,10 @@ class JobConfig:
     for its backward in its memory estimate; without it they are left out."""
     input_dtype: str = "float32"
     """Dtype of that input (``int64`` for token ids)."""
+    precision: str = "fp32"
+    """``fp32``; ``bf16-mixed`` (float32 weights and optimizer state, layers under bfloat16
+    autocast, bfloat16 between stages); or ``bf16`` (weights, gradients and optimizer state in
+    bfloat16). See [Note: precision] in ``pipesvc.stage.runtime``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not _MODEL_NAME.fullmatch(self.model):
@@ -94,6 +102,11 @@ class JobConfig:
             raise InvalidArgumentError(f"optimizer must be a mapping; got {self.optimizer!r}")
         check_optimizer(self.optimizer)
         self._check_input()
+        if self.precision not in PRECISIONS:
+            raise InvalidArgumentError(
+                f"precision {self.precision!r} is not supported; expected one of "
+                f"{', '.join(PRECISIONS)}"
+            )
         if self.clip_grad_norm is not None and not (
             isinstance(self.clip_grad_norm, int | float)
             and not isinstance(self.clip_grad_norm, bool)
@@ -152,7 +165,7 @@ def parse_json_object(text: str, field_name: str) -> dict[str, Any]:
 
 _JSON_ON_THE_WIRE = ("model_args", "optimizer")
 """Mapping fields the wire carries as JSON text, in ``<name>_json``."""
-_EMPTY_ON_THE_WIRE_MEANS_DEFAULT = ("input_dtype",)
+_EMPTY_ON_THE_WIRE_MEANS_DEFAULT = ("input_dtype", "precision")
 """Fields added to the wire after the first clients: an older client's spec leaves them empty."""
 
 

@@ -27,6 +27,16 @@ mode: no dropout, BatchNorm's running statistics; the mode is switched only when
 the last committed step. Only a training run replaces them (it zeroes them in ``begin_run``), so
 only the abort of a training run that has begun here and not been committed drops them; the
 abort of an inference run, or of a run this stage never began, leaves them as they are.
+
+[Note: precision] ``fp32`` computes and stores everything in float32. ``bf16-mixed`` keeps
+float32 weights, gradients and optimizer state, runs the layers (forward and, through autograd,
+backward) under ``torch.autocast`` with bfloat16, and sends activations and gradients between
+stages as bfloat16; the loss is computed in float32 from the logits. ``bf16`` stores the
+weights (so gradients and optimizer state) in bfloat16 and feeds the first layer bfloat16
+copies of floating-point inputs. Integer inputs (token ids) are never cast. One process
+matches a job exactly only with the same casts at the stage boundaries, since autocast's
+output dtypes depend on the op; against one process under autocast without them, losses agree
+to bfloat16's precision (about 3 significant digits), which the tests allow for.
 """
 
 from __future__ import annotations
@@ -81,6 +91,11 @@ class StageRuntime:
             end_layer=end_layer,
             device=device,
         )
+        if config.precision == "bf16":
+            for layer in layers:
+                layer.to(torch.bfloat16)
+        self._autocast = config.precision == "bf16-mixed"
+        self._wire_dtype = torch.bfloat16 if config.precision != "fp32" else None
         # Keys "{global layer}.{param}" match build(...).state_dict() (DESIGN section 4).
         self.module = nn.ModuleDict({str(start_layer + i): layer for i, layer in enumerate(layers)})
         if config.num_microbatches > 1:
@@ -152,8 +167,18 @@ class StageRuntime:
             self.module.train(training)
             self._training = training
 
+    def _to_wire(self, t: torch.Tensor) -> torch.Tensor:
+        """What is sent to a neighbour: bfloat16 under the bf16 precisions."""
+        if self._wire_dtype is None or not t.is_floating_point():
+            return t
+        return t.detach().to(self._wire_dtype)
+
     def _apply(self, x: torch.Tensor, microbatch: int | None) -> torch.Tensor:
-        """Runs the layers; with ``microbatch`` (training) stochastic ones run seeded."""
+        """Runs the layers (see [Note: precision]); in training, stochastic ones run seeded."""
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast):
+            return self._apply_layers(x, microbatch)
+
+    def _apply_layers(self, x: torch.Tensor, microbatch: int | None) -> torch.Tensor:
         seed, step = self.config.seed, self.step + 1
         for index, layer, seeded in self._layers:
             try:
@@ -172,10 +197,13 @@ class StageRuntime:
     def forward(self, microbatch: int, x: torch.Tensor, *, training: bool) -> torch.Tensor:
         """Runs this stage's layers on ``x``; in training keeps what backward needs."""
         x = x.to(self.device)
+        if self.config.precision == "bf16" and x.is_floating_point():
+            x = x.to(torch.bfloat16)
         self._set_mode(training)
         if not training:
             with torch.no_grad():
-                return self._apply(x, None)
+                out = self._apply(x, None)
+            return out if self.is_last else self._to_wire(out)
         if not self.is_first:
             if not x.is_floating_point():
                 raise InvalidArgumentError(
@@ -186,12 +214,13 @@ class StageRuntime:
         y = self._apply(x, microbatch)
         self._saved[microbatch] = (x, y)
         self.max_live = max(self.max_live, len(self._saved))
-        return y
+        return y if self.is_last else self._to_wire(y)
 
     def loss(self, microbatch: int, target: torch.Tensor, weight: float) -> torch.Tensor:
         """Last stage: the weighted loss of micro-batch ``microbatch``, kept for backward."""
         x, y = self._saved[microbatch]
-        loss = compute_loss(self.config.loss, y, target.to(self.device)) * weight
+        logits = y.float() if self._wire_dtype is not None and y.is_floating_point() else y
+        loss = compute_loss(self.config.loss, logits, target.to(self.device)) * weight
         self._saved[microbatch] = (x, loss)
         return loss
 
@@ -220,7 +249,7 @@ class StageRuntime:
                     f"{list(y.shape)}"
                 )
             torch.autograd.backward(y, grad_output.to(device=self.device, dtype=y.dtype))
-        return None if self.is_first else x.grad
+        return None if self.is_first or x.grad is None else self._to_wire(x.grad)
 
     def grad_norm_sq(self) -> float:
         """Sum over parameters of the squared gradient norm (for global clipping)."""

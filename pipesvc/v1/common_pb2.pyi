@@ -208,6 +208,7 @@ class JobSpec(_message.Message):
     CHECKPOINT_EVERY_FIELD_NUMBER: _builtins.int
     INPUT_SHAPE_FIELD_NUMBER: _builtins.int
     INPUT_DTYPE_FIELD_NUMBER: _builtins.int
+    PRECISION_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """A registered model name, e.g. "gpt"."""
     model_args_json: _builtins.str
@@ -234,6 +235,8 @@ class JobSpec(_message.Message):
     """
     input_dtype: _builtins.str
     """torch dtype name of that input ("float32" when empty)."""
+    precision: _builtins.str
+    """"fp32" (when empty), "bf16-mixed" or "bf16"."""
     @_builtins.property
     def input_shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Shape of one micro-batch's input (batch dimension first), for the memory estimate of
@@ -256,10 +259,11 @@ class JobSpec(_message.Message):
         checkpoint_every: _builtins.int = ...,
         input_shape: _abc.Iterable[_builtins.int] | None = ...,
         input_dtype: _builtins.str = ...,
+        precision: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_clip_grad_norm", b"_clip_grad_norm", "clip_grad_norm", b"clip_grad_norm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_clip_grad_norm", b"_clip_grad_norm", "checkpoint_every", b"checkpoint_every", "clip_grad_norm", b"clip_grad_norm", "input_dtype", b"input_dtype", "input_shape", b"input_shape", "loss", b"loss", "model", b"model", "model_args_json", b"model_args_json", "num_microbatches", b"num_microbatches", "num_stages", b"num_stages", "optimizer_json", b"optimizer_json", "partition", b"partition", "schedule", b"schedule", "seed", b"seed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_clip_grad_norm", b"_clip_grad_norm", "checkpoint_every", b"checkpoint_every", "clip_grad_norm", b"clip_grad_norm", "input_dtype", b"input_dtype", "input_shape", b"input_shape", "loss", b"loss", "model", b"model", "model_args_json", b"model_args_json", "num_microbatches", b"num_microbatches", "num_stages", b"num_stages", "optimizer_json", b"optimizer_json", "partition", b"partition", "precision", b"precision", "schedule", b"schedule", "seed", b"seed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__clip_grad_norm: _TypeAlias = _typing.Literal["clip_grad_norm"]  # noqa: Y015
     _WhichOneofArgType__clip_grad_norm: _TypeAlias = _typing.Literal["_clip_grad_norm", b"_clip_grad_norm"]  # noqa: Y015

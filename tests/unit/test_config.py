@@ -132,6 +132,7 @@ NON_DEFAULT: dict[str, Any] = {
     "checkpoint_every": 0,
     "input_shape": (2, 3, 4),
     "input_dtype": "bfloat16",
+    "precision": "bf16-mixed",
 }
 """A value for every JobConfig field, none of them the default."""
 
@@ -174,7 +175,7 @@ def test_the_dict_and_wire_forms_are_unchanged() -> None:
         "input_shape": [8, 64],
         "input_dtype": "int64",
     }
-    config = config_from_dict(saved_row)
+    config = config_from_dict(saved_row)  # a row saved before ``precision`` existed
     assert config == JobConfig(
         model="gpt",
         model_args={"vocab_size": 17},
@@ -183,9 +184,9 @@ def test_the_dict_and_wire_forms_are_unchanged() -> None:
         input_shape=(8, 64),
         input_dtype="int64",
     )
-    assert config_to_dict(config) == saved_row
+    assert config_to_dict(config) == {**saved_row, "precision": "fp32"}
     old_defaults = {**saved_row, "clip_grad_norm": None, "input_shape": None}
-    assert config_to_dict(config_from_dict(old_defaults)) == old_defaults
+    assert config_to_dict(config_from_dict(old_defaults)) == {**old_defaults, "precision": "fp32"}
     spec = common_pb2.JobSpec(
         model="gpt",
         model_args_json='{"vocab_size": 17}',
@@ -200,12 +201,13 @@ def test_the_dict_and_wire_forms_are_unchanged() -> None:
         checkpoint_every=10,
         input_shape=[8, 64],
         input_dtype="int64",
+        precision="fp32",
     )
     assert config_to_proto(config) == spec
     assert config_from_proto(spec) == config
     older_client = common_pb2.JobSpec()
     older_client.CopyFrom(spec)
-    for name in ("clip_grad_norm", "input_shape", "input_dtype"):
+    for name in ("clip_grad_norm", "input_shape", "input_dtype", "precision"):
         older_client.ClearField(name)
     loaded = config_from_proto(older_client)
     assert loaded == dataclasses.replace(
