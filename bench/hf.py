@@ -14,10 +14,11 @@ micro-batches, ``causal_lm`` loss, AdamW (lr 1e-4), 1F1B, checkpoints off.
   many torch threads as the cluster has stages, so both use the same cores); each stage's
   peak RSS, and the largest.
 
-Steps/s is over the timed steps after one warm-up step. Only fp32: ``bf16-mixed`` is not
-built yet.
+Steps/s is over the timed steps after one warm-up step. Each precision (``--precisions``,
+default ``fp32,bf16-mixed``) is run both ways; the one-process ``bf16-mixed`` runs the model
+under bfloat16 autocast with float32 weights and AdamW, as the stages do.
 
-Usage: ``python bench/hf.py [--steps 3] [--stages 2,4]``
+Usage: ``python bench/hf.py [--steps 3] [--stages 2,4] [--precisions fp32,bf16-mixed]``
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, ids.clone()
 
 
-def one_process(directory: str, steps: int, threads: int, out: Any) -> None:
+def one_process(directory: str, steps: int, threads: int, precision: str, out: Any) -> None:
     """Runs in a fresh process, so its peak RSS is its own."""
     from transformers import AutoModelForCausalLM
 
@@ -81,13 +82,17 @@ def one_process(directory: str, steps: int, threads: int, out: Any) -> None:
         label_mbs = split(labels, MICROBATCHES)
         weights = loss_weights([loss_units("causal_lm", t) for t in label_mbs])
         for x, y, w in zip(split(ids, MICROBATCHES), label_mbs, weights, strict=True):
-            (compute_loss("causal_lm", model(x).logits, y) * w).backward()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+                logits = model(x).logits
+            (compute_loss("causal_lm", logits.float(), y) * w).backward()
         optimizer.step()
         times.append(time.perf_counter() - started)
     out.put((steps / sum(times[1:]), peak_rss()))
 
 
-def pipelined(directory: str, num_stages: int, steps: int) -> tuple[float, list[int]]:
+def pipelined(
+    directory: str, num_stages: int, steps: int, precision: str
+) -> tuple[float, list[int]]:
     with (
         pipesvc.LocalCluster(
             num_stages=num_stages,
@@ -104,6 +109,7 @@ def pipelined(directory: str, num_stages: int, steps: int) -> tuple[float, list[
             input_shape=[BATCH // MICROBATCHES, LENGTH],
             input_dtype="int64",
             checkpoint_every=0,
+            precision=precision,
         ) as job,
     ):
         times = []
@@ -118,6 +124,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3, help="timed steps per run (default 3)")
     parser.add_argument("--stages", default="2,4", help="stage counts (default 2,4)")
+    parser.add_argument("--precisions", default="fp32,bf16-mixed", help="(default %(default)s)")
     args = parser.parse_args()
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -129,19 +136,26 @@ def main() -> None:
         model.save_pretrained(directory)
         del model
         print(f"model: {params / 1e6:.0f}M parameters, batch {BATCH} x {LENGTH} tokens in "
-              f"{MICROBATCHES} micro-batches, AdamW, fp32, {args.steps} timed steps")  # fmt: skip
-        print(f"{'run':<14} {'steps/s':>8} {'vs one':>7} {'peak RSS MiB (per process)':>30}")
-        for num_stages in [int(s) for s in args.stages.split(",")]:
-            ctx = multiprocessing.get_context("spawn")
-            queue = ctx.Queue()
-            child = ctx.Process(target=one_process, args=(directory, args.steps, num_stages, queue))
-            child.start()
-            base_rate, base_peak = queue.get()
-            child.join()
-            rate, peaks = pipelined(directory, num_stages, args.steps)
-            print(f"{'one process':<14} {base_rate:>8.3f} {1.0:>7.2f} {base_peak / MiB:>30.0f}")
-            cells = " ".join(f"{p / MiB:.0f}" for p in peaks)
-            print(f"{f'{num_stages} stages':<14} {rate:>8.3f} {rate / base_rate:>7.2f} {cells:>30}")
+              f"{MICROBATCHES} micro-batches, AdamW, {args.steps} timed steps")  # fmt: skip
+        print(f"{'precision':<11} {'run':<12} {'steps/s':>8} {'vs one':>7} {'peak RSS MiB':>20}")
+        for precision in args.precisions.split(","):
+            for num_stages in [int(s) for s in args.stages.split(",")]:
+                ctx = multiprocessing.get_context("spawn")
+                queue = ctx.Queue()
+                child = ctx.Process(
+                    target=one_process,
+                    args=(directory, args.steps, num_stages, precision, queue),
+                )
+                child.start()
+                base_rate, base_peak = queue.get()
+                child.join()
+                rate, peaks = pipelined(directory, num_stages, args.steps, precision)
+                one = f"1 x {num_stages} thr"
+                print(f"{precision:<11} {one:<12} {base_rate:>8.3f} {1.0:>7.2f} "
+                      f"{base_peak / MiB:>20.0f}")  # fmt: skip
+                cells = " ".join(f"{p / MiB:.0f}" for p in peaks)
+                print(f"{precision:<11} {f'{num_stages} stages':<12} {rate:>8.3f} "
+                      f"{rate / base_rate:>7.2f} {cells:>20}")  # fmt: skip
 
 
 if __name__ == "__main__":
