@@ -99,14 +99,20 @@ class Head(nn.Module):
         return logits
 
 
-def stored_names(ckpt: Checkpoint, index: int, layer: nn.Module) -> dict[str, str]:
-    """Each ``state_dict`` name of pipesvc layer ``index`` -> its name in the checkpoint."""
+def stored_names(
+    ckpt: Checkpoint, index: int, layer: nn.Module, *, reading: bool = True
+) -> dict[str, str]:
+    """Each ``state_dict`` name of pipesvc layer ``index`` -> the model's own name for it.
+
+    ``reading``: the name to read from the checkpoint, where a tied head is the embedding's
+    tensor; otherwise the name in the model's ``state_dict()``, where the head has its own.
+    """
     family, last = ckpt.family, ckpt.num_blocks + 1
     parts: dict[str, str | None]
     if index == 0:
         parts = {"embed": family.embed, "positions": family.positions, "dropout": family.dropout}
     elif index == last:
-        head = family.embed if ckpt.tied else family.head
+        head = family.embed if ckpt.tied and reading else family.head
         parts = {"norm": family.norm, "head": head}
     else:
         parts = {"block": f"{family.blocks}.{index - 1}"}
@@ -117,6 +123,22 @@ def stored_names(ckpt: Checkpoint, index: int, layer: nn.Module) -> dict[str, st
         assert stored is not None, local
         names[local] = f"{stored}.{rest}"
     return names
+
+
+def model_keys(
+    directory: str | os.PathLike[str], lora: Mapping[str, object] | None = None
+) -> dict[str, str]:
+    """Every ``"{layer}.{name}"`` key of the pipesvc model -> the key of the Hugging Face
+    model's own ``state_dict()`` (LoRA adapters under peft's names); builds on meta only."""
+    where = str(Path(directory).resolve())
+    ckpt = _checkpoint(where)
+    keys = {}
+    with torch.device("meta"):
+        for index, spec in enumerate(hf_layer_specs(where, lora)):
+            layer = spec.build()
+            for local, name in stored_names(ckpt, index, layer, reading=False).items():
+                keys[f"{index}.{local}"] = name
+    return keys
 
 
 def _rotary(ckpt: Checkpoint) -> nn.Module | None:
