@@ -12,6 +12,7 @@ Usage::
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,9 +23,10 @@ import torch
 
 from pipesvc.core.config import JobConfig, config_from_proto, config_to_dict, config_to_proto
 from pipesvc.core.health import Health
+from pipesvc.core.limits import parse_bytes
 from pipesvc.core.plan import PipelineStage, plan_to_dicts
 from pipesvc.core.tensor_codec import decode, encode, named_frames, read_named_frames
-from pipesvc.errors import InvalidArgumentError
+from pipesvc.errors import FailedPreconditionError, InvalidArgumentError
 from pipesvc.observe.trace import StageTimeline, TraceEvent, write_trace_files
 from pipesvc.storage.checkpoint import (
     Manifest,
@@ -303,13 +305,73 @@ class Job:
             stream = self._client._stub.GetState(request, timeout=self._client.timeout_s)
             return dict(read_named_frames(stream))
 
+    def model_export(self) -> dict[str, Any] | None:
+        """How the job's model maps to its own format, or None for pipesvc's own models
+        (asked once, then kept: it depends only on the model and its arguments)."""
+        if not hasattr(self, "_export"):
+            reply = self._client._call(
+                self._client._stub.GetModelExport, coordinator_pb2.GetJobRequest(job_id=self.id)
+            )
+            self._export: dict[str, Any] | None = (
+                json.loads(reply.export_json) if reply.export_json else None
+            )
+        return self._export
+
+    def _own_keys(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        export = self.model_export()
+        keys = export.get("keys") if export else None
+        return {keys.get(k, k): v for k, v in state.items()} if keys else state
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's tensors under ``build(...)``'s keys (streamed from the stages)."""
-        return self._read_state(common_pb2.PARAMETERS)
+        """The whole model's tensors (streamed from the stages): under ``build(...)``'s keys,
+        or for a Hugging Face model under the keys of its own ``state_dict()``."""
+        return self._own_keys(self._read_state(common_pb2.PARAMETERS))
 
     def gradients(self) -> dict[str, torch.Tensor]:
-        """The gradients of the last committed step (after clipping), under parameter keys."""
-        return self._read_state(common_pb2.GRADIENTS)
+        """The gradients of the last committed step (after clipping), keyed as ``state_dict``."""
+        return self._own_keys(self._read_state(common_pb2.GRADIENTS))
+
+    def save_pretrained(
+        self, directory: str | Path, *, merged: bool = False, max_shard_size: str = "5GB"
+    ) -> None:
+        """Writes a Hugging Face model's job as a directory ``transformers`` loads with
+        ``AutoModelForCausalLM.from_pretrained`` (see [Note: Hugging Face export]). With LoRA
+        it writes peft's adapter directory (``PeftModel.from_pretrained`` on the original
+        model), or with ``merged=True`` the model with the adapters merged in.
+
+        Raises:
+            FailedPreconditionError: the job's model is not a Hugging Face model (use ``save``).
+            InvalidArgumentError: a bad ``max_shard_size``.
+        """
+        from pipesvc.models.hf_export import (
+            merge_adapters,
+            split_adapters,
+            write_adapter,
+            write_model,
+        )
+
+        export = self.model_export()
+        if not export or export.get("format") != "huggingface":
+            raise FailedPreconditionError(
+                f"job {self.id}'s model {self.config.model!r} is not a Hugging Face model; "
+                "save it with job.save(path)"
+            )
+        shard_bytes = parse_bytes(max_shard_size)
+        state, lora = self.state_dict(), export.get("lora")
+        if lora and not merged:
+            _, adapters = split_adapters(state)
+            write_adapter(adapters, lora, directory, base_model=str(export.get("source", "")))
+            return
+        if lora:
+            state = merge_adapters(state, lora)
+        write_model(
+            state,
+            export["config"],
+            directory,
+            embed_key=export["embed_key"],
+            head_key=export["head_key"],
+            max_shard_bytes=shard_bytes,
+        )
 
     def timelines(self, max_runs: int = 0) -> list[StageTimeline]:
         """Every stage's timed actions of the job's newest ``max_runs`` runs (0: all kept)."""
@@ -387,11 +449,16 @@ class Job:
         self.step = manifest.step
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Loads a full state_dict into the stages; all apply it or none does.
+        """Loads a full state_dict (keyed as ``state_dict`` returns it) into the stages; all
+        apply it or none does.
 
         Raises:
             InvalidArgumentError: missing or unexpected keys, or a shape or dtype mismatch.
         """
+        export = self.model_export()
+        if export and export.get("keys"):
+            ours = {own: key for key, own in export["keys"].items()}
+            state_dict = {ours.get(k, k): v for k, v in state_dict.items()}
 
         def requests() -> Iterator[coordinator_pb2.LoadJobStateRequest]:
             for name, tensor in state_dict.items():

@@ -16,7 +16,7 @@ from pipesvc.coordinator import planner
 from pipesvc.coordinator.job import JobDriver, create_job
 from pipesvc.coordinator.recovery import JobStorage
 from pipesvc.coordinator.registry import StageRecord, StageRegistry
-from pipesvc.coordinator.stage_calls import Deadlines
+from pipesvc.coordinator.stage_calls import Deadlines, call_stage
 from pipesvc.coordinator.state_db import StateDB
 from pipesvc.core.config import config_from_proto
 from pipesvc.core.health import Health
@@ -198,6 +198,23 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self, request: coordinator_pb2.GetJobRequest, context: object
     ) -> coordinator_pb2.JobInfo:
         return self._job(request.job_id).info()
+
+    @handle_errors
+    def GetModelExport(
+        self, request: coordinator_pb2.GetJobRequest, context: object
+    ) -> coordinator_pb2.ModelExport:
+        """Asks the job's first stage to describe the model's own format (no tensors move)."""
+        job = self._job(request.job_id)
+        reply = call_stage(
+            self.registry,
+            job.plan[0],
+            lambda stub: stub.Describe,
+            stage_pb2.DescribeRequest(
+                model=job.config.model, model_args_json=job.config.model_args_json()
+            ),
+            self._deadlines.control_s,
+        )
+        return coordinator_pb2.ModelExport(export_json=reply.export_json)
 
     @handle_errors
     def ListJobs(

@@ -24,6 +24,7 @@ from pipesvc.models.registry import (
     known_models,
     layer_seed,
     layer_specs,
+    model_export,
     register_model,
 )
 from pipesvc.models.rng import (
@@ -51,6 +52,7 @@ __all__ = [
     "layer_rng",
     "layer_seed",
     "layer_specs",
+    "model_export",
     "register_hf_model",
     "register_model",
     "seeded_forward",

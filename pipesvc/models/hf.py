@@ -125,6 +125,25 @@ def stored_names(
     return names
 
 
+def export_info(
+    directory: str | os.PathLike[str], lora: Mapping[str, object] | None = None
+) -> dict[str, object]:
+    """What a client needs to write the model as a Hugging Face directory: the original
+    ``config.json``, the key map (``model_keys``), the tied tensors' keys and the LoRA
+    arguments (see ``pipesvc.models.hf_export``)."""
+    where = str(Path(directory).resolve())
+    ckpt = _checkpoint(where)
+    return {
+        "format": "huggingface",
+        "source": where,
+        "config": ckpt.raw_config,
+        "keys": model_keys(where, lora),
+        "embed_key": f"{ckpt.family.embed}.weight",
+        "head_key": f"{ckpt.family.head}.weight",
+        "lora": dict(lora) if lora is not None else None,
+    }
+
+
 def model_keys(
     directory: str | os.PathLike[str], lora: Mapping[str, object] | None = None
 ) -> dict[str, str]:
@@ -234,6 +253,11 @@ def _factory(directory: str) -> Any:
 
     def factory(lora: dict[str, object] | None = None) -> list[LayerSpec]:
         return hf_layer_specs(directory, lora)
+
+    def export(lora: dict[str, object] | None = None) -> dict[str, object]:
+        return export_info(directory, lora)
+
+    factory.export = export  # type: ignore[attr-defined]
 
     factory.__qualname__ = f"hf_model[{directory}]"
     return factory

@@ -54,6 +54,8 @@ class Checkpoint:
         if not self.directory.is_dir():
             raise NotFoundError(f"Hugging Face model directory {str(directory)!r} does not exist")
         config = _read_json(self.directory / CONFIG_FILE)
+        self.raw_config = config
+        """``config.json`` as written (what an export writes back)."""
         self.model_type = str(config.get("model_type", ""))
         family = FAMILIES.get(self.model_type)
         if family is None:

@@ -123,6 +123,24 @@ def register_model(name: str) -> Callable[[_FactoryT], _FactoryT]:
     return decorator
 
 
+def model_export(name: str, model_args: Mapping[str, object]) -> dict[str, object] | None:
+    """How model ``name`` maps to its own format (a JSON object), or None if it has none.
+
+    A factory may carry an ``export`` attribute: a function of the model arguments returning
+    that object; Hugging Face models return ``{"format": "huggingface", "config": ...,
+    "keys": {"{layer}.{name}": key}, ...}`` (see ``pipesvc.models.hf``).
+
+    Raises:
+        UnknownModelError: ``name`` is not registered.
+    """
+    layer_specs(name, model_args)  # checks the name and the arguments
+    hook = getattr(_FACTORIES.get(name), "export", None)
+    if hook is None:
+        return None
+    result: dict[str, object] = hook(**model_args)
+    return result
+
+
 def known_models() -> list[str]:
     """Returns the registered model names, sorted."""
     return sorted(_FACTORIES.names())

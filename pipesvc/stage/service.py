@@ -7,6 +7,7 @@ links to the neighbours) and delegates runs, commits and aborts to ``StepEngine`
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -109,6 +110,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
         self, request: stage_pb2.DescribeRequest, context: object
     ) -> stage_pb2.DescribeResponse:
         args = parse_json_object(request.model_args_json, "model_args_json")
+        export = models.model_export(request.model, args)
         description = models.describe(
             request.model,
             args,
@@ -128,7 +130,8 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
                     ],
                 )
                 for layer in description.layers
-            ]
+            ],
+            export_json=json.dumps(export) if export is not None else "",
         )
 
     @handle_errors

@@ -258,6 +258,28 @@ class JobInfo(_message.Message):
 Global___JobInfo: _TypeAlias = JobInfo  # noqa: Y015
 
 @_typing.final
+class ModelExport(_message.Message):
+    """How a job's model maps to its own format."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EXPORT_JSON_FIELD_NUMBER: _builtins.int
+    export_json: _builtins.str
+    """A JSON object; empty when the model has no format of its own."""
+    def __init__(
+        self,
+        *,
+        export_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["export_json", b"export_json"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelExport: _TypeAlias = ModelExport  # noqa: Y015
+
+@_typing.final
 class GetJobRequest(_message.Message):
     """Names the job to describe."""
 

@@ -91,6 +91,11 @@ class CoordinatorServiceStub:
                 request_serializer=pipesvc_dot_v1_dot_common__pb2.GetTraceRequest.SerializeToString,
                 response_deserializer=pipesvc_dot_v1_dot_coordinator__pb2.JobTrace.FromString,
                 _registered_method=True)
+        self.GetModelExport = channel.unary_unary(
+                '/pipesvc.v1.CoordinatorService/GetModelExport',
+                request_serializer=pipesvc_dot_v1_dot_coordinator__pb2.GetJobRequest.SerializeToString,
+                response_deserializer=pipesvc_dot_v1_dot_coordinator__pb2.ModelExport.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServiceServicer:
@@ -174,6 +179,13 @@ class CoordinatorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModelExport(self, request, context):
+        """How a job's model maps to its own format (Hugging Face models), for exporting it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -231,6 +243,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     servicer.GetTrace,
                     request_deserializer=pipesvc_dot_v1_dot_common__pb2.GetTraceRequest.FromString,
                     response_serializer=pipesvc_dot_v1_dot_coordinator__pb2.JobTrace.SerializeToString,
+            ),
+            'GetModelExport': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelExport,
+                    request_deserializer=pipesvc_dot_v1_dot_coordinator__pb2.GetJobRequest.FromString,
+                    response_serializer=pipesvc_dot_v1_dot_coordinator__pb2.ModelExport.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -531,6 +548,33 @@ class CoordinatorService:
             '/pipesvc.v1.CoordinatorService/GetTrace',
             pipesvc_dot_v1_dot_common__pb2.GetTraceRequest.SerializeToString,
             pipesvc_dot_v1_dot_coordinator__pb2.JobTrace.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelExport(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pipesvc.v1.CoordinatorService/GetModelExport',
+            pipesvc_dot_v1_dot_coordinator__pb2.GetJobRequest.SerializeToString,
+            pipesvc_dot_v1_dot_coordinator__pb2.ModelExport.FromString,
             options,
             channel_credentials,
             insecure,

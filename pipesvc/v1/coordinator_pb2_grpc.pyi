@@ -56,6 +56,8 @@ class CoordinatorServiceStub:
     """Frees the job's stages."""
     GetTrace: _grpc.UnaryUnaryMultiCallable[_common_pb2.GetTraceRequest, _coordinator_pb2.JobTrace]
     """Every stage's timed actions of the job's recent runs."""
+    GetModelExport: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetJobRequest, _coordinator_pb2.ModelExport]
+    """How a job's model maps to its own format (Hugging Face models), for exporting it."""
 
 @_typing.type_check_only
 class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
@@ -84,6 +86,8 @@ class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
     """Frees the job's stages."""
     GetTrace: _aio.UnaryUnaryMultiCallable[_common_pb2.GetTraceRequest, _coordinator_pb2.JobTrace]  # type: ignore[assignment]
     """Every stage's timed actions of the job's recent runs."""
+    GetModelExport: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetJobRequest, _coordinator_pb2.ModelExport]  # type: ignore[assignment]
+    """How a job's model maps to its own format (Hugging Face models), for exporting it."""
 
 class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
     """The coordinator service: stages register here; clients create jobs and drive them here."""
@@ -175,5 +179,13 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.JobTrace, _abc.Awaitable[_coordinator_pb2.JobTrace]]:
         """Every stage's timed actions of the job's recent runs."""
+
+    @_abc_1.abstractmethod
+    def GetModelExport(
+        self,
+        request: _coordinator_pb2.GetJobRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.ModelExport, _abc.Awaitable[_coordinator_pb2.ModelExport]]:
+        """How a job's model maps to its own format (Hugging Face models), for exporting it."""
 
 def add_CoordinatorServiceServicer_to_server(servicer: CoordinatorServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -181,6 +181,11 @@ class DescribeResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     LAYERS_FIELD_NUMBER: _builtins.int
+    EXPORT_JSON_FIELD_NUMBER: _builtins.int
+    export_json: _builtins.str
+    """How the model maps to its own format (a JSON object; empty when it has none): for a
+    Hugging Face model its config.json, the key of each tensor and the LoRA arguments.
+    """
     @_builtins.property
     def layers(self) -> _containers.RepeatedCompositeFieldContainer[Global___LayerDescription]:
         """One entry per layer."""
@@ -189,10 +194,11 @@ class DescribeResponse(_message.Message):
         self,
         *,
         layers: _abc.Iterable[Global___LayerDescription] | None = ...,
+        export_json: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["layers", b"layers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["export_json", b"export_json", "layers", b"layers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import pipesvc
+from pipesvc import models, register_hf_model
 from pipesvc.core.loss import IGNORE_INDEX
 from tests.support.stage_probe import stage_info
 
@@ -71,21 +72,16 @@ def test_a_model_no_stage_could_hold_trains_with_each_stage_near_its_share(
             assert second < first  # it trains
             # The peaks of loading and training, before streaming the state out adds its own.
             peaks = {s.address: status_kib(stage_info(s.address).pid, "VmHWM") for s in job.plan}
-            state = job.state_dict()
+            # Each stage's share: its layers' parameter bytes, from the model's description.
+            register_hf_model("hf-big", tmp_path / "llama")
+            layers = models.describe("hf-big", {}).layers
             shares = {
-                stage.address: 4 * stage_param_bytes(state, stage.start_layer, stage.end_layer)
-                for stage in job.plan
+                s.address: 4
+                * sum(layer.parameter_bytes for layer in layers[s.start_layer : s.end_layer])
+                for s in job.plan
             }
             for address, share in shares.items():
                 grown = peaks[address] * 1024 - before[stage_info(address).pid]
                 assert share < whole / 2, (share, whole)
                 assert grown < share + 128 * MIB, (address, grown / MIB, share / MIB)
                 assert grown < 0.75 * whole, (address, grown / MIB, whole / MIB)
-
-
-def stage_param_bytes(state: dict[str, torch.Tensor], start: int, end: int) -> int:
-    return sum(
-        t.numel() * t.element_size()
-        for key, t in state.items()
-        if start <= int(key.split(".", 1)[0]) < end
-    )

@@ -3,7 +3,6 @@ in one process: causal-LM loss over padded batches split unevenly, AdamW, both s
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,8 +13,6 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import pipesvc
 from pipesvc.core.loss import IGNORE_INDEX
-from pipesvc.models.hf import hf_layer_specs, stored_names
-from pipesvc.models.hf_checkpoint import Checkpoint
 
 VOCAB = 48
 FAMILIES = {
@@ -112,29 +109,13 @@ def test_training_equals_transformers_in_one_process(
         with torch.no_grad():
             expected_logits = reference(ids).logits
         assert torch.allclose(job.forward(ids), expected_logits, rtol=1e-4, atol=1e-5)
-        weights = hf_keyed(job.state_dict(), hf_dirs[name])
+        weights = job.state_dict()  # the Hugging Face model's own keys
         expected = reference.state_dict()
         assert sorted(weights) == sorted(expected)
         for key, value in weights.items():
             assert torch.allclose(value, expected[key], rtol=1e-4, atol=1e-5), key
     finally:
         job.close()
-
-
-def hf_keyed(
-    state: dict[str, torch.Tensor], directory: Path, lora: dict[str, Any] | None = None
-) -> dict[str, torch.Tensor]:
-    """``{layer}.{param}`` keys -> the Hugging Face model's own keys."""
-    ckpt = Checkpoint(directory)
-    specs = hf_layer_specs(directory, lora)
-    out = {}
-    for index, spec in enumerate(specs):
-        with torch.device("meta"):
-            layer = copy.deepcopy(spec.build())
-        for local, stored in stored_names(ckpt, index, layer).items():
-            hf_name = stored.replace("embed_out.", "lm_head.")
-            out[hf_name] = state[f"{index}.{local}"]
-    return out
 
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
@@ -166,9 +147,9 @@ def test_lora_training_equals_peft_in_one_process(
         checkpoint_every=2,
     )
     try:
-        initial = hf_keyed(job.state_dict(), hf_dirs[name], LORA)
+        initial = job.state_dict()
         losses = [job.train_step(*batch(step)) for step in range(STEPS)]
-        final = hf_keyed(job.state_dict(), hf_dirs[name], LORA)
+        final = job.state_dict()
     finally:
         job.close()
     reference = get_peft_model(
@@ -199,3 +180,50 @@ def test_lora_training_equals_peft_in_one_process(
         else:
             assert torch.equal(value, initial[name]), name  # frozen
     assert changed == 4 * blocks  # lora_A and lora_B of q_proj and v_proj, in each block
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+@pytest.mark.parametrize("name", ["hf-llama", "hf-neox"])
+def test_save_pretrained_loads_in_transformers_with_the_jobs_logits(
+    hf_client: pipesvc.Client, hf_dirs: dict[str, Path], name: str, tmp_path: Path
+) -> None:
+    from peft import PeftModel
+
+    ids, _ = batch(50)
+    options = {
+        "model": name, "loss": "causal_lm", "optimizer": OPTIMIZER, "num_stages": 3,
+        "num_microbatches": 3, "checkpoint_every": 0,
+    }  # fmt: skip
+    with hf_client.create_job(**options) as job:  # type: ignore[arg-type]
+        for step in range(2):
+            job.train_step(*batch(step))
+        job.save_pretrained(tmp_path / "full", max_shard_size="40KB")
+        expected = job.forward(ids)
+    assert (tmp_path / "full" / "model.safetensors.index.json").exists()
+    with torch.no_grad():
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "full").eval()
+        assert torch.allclose(loaded(ids).logits, expected, rtol=1e-5, atol=1e-6)
+    if name != "hf-llama":
+        return
+    with hf_client.create_job(**options, model_args={"lora": LORA}) as job:  # type: ignore[arg-type]
+        for step in range(2):
+            job.train_step(*batch(step))
+        job.save_pretrained(tmp_path / "adapter")
+        job.save_pretrained(tmp_path / "merged", merged=True)
+        expected = job.forward(ids)
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(hf_dirs[name])
+        adapted = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+        assert torch.allclose(adapted(ids).logits, expected, rtol=1e-5, atol=1e-5)
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+        assert torch.allclose(merged(ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_save_pretrained_of_a_model_of_our_own_is_refused(
+    hf_client: pipesvc.Client, tmp_path: Path
+) -> None:
+    with hf_client.create_job(model="mlp", loss="mse") as job:
+        assert job.model_export() is None
+        with pytest.raises(pipesvc.FailedPreconditionError, match="not a Hugging Face model"):
+            job.save_pretrained(tmp_path / "x")
+    assert not (tmp_path / "x").exists()

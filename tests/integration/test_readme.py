@@ -53,5 +53,6 @@ def test_readme_hugging_face_example_runs(
     monkeypatch.chdir(tmp_path)  # the model directory is written here
     exec(compile(example[0], "README.md", "exec"), {})  # our own README, not input
     assert (tmp_path / "tiny-llama" / "config.json").exists()
+    assert (tmp_path / "tiny-llama-lora" / "adapter_config.json").exists()
     (line,) = capsys.readouterr().out.splitlines()
     assert re.fullmatch(r"loss \d+\.\d{4}, logits \(4, 32, 128\)", line), line

@@ -32,7 +32,9 @@ LAYERS: dict[str, frozenset[str]] = {
     "coordinator": frozenset(
         {"errors", "registry", "v1", "core", "models", "storage", "observe", "wire"}
     ),
-    "client": frozenset({"errors", "registry", "v1", "core", "storage", "observe", "wire"}),
+    "client": frozenset(
+        {"errors", "registry", "v1", "core", "models", "storage", "observe", "wire"}
+    ),
 }
 """The rest (``cli``, ``local_cluster``, ``demo``, ``__init__``) is the application on top."""
 PURE_LAYERS = ("errors", "registry", "models", "storage", "observe", "core")
