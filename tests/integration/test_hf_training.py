@@ -227,3 +227,23 @@ def test_save_pretrained_of_a_model_of_our_own_is_refused(
         with pytest.raises(pipesvc.FailedPreconditionError, match="not a Hugging Face model"):
             job.save_pretrained(tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+def test_a_saved_hf_job_resumes_with_its_lora_adapters(
+    hf_client: pipesvc.Client, tmp_path: Path
+) -> None:
+    options = {
+        "model": "hf-llama", "model_args": {"lora": LORA}, "loss": "causal_lm",
+        "optimizer": OPTIMIZER, "num_stages": 2, "num_microbatches": 3, "checkpoint_every": 0,
+    }  # fmt: skip
+    with hf_client.create_job(**options) as job:  # type: ignore[arg-type]
+        job.train_step(*batch(0))
+        job.save(tmp_path / "ckpt")
+        expected = job.train_step(*batch(1))
+        expected_state = job.state_dict()
+    with hf_client.create_job(**options, resume_from=tmp_path / "ckpt") as again:  # type: ignore[arg-type]
+        assert again.step == 1
+        assert again.train_step(*batch(1)) == expected
+        state = again.state_dict()
+    assert sorted(state) == sorted(expected_state)
+    assert all(torch.equal(state[k], expected_state[k]) for k in state)
