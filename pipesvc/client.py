@@ -105,6 +105,7 @@ class Client:
         checkpoint_every: int = 10,
         input_shape: Sequence[int] | None = None,
         input_dtype: str = "float32",
+        trainable: Sequence[str] | None = None,
         precision: str = "fp32",
         resume_from: str | Path | None = None,
         wait_for_stages_s: float = 0.0,
@@ -136,6 +137,7 @@ class Client:
             checkpoint_every=checkpoint_every,
             input_shape=tuple(input_shape) if input_shape is not None else None,
             input_dtype=input_dtype,
+            trainable=tuple(trainable) if trainable is not None else None,
             precision=precision,
         )
         manifest = read_manifest(resume_from) if resume_from is not None else None

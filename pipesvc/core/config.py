@@ -22,6 +22,7 @@ from pipesvc.v1 import common_pb2
 _MODEL_NAME = re.compile(r"[a-z][a-z0-9_-]{0,63}")
 
 
+MAX_TRAINABLE_PATTERNS = 256
 PRECISIONS = ("fp32", "bf16-mixed", "bf16")
 """How a job's layers compute and store numbers (``JobConfig.precision``)."""
 
@@ -67,6 +68,10 @@ class JobConfig:
     for its backward in its memory estimate; without it they are left out."""
     input_dtype: str = "float32"
     """Dtype of that input (``int64`` for token ids)."""
+    trainable: tuple[str, ...] | None = None
+    """Glob patterns (``fnmatch``) over parameter names, the keys of ``Job.state_dict()`` (a
+    Hugging Face model's own names): only matching parameters train; the rest get no
+    gradient and no optimizer state. None: every parameter trains."""
     precision: str = "fp32"
     """``fp32``; ``bf16-mixed`` (float32 weights and optimizer state, layers under bfloat16
     autocast, bfloat16 between stages); or ``bf16`` (weights, gradients and optimizer state in
@@ -102,6 +107,15 @@ class JobConfig:
             raise InvalidArgumentError(f"optimizer must be a mapping; got {self.optimizer!r}")
         check_optimizer(self.optimizer)
         self._check_input()
+        if self.trainable is not None and not (
+            isinstance(self.trainable, tuple)
+            and 1 <= len(self.trainable) <= MAX_TRAINABLE_PATTERNS
+            and all(isinstance(g, str) and 1 <= len(g) <= 256 for g in self.trainable)
+        ):
+            raise InvalidArgumentError(
+                f"trainable ({self.trainable!r}) must be 1 to {MAX_TRAINABLE_PATTERNS} glob "
+                "patterns of 1 to 256 characters over parameter names, e.g. ('*.mlp.*',)"
+            )
         if self.precision not in PRECISIONS:
             raise InvalidArgumentError(
                 f"precision {self.precision!r} is not supported; expected one of "
@@ -196,10 +210,12 @@ def config_from_dict(values: Mapping[str, Any]) -> JobConfig:
         InvalidArgumentError: unknown or invalid fields.
     """
     try:
-        shape = values.get("input_shape")
-        if isinstance(shape, list):
-            values = {**values, "input_shape": tuple(shape)}
-        return JobConfig(**values)
+        lists = {
+            k: tuple(values[k])
+            for k in ("input_shape", "trainable")
+            if isinstance(values.get(k), list)
+        }
+        return JobConfig(**{**values, **lists})
     except TypeError as exc:
         raise InvalidArgumentError(f"job configuration {dict(values)!r}: {exc}") from exc
 

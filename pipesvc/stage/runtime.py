@@ -41,6 +41,7 @@ to bfloat16's precision (about 3 significant digits), which the tests allow for.
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from dataclasses import dataclass
 
@@ -51,7 +52,7 @@ from pipesvc.core.config import JobConfig
 from pipesvc.core.loss import compute_loss
 from pipesvc.core.optim import build_optimizer
 from pipesvc.errors import FailedPreconditionError, InvalidArgumentError
-from pipesvc.models import batch_statistics, build_layers, layer_rng, uses_rng
+from pipesvc.models import batch_statistics, build_layers, layer_rng, model_export, uses_rng
 from pipesvc.storage.checkpoint import OPTIM_PREFIX, group_by_layer
 
 
@@ -103,8 +104,11 @@ class StageRuntime:
         # (global index, layer, whether its training call is seeded), fixed at build time.
         self._layers = [(start_layer + i, layer, uses_rng(layer)) for i, layer in enumerate(layers)]
         self._training = True  # modules are built in training mode
-        # Frozen parameters (LoRA's base weights) get no optimizer state; a stage with nothing
-        # to train (only a Flatten, or only frozen layers) has no optimizer.
+        if config.trainable is not None:
+            self._freeze_all_but(config.trainable)
+        # Frozen parameters (LoRA's base weights, those ``trainable`` leaves out) get no
+        # optimizer state; a stage with nothing to train (only a Flatten, or only frozen
+        # layers) has no optimizer.
         params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(config.optimizer, params) if params else None
         self.step = 0
@@ -114,6 +118,17 @@ class StageRuntime:
         self._zeroed: list[tuple[torch.nn.Parameter, torch.Tensor, int]] = []
         # A training run began and is not committed: its gradients replace the last step's.
         self._training_run = False
+
+    def _freeze_all_but(self, patterns: tuple[str, ...]) -> None:
+        """Only parameters whose name (the model's own, as ``Job.state_dict()`` shows it)
+        matches one of ``patterns`` keep training."""
+        export = model_export(self.config.model, self.config.model_args)
+        own = export.get("keys") if export else None
+        names: dict[str, str] = own if isinstance(own, dict) else {}
+        for key, param in self.module.named_parameters():
+            name = names.get(key, key)
+            if not any(fnmatch.fnmatchcase(name, p) for p in patterns):
+                param.requires_grad_(False)
 
     @property
     def is_first(self) -> bool:

@@ -209,6 +209,7 @@ class JobSpec(_message.Message):
     INPUT_SHAPE_FIELD_NUMBER: _builtins.int
     INPUT_DTYPE_FIELD_NUMBER: _builtins.int
     PRECISION_FIELD_NUMBER: _builtins.int
+    TRAINABLE_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """A registered model name, e.g. "gpt"."""
     model_args_json: _builtins.str
@@ -243,6 +244,10 @@ class JobSpec(_message.Message):
         in-flight activations; empty: activations are left out of the estimate.
         """
 
+    @_builtins.property
+    def trainable(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Glob patterns over parameter names: only matching parameters train (empty: all do)."""
+
     def __init__(
         self,
         *,
@@ -260,10 +265,11 @@ class JobSpec(_message.Message):
         input_shape: _abc.Iterable[_builtins.int] | None = ...,
         input_dtype: _builtins.str = ...,
         precision: _builtins.str = ...,
+        trainable: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_clip_grad_norm", b"_clip_grad_norm", "clip_grad_norm", b"clip_grad_norm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_clip_grad_norm", b"_clip_grad_norm", "checkpoint_every", b"checkpoint_every", "clip_grad_norm", b"clip_grad_norm", "input_dtype", b"input_dtype", "input_shape", b"input_shape", "loss", b"loss", "model", b"model", "model_args_json", b"model_args_json", "num_microbatches", b"num_microbatches", "num_stages", b"num_stages", "optimizer_json", b"optimizer_json", "partition", b"partition", "precision", b"precision", "schedule", b"schedule", "seed", b"seed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_clip_grad_norm", b"_clip_grad_norm", "checkpoint_every", b"checkpoint_every", "clip_grad_norm", b"clip_grad_norm", "input_dtype", b"input_dtype", "input_shape", b"input_shape", "loss", b"loss", "model", b"model", "model_args_json", b"model_args_json", "num_microbatches", b"num_microbatches", "num_stages", b"num_stages", "optimizer_json", b"optimizer_json", "partition", b"partition", "precision", b"precision", "schedule", b"schedule", "seed", b"seed", "trainable", b"trainable"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__clip_grad_norm: _TypeAlias = _typing.Literal["clip_grad_norm"]  # noqa: Y015
     _WhichOneofArgType__clip_grad_norm: _TypeAlias = _typing.Literal["_clip_grad_norm", b"_clip_grad_norm"]  # noqa: Y015

@@ -3,6 +3,7 @@ in one process: causal-LM loss over padded batches split unevenly, AdamW, both s
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -247,3 +248,37 @@ def test_a_saved_hf_job_resumes_with_its_lora_adapters(
         state = again.state_dict()
     assert sorted(state) == sorted(expected_state)
     assert all(torch.equal(state[k], expected_state[k]) for k in state)
+
+
+def test_trainable_patterns_freeze_the_rest_like_one_process(
+    hf_client: pipesvc.Client, hf_dirs: dict[str, Path]
+) -> None:
+    trainable = ["model.layers.*.mlp.*", "model.norm.*"]
+    with hf_client.create_job(
+        model="hf-llama", loss="causal_lm", optimizer=OPTIMIZER, num_stages=3,
+        num_microbatches=3, checkpoint_every=2, trainable=trainable,
+    ) as job:  # fmt: skip
+        initial = job.state_dict()
+        losses = [job.train_step(*batch(step)) for step in range(STEPS)]
+        final = job.state_dict()
+        gradients = job.gradients()
+    reference = AutoModelForCausalLM.from_pretrained(hf_dirs["hf-llama"])
+    for name, param in reference.named_parameters():
+        param.requires_grad_(any(fnmatch.fnmatchcase(name, p) for p in trainable))
+    params = [p for p in reference.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-6)
+    expected_losses = []
+    for step in range(STEPS):
+        ids, labels = batch(step)
+        optimizer.zero_grad()
+        loss = reference(ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        expected_losses.append(loss.item())
+    assert losses == pytest.approx(expected_losses, rel=1e-5, abs=1e-6)
+    expected = reference.state_dict()
+    trains = {n for n, p in reference.named_parameters() if p.requires_grad}
+    assert trains and sorted(gradients) == sorted(trains)  # no gradient for frozen weights
+    for key, value in final.items():
+        assert torch.allclose(value, expected[key], rtol=1e-4, atol=1e-5), key
+        assert torch.equal(value, initial[key]) == (key not in trains), key

@@ -133,6 +133,7 @@ NON_DEFAULT: dict[str, Any] = {
     "input_shape": (2, 3, 4),
     "input_dtype": "bfloat16",
     "precision": "bf16-mixed",
+    "trainable": ("*.mlp.*", "lm_head.*"),
 }
 """A value for every JobConfig field, none of them the default."""
 
@@ -387,3 +388,9 @@ def test_check_plan_rejects(plan: list[PipelineStage], named: str) -> None:
     with pytest.raises(InvalidArgumentError) as info:
         check_plan(plan, num_layers=5)
     assert named in str(info.value)
+
+
+@pytest.mark.parametrize("bad", [(), ("",), ("x" * 257,), ["*.mlp.*"], (3,)])
+def test_trainable_patterns_are_checked(bad: object) -> None:
+    with pytest.raises(InvalidArgumentError, match=r"trainable .* must be 1 to 256 glob patterns"):
+        JobConfig(model="mlp", trainable=bad)  # type: ignore[arg-type]
