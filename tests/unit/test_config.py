@@ -185,9 +185,10 @@ def test_the_dict_and_wire_forms_are_unchanged() -> None:
         input_shape=(8, 64),
         input_dtype="int64",
     )
-    assert config_to_dict(config) == {**saved_row, "precision": "fp32"}
+    newer = {"trainable": None, "precision": "fp32"}  # fields added since
+    assert config_to_dict(config) == {**saved_row, **newer}
     old_defaults = {**saved_row, "clip_grad_norm": None, "input_shape": None}
-    assert config_to_dict(config_from_dict(old_defaults)) == {**old_defaults, "precision": "fp32"}
+    assert config_to_dict(config_from_dict(old_defaults)) == {**old_defaults, **newer}
     spec = common_pb2.JobSpec(
         model="gpt",
         model_args_json='{"vocab_size": 17}',
@@ -208,7 +209,7 @@ def test_the_dict_and_wire_forms_are_unchanged() -> None:
     assert config_from_proto(spec) == config
     older_client = common_pb2.JobSpec()
     older_client.CopyFrom(spec)
-    for name in ("clip_grad_norm", "input_shape", "input_dtype", "precision"):
+    for name in ("clip_grad_norm", "input_shape", "input_dtype", "precision", "trainable"):
         older_client.ClearField(name)
     loaded = config_from_proto(older_client)
     assert loaded == dataclasses.replace(
