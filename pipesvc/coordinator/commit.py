@@ -50,9 +50,14 @@ def commit_all(
     *,
     step: int,
     deadlines: Deadlines,
+    after_failed_run: bool = False,
 ) -> None:
     """Commits ``request.run_id`` (training step ``step``) on every stage of ``plan``; returns
     once every stage reports the step (see [Note: commit invariant]).
+
+    ``after_failed_run``: the commit was carried by a run that failed and has been aborted, so
+    some stages may have applied it already; skip the first blind round and commit only where
+    it is still pending.
 
     Raises:
         StageLostError: a stage stopped answering health checks (it is to be replaced).
@@ -70,18 +75,21 @@ def commit_all(
             what=what,
         )
 
-    try:
-        commit_on(plan)
-        return
-    except StageLostError:
-        raise
-    except PipesvcError as exc:
-        last: PipesvcError = exc
-    logger.warning("%s failed: %s; committing again where it is pending", what, last)
+    last: PipesvcError | None = None
+    if not after_failed_run:
+        try:
+            commit_on(plan)
+            return
+        except StageLostError:
+            raise
+        except PipesvcError as exc:
+            last = exc
+        logger.warning("%s failed: %s; committing again where it is pending", what, last)
     for round_index in range(COMMIT_RETRIES):
-        # The pause also lets Commit calls still in flight (call_all returns on the first
-        # error) land before the stages are asked where they are.
-        time.sleep(RETRY_BACKOFF_S * 2**round_index)
+        if last is not None:
+            # The pause also lets Commit calls still in flight (call_all returns on the first
+            # error) land before the stages are asked where they are.
+            time.sleep(RETRY_BACKOFF_S * 2**round_index)
         laggards = _laggards(registry, plan, request, step=step, deadlines=deadlines)
         if not laggards:
             logger.warning("%s completed on every stage", what)

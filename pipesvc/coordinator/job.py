@@ -34,9 +34,8 @@ from typing import Any
 import torch
 
 from pipesvc.coordinator import planner
-from pipesvc.coordinator.commit import commit_all
-from pipesvc.coordinator.job_state import JobState
-from pipesvc.coordinator.recovery import JobStorage, Recovery
+from pipesvc.coordinator.job_state import JobState, PendingCommit
+from pipesvc.coordinator.recovery import FINAL_ERRORS, JobStorage, Recovery
 from pipesvc.coordinator.registry import StageRegistry
 from pipesvc.coordinator.stage_calls import Deadlines, StageLostError
 from pipesvc.coordinator.stage_group import StageGroup
@@ -58,6 +57,9 @@ logger = logging.getLogger(__name__)
 
 MAX_RECOVERIES_PER_CALL = 3
 """A step that still fails after this many recoveries raises."""
+IDLE_FLUSH_S = 1.0
+"""A deferred commit is flushed by maintenance once the job has had no step for this long,
+so that stages do not hold a decided step's gradients uncommitted while the client is away."""
 
 
 class JobDriver:
@@ -105,6 +107,7 @@ class JobDriver:
             needs_reconcile=needs_reconcile,
         )
         self._last_loss = (0, 0.0)  # (step, loss) of the newest run phase that succeeded
+        self._decided_at = 0.0  # when the newest step was decided (for the idle flush)
         self._lock = threading.Lock()
 
     @property
@@ -159,13 +162,53 @@ class JobDriver:
     def _run(
         self, mode: int, inputs: list[torch.Tensor], targets: list[torch.Tensor]
     ) -> tuple[int, list[stage_pb2.RunStepResponse]]:
-        """One run phase on every stage under a new run id; aborted everywhere if it fails."""
+        """One run phase on every stage under a new run id, carrying the pending commit (see
+        [Note: deferred commit]); aborted everywhere if it fails.
+
+        If a run that carried a commit fails, the commit is settled (completed where it is
+        still pending; if that fails, the step becomes the replay target); after a final-class
+        error the run is then tried once more without it, so that a refused commit is not
+        reported as the run's fault.
+        """
+        state = self.state
+        carried = state.pending
+        try:
+            return self._run_once(mode, inputs, targets, carried)
+        except PipesvcError as exc:
+            if carried is None:
+                raise
+            if isinstance(exc, StageLostError):
+                # A stage is gone: recovery rebuilds every stage to the decided step.
+                state.pending = None
+                state.replay_target = max(state.replay_target or 0, carried.step)
+                raise
+            logger.warning(
+                "job %s: a run carrying the commit of step %d failed: %s; settling the commit",
+                self.job_id,
+                carried.step,
+                exc,
+            )
+            self.recovery.settle(carried, after_failed_run=True)
+            if not isinstance(exc, FINAL_ERRORS):
+                raise  # a fault of a stage or link: recovered from as for any run
+        # A final-class error may have been the carried commit's (settled now), not the run's:
+        # the run goes once more on its own, and a caller's error repeats.
+        return self._run_once(mode, inputs, targets, None)
+
+    def _run_once(
+        self,
+        mode: int,
+        inputs: list[torch.Tensor],
+        targets: list[torch.Tensor],
+        carried: PendingCommit | None,
+    ) -> tuple[int, list[stage_pb2.RunStepResponse]]:
         state = self.state
         state.run_id += 1
         run_id = state.run_id
         what = f"run {run_id} (step {state.step + 1})" if targets else f"inference run {run_id}"
+        commit = carried.carried() if carried is not None else None
         try:
-            replies = self.group.run_step(run_id, mode, inputs, targets, what=what)
+            replies = self.group.run_step(run_id, mode, inputs, targets, what=what, commit=commit)
         except PipesvcError as exc:
             self._metrics.inc("steps_aborted_total")
             if mode == stage_pb2.TRAIN:
@@ -173,6 +216,9 @@ class JobDriver:
             lost = exc.addresses if isinstance(exc, StageLostError) else set()
             self.group.abort(run_id, lost=lost)
             raise
+        if carried is not None:
+            state.pending = None
+            state.gradients_valid = True
         return run_id, replies
 
     # -- steps ---------------------------------------------------------------------------------
@@ -183,7 +229,7 @@ class JobDriver:
         target_mbs: list[torch.Tensor],
         log: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> float:
-        group, state = self.group, self.state
+        state = self.state
         # The write-ahead log entry is written while the stages compute, and before any commit.
         logged = self._pool.submit(self._storage.log.write, state.step + 1, *log) if log else None
         try:
@@ -193,21 +239,15 @@ class JobDriver:
                 logged.result()
         loss = float(sum(replies[-1].losses))
         self._last_loss = (state.step + 1, loss)
-        request = stage_pb2.CommitRequest(job_id=self.job_id, plan_epoch=group.epoch, run_id=run_id)
+        grad_scale = None
         if self.config.clip_grad_norm is not None:
             total = math.sqrt(sum(r.grad_norm_sq for r in replies))
-            request.grad_scale = min(1.0, self.config.clip_grad_norm / (total + 1e-6))
-        try:
-            commit_all(
-                group.registry, group.plan, request, step=state.step + 1, deadlines=group.deadlines
-            )
-        except PipesvcError:
-            # The step is in the step log: it is committed, and before any later call the
-            # stages are rebuilt to it (see [Note: commit invariant]).
-            state.replay_target = max(state.replay_target or 0, state.step + 1)
-            raise
+            grad_scale = min(1.0, self.config.clip_grad_norm / (total + 1e-6))
+        # Every stage holds the step prepared and its batch is in the step log: it is decided.
+        # Its commit goes with the next run, or is flushed (see [Note: deferred commit]).
         state.step += 1
-        state.gradients_valid = True
+        state.pending = PendingCommit(step=state.step, run_id=run_id, grad_scale=grad_scale)
+        self._decided_at = time.monotonic()
         return loss
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
@@ -306,7 +346,7 @@ class JobDriver:
         """
         with self._lock:
             self._check_open()
-            self._resilient(lambda: None, "reading state")
+            self._resilient(self.recovery.flush, "reading state")
             if kind == common_pb2.GRADIENTS and not self.state.gradients_valid:
                 return
             yield from self.group.stream_state(kind)
@@ -319,7 +359,7 @@ class JobDriver:
         """
         with self._lock:
             self._check_open()
-            self._resilient(lambda: None, "loading state")
+            self._resilient(self.recovery.flush, "loading state")
             count = self.group.load_state(frames, step)
             if step is not None:
                 self.state.step = step
@@ -346,7 +386,8 @@ class JobDriver:
 
     def maintain(self) -> None:
         """Between steps: finishes a pending reconcile, moves layers off leaving stages and
-        recovers from lost ones, so an idle job is ready and a stopping stage can exit.
+        recovers from lost ones, so an idle job is ready and a stopping stage can exit; flushes
+        a deferred commit once the job has been idle ``IDLE_FLUSH_S``.
 
         Does nothing while a step holds the job.
         """
@@ -354,16 +395,35 @@ class JobDriver:
             return
         try:
             if not self.state.closed:
-                self._resilient(lambda: None, "maintenance")
+                self._resilient(self._flush_if_idle, "maintenance")
         except PipesvcError as exc:
             logger.warning("job %s: maintenance failed: %s", self.job_id, exc)
         finally:
             self._lock.release()
 
-    def wait_idle(self) -> None:
-        """Blocks until no step is in flight (for a graceful coordinator stop)."""
+    def _flush_if_idle(self) -> None:
+        if time.monotonic() - self._decided_at >= IDLE_FLUSH_S:
+            self.recovery.flush()
+
+    def settle(self) -> None:
+        """Flushes a deferred commit, so that the stages themselves are at ``step`` (for a
+        caller that reads the job's description and then looks at its stages); a failure is
+        recovered from like any call's."""
         with self._lock:
-            pass
+            if not self.state.closed and self.state.pending is not None:
+                self._resilient(self.recovery.flush, "settling the last step")
+
+    def wait_idle(self) -> None:
+        """Blocks until no step is in flight, then flushes a deferred commit (best effort: a
+        restarted coordinator also finds an unflushed one, see ``Recovery.reconcile``), for a
+        graceful coordinator stop."""
+        with self._lock:
+            if self.state.closed or self.state.pending is None:
+                return
+            try:
+                self.recovery.flush()
+            except PipesvcError as exc:
+                logger.warning("job %s: flushing the last commit failed: %s", self.job_id, exc)
 
     def trace(self, max_runs: int) -> coordinator_pb2.JobTrace:
         """Every stage's recent timed actions."""

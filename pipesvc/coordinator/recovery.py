@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 from pipesvc.coordinator import planner
-from pipesvc.coordinator.job_state import JobState
-from pipesvc.coordinator.stage_calls import StageLostError, health_of
+from pipesvc.coordinator.commit import commit_all
+from pipesvc.coordinator.job_state import JobState, PendingCommit
+from pipesvc.coordinator.stage_calls import StageLostError, call_stage, health_of
 from pipesvc.coordinator.stage_group import StageGroup
 from pipesvc.coordinator.state_db import JobRecord, StateDB
 from pipesvc.coordinator.step_log import StepLog
@@ -98,6 +99,48 @@ class Recovery:
     def persist(self) -> None:
         """Writes the job's database row."""
         self.storage.db.put_job(self.record())
+
+    # -- deferred commits ----------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Commits the pending decided step on every stage now (see [Note: deferred commit]
+        in job.py), for a call that must see the committed weights; does nothing if none is
+        pending.
+
+        Raises:
+            PipesvcError: the commit did not reach every stage; the step is the replay target
+                (every later call first rebuilds the stages to it).
+        """
+        pending = self.state.pending
+        if pending is None:
+            return
+        self.settle(pending, after_failed_run=False)
+
+    def settle(self, pending: PendingCommit, *, after_failed_run: bool) -> None:
+        """Brings every stage to the decided ``pending`` step by Commit where it is still
+        pending (``after_failed_run``: a run that carried it failed, and some stages may hold
+        it applied); on failure, makes it the replay target.
+
+        Raises:
+            PipesvcError: some stage could not be brought to the step (replay target set).
+        """
+        group, state = self.group, self.state
+        state.pending = None
+        try:
+            commit_all(
+                group.registry,
+                group.plan,
+                pending.request(group.job_id, group.epoch),
+                step=pending.step,
+                deadlines=group.deadlines,
+                after_failed_run=after_failed_run,
+            )
+        except PipesvcError:
+            # The step is decided: before any later call the stages are rebuilt to it (see
+            # [Note: commit invariant]).
+            state.replay_target = max(state.replay_target or 0, pending.step)
+            raise
+        state.gradients_valid = True
 
     # -- readiness, recovery, migration --------------------------------------------------------
 
@@ -188,9 +231,11 @@ class Recovery:
                 health=health,
             )
         group.epoch += 1
-        # A recovery interrupted mid-replay keeps its target: the steps committed before it.
+        # A recovery interrupted mid-replay keeps its target: the steps committed before it
+        # (a decided step whose commit was pending among them; the new assignment drops it).
         target = state.step if state.replay_target is None else state.replay_target
         state.replay_target = target
+        state.pending = None
         group.assign()
         self.restore()
         self.persist()
@@ -220,6 +265,7 @@ class Recovery:
 
     def checkpoint(self) -> None:
         """Streams every stage's weights and optimizer state to a new checkpoint on disk."""
+        self.flush()
         started = time.monotonic()
         group, step = self.group, self.state.step
         directory = self.storage.checkpoints.path(step)
@@ -279,16 +325,33 @@ class Recovery:
                 infos = group.call_all("Info", lambda s: stage_pb2.InfoRequest(), 5.0)
             except PipesvcError:
                 consistent = False
+        # The row's step is decided (see [Note: deferred commit] in job.py); a stage one step
+        # behind holds it prepared, with its commit not yet flushed, or did not get there.
         consistent = consistent and all(
-            i.job_id == group.job_id and i.plan_epoch == group.epoch and i.step == state.step
+            i.job_id == group.job_id
+            and i.plan_epoch == group.epoch
+            and (i.step == state.step or (i.step == state.step - 1 and i.pending_run_id))
             for i in infos
         )
+        behind = [(s, i) for s, i in zip(group.plan, infos, strict=True) if i.step < state.step]
+        if behind and group.config.clip_grad_norm is not None:
+            consistent = False  # its gradient scale was not saved: replay the step instead
         self._needs_reconcile = False
         state.run_id = max([state.run_id, *(i.last_run_id for i in infos)], default=state.run_id)
         if consistent:
-            pending = max(i.pending_run_id for i in infos)
-            if pending:
-                group.abort(pending)
+            ahead = max((i.pending_run_id for i in infos if i.step == state.step), default=0)
+            if ahead:  # a run of the next step, never decided
+                group.abort(ahead)
+            try:
+                for stage, info in behind:
+                    request = stage_pb2.CommitRequest(
+                        job_id=group.job_id, plan_epoch=group.epoch, run_id=info.pending_run_id
+                    )
+                    call_stage(registry, stage, "Commit", request, group.deadlines.control_s)
+            except PipesvcError as exc:
+                logger.warning("job %s: committing the decided step failed: %s", group.job_id, exc)
+                consistent = False
+        if consistent:
             registry.claim(addresses, group.job_id)
             for stage in group.plan:
                 registry.place(

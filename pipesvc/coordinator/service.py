@@ -188,7 +188,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):  # ty
 
     @handle_errors
     def GetJob(self, request: coordinator_pb2.GetJobRequest, context: object) -> object:
-        return self._job(request.job_id).info()
+        job = self._job(request.job_id)
+        job.settle()  # the stages themselves reach the step it reports
+        return job.info()
 
     @handle_errors
     def ListJobs(self, request: coordinator_pb2.ListJobsRequest, context: object) -> object:
