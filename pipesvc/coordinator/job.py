@@ -105,6 +105,7 @@ class JobDriver:
             metrics=metrics,
             replay=lambda inputs, targets: self._train_once(inputs, targets, None),
             needs_reconcile=needs_reconcile,
+            pool=self._pool,
         )
         self._last_loss = (0, 0.0)  # (step, loss) of the newest run phase that succeeded
         self._decided_at = 0.0  # when the newest step was decided (for the idle flush)
@@ -295,7 +296,10 @@ class JobDriver:
             if every and state.step % every == 0:
                 # The step is committed whatever happens here; a stage lost while it is saved
                 # is recovered from (the previous checkpoint and the log are kept till then).
-                self._resilient(self.recovery.checkpoint, f"checkpoint at step {state.step}")
+                self._resilient(
+                    lambda: self.recovery.checkpoint(background=True),
+                    f"checkpoint at step {state.step}",
+                )
             return loss, state.step
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -414,12 +418,13 @@ class JobDriver:
                 self._resilient(self.recovery.flush, "settling the last step")
 
     def wait_idle(self) -> None:
-        """Blocks until no step is in flight, then flushes a deferred commit (best effort: a
-        restarted coordinator also finds an unflushed one, see ``Recovery.reconcile``), for a
-        graceful coordinator stop."""
+        """Blocks until no step is in flight, then lets a background checkpoint finish and
+        flushes a deferred commit (best effort: a restarted coordinator also finds an unflushed
+        one, see ``Recovery.reconcile``), for a graceful coordinator stop."""
         with self._lock:
-            if self.state.closed or self.state.pending is None:
+            if self.state.closed:
                 return
+            self.recovery.finish_checkpoint(wait=True)
             try:
                 self.recovery.flush()
             except PipesvcError as exc:

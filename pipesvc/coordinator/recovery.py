@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,10 @@ logger = logging.getLogger(__name__)
 FINAL_ERRORS = (InvalidArgumentError, ResourceExhaustedError, UnauthenticatedError, PlanError)
 """Errors that are the caller's (or the plan's) and that a retry cannot fix."""
 
+CHECKPOINT_BUFFER_BYTES = 256 << 20
+"""A periodic checkpoint whose state fits in this much coordinator memory is written in the
+background; a larger one is written while it streams, one layer in memory at a time."""
+
 ReplayStep = Callable[[list[torch.Tensor], list[torch.Tensor]], object]
 """Runs and commits one logged step (its micro-batches), without logging it again."""
 
@@ -74,6 +79,7 @@ class Recovery:
         metrics: Metrics,
         replay: ReplayStep,
         needs_reconcile: bool,
+        pool: futures.ThreadPoolExecutor,
     ) -> None:
         self.group = group
         self.state = state
@@ -82,6 +88,9 @@ class Recovery:
         self._replay = replay
         self._needs_reconcile = needs_reconcile
         self._checked_at = 0.0  # when ensure_ready last found every stage serving
+        self._pool = pool
+        self._writing: tuple[int, float, futures.Future[float]] | None = None
+        """A checkpoint being written in the background: (step, seconds reading it, write)."""
 
     # -- durable state -------------------------------------------------------------------------
 
@@ -149,6 +158,7 @@ class Recovery:
         moves layers off stages that are leaving."""
         if self._needs_reconcile:
             self.reconcile()
+        self.finish_checkpoint(wait=False)
         # Between back-to-back steps the watchdog of the last step has just seen every stage;
         # a fresh health round trip per step would only add latency.
         if time.monotonic() - self._checked_at < self.group.deadlines.health_interval_s:
@@ -263,16 +273,69 @@ class Recovery:
         self.group.load_state(frames(), manifest.step)
         self.state.step = manifest.step
 
-    def checkpoint(self) -> None:
-        """Streams every stage's weights and optimizer state to a new checkpoint on disk."""
+    def checkpoint(self, *, background: bool = False) -> None:
+        """Streams every stage's weights and optimizer state to a new checkpoint on disk.
+
+        ``background``: once the state is read (the stages must be at the step for that), the
+        files are written and synced on the job's pool while later steps run, if the state
+        fits in ``CHECKPOINT_BUFFER_BYTES``; the checkpoint counts (and the step log behind it
+        is pruned) only once it is durable (see [Note: background checkpoint]).
+        """
         self.flush()
+        self.finish_checkpoint(wait=True)  # one at a time, in step order
         started = time.monotonic()
         group, step = self.group, self.state.step
         directory = self.storage.checkpoints.path(step)
-        writer = CheckpointWriter(directory)
+        record = self.record()
+        buffered: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        writer: CheckpointWriter | None = None
         try:
             for name, tensor in read_named_frames(group.stream_state(common_pb2.CHECKPOINT)):
+                if writer is None:
+                    size += tensor.numel() * tensor.element_size()
+                    if background and size <= CHECKPOINT_BUFFER_BYTES:
+                        buffered.append((name, tensor))
+                        continue
+                    writer = CheckpointWriter(directory)
+                    for entry in buffered:
+                        writer.add(*entry)
+                    buffered = []
                 writer.add(name, tensor)
+        except BaseException:
+            if writer is not None:
+                writer.discard()
+            raise
+        read_s = time.monotonic() - started
+        if writer is None:
+            future = self._pool.submit(self._write_checkpoint, directory, buffered, record, step)
+            self._writing = (step, read_s, future)
+            return
+        self._finish_writer(writer, record, step)
+        self._checkpointed(step, read_s, time.monotonic() - started - read_s, background=False)
+
+    def _write_checkpoint(
+        self,
+        directory: Path,
+        entries: list[tuple[str, torch.Tensor]],
+        record: JobRecord,
+        step: int,
+    ) -> float:
+        """Writes a checkpoint read earlier (on the pool); returns the seconds it took."""
+        started = time.monotonic()
+        writer = CheckpointWriter(directory)
+        try:
+            for entry in entries:
+                writer.add(*entry)
+        except BaseException:
+            writer.discard()
+            raise
+        self._finish_writer(writer, record, step)
+        return time.monotonic() - started
+
+    def _finish_writer(self, writer: CheckpointWriter, record: JobRecord, step: int) -> None:
+        group = self.group
+        try:
             # Coverage is by layer count (see [Note: checkpoint coverage]); that each layer
             # sent all its tensors is checked here, against the model, before the step log
             # behind this checkpoint is pruned.
@@ -283,7 +346,6 @@ class Recovery:
                     f"the stages sent a checkpoint without {len(missing)} of the model's "
                     f"{len(expected)} tensors, e.g. {missing[:5]}"
                 )
-            record = self.record()
             writer.finish(
                 job_id=group.job_id,
                 step=step,
@@ -294,15 +356,45 @@ class Recovery:
         except BaseException:
             writer.discard()
             raise
+
+    def finish_checkpoint(self, *, wait: bool) -> None:
+        """Makes a checkpoint written in the background count once it is durable (``wait``:
+        waits for it). A write that failed is dropped with a warning: the previous checkpoint
+        and the step log behind it still cover every step."""
+        if self._writing is None:
+            return
+        step, read_s, future = self._writing
+        if not wait and not future.done():
+            return
+        self._writing = None
+        try:
+            write_s = future.result()
+        except Exception as exc:  # any failure of the write only drops this checkpoint
+            logger.warning(
+                "job %s: writing the checkpoint of step %d failed; the one of step %d and the "
+                "step log still cover it: %s",
+                self.group.job_id,
+                step,
+                self.state.checkpoint_step,
+                exc,
+            )
+            return
+        self._checkpointed(step, read_s, write_s, background=True)
+
+    def _checkpointed(self, step: int, read_s: float, write_s: float, *, background: bool) -> None:
+        """A checkpoint of ``step`` is durable: it becomes the one recovery restores."""
         self.state.checkpoint_step = step
         self.persist()
         self.storage.log.prune(step)
         self.storage.checkpoints.prune()
         logger.info(
-            "job %s: checkpoint at step %d in %.2f s",
-            group.job_id,
+            "job %s: checkpoint at step %d in %.3f s (state read in %.3f s, written in %.3f s%s)",
+            self.group.job_id,
             step,
-            time.monotonic() - started,
+            read_s if background else read_s + write_s,
+            read_s,
+            write_s,
+            " in the background" if background else "",
         )
 
     # -- after a coordinator restart -----------------------------------------------------------
