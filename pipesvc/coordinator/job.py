@@ -8,12 +8,25 @@ The coordinator runs no model code: it plans from a stage's description of the m
 only micro-batch inputs, targets, losses and outputs.
 
 [Note: commit] A training step is a prepare phase (RunStep on every stage: forward and backward,
-gradients pending) and a commit phase (Commit on every stage). If any stage fails in prepare,
-every stage gets Abort and no weights change anywhere. Once Commit is sent, the step counts as
+gradients pending) and a commit phase (each stage applies its optimizer step). If any stage
+fails in prepare, every stage gets Abort and no weights change anywhere. Once every stage has
+prepared the step and its batch is in the step log, the step is decided and counts as
 committed: every stage reaches it, or recovery brings them all there before any later call (see
 [Note: commit invariant] in commit.py).
 
-[Note: recovery] Before its commit, a step's batch goes to the write-ahead step log. When a
+[Note: deferred commit] The commit of a decided step is not a round trip of its own: the
+coordinator counts the step, writes the job's row (the durable record that it is decided; a
+restarted coordinator commits or replays it, see ``Recovery.reconcile``), replies, and keeps
+the commit in ``JobState.pending``. The next run (training or inference) carries it in its
+RunStep, and each stage applies it before the run starts. A call that must see committed
+weights (state reads, checkpoints, load_state, GetJob, a graceful stop) flushes it first with
+an explicit Commit (``Recovery.flush``); maintenance flushes it once the job has been idle for
+``IDLE_FLUSH_S``. A run that carried it and failed is aborted and the commit settled where it
+is still pending (``Recovery.settle``); when that cannot reach every stage, or a stage is lost
+first, the step is the replay target, exactly as for a failed Commit. Measured on a tiny model
+over 2 stages this took the ~1.4 ms Commit round off every step (see bench/README.md).
+
+[Note: recovery] Before it is decided, a step's batch goes to the write-ahead step log. When a
 stage is lost (or a step fails for a reason that is not the caller's), the job gets a new plan
 (a spare replaces each lost stage, or the model is re-partitioned over the survivors), every
 stage is assigned afresh, restores the newest checkpoint, and the logged steps after it are

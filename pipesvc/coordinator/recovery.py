@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 FINAL_ERRORS = (InvalidArgumentError, ResourceExhaustedError, UnauthenticatedError, PlanError)
 """Errors that are the caller's (or the plan's) and that a retry cannot fix."""
 
+# [Note: background checkpoint] is in docs/architecture.md: a periodic checkpoint's state is read
+# with the stages at the step, then written on the job's pool; it counts once durable.
 CHECKPOINT_BUFFER_BYTES = 256 << 20
 """A periodic checkpoint whose state fits in this much coordinator memory is written in the
 background; a larger one is written while it streams, one layer in memory at a time."""
@@ -149,7 +151,8 @@ class Recovery:
             # [Note: commit invariant]).
             state.replay_target = max(state.replay_target or 0, pending.step)
             raise
-        state.gradients_valid = True
+        if not after_failed_run:  # a failed training run may have dropped some stage's
+            state.gradients_valid = True
 
     # -- readiness, recovery, migration --------------------------------------------------------
 
