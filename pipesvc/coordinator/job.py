@@ -70,6 +70,9 @@ logger = logging.getLogger(__name__)
 
 MAX_RECOVERIES_PER_CALL = 3
 """A step that still fails after this many recoveries raises."""
+SETTLE_WAIT_S = 1.0
+"""How long ``settle`` (GetJob) waits for a call holding the job before it reports without
+flushing."""
 IDLE_FLUSH_S = 1.0
 """A deferred commit is flushed by maintenance once the job has had no step for this long,
 so that stages do not hold a decided step's gradients uncommitted while the client is away."""
@@ -265,11 +268,12 @@ class JobDriver:
         return loss
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
-        """Runs one training step and commits it on every stage; returns (loss, step).
+        """Runs one training step and decides it on every stage; returns (loss, step).
 
         A lost stage is recovered from (see [Note: recovery]) and the step still returns. Once
-        its commit has started the step counts as committed (see [Note: commit invariant]): if
-        this call still fails after that, the next call first rebuilds every stage to it.
+        decided the step counts as committed (see [Note: commit invariant]); its commit is
+        applied by the next call (see [Note: deferred commit]), which, if that fails, first
+        rebuilds every stage to it.
 
         Raises:
             InvalidArgumentError: the batch does not fit the job (nothing changed).
@@ -425,10 +429,16 @@ class JobDriver:
     def settle(self) -> None:
         """Flushes a deferred commit, so that the stages themselves are at ``step`` (for a
         caller that reads the job's description and then looks at its stages); a failure is
-        recovered from like any call's."""
-        with self._lock:
+        recovered from like any call's. Gives up if another call holds the job for longer
+        than ``SETTLE_WAIT_S`` (maintenance holds it for a moment; a step's run carries the
+        commit anyway, and a description read should not wait out a long step or recovery)."""
+        if not self._lock.acquire(timeout=SETTLE_WAIT_S):
+            return
+        try:
             if not self.state.closed and self.state.pending is not None:
                 self._resilient(self.recovery.flush, "settling the last step")
+        finally:
+            self._lock.release()
 
     def wait_idle(self) -> None:
         """Blocks until no step is in flight, then lets a background checkpoint finish and
