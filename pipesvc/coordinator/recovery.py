@@ -428,7 +428,11 @@ class Recovery:
             and (i.step == state.step or (i.step == state.step - 1 and i.pending_run_id))
             for i in infos
         )
-        behind = [(s, i) for s, i in zip(group.plan, infos, strict=True) if i.step < state.step]
+        behind = (
+            [(s, i) for s, i in zip(group.plan, infos, strict=True) if i.step < state.step]
+            if consistent
+            else []
+        )
         if behind and group.config.clip_grad_norm is not None:
             consistent = False  # its gradient scale was not saved: replay the step instead
         self._needs_reconcile = False

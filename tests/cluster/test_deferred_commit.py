@@ -127,3 +127,30 @@ def test_killed_coordinator_with_a_decided_step_not_flushed(clip: float | None) 
             assert "resumed with its stages as they were (step 3)" in log
         else:
             assert "stages disagree with the saved state; rebuilding" in log
+
+
+def test_killed_coordinator_and_stage_with_a_decided_step_not_flushed() -> None:
+    """The coordinator and then rank 1 die after step 3 returned, its commit pending. The
+    restarted coordinator waits for rank 1 in vain, rebuilds on the spare from the step-2
+    checkpoint and replays step 3 from the log; training goes on exactly."""
+    with pipesvc.LocalCluster(num_stages=3, threads_per_stage=1) as cluster:
+        client = cluster.connect()
+        run = Run.start(client, checkpoint_every=2)
+        for _ in range(3):
+            run.step()
+        _assert_held(run.job, 3)
+        job_id, lost = run.job.id, run.job.plan[1].address
+        client.close()
+        cluster.restart_coordinator(kill=True)
+        os.kill(stage_pid(lost), signal.SIGKILL)
+        with cluster.connect() as client:
+            run.job = client.get_job(job_id)
+            assert run.job.step == 3
+            for _ in range(2):
+                run.step()
+            job = run.job.refresh()
+            assert lost not in {s.address for s in job.plan}
+            _assert_committed(job, 5)
+            run.check_weights()
+        log = (cluster.log_dir / "coordinator.log").read_text()
+        assert "stages disagree with the saved state; rebuilding" in log
