@@ -19,16 +19,18 @@ clocks of one host (``time.time_ns()``):
 
 - own figures: the client's call (``client``); the coordinator's ``pipesvc_step_seconds``
   histogram (``coord``: its lock held, from readiness check to the step's database write,
-  served with ``--metrics-port``); its log's "checkpoint at step N in X s" (``ckpt log``,
-  10 ms resolution); the stages' recorded spans (``job.timelines()``): the step's
+  served with ``--metrics-port``); its log's "checkpoint at step N in X s" (``ckpt log``: the
+  part on a step's path, reading the stages' state; the files are written in the background);
+  the stages' recorded spans (``job.timelines()``): the step's
   ``window`` (first action on any stage to last), and ``compute``, ``wait`` and ``send``
   summed over the stages.
 - derived: ``before`` = first stage action - client call start (client encode, gRPC, the
-  coordinator's decode, split, micro-batch encode, RunStep dispatch, the stage's decode);
+  coordinator's decode, split, micro-batch encode, RunStep dispatch, the stage's decode and
+  its commit of the previous step);
   ``after`` = client call end - last stage action (RunStep replies, waiting for the step log,
-  the Commit round with the optimizer step, the database write, the step's log line, the
-  reply); ``outside coord`` = client - coord (what the coordinator's lock does not cover,
-  checkpoints included).
+  the database write, the step's log line, the reply; the step's commit rides on the next
+  step's RunStep, so its optimizer step is in that step's ``before``); ``outside coord`` =
+  client - coord (what the coordinator's lock does not cover, checkpoints included).
 - measured here, not in the coordinator: ``steplog*`` (``StepLog.write`` of this batch, which
   writes and fsyncs a file and its directory) and ``db*`` (``StateDB.put_job`` of a job
   record), each timed in this process on the cluster's file system.

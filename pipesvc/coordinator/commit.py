@@ -3,8 +3,11 @@ behind (see [Note: commit invariant]).
 
 [Note: commit invariant] A commit is all-or-none as seen by every later call: either every stage
 of the plan reaches the step, or the job rebuilds them all to it before any later call (step,
-forward, state read or save) touches them. The step's batch is in the write-ahead step log before
-the first Commit is sent, so once a commit has started the step counts as committed:
+forward, state read or save) touches them. The step's batch is in the write-ahead step log and
+every stage holds it prepared before it is decided, so once decided the step counts as
+committed. Its commit is usually carried by the next RunStep (see [Note: deferred commit] in
+job.py); ``commit_all`` sends it explicitly (a flush), or settles it after a run that carried
+it failed (``after_failed_run``: some stages may hold it applied already):
 
 1. Commit goes to every stage under the same health watchdog as the run phase (see [Note:
    detection]), so a killed or stopped stage is found in about ``health_failures`` health
@@ -12,7 +15,7 @@ the first Commit is sent, so once a commit has started the step counts as commit
 2. If some stage's Commit failed for any other reason (even a "final" one, such as
    RESOURCE_EXHAUSTED from a concurrency cap, which is no fault of the caller's batch once the run
    phase succeeded), ``commit_all`` asks every stage where it is and commits again on each one
-   that still holds the pending run, a few times.
+   that still holds the pending run, a few times. A settle after a failed run starts here.
 3. If that cannot bring every stage to the step (a stage lost, the run gone, or the retries
    failing), ``CommitIncompleteError`` tells the job to rebuild: it records the step as the
    replay target, so recovery restores the newest checkpoint and replays the step log up to and
@@ -50,9 +53,14 @@ def commit_all(
     *,
     step: int,
     deadlines: Deadlines,
+    after_failed_run: bool = False,
 ) -> None:
     """Commits ``request.run_id`` (training step ``step``) on every stage of ``plan``; returns
     once every stage reports the step (see [Note: commit invariant]).
+
+    ``after_failed_run``: the commit was carried by a run that failed and has been aborted, so
+    some stages may have applied it already; skip the first blind round and commit only where
+    it is still pending.
 
     Raises:
         StageLostError: a stage stopped answering health checks (it is to be replaced).
@@ -70,18 +78,21 @@ def commit_all(
             what=what,
         )
 
-    try:
-        commit_on(plan)
-        return
-    except StageLostError:
-        raise
-    except PipesvcError as exc:
-        last: PipesvcError = exc
-    logger.warning("%s failed: %s; committing again where it is pending", what, last)
+    last: PipesvcError | None = None
+    if not after_failed_run:
+        try:
+            commit_on(plan)
+            return
+        except StageLostError:
+            raise
+        except PipesvcError as exc:
+            last = exc
+        logger.warning("%s failed: %s; committing again where it is pending", what, last)
     for round_index in range(COMMIT_RETRIES):
-        # The pause also lets Commit calls still in flight (call_all returns on the first
-        # error) land before the stages are asked where they are.
-        time.sleep(RETRY_BACKOFF_S * 2**round_index)
+        if last is not None:
+            # The pause also lets Commit calls still in flight (call_all returns on the first
+            # error) land before the stages are asked where they are.
+            time.sleep(RETRY_BACKOFF_S * 2**round_index)
         laggards = _laggards(registry, plan, request, step=step, deadlines=deadlines)
         if not laggards:
             logger.warning("%s completed on every stage", what)

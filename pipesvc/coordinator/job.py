@@ -8,12 +8,25 @@ The coordinator runs no model code: it plans from a stage's description of the m
 only micro-batch inputs, targets, losses and outputs.
 
 [Note: commit] A training step is a prepare phase (RunStep on every stage: forward and backward,
-gradients pending) and a commit phase (Commit on every stage). If any stage fails in prepare,
-every stage gets Abort and no weights change anywhere. Once Commit is sent, the step counts as
+gradients pending) and a commit phase (each stage applies its optimizer step). If any stage
+fails in prepare, every stage gets Abort and no weights change anywhere. Once every stage has
+prepared the step and its batch is in the step log, the step is decided and counts as
 committed: every stage reaches it, or recovery brings them all there before any later call (see
 [Note: commit invariant] in commit.py).
 
-[Note: recovery] Before its commit, a step's batch goes to the write-ahead step log. When a
+[Note: deferred commit] The commit of a decided step is not a round trip of its own: the
+coordinator counts the step, writes the job's row (the durable record that it is decided; a
+restarted coordinator commits or replays it, see ``Recovery.reconcile``), replies, and keeps
+the commit in ``JobState.pending``. The next run (training or inference) carries it in its
+RunStep, and each stage applies it before the run starts. A call that must see committed
+weights (state reads, checkpoints, load_state, GetJob, a graceful stop) flushes it first with
+an explicit Commit (``Recovery.flush``); maintenance flushes it once the job has been idle for
+``IDLE_FLUSH_S``. A run that carried it and failed is aborted and the commit settled where it
+is still pending (``Recovery.settle``); when that cannot reach every stage, or a stage is lost
+first, the step is the replay target, exactly as for a failed Commit. Measured on a tiny model
+over 2 stages this took the ~1.4 ms Commit round off every step (see bench/README.md).
+
+[Note: recovery] Before it is decided, a step's batch goes to the write-ahead step log. When a
 stage is lost (or a step fails for a reason that is not the caller's), the job gets a new plan
 (a spare replaces each lost stage, or the model is re-partitioned over the survivors), every
 stage is assigned afresh, restores the newest checkpoint, and the logged steps after it are
@@ -34,9 +47,8 @@ from typing import Any
 import torch
 
 from pipesvc.coordinator import planner
-from pipesvc.coordinator.commit import commit_all
-from pipesvc.coordinator.job_state import JobState
-from pipesvc.coordinator.recovery import JobStorage, Recovery
+from pipesvc.coordinator.job_state import JobState, PendingCommit
+from pipesvc.coordinator.recovery import FINAL_ERRORS, JobStorage, Recovery
 from pipesvc.coordinator.registry import StageRegistry
 from pipesvc.coordinator.stage_calls import Deadlines, StageLostError
 from pipesvc.coordinator.stage_group import StageGroup
@@ -58,6 +70,12 @@ logger = logging.getLogger(__name__)
 
 MAX_RECOVERIES_PER_CALL = 3
 """A step that still fails after this many recoveries raises."""
+SETTLE_WAIT_S = 1.0
+"""How long ``settle`` (GetJob) waits for a call holding the job before it reports without
+flushing."""
+IDLE_FLUSH_S = 1.0
+"""A deferred commit is flushed by maintenance once the job has had no step for this long,
+so that stages do not hold a decided step's gradients uncommitted while the client is away."""
 
 
 class JobDriver:
@@ -103,8 +121,10 @@ class JobDriver:
             metrics=metrics,
             replay=lambda inputs, targets: self._train_once(inputs, targets, None),
             needs_reconcile=needs_reconcile,
+            pool=self._pool,
         )
         self._last_loss = (0, 0.0)  # (step, loss) of the newest run phase that succeeded
+        self._decided_at = 0.0  # when the newest step was decided (for the idle flush)
         self._lock = threading.Lock()
 
     @property
@@ -162,13 +182,53 @@ class JobDriver:
         inputs: list[torch.Tensor],
         targets: list[torch.Tensor],
     ) -> tuple[int, list[stage_pb2.RunStepResponse]]:
-        """One run phase on every stage under a new run id; aborted everywhere if it fails."""
+        """One run phase on every stage under a new run id, carrying the pending commit (see
+        [Note: deferred commit]); aborted everywhere if it fails.
+
+        If a run that carried a commit fails, the commit is settled (completed where it is
+        still pending; if that fails, the step becomes the replay target); after a final-class
+        error the run is then tried once more without it, so that a refused commit is not
+        reported as the run's fault.
+        """
+        state = self.state
+        carried = state.pending
+        try:
+            return self._run_once(mode, inputs, targets, carried)
+        except PipesvcError as exc:
+            if carried is None:
+                raise
+            if isinstance(exc, StageLostError):
+                # A stage is gone: recovery rebuilds every stage to the decided step.
+                state.pending = None
+                state.replay_target = max(state.replay_target or 0, carried.step)
+                raise
+            logger.warning(
+                "job %s: a run carrying the commit of step %d failed: %s; settling the commit",
+                self.job_id,
+                carried.step,
+                exc,
+            )
+            self.recovery.settle(carried, after_failed_run=True)
+            if not isinstance(exc, FINAL_ERRORS):
+                raise  # a fault of a stage or link: recovered from as for any run
+        # A final-class error may have been the carried commit's (settled now), not the run's:
+        # the run goes once more on its own, and a caller's error repeats.
+        return self._run_once(mode, inputs, targets, None)
+
+    def _run_once(
+        self,
+        mode: stage_pb2.RunMode.ValueType,
+        inputs: list[torch.Tensor],
+        targets: list[torch.Tensor],
+        carried: PendingCommit | None,
+    ) -> tuple[int, list[stage_pb2.RunStepResponse]]:
         state = self.state
         state.run_id += 1
         run_id = state.run_id
         what = f"run {run_id} (step {state.step + 1})" if targets else f"inference run {run_id}"
+        commit = carried.carried() if carried is not None else None
         try:
-            replies = self.group.run_step(run_id, mode, inputs, targets, what=what)
+            replies = self.group.run_step(run_id, mode, inputs, targets, what=what, commit=commit)
         except PipesvcError as exc:
             self._metrics.inc("steps_aborted_total")
             if mode == stage_pb2.TRAIN:
@@ -176,6 +236,9 @@ class JobDriver:
             lost = exc.addresses if isinstance(exc, StageLostError) else set()
             self.group.abort(run_id, lost=lost)
             raise
+        if carried is not None:
+            state.pending = None
+            state.gradients_valid = True
         return run_id, replies
 
     # -- steps ---------------------------------------------------------------------------------
@@ -186,7 +249,7 @@ class JobDriver:
         target_mbs: list[torch.Tensor],
         log: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> float:
-        group, state = self.group, self.state
+        state = self.state
         # The write-ahead log entry is written while the stages compute, and before any commit.
         logged = self._pool.submit(self._storage.log.write, state.step + 1, *log) if log else None
         try:
@@ -196,29 +259,24 @@ class JobDriver:
                 logged.result()
         loss = float(sum(replies[-1].losses))
         self._last_loss = (state.step + 1, loss)
-        request = stage_pb2.CommitRequest(job_id=self.job_id, plan_epoch=group.epoch, run_id=run_id)
+        grad_scale = None
         if self.config.clip_grad_norm is not None:
             total = math.sqrt(sum(r.grad_norm_sq for r in replies))
-            request.grad_scale = min(1.0, self.config.clip_grad_norm / (total + 1e-6))
-        try:
-            commit_all(
-                group.registry, group.plan, request, step=state.step + 1, deadlines=group.deadlines
-            )
-        except PipesvcError:
-            # The step is in the step log: it is committed, and before any later call the
-            # stages are rebuilt to it (see [Note: commit invariant]).
-            state.replay_target = max(state.replay_target or 0, state.step + 1)
-            raise
+            grad_scale = min(1.0, self.config.clip_grad_norm / (total + 1e-6))
+        # Every stage holds the step prepared and its batch is in the step log: it is decided.
+        # Its commit goes with the next run, or is flushed (see [Note: deferred commit]).
         state.step += 1
-        state.gradients_valid = True
+        state.pending = PendingCommit(step=state.step, run_id=run_id, grad_scale=grad_scale)
+        self._decided_at = time.monotonic()
         return loss
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
-        """Runs one training step and commits it on every stage; returns (loss, step).
+        """Runs one training step and decides it on every stage; returns (loss, step).
 
         A lost stage is recovered from (see [Note: recovery]) and the step still returns. Once
-        its commit has started the step counts as committed (see [Note: commit invariant]): if
-        this call still fails after that, the next call first rebuilds every stage to it.
+        decided the step counts as committed (see [Note: commit invariant]); its commit is
+        applied by the next call (see [Note: deferred commit]), which, if that fails, first
+        rebuilds every stage to it.
 
         Raises:
             InvalidArgumentError: the batch does not fit the job (nothing changed).
@@ -258,7 +316,10 @@ class JobDriver:
             if every and state.step % every == 0:
                 # The step is committed whatever happens here; a stage lost while it is saved
                 # is recovered from (the previous checkpoint and the log are kept till then).
-                self._resilient(self.recovery.checkpoint, f"checkpoint at step {state.step}")
+                self._resilient(
+                    lambda: self.recovery.checkpoint(background=True),
+                    f"checkpoint at step {state.step}",
+                )
             return loss, state.step
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -311,7 +372,7 @@ class JobDriver:
         """
         with self._lock:
             self._check_open()
-            self._resilient(lambda: None, "reading state")
+            self._resilient(self.recovery.flush, "reading state")
             if kind == common_pb2.GRADIENTS and not self.state.gradients_valid:
                 return
             yield from self.group.stream_state(kind)
@@ -324,7 +385,7 @@ class JobDriver:
         """
         with self._lock:
             self._check_open()
-            self._resilient(lambda: None, "loading state")
+            self._resilient(self.recovery.flush, "loading state")
             count = self.group.load_state(frames, step)
             if step is not None:
                 self.state.step = step
@@ -351,7 +412,8 @@ class JobDriver:
 
     def maintain(self) -> None:
         """Between steps: finishes a pending reconcile, moves layers off leaving stages and
-        recovers from lost ones, so an idle job is ready and a stopping stage can exit.
+        recovers from lost ones, so an idle job is ready and a stopping stage can exit; flushes
+        a deferred commit once the job has been idle ``IDLE_FLUSH_S``.
 
         Does nothing while a step holds the job.
         """
@@ -359,16 +421,42 @@ class JobDriver:
             return
         try:
             if not self.state.closed:
-                self._resilient(lambda: None, "maintenance")
+                self._resilient(self._flush_if_idle, "maintenance")
         except PipesvcError as exc:
             logger.warning("job %s: maintenance failed: %s", self.job_id, exc)
         finally:
             self._lock.release()
 
+    def _flush_if_idle(self) -> None:
+        if time.monotonic() - self._decided_at >= IDLE_FLUSH_S:
+            self.recovery.flush()
+
+    def settle(self) -> None:
+        """Flushes a deferred commit, so that the stages themselves are at ``step`` (for a
+        caller that reads the job's description and then looks at its stages); a failure is
+        recovered from like any call's. Gives up if another call holds the job for longer
+        than ``SETTLE_WAIT_S`` (maintenance holds it for a moment; a step's run carries the
+        commit anyway, and a description read should not wait out a long step or recovery)."""
+        if not self._lock.acquire(timeout=SETTLE_WAIT_S):
+            return
+        try:
+            if not self.state.closed and self.state.pending is not None:
+                self._resilient(self.recovery.flush, "settling the last step")
+        finally:
+            self._lock.release()
+
     def wait_idle(self) -> None:
-        """Blocks until no step is in flight (for a graceful coordinator stop)."""
+        """Blocks until no step is in flight, then lets a background checkpoint finish and
+        flushes a deferred commit (best effort: a restarted coordinator also finds an unflushed
+        one, see ``Recovery.reconcile``), for a graceful coordinator stop."""
         with self._lock:
-            pass
+            if self.state.closed:
+                return
+            self.recovery.finish_checkpoint(wait=True)
+            try:
+                self.recovery.flush()
+            except PipesvcError as exc:
+                logger.warning("job %s: flushing the last commit failed: %s", self.job_id, exc)
 
     def trace(self, max_runs: int) -> coordinator_pb2.JobTrace:
         """Every stage's recent timed actions."""

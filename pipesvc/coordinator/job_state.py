@@ -11,12 +11,42 @@ from pipesvc.core.plan import PipelineStage, plan_to_dicts
 from pipesvc.v1 import stage_pb2
 
 
+@dataclass(frozen=True, kw_only=True)
+class PendingCommit:
+    """A decided step whose commit the stages have not applied yet (see [Note: deferred
+    commit] in job.py): the next run carries it, or ``Recovery.flush`` sends it."""
+
+    step: int
+    """The step it commits (``JobState.step`` counts it already)."""
+    run_id: int
+    """The prepared training run every stage holds."""
+    grad_scale: float | None
+    """The global clipping scale, or None when the job does not clip."""
+
+    def request(self, job_id: str, epoch: int) -> stage_pb2.CommitRequest:
+        """The explicit Commit that flushes it."""
+        request = stage_pb2.CommitRequest(job_id=job_id, plan_epoch=epoch, run_id=self.run_id)
+        if self.grad_scale is not None:
+            request.grad_scale = self.grad_scale
+        return request
+
+    def carried(self) -> stage_pb2.CarriedCommit:
+        """The same commit, carried by the next RunStep."""
+        carried = stage_pb2.CarriedCommit(run_id=self.run_id)
+        if self.grad_scale is not None:
+            carried.grad_scale = self.grad_scale
+        return carried
+
+
 @dataclass(kw_only=True)
 class JobState:
     """The mutable state of one job apart from its stages (which ``StageGroup`` holds)."""
 
     step: int = 0
-    """Steps committed on the stages as they are now (behind ``replay_target`` mid-replay)."""
+    """Steps committed on the stages as they are now (behind ``replay_target`` mid-replay),
+    counting a decided step whose commit is ``pending``."""
+    pending: PendingCommit | None = None
+    """The decided step every stage holds prepared, not yet committed (it is step ``step``)."""
     run_id: int = 0
     """Highest run id used."""
     checkpoint_step: int = -1

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,9 @@ from typing import Any
 import torch
 
 from pipesvc.coordinator import planner
-from pipesvc.coordinator.job_state import JobState
-from pipesvc.coordinator.stage_calls import StageLostError, health_of
+from pipesvc.coordinator.commit import commit_all
+from pipesvc.coordinator.job_state import JobState, PendingCommit
+from pipesvc.coordinator.stage_calls import StageLostError, call_stage, health_of
 from pipesvc.coordinator.stage_group import StageGroup
 from pipesvc.coordinator.state_db import JobRecord, StateDB
 from pipesvc.coordinator.step_log import StepLog
@@ -42,6 +44,12 @@ logger = logging.getLogger(__name__)
 
 FINAL_ERRORS = (InvalidArgumentError, ResourceExhaustedError, UnauthenticatedError, PlanError)
 """Errors that are the caller's (or the plan's) and that a retry cannot fix."""
+
+# [Note: background checkpoint] is in docs/architecture.md: a periodic checkpoint's state is read
+# with the stages at the step, then written on the job's pool; it counts once durable.
+CHECKPOINT_BUFFER_BYTES = 256 << 20
+"""A periodic checkpoint whose state fits in this much coordinator memory is written in the
+background; a larger one is written while it streams, one layer in memory at a time."""
 
 ReplayStep = Callable[[list[torch.Tensor], list[torch.Tensor]], object]
 """Runs and commits one logged step (its micro-batches), without logging it again."""
@@ -74,6 +82,7 @@ class Recovery:
         metrics: Metrics,
         replay: ReplayStep,
         needs_reconcile: bool,
+        pool: futures.ThreadPoolExecutor,
     ) -> None:
         self.group = group
         self.state = state
@@ -82,6 +91,9 @@ class Recovery:
         self._replay = replay
         self._needs_reconcile = needs_reconcile
         self._checked_at = 0.0  # when ensure_ready last found every stage serving
+        self._pool = pool
+        self._writing: tuple[int, float, futures.Future[float]] | None = None
+        """A checkpoint being written in the background: (step, seconds reading it, write)."""
 
     # -- durable state -------------------------------------------------------------------------
 
@@ -100,6 +112,49 @@ class Recovery:
         """Writes the job's database row."""
         self.storage.db.put_job(self.record())
 
+    # -- deferred commits ----------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Commits the pending decided step on every stage now (see [Note: deferred commit]
+        in job.py), for a call that must see the committed weights; does nothing if none is
+        pending.
+
+        Raises:
+            PipesvcError: the commit did not reach every stage; the step is the replay target
+                (every later call first rebuilds the stages to it).
+        """
+        pending = self.state.pending
+        if pending is None:
+            return
+        self.settle(pending, after_failed_run=False)
+
+    def settle(self, pending: PendingCommit, *, after_failed_run: bool) -> None:
+        """Brings every stage to the decided ``pending`` step by Commit where it is still
+        pending (``after_failed_run``: a run that carried it failed, and some stages may hold
+        it applied); on failure, makes it the replay target.
+
+        Raises:
+            PipesvcError: some stage could not be brought to the step (replay target set).
+        """
+        group, state = self.group, self.state
+        state.pending = None
+        try:
+            commit_all(
+                group.registry,
+                group.plan,
+                pending.request(group.job_id, group.epoch),
+                step=pending.step,
+                deadlines=group.deadlines,
+                after_failed_run=after_failed_run,
+            )
+        except PipesvcError:
+            # The step is decided: before any later call the stages are rebuilt to it (see
+            # [Note: commit invariant]).
+            state.replay_target = max(state.replay_target or 0, pending.step)
+            raise
+        if not after_failed_run:  # a failed training run may have dropped some stage's
+            state.gradients_valid = True
+
     # -- readiness, recovery, migration --------------------------------------------------------
 
     def ensure_ready(self) -> None:
@@ -107,6 +162,7 @@ class Recovery:
         moves layers off stages that are leaving."""
         if self._needs_reconcile:
             self.reconcile()
+        self.finish_checkpoint(wait=False)
         # Between back-to-back steps the watchdog of the last step has just seen every stage;
         # a fresh health round trip per step would only add latency.
         if time.monotonic() - self._checked_at < self.group.deadlines.health_interval_s:
@@ -189,9 +245,11 @@ class Recovery:
                 health=health,
             )
         group.epoch += 1
-        # A recovery interrupted mid-replay keeps its target: the steps committed before it.
+        # A recovery interrupted mid-replay keeps its target: the steps committed before it
+        # (a decided step whose commit was pending among them; the new assignment drops it).
         target = state.step if state.replay_target is None else state.replay_target
         state.replay_target = target
+        state.pending = None
         group.assign()
         self.restore()
         self.persist()
@@ -219,15 +277,69 @@ class Recovery:
         self.group.load_state(frames(), manifest.step)
         self.state.step = manifest.step
 
-    def checkpoint(self) -> None:
-        """Streams every stage's weights and optimizer state to a new checkpoint on disk."""
+    def checkpoint(self, *, background: bool = False) -> None:
+        """Streams every stage's weights and optimizer state to a new checkpoint on disk.
+
+        ``background``: once the state is read (the stages must be at the step for that), the
+        files are written and synced on the job's pool while later steps run, if the state
+        fits in ``CHECKPOINT_BUFFER_BYTES``; the checkpoint counts (and the step log behind it
+        is pruned) only once it is durable (see [Note: background checkpoint]).
+        """
+        self.flush()
+        self.finish_checkpoint(wait=True)  # one at a time, in step order
         started = time.monotonic()
         group, step = self.group, self.state.step
         directory = self.storage.checkpoints.path(step)
-        writer = CheckpointWriter(directory)
+        record = self.record()
+        buffered: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        writer: CheckpointWriter | None = None
         try:
             for name, tensor in read_named_frames(group.stream_state(common_pb2.CHECKPOINT)):
+                if writer is None:
+                    size += tensor.numel() * tensor.element_size()
+                    if background and size <= CHECKPOINT_BUFFER_BYTES:
+                        buffered.append((name, tensor))
+                        continue
+                    writer = CheckpointWriter(directory)
+                    for entry in buffered:
+                        writer.add(*entry)
+                    buffered = []
                 writer.add(name, tensor)
+        except BaseException:
+            if writer is not None:
+                writer.discard()
+            raise
+        read_s = time.monotonic() - started
+        if writer is None:
+            future = self._pool.submit(self._write_checkpoint, directory, buffered, record, step)
+            self._writing = (step, read_s, future)
+            return
+        self._finish_writer(writer, record, step)
+        self._checkpointed(step, read_s, time.monotonic() - started - read_s, background=False)
+
+    def _write_checkpoint(
+        self,
+        directory: Path,
+        entries: list[tuple[str, torch.Tensor]],
+        record: JobRecord,
+        step: int,
+    ) -> float:
+        """Writes a checkpoint read earlier (on the pool); returns the seconds it took."""
+        started = time.monotonic()
+        writer = CheckpointWriter(directory)
+        try:
+            for entry in entries:
+                writer.add(*entry)
+        except BaseException:
+            writer.discard()
+            raise
+        self._finish_writer(writer, record, step)
+        return time.monotonic() - started
+
+    def _finish_writer(self, writer: CheckpointWriter, record: JobRecord, step: int) -> None:
+        group = self.group
+        try:
             # Coverage is by layer count (see [Note: checkpoint coverage]); that each layer
             # sent all its tensors is checked here, against the model, before the step log
             # behind this checkpoint is pruned.
@@ -238,7 +350,6 @@ class Recovery:
                     f"the stages sent a checkpoint without {len(missing)} of the model's "
                     f"{len(expected)} tensors, e.g. {missing[:5]}"
                 )
-            record = self.record()
             writer.finish(
                 job_id=group.job_id,
                 step=step,
@@ -249,15 +360,45 @@ class Recovery:
         except BaseException:
             writer.discard()
             raise
+
+    def finish_checkpoint(self, *, wait: bool) -> None:
+        """Makes a checkpoint written in the background count once it is durable (``wait``:
+        waits for it). A write that failed is dropped with a warning: the previous checkpoint
+        and the step log behind it still cover every step."""
+        if self._writing is None:
+            return
+        step, read_s, future = self._writing
+        if not wait and not future.done():
+            return
+        self._writing = None
+        try:
+            write_s = future.result()
+        except Exception as exc:  # any failure of the write only drops this checkpoint
+            logger.warning(
+                "job %s: writing the checkpoint of step %d failed; the one of step %d and the "
+                "step log still cover it: %s",
+                self.group.job_id,
+                step,
+                self.state.checkpoint_step,
+                exc,
+            )
+            return
+        self._checkpointed(step, read_s, write_s, background=True)
+
+    def _checkpointed(self, step: int, read_s: float, write_s: float, *, background: bool) -> None:
+        """A checkpoint of ``step`` is durable: it becomes the one recovery restores."""
         self.state.checkpoint_step = step
         self.persist()
         self.storage.log.prune(step)
         self.storage.checkpoints.prune()
         logger.info(
-            "job %s: checkpoint at step %d in %.2f s",
-            group.job_id,
+            "job %s: checkpoint at step %d in %.3f s (state read in %.3f s, written in %.3f s%s)",
+            self.group.job_id,
             step,
-            time.monotonic() - started,
+            read_s if background else read_s + write_s,
+            read_s,
+            write_s,
+            " in the background" if background else "",
         )
 
     # -- after a coordinator restart -----------------------------------------------------------
@@ -282,16 +423,43 @@ class Recovery:
                 )
             except PipesvcError:
                 consistent = False
+        # The row's step is decided (see [Note: deferred commit] in job.py); a stage one step
+        # behind holds it prepared, with its commit not yet flushed, or did not get there.
         consistent = consistent and all(
-            i.job_id == group.job_id and i.plan_epoch == group.epoch and i.step == state.step
+            i.job_id == group.job_id
+            and i.plan_epoch == group.epoch
+            and (i.step == state.step or (i.step == state.step - 1 and i.pending_run_id))
             for i in infos
         )
+        behind = (
+            [(s, i) for s, i in zip(group.plan, infos, strict=True) if i.step < state.step]
+            if consistent
+            else []
+        )
+        if behind and group.config.clip_grad_norm is not None:
+            consistent = False  # its gradient scale was not saved: replay the step instead
         self._needs_reconcile = False
         state.run_id = max([state.run_id, *(i.last_run_id for i in infos)], default=state.run_id)
         if consistent:
-            pending = max(i.pending_run_id for i in infos)
-            if pending:
-                group.abort(pending)
+            ahead = max((i.pending_run_id for i in infos if i.step == state.step), default=0)
+            if ahead:  # a run of the next step, never decided
+                group.abort(ahead)
+            try:
+                for stage, info in behind:
+                    request = stage_pb2.CommitRequest(
+                        job_id=group.job_id, plan_epoch=group.epoch, run_id=info.pending_run_id
+                    )
+                    call_stage(
+                        registry,
+                        stage,
+                        lambda stub: stub.Commit,
+                        request,
+                        group.deadlines.control_s,
+                    )
+            except PipesvcError as exc:
+                logger.warning("job %s: committing the decided step failed: %s", group.job_id, exc)
+                consistent = False
+        if consistent:
             registry.claim(addresses, group.job_id)
             for stage in group.plan:
                 registry.place(

@@ -197,7 +197,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
     def GetJob(
         self, request: coordinator_pb2.GetJobRequest, context: object
     ) -> coordinator_pb2.JobInfo:
-        return self._job(request.job_id).info()
+        job = self._job(request.job_id)
+        job.settle()  # the stages themselves reach the step it reports
+        return job.info()
 
     @handle_errors
     def GetModelExport(

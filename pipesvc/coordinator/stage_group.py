@@ -98,9 +98,11 @@ class StageGroup:
         targets: list[torch.Tensor],
         *,
         what: str,
+        commit: stage_pb2.CarriedCommit | None = None,
     ) -> list[stage_pb2.RunStepResponse]:
         """One pipelined run on every stage under the health watchdog: the micro-batch
-        ``inputs`` go to the first stage, the ``targets`` (none for inference) to the last.
+        ``inputs`` go to the first stage, the ``targets`` (none for inference) to the last;
+        every stage first applies the carried ``commit`` (see [Note: deferred commit]).
 
         Raises:
             StageLostError: the watchdog declared a stage lost (the caller aborts the run).
@@ -122,6 +124,7 @@ class StageGroup:
                 inputs=encoded_inputs if stage.rank == 0 else [],
                 targets=encoded_targets if stage.rank == last else [],
                 loss_weights=weights if stage.rank == last and targets else [],
+                commit=commit,
             )
 
         deadlines = self.deadlines

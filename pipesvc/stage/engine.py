@@ -9,6 +9,13 @@ functions and runs whole pipelined steps in one process.
 leaves its gradients pending until Commit (apply the optimizer step) or Abort (drop them);
 until then no other run starts. ``run_lock`` serialises every call that reads or changes the
 runtime's state, so state is never read or replaced mid-run or mid-commit.
+
+The coordinator usually defers a decided commit to the next run (see [Note: deferred commit] in
+coordinator/job.py): ``run_step`` then gets it as ``commit`` and applies it, under the same lock
+and fault point as ``commit``, before the run begins; if this stage does not hold that run, the
+call fails before anything changes. An abort of a later run than the pending one leaves the
+pending gradients alone (that run never began here: it would have committed them first), so
+a decided step survives the abort of the run that was to carry its commit.
 """
 
 from __future__ import annotations
@@ -46,6 +53,14 @@ class RunResult:
     """Most micro-batches whose activations were held at once."""
     grad_norm_sq: float | None
     """Squared norm of this stage's gradients (training with clipping only)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Carried:
+    """A decided commit carried by the next run: its run id and gradient scale."""
+
+    run_id: int
+    grad_scale: float | None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -92,22 +107,35 @@ class StepEngine:
         self._fault_kill = fault_kill
 
     def run_step(
-        self, run_id: int, *, training: bool, num_microbatches: int, data: RunInputs
+        self,
+        run_id: int,
+        *,
+        training: bool,
+        num_microbatches: int,
+        data: RunInputs,
+        commit: Carried | None = None,
     ) -> RunResult:
-        """Runs this stage's part of run ``run_id``; a training run then awaits commit.
+        """Runs this stage's part of run ``run_id`` after applying the carried ``commit`` (if
+        any); a training run then awaits commit.
 
         Raises:
-            FailedPreconditionError: ``run_id`` is not after the last run, or a run awaits
-                commit or abort.
+            FailedPreconditionError: ``run_id`` is not after the last run, the carried commit's
+                run is not the one pending here, or a run awaits commit or abort (nothing
+                changed).
+            InvalidArgumentError: the carried ``grad_scale`` is not finite and non-negative.
             PipesvcError: the run failed (a neighbour, a timeout, an abort); the runtime and
-                the run's mail are dropped.
+                the run's mail are dropped (the carried commit stays applied).
         """
         rt = self.runtime
+        if commit is not None:
+            self._check_commit_fault()
         with self.run_lock:
             if run_id <= self.last_run_id:
                 raise FailedPreconditionError(
                     f"run {run_id} is not after the last run {self.last_run_id}"
                 )
+            if commit is not None:
+                self._commit_locked(commit.run_id, commit.grad_scale)
             if self.pending_commit is not None:
                 raise FailedPreconditionError(
                     f"run {self.pending_commit} awaits commit or abort; run {run_id} waits"
@@ -223,6 +251,11 @@ class StepEngine:
             FailedPreconditionError: ``run_id`` is not the run awaiting commit.
             InvalidArgumentError: ``grad_scale`` is not a finite non-negative number.
         """
+        self._check_commit_fault()
+        with self.run_lock:
+            return self._commit_locked(run_id, grad_scale)
+
+    def _check_commit_fault(self) -> None:
         if self._fault_kill is not None:
             self._fault_kill.check(
                 when="commit",
@@ -231,13 +264,14 @@ class StepEngine:
                 microbatch=0,
                 last_mb=0,
             )
-        with self.run_lock:
-            if self.pending_commit != run_id:
-                raise FailedPreconditionError(
-                    f"run {run_id} has nothing to commit (pending: {self.pending_commit})"
-                )
-            step = self.runtime.commit(grad_scale)
-            self.pending_commit = None
+
+    def _commit_locked(self, run_id: int, grad_scale: float | None) -> int:
+        if self.pending_commit != run_id:
+            raise FailedPreconditionError(
+                f"run {run_id} has nothing to commit (pending: {self.pending_commit})"
+            )
+        step = self.runtime.commit(grad_scale)
+        self.pending_commit = None
         return step
 
     def abort(self, run_id: int) -> None:
@@ -246,6 +280,17 @@ class StepEngine:
         self.mailbox.abort(run_id)
         with self.run_lock:
             self.last_run_id = max(self.last_run_id, run_id)
+            if self.pending_commit is not None and run_id > self.pending_commit:
+                # A later run that never began here (it would have committed the pending one
+                # first): the pending gradients are a decided step's, kept for its commit.
+                logger.info(
+                    "job %s: run %d aborted before it began; run %d stays pending",
+                    self._job_id,
+                    run_id,
+                    self.pending_commit,
+                    extra={"job": self._job_id, "rank": self.runtime.rank},
+                )
+                return
             self.pending_commit = None
             self.runtime.abort()
         logger.info(

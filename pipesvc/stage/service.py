@@ -28,7 +28,7 @@ from pipesvc.errors import (
     StepAbortedError,
 )
 from pipesvc.stage.assignment import Assignment
-from pipesvc.stage.engine import RunInputs
+from pipesvc.stage.engine import Carried, RunInputs
 from pipesvc.stage.frame_wire import OutFrame
 from pipesvc.stage.links import UpstreamLink
 from pipesvc.stage.options import StageOptions
@@ -45,6 +45,15 @@ _STATE_KINDS = {
     common_pb2.GRADIENTS: "gradients",
     common_pb2.CHECKPOINT: "checkpoint",
 }
+
+
+def _carried(request: stage_pb2.RunStepRequest) -> Carried | None:
+    """The commit a RunStep carries, if any."""
+    if not request.HasField("commit"):
+        return None
+    carried = request.commit
+    scale = carried.grad_scale if carried.HasField("grad_scale") else None
+    return Carried(run_id=carried.run_id, grad_scale=scale)
 
 
 def _rss_bytes() -> int:
@@ -264,6 +273,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
             training=training,
             num_microbatches=m,
             data=RunInputs(inputs=inputs, targets=targets, loss_weights=list(request.loss_weights)),
+            commit=_carried(request),
         )
         response = stage_pb2.RunStepResponse(
             losses=result.losses,

@@ -286,6 +286,7 @@ class RunStepRequest(_message.Message):
     INPUTS_FIELD_NUMBER: _builtins.int
     TARGETS_FIELD_NUMBER: _builtins.int
     LOSS_WEIGHTS_FIELD_NUMBER: _builtins.int
+    COMMIT_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     plan_epoch: _builtins.int
@@ -308,6 +309,13 @@ class RunStepRequest(_message.Message):
     def loss_weights(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Weight of each micro-batch's mean loss (its share of the batch); last rank only."""
 
+    @_builtins.property
+    def commit(self) -> Global___CarriedCommit:
+        """The decided training run this stage still holds, committed before this run starts (the
+        commit of step N carried by the next run, see [Note: deferred commit] in job.py). If the
+        stage does not hold it, the call fails and this run does not start.
+        """
+
     def __init__(
         self,
         *,
@@ -319,14 +327,45 @@ class RunStepRequest(_message.Message):
         inputs: _abc.Iterable[_common_pb2.Tensor] | None = ...,
         targets: _abc.Iterable[_common_pb2.Tensor] | None = ...,
         loss_weights: _abc.Iterable[_builtins.float] | None = ...,
+        commit: Global___CarriedCommit | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "job_id", b"job_id", "loss_weights", b"loss_weights", "mode", b"mode", "num_microbatches", b"num_microbatches", "plan_epoch", b"plan_epoch", "run_id", b"run_id", "targets", b"targets"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "inputs", b"inputs", "job_id", b"job_id", "loss_weights", b"loss_weights", "mode", b"mode", "num_microbatches", b"num_microbatches", "plan_epoch", b"plan_epoch", "run_id", b"run_id", "targets", b"targets"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RunStepRequest: _TypeAlias = RunStepRequest  # noqa: Y015
+
+@_typing.final
+class CarriedCommit(_message.Message):
+    """A commit carried by the next RunStep: what CommitRequest says, without the job and epoch
+    (the RunStep's own).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    GRAD_SCALE_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.int
+    """The prepared run to commit."""
+    grad_scale: _builtins.float
+    """Multiply every gradient by this before the optimizer step (global norm clipping)."""
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.int = ...,
+        grad_scale: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_grad_scale", b"_grad_scale", "grad_scale", b"grad_scale"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_grad_scale", b"_grad_scale", "grad_scale", b"grad_scale", "run_id", b"run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__grad_scale: _TypeAlias = _typing.Literal["grad_scale"]  # noqa: Y015
+    _WhichOneofArgType__grad_scale: _TypeAlias = _typing.Literal["_grad_scale", b"_grad_scale"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__grad_scale) -> _WhichOneofReturnType__grad_scale | None: ...
+
+Global___CarriedCommit: _TypeAlias = CarriedCommit  # noqa: Y015
 
 @_typing.final
 class RunStepResponse(_message.Message):

@@ -54,9 +54,10 @@ def test_killed_stage_past_two_checkpoints_restores_and_replays(tmp_path: Path, 
 
 @pytest.mark.timeout(240)
 def test_stage_stopped_at_commit_is_detected_and_the_step_completes(tmp_path: Path) -> None:
-    """SIGSTOP on rank 1 as step 5's commit arrives (rank 0 commits). The watchdog finds it in
-    a few health intervals (the control deadline here is 600 s, past this test's timeout); a
-    spare replaces it, the step-4 checkpoint is restored and step 5 replayed from the log."""
+    """SIGSTOP on rank 1 as step 5's commit arrives, carried by step 6's run (rank 0 commits
+    and starts the run). The watchdog finds it in a few health intervals (the control deadline
+    here is 600 s, past this test's timeout); a spare replaces it, the step-4 checkpoint is
+    restored, step 5 replayed from the log and step 6 run again."""
     marker = tmp_path / "fired"
     with _cluster(f"commit-stop:5:1:{marker}", "--control-timeout-s", "600") as cluster:
         with cluster.connect() as client:
@@ -64,14 +65,14 @@ def test_stage_stopped_at_commit_is_detected_and_the_step_completes(tmp_path: Pa
             stopped = training.job.plan[1].address
             pid = stage_pid(stopped)
             try:
-                for _ in range(4):
+                for _ in range(5):
                     training.step()
                 started = time.monotonic()
                 training.step()
                 took = time.monotonic() - started
                 assert marker.exists(), "the fault never fired"
-                assert _steps_of(training.job) == {5}
-                for _ in range(NUM_STEPS - 5):
+                assert _steps_of(training.job) == {6}
+                for _ in range(NUM_STEPS - 6):
                     training.step()
             finally:
                 os.kill(pid, signal.SIGCONT)
@@ -81,23 +82,31 @@ def test_stage_stopped_at_commit_is_detected_and_the_step_completes(tmp_path: Pa
             assert _steps_of(job) == {NUM_STEPS}
             training.check_weights()
         log = (cluster.log_dir / "coordinator.log").read_text()
-        assert "during commit of step 5" in log
+        assert any(
+            "health checks during run" in line and "(step 6)" in line for line in log.splitlines()
+        )
+        assert "recovering at step 5" in log  # the decided step is rebuilt, then step 6 runs
         recovered = [line for line in log.splitlines() if "recovered in" in line]
-        print(f"\nstopped at commit: step 5 took {took:.2f} s; {recovered[-1].strip()}")
+        print(f"\nstopped at commit: step 6 took {took:.2f} s; {recovered[-1].strip()}")
 
 
 def test_commit_refused_on_one_stage_after_the_other_committed(tmp_path: Path) -> None:
-    """Rank 1 refuses step 5's Commit once with RESOURCE_EXHAUSTED (a final-class error)
-    while rank 0 commits: the step is completed on rank 1 before the call returns."""
+    """Rank 1 refuses step 5's commit, carried by step 6's run, once with RESOURCE_EXHAUSTED (a
+    final-class error) while rank 0 commits and starts the run: the run is aborted, step 5 is
+    completed on rank 1 by an explicit Commit and step 6 runs again, all within the call and
+    without a recovery."""
     marker = tmp_path / "fired"
     with _cluster(f"commit-fail:5:1:{marker}") as cluster, cluster.connect() as client:
         training = Training.start(client, "relu-mlp")
-        for _ in range(5):
+        for _ in range(6):
             training.step()
         assert marker.exists(), "the fault never fired"
-        assert _steps_of(training.job) == {5}
+        assert _steps_of(training.job) == {6}
+        assert training.job.refresh().recoveries == 0
         training.check_weights()
-        for _ in range(NUM_STEPS - 5):
+        for _ in range(NUM_STEPS - 6):
             training.step()
         assert _steps_of(training.job) == {NUM_STEPS}
         training.check_weights()
+        log = (cluster.log_dir / "coordinator.log").read_text()
+        assert "a run carrying the commit of step 5 failed" in log

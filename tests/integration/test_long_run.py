@@ -72,9 +72,12 @@ def test_threads_fds_and_state_files_stay_bounded(
     job_dir = cluster.log_dir / "state" / "jobs" / job.id
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(16, 16, generator=gen), torch.randn(16, 8, generator=gen)
-    # Right after a checkpoint the step log is pruned: the kept checkpoints' layer files and
-    # manifests only. In between, at most CHECKPOINT_EVERY - 1 logged steps come on top.
-    at_checkpoint = KEPT_CHECKPOINTS * (NUM_LAYERS + 1)
+    # A periodic checkpoint is written in the background and counts once durable, when the
+    # step log behind it is pruned (see [Note: background checkpoint]): at any time there are
+    # the kept checkpoints' layer files and manifests, at most one checkpoint being written,
+    # and the logged steps since the newest one that counts (it is applied at the latest when
+    # the next one starts: fewer than 2 x CHECKPOINT_EVERY).
+    at_most = (KEPT_CHECKPOINTS + 1) * (NUM_LAYERS + 1) + 2 * CHECKPOINT_EVERY - 1
     most_files = 0
     seen: dict[int, Counts] = {}
     try:
@@ -87,8 +90,8 @@ def test_threads_fds_and_state_files_stay_bounded(
     finally:
         job.close()
     warm, last = seen[WARM_STEPS], seen[LAST_STEP]
-    assert warm.files == last.files == at_checkpoint, (warm.files, last.files, at_checkpoint)
-    assert most_files <= at_checkpoint + CHECKPOINT_EVERY - 1, most_files
+    assert warm.files <= at_most and last.files <= at_most, (warm.files, last.files, at_most)
+    assert most_files <= at_most, most_files
     for pid in cluster.pids:
         assert last.threads[pid] <= warm.threads[pid] + THREAD_SLACK, (
             f"pid {pid}: {warm.threads[pid]} threads at step {WARM_STEPS}, "

@@ -26,7 +26,7 @@ from pipesvc.errors import (
     StageUnavailableError,
     StepAbortedError,
 )
-from pipesvc.stage.engine import RunInputs, RunResult, SendFn, StepEngine
+from pipesvc.stage.engine import Carried, RunInputs, RunResult, SendFn, StepEngine
 from pipesvc.stage.faults import FaultKill
 from pipesvc.stage.mailbox import Mailbox, MailKey
 from pipesvc.stage.recorder import RunRecorder
@@ -126,9 +126,10 @@ class Pipeline:
         return send
 
     def run(
-        self, x: torch.Tensor, y: torch.Tensor | None, run_id: int
+        self, x: torch.Tensor, y: torch.Tensor | None, run_id: int, commit: Carried | None = None
     ) -> list[RunResult | BaseException]:
-        """Every engine's part of one run, each on its own thread; a result or error each."""
+        """Every engine's part of one run (carrying ``commit``), each on its own thread; a
+        result or error each."""
         xs = microbatch.split(x, min(self.config.num_microbatches, x.shape[0]))
         ys = microbatch.split(y, len(xs)) if y is not None else []
         weights = microbatch.loss_weights([len(t) for t in xs]) if y is not None else []
@@ -148,6 +149,7 @@ class Pipeline:
                         targets=ys if rank == last else [],
                         loss_weights=weights if rank == last else [],
                     ),
+                    commit=commit,
                 )
             except BaseException as exc:  # reported to the test thread
                 results[rank] = exc
@@ -367,4 +369,42 @@ def test_injected_fault_fails_its_point_once(when: str, tmp_path: Path) -> None:
         pipeline.train_step(x, y)
     assert (tmp_path / "fired").exists()
     reference.step(x, y)
+    _assert_tensors(pipeline.tensors("parameters"), reference.model.state_dict())
+
+
+def test_a_carried_commit_is_checked_applied_first_and_kept_by_a_later_abort() -> None:
+    """The next run carries the pending run's commit (see [Note: deferred commit]): a carried
+    commit of a run not pending here fails before anything changes; the abort of a run that
+    never began keeps the pending gradients; a carried commit then trains like commit-then-run."""
+    problem = PROBLEMS["mlp"]
+    reference = Reference(
+        problem, seed=3, optimizer={"name": "sgd", "lr": 0.1}, clip_grad_norm=None
+    )
+    pipeline = _pipeline(problem, num_stages=2)
+    x, y = problem.batch(8, seed=0)
+    assert all(isinstance(r, RunResult) for r in pipeline.run(x, y, run_id=1))
+    reference.step(x, y)
+    first = pipeline.engines[0]
+    data = RunInputs(inputs=microbatch.split(x, 4), targets=[], loss_weights=[])
+    with pytest.raises(FailedPreconditionError, match="run 7 has nothing to commit"):
+        first.run_step(
+            2,
+            training=False,
+            num_microbatches=4,
+            data=data,
+            commit=Carried(run_id=7, grad_scale=None),
+        )
+    assert (first.pending_commit, first.last_run_id, first.runtime.step) == (1, 1, 0)
+
+    pipeline.abort(2)  # run 2 began nowhere: run 1 stays pending everywhere
+    assert [(e.pending_commit, e.last_run_id) for e in pipeline.engines] == [(1, 2)] * 2
+
+    x2, y2 = problem.batch(7, seed=1)
+    results = pipeline.run(x2, y2, run_id=3, commit=Carried(run_id=1, grad_scale=None))
+    assert all(isinstance(r, RunResult) for r in results), results
+    assert [(e.pending_commit, e.runtime.step) for e in pipeline.engines] == [(3, 1)] * 2
+    _assert_tensors(pipeline.tensors("parameters"), reference.model.state_dict())
+    for engine in pipeline.engines:
+        engine.commit(3, None)
+    reference.step(x2, y2)
     _assert_tensors(pipeline.tensors("parameters"), reference.model.state_dict())

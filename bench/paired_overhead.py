@@ -1,0 +1,150 @@
+"""Per-step time of the tiny model in several checkouts of pipesvc, measured side by side.
+
+On a shared machine the load changes from one run of ``overhead.py`` to the next more than a
+change to the control plane does. Here every checkout (a directory holding a copy of the
+repository, e.g. from ``git archive REV | tar -x -C DIR``) runs its own ``LocalCluster``
+(1 thread per stage) and job at the same time, and in each round every checkout takes one
+``train_step`` in turn, in a rotating order, so all of them see the same load. The model,
+batch, micro-batches and optimizer are ``overhead.py``'s tiny row: 4 x (Linear(32, 32) + ReLU),
+batch 64 in 4 micro-batches, MSE, SGD; GPipe and 1F1B, checkpoints off and every 10 steps.
+
+Usage: ``python bench/paired_overhead.py [--stages 2] [--steps 150] NAME=DIR [NAME=DIR ...]``
+(``.`` is this checkout). Prints steps/s, mean and p50 ms per step for each checkout and row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+WARMUP_STEPS = 5
+
+
+def worker(num_stages: int) -> None:
+    """Serves one checkout's job on stdin/stdout: ``setup SCHEDULE EVERY``, ``step``, ``quit``."""
+    root = Path(os.environ["PIPESVC_TREE"]).resolve()
+    sys.path.insert(0, str(root))
+    os.environ["PYTHONPATH"] = str(root)  # the stage processes import bench.bench_models
+    import pipesvc
+    from bench.overhead import LR, NUM_MICROBATCHES, TINY, _batch
+
+    with pipesvc.LocalCluster(
+        num_stages=num_stages, models=["bench.bench_models"], threads_per_stage=1
+    ) as cluster:
+        client = cluster.connect()
+        x, y = _batch(TINY)
+        job = None
+        print("ready", flush=True)
+        for line in sys.stdin:
+            command = line.split()
+            if command[0] == "setup":
+                if job is not None:
+                    job.close()
+                job = client.create_job(
+                    model=TINY.model,
+                    model_args=TINY.model_args,
+                    num_stages=num_stages,
+                    num_microbatches=NUM_MICROBATCHES,
+                    schedule=command[1],
+                    optimizer={"name": "sgd", "lr": LR},
+                    loss=TINY.loss,
+                    partition="uniform",
+                    checkpoint_every=int(command[2]),
+                )
+                print("ok", flush=True)
+            elif command[0] == "step" and job is not None:
+                started = time.perf_counter()
+                job.train_step(x, y)
+                print(f"{(time.perf_counter() - started) * 1e3:.4f}", flush=True)
+            else:
+                break
+        client.close()
+
+
+class Checkout:
+    """One worker process and its pipes."""
+
+    def __init__(self, directory: Path, num_stages: int) -> None:
+        env = dict(os.environ, PIPESVC_TREE=str(directory), PYTHONPATH=str(directory))
+        script = str(Path(__file__).resolve())
+        self.proc = subprocess.Popen(
+            [sys.executable, script, "--worker", "--stages", str(num_stages)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=directory,
+        )
+        if self.ask(None) != "ready":
+            raise RuntimeError(f"the cluster of {directory} did not start")
+
+    def ask(self, command: str | None) -> str:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        if command is not None:
+            self.proc.stdin.write(command + "\n")
+            self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("quit\n")
+        self.proc.stdin.flush()
+        self.proc.wait(60)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=150, help="timed steps per checkout and row")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("trees", nargs="*", metavar="NAME=DIR")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.stages)
+        return
+    named = dict(t.split("=", 1) for t in args.trees)
+    if not named:
+        parser.error("name at least one checkout as NAME=DIR")
+    checkouts = {name: Checkout(Path(d).resolve(), args.stages) for name, d in named.items()}
+    names = list(checkouts)
+    print(
+        f"tiny model, {args.stages} stages, {args.steps} timed steps per checkout and row "
+        f"({WARMUP_STEPS} warm-up), one step each in turn; {os.cpu_count()} CPU cores; "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
+    header = ["schedule", "ckpt"]
+    for name in names:
+        header += [f"{name} steps/s", "ms", "p50 ms"]
+    rows = [header]
+    try:
+        for schedule in ("gpipe", "1f1b"):
+            for every in (0, 10):
+                for checkout in checkouts.values():
+                    if checkout.ask(f"setup {schedule} {every}") != "ok":
+                        raise RuntimeError("a job could not be created")
+                    for _ in range(WARMUP_STEPS):
+                        checkout.ask("step")
+                times: dict[str, list[float]] = {name: [] for name in names}
+                for i in range(args.steps):
+                    for name in names[i % len(names) :] + names[: i % len(names)]:
+                        times[name].append(float(checkouts[name].ask("step")))
+                row = [schedule, f"every {every}" if every else "off"]
+                for name in names:
+                    mean, median = statistics.fmean(times[name]), statistics.median(times[name])
+                    row += [f"{1e3 / mean:.1f}", f"{mean:.2f}", f"{median:.2f}"]
+                rows.append(row)
+    finally:
+        for checkout in checkouts.values():
+            checkout.close()
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for row in rows:
+        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
+
+
+if __name__ == "__main__":
+    main()
