@@ -67,10 +67,12 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, labels
 
 
-def reference_run(directory: Path) -> tuple[list[float], Any]:
-    model = AutoModelForCausalLM.from_pretrained(directory)
+def train_in_one_process(model: Any) -> list[float]:
+    """``STEPS`` AdamW steps (``OPTIMIZER``) of ``model`` on ``batch``, over the parameters
+    that require gradients; returns the losses."""
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-6)
     losses = []
     for step in range(STEPS):
         ids, labels = batch(step)
@@ -79,7 +81,12 @@ def reference_run(directory: Path) -> tuple[list[float], Any]:
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    return losses, model
+    return losses
+
+
+def reference_run(directory: Path) -> tuple[list[float], Any]:
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    return train_in_one_process(model), model
 
 
 @pytest.mark.parametrize(
@@ -161,16 +168,7 @@ def test_lora_training_equals_peft_in_one_process(
     with torch.no_grad():
         for name, value in initial.items():
             params[f"base_model.model.{name}"].copy_(value)
-    trainable = [p for p in reference.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=1e-2, weight_decay=0.1, eps=1e-6)
-    expected_losses = []
-    for step in range(STEPS):
-        ids, labels = batch(step)
-        optimizer.zero_grad()
-        loss = reference(ids, labels=labels).loss
-        loss.backward()
-        optimizer.step()
-        expected_losses.append(loss.item())
+    expected_losses = train_in_one_process(reference)
     assert losses == pytest.approx(expected_losses, rel=1e-5, abs=1e-6)
     changed = 0
     for name, value in final.items():
@@ -265,16 +263,7 @@ def test_trainable_patterns_freeze_the_rest_like_one_process(
     reference = AutoModelForCausalLM.from_pretrained(hf_dirs["hf-llama"])
     for name, param in reference.named_parameters():
         param.requires_grad_(any(fnmatch.fnmatchcase(name, p) for p in trainable))
-    params = [p for p in reference.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-6)
-    expected_losses = []
-    for step in range(STEPS):
-        ids, labels = batch(step)
-        optimizer.zero_grad()
-        loss = reference(ids, labels=labels).loss
-        loss.backward()
-        optimizer.step()
-        expected_losses.append(loss.item())
+    expected_losses = train_in_one_process(reference)
     assert losses == pytest.approx(expected_losses, rel=1e-5, abs=1e-6)
     expected = reference.state_dict()
     trains = {n for n, p in reference.named_parameters() if p.requires_grad}
