@@ -61,12 +61,26 @@ def memory_estimate(
     end: int,
     optimizer: str,
     in_flight: int = 0,
+    precision: str = "fp32",
 ) -> int:
-    """Bytes a stage needs for layers [start, end): weights, gradients and optimizer state,
-    plus ``in_flight`` micro-batches' activations (known when the job gave an input shape)."""
-    weights = sum(int(layers[i].parameter_bytes) for i in range(start, end))
-    activations = sum(int(layers[i].activation_bytes) for i in range(start, end))
-    return weights * (2 + _OPTIMIZER_COPIES.get(optimizer, 1)) + in_flight * activations
+    """Bytes a stage needs for layers [start, end): weights, and gradients and optimizer state
+    of the parameters that train (all of them unless the stage says otherwise), halved for
+    weights stored in bfloat16; plus ``in_flight`` micro-batches' activations (known when the
+    job gave an input shape). Parameters frozen by ``trainable`` patterns are still counted
+    as training: the planner does not see parameter names."""
+    chosen = range(start, end)
+    weights = sum(int(layers[i].parameter_bytes) for i in chosen)
+    trains = sum(
+        int(layers[i].trainable_bytes)
+        if layers[i].HasField("trainable_bytes")
+        else int(layers[i].parameter_bytes)
+        for i in chosen
+    )
+    activations = sum(int(layers[i].activation_bytes) for i in chosen)
+    state = weights + trains * (1 + _OPTIMIZER_COPIES.get(optimizer, 1))
+    if precision == "bf16":
+        state //= 2
+    return state + in_flight * activations
 
 
 def _in_flight(config: JobConfig, num_stages: int) -> list[int]:
@@ -89,7 +103,10 @@ def _ranges(
     """Layer ranges for ``stages`` (in rank order) under the job's partition method."""
     if config.partition == "memory":
         optimizer = str(config.optimizer.get("name"))
-        costs = [memory_estimate(layers, i, i + 1, optimizer) for i in range(len(layers))]
+        costs = [
+            memory_estimate(layers, i, i + 1, optimizer, precision=config.precision)
+            for i in range(len(layers))
+        ]
         return partition.fit_capacities(
             costs,
             [s.memory_bytes for s in stages],
@@ -110,7 +127,9 @@ def _place(
     in_flight = _in_flight(config, len(stages))
     for rank, ((start, end), stage) in enumerate(zip(ranges, stages, strict=True)):
         optimizer = str(config.optimizer.get("name"))
-        need = memory_estimate(layers, start, end, optimizer, in_flight[rank])
+        need = memory_estimate(
+            layers, start, end, optimizer, in_flight[rank], precision=config.precision
+        )
         if need > stage.memory_bytes:
             held = (
                 f" (with {in_flight[rank]} micro-batches of activations in flight)"

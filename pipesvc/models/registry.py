@@ -82,6 +82,9 @@ class LayerInfo:
     """Bytes of the parameters alone (buffers are listed in ``tensors`` but not counted)."""
     tensors: tuple[TensorInfo, ...]
     """The layer's ``state_dict`` entries: parameters and buffers."""
+    trainable_bytes: int | None = None
+    """Bytes of the parameters that train (``requires_grad``): gradients and optimizer state
+    are kept for these only. None: all of them."""
     activation_bytes: int = 0
     """Bytes autograd keeps for the layer's backward per micro-batch (storages of the tensors
     it saves, its own parameters and buffers excluded), measured when ``describe`` is given an
@@ -405,6 +408,9 @@ def describe(
                 index=index,
                 num_parameters=sum(p.numel() for p in params),
                 parameter_bytes=sum(p.numel() * p.element_size() for p in params),
+                trainable_bytes=sum(
+                    p.numel() * p.element_size() for p in params if p.requires_grad
+                ),
                 tensors=tensors,
                 activation_bytes=activation_bytes,
             )

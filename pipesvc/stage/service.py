@@ -133,6 +133,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
                     num_parameters=layer.num_parameters,
                     parameter_bytes=layer.parameter_bytes,
                     activation_bytes=layer.activation_bytes,
+                    trainable_bytes=layer.trainable_bytes,
                     tensors=[
                         stage_pb2.TensorDescription(name=t.name, shape=t.shape, dtype=t.dtype)
                         for t in layer.tensors

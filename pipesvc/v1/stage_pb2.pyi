@@ -143,6 +143,7 @@ class LayerDescription(_message.Message):
     PARAMETER_BYTES_FIELD_NUMBER: _builtins.int
     TENSORS_FIELD_NUMBER: _builtins.int
     ACTIVATION_BYTES_FIELD_NUMBER: _builtins.int
+    TRAINABLE_BYTES_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """Position in the model, from 0."""
     num_parameters: _builtins.int
@@ -152,6 +153,10 @@ class LayerDescription(_message.Message):
     activation_bytes: _builtins.int
     """Bytes the layer keeps for its backward per micro-batch of input_shape (tensors saved by
     autograd, parameters excluded); 0 when no input shape was given.
+    """
+    trainable_bytes: _builtins.int
+    """Bytes of the parameters that train (LoRA freezes the rest); absent from older stages,
+    which meant all of them.
     """
     @_builtins.property
     def tensors(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorDescription]:
@@ -165,12 +170,15 @@ class LayerDescription(_message.Message):
         parameter_bytes: _builtins.int = ...,
         tensors: _abc.Iterable[Global___TensorDescription] | None = ...,
         activation_bytes: _builtins.int = ...,
+        trainable_bytes: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_trainable_bytes", b"_trainable_bytes", "trainable_bytes", b"trainable_bytes"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["activation_bytes", b"activation_bytes", "index", b"index", "num_parameters", b"num_parameters", "parameter_bytes", b"parameter_bytes", "tensors", b"tensors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_trainable_bytes", b"_trainable_bytes", "activation_bytes", b"activation_bytes", "index", b"index", "num_parameters", b"num_parameters", "parameter_bytes", b"parameter_bytes", "tensors", b"tensors", "trainable_bytes", b"trainable_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__trainable_bytes: _TypeAlias = _typing.Literal["trainable_bytes"]  # noqa: Y015
+    _WhichOneofArgType__trainable_bytes: _TypeAlias = _typing.Literal["_trainable_bytes", b"_trainable_bytes"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__trainable_bytes) -> _WhichOneofReturnType__trainable_bytes | None: ...
 
 Global___LayerDescription: _TypeAlias = LayerDescription  # noqa: Y015
 

@@ -85,3 +85,16 @@ def test_a_model_no_stage_could_hold_trains_with_each_stage_near_its_share(
                 assert share < whole / 2, (share, whole)
                 assert grown < share + 128 * MIB, (address, grown / MIB, share / MIB)
                 assert grown < 0.75 * whole, (address, grown / MIB, whole / MIB)
+            # With LoRA the whole model fits one such stage: frozen weights get no gradient
+            # and no optimizer state, and the planner counts them so.
+            pid = cluster.add_stage(["--memory-budget", BUDGET])
+            fresh = status_kib(pid, "VmRSS") * 1024
+            lora = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+            with client.create_job(
+                num_stages=1, **{**options, "model_args": {"lora": lora}}
+            ) as tuned:  # type: ignore[arg-type]
+                assert stage_info(tuned.plan[0].address).pid == pid
+                tuned.train_step(ids, labels)
+                tuned.train_step(ids, labels)
+                grown = status_kib(pid, "VmHWM") * 1024 - fresh
+            assert grown < param_bytes + 96 * MIB, (grown / MIB, param_bytes / MIB)

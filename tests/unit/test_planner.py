@@ -173,3 +173,27 @@ def test_placement_makes_no_calls() -> None:
     ]
     assert not [m for m in imported if m.startswith(("grpc", "pipesvc.coordinator"))]
     assert not [m for m in imported if m.endswith("_grpc") or m == "pipesvc.wire.transport"]
+
+
+def test_memory_estimate_counts_gradients_and_state_only_for_what_trains() -> None:
+    full = _layers(1000, 1000)
+    frozen = _layers(1000, 1000)
+    frozen[1].trainable_bytes = 400  # a LoRA layer: 100 trainable float32 parameters
+    frozen[0].trainable_bytes = 0  # a frozen embedding
+    # AdamW: weights, gradients and two moments of everything that trains.
+    assert placement.memory_estimate(full, 0, 2, "adamw") == 8000 * 4
+    assert placement.memory_estimate(frozen, 0, 2, "adamw") == 8000 + 400 * 3
+    assert placement.memory_estimate(full, 0, 2, "adamw", precision="bf16") == 8000 * 2
+    assert placement.memory_estimate(full, 0, 2, "adamw", precision="bf16-mixed") == 8000 * 4
+
+
+def test_a_lora_job_fits_a_stage_its_full_training_would_not() -> None:
+    layers = _layers(1_000_000, 1_000_000)
+    for layer in layers:
+        layer.trainable_bytes = 4096
+    stage = _stage(1, memory_bytes=10 * MIB)
+    config = JobConfig(model="m", num_stages=1, optimizer={"name": "adamw"})
+    plan = placement.first_plan(config, layers, [stage], 1)
+    assert [(p.start_layer, p.end_layer) for p in plan] == [(0, 2)]
+    with pytest.raises(ResourceExhaustedError, match="needing about 31 MiB"):
+        placement.first_plan(config, _layers(1_000_000, 1_000_000), [stage], 1)
