@@ -182,6 +182,7 @@ class StageGroup:
                 stage=stage.to_proto(),
                 num_stages=len(plan),
                 downstream_address=downstream,
+                plan=[entry.to_proto() for entry in plan],
             )
 
         self.call_all(lambda stub: stub.Assign, assign, self.deadlines.control_s)

@@ -26,6 +26,7 @@ from pipesvc.models.registry import (
     layer_specs,
     model_export,
     register_model,
+    tied_parameters,
 )
 from pipesvc.models.rng import (
     batch_statistics,
@@ -56,6 +57,7 @@ __all__ = [
     "register_hf_model",
     "register_model",
     "seeded_forward",
+    "tied_parameters",
     "uses_rng",
 ]
 

@@ -18,9 +18,10 @@ so the planner's description costs nothing; a stage then materialises only its o
 reads their tensors by byte range from the safetensors files (``read_tensors``), never a
 whole file. Parameters are float32 (master weights for training), whatever the checkpoint's
 dtype. When the config ties the input embedding and the head (GPT-2, Gemma), the head layer
-loads the embedding's tensor as its own weight; keeping the two copies equal during training,
-when they sit on different stages, is not done yet. The directory is read by ``Checkpoint``
-(``hf_checkpoint.py``), the family table is ``hf_family.py``.
+loads the embedding's tensor as its own weight, and the two copies are declared tied
+(``tied_keys``): every training run gives both the sum of their gradients, so they stay equal
+wherever they sit (see [Note: tied parameters] in ``pipesvc.core.tying``). The directory is
+read by ``Checkpoint`` (``hf_checkpoint.py``), the family table is ``hf_family.py``.
 """
 
 from __future__ import annotations
@@ -160,6 +161,15 @@ def model_keys(
     return keys
 
 
+def tied_keys(directory: str | os.PathLike[str]) -> list[tuple[str, ...]]:
+    """The tied groups of the model in ``directory``: the input embedding and the head when
+    its config ties them (see [Note: tied parameters] in ``pipesvc.core.tying``)."""
+    ckpt = _checkpoint(str(Path(directory).resolve()))
+    if not ckpt.tied:
+        return []
+    return [("0.embed.weight", f"{ckpt.num_blocks + 1}.head.weight")]
+
+
 def _rotary(ckpt: Checkpoint) -> nn.Module | None:
     path = ckpt.family.rotary
     return copy.deepcopy(part_of(ckpt.meta_model, path)) if path is not None else None
@@ -257,7 +267,11 @@ def _factory(directory: str) -> Any:
     def export(lora: dict[str, object] | None = None) -> dict[str, object]:
         return export_info(directory, lora)
 
+    def tied(lora: dict[str, object] | None = None) -> list[tuple[str, ...]]:
+        return tied_keys(directory)
+
     factory.export = export  # type: ignore[attr-defined]
+    factory.tied = tied  # type: ignore[attr-defined]
 
     factory.__qualname__ = f"hf_model[{directory}]"
     return factory

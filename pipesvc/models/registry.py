@@ -144,6 +144,21 @@ def model_export(name: str, model_args: Mapping[str, object]) -> dict[str, objec
     return result
 
 
+def tied_parameters(name: str, model_args: Mapping[str, object]) -> list[tuple[str, ...]]:
+    """The groups of global keys (``"{layer}.{name}"``) whose parameters model ``name`` ties
+    (see [Note: tied parameters] in ``pipesvc.core.tying``); empty if it ties none.
+
+    A factory may carry a ``tied`` attribute: a function of the model arguments returning them.
+
+    Raises:
+        UnknownModelError: ``name`` is not registered.
+    """
+    hook = getattr(_FACTORIES.get(name), "tied", None)
+    if hook is None:
+        return []
+    return [tuple(group) for group in hook(**model_args)]
+
+
 def known_models() -> list[str]:
     """Returns the registered model names, sorted."""
     return sorted(_FACTORIES.names())

@@ -14,6 +14,7 @@ from pipesvc.stage.mailbox import Mailbox, MailKey
 from pipesvc.stage.options import StageOptions
 from pipesvc.stage.recorder import RunRecorder
 from pipesvc.stage.runtime import StageRuntime
+from pipesvc.stage.tied_link import TiedLink
 
 
 class Assignment:
@@ -28,6 +29,7 @@ class Assignment:
         downstream_address: str,
         options: StageOptions,
         dial: Callable[[str], grpc.Channel],
+        tied: TiedLink | None = None,
     ) -> None:
         self.job_id = job_id
         self.epoch = epoch
@@ -37,6 +39,8 @@ class Assignment:
         self.staged: dict[str, torch.Tensor] = {}
         self._options = options
         self._dial = dial
+        self.tied = tied
+        """The swap of tied gradients with another stage, if this stage shares any."""
         self.engine = StepEngine(
             runtime=runtime,
             mailbox=Mailbox(),
@@ -48,6 +52,7 @@ class Assignment:
             downstream_address=downstream_address,
             metrics=options.metrics,
             fault_kill=options.fault_kill,
+            tied=tied,
         )
 
     @property

@@ -24,6 +24,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -39,6 +40,19 @@ logger = logging.getLogger(__name__)
 
 SendFn = Callable[[MailKey, torch.Tensor], None]
 """Sends one tensor to a neighbour (waits while its queue is full; raises if it cannot)."""
+
+
+class TiedSwap(Protocol):
+    """Swaps a training run's partial gradients of tied groups with the stages holding their
+    other copies (see [Note: tied parameters] in ``pipesvc.core.tying``)."""
+
+    def swap(self, run_id: int, partials: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Sends this stage's partial sums (group -> tensor) and returns the other stages'."""
+        ...
+
+    def abort(self, run_id: int) -> None:
+        """Wakes a swap of run ``run_id`` waiting for its peer, which then raises."""
+        ...
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -88,6 +102,7 @@ class StepEngine:
         downstream_address: str = "",
         metrics: Metrics = NO_METRICS,
         fault_kill: FaultKill | None = None,
+        tied: TiedSwap | None = None,
     ) -> None:
         self.runtime = runtime
         self.mailbox = mailbox
@@ -105,6 +120,7 @@ class StepEngine:
         self._downstream_address = downstream_address
         self._metrics = metrics
         self._fault_kill = fault_kill
+        self._tied = tied
 
     def run_step(
         self,
@@ -153,9 +169,13 @@ class StepEngine:
             rt.begin_run(training)
             try:
                 losses, outputs = self._execute(run_id, actions, data, training=training)
+                if training and rt.ties:
+                    self._share_tied(run_id)
             except BaseException:
                 rt.abort()
                 self.mailbox.abort(run_id)
+                if self._tied is not None:
+                    self._tied.abort(run_id)
                 raise
             finally:
                 self.mailbox.finish(run_id)
@@ -170,6 +190,20 @@ class StepEngine:
                 max_live_activations=rt.max_live,
                 grad_norm_sq=grad_norm_sq,
             )
+
+    def _share_tied(self, run_id: int) -> None:
+        """Gives every tied copy its group's whole gradient (see [Note: tied parameters])."""
+        rt = self.runtime
+        partials = rt.tied_partials()
+        theirs: dict[int, torch.Tensor] = {}
+        if partials:
+            if self._tied is None:
+                raise FailedPreconditionError(
+                    f"tied groups {sorted(partials)} are shared with another stage, and this "
+                    "stage has no way to reach it"
+                )
+            theirs = self._tied.swap(run_id, partials)
+        rt.settle_ties(theirs)
 
     def _execute(
         self, run_id: int, actions: list[Action], data: RunInputs, *, training: bool
@@ -278,6 +312,8 @@ class StepEngine:
         """Aborts run ``run_id``: wakes its waits and sends, drops its mail, its activations
         and (if it is an uncommitted training run) its gradients; no later run may reuse it."""
         self.mailbox.abort(run_id)
+        if self._tied is not None:
+            self._tied.abort(run_id)
         with self.run_lock:
             self.last_run_id = max(self.last_run_id, run_id)
             if self.pending_commit is not None and run_id > self.pending_commit:

@@ -51,8 +51,16 @@ from torch import nn
 from pipesvc.core.config import JobConfig
 from pipesvc.core.loss import compute_loss
 from pipesvc.core.optim import build_optimizer
+from pipesvc.core.tying import StageTies
 from pipesvc.errors import FailedPreconditionError, InvalidArgumentError
-from pipesvc.models import batch_statistics, build_layers, layer_rng, model_export, uses_rng
+from pipesvc.models import (
+    batch_statistics,
+    build_layers,
+    layer_rng,
+    model_export,
+    tied_parameters,
+    uses_rng,
+)
 from pipesvc.storage.checkpoint import OPTIM_PREFIX, group_by_layer
 
 
@@ -77,6 +85,7 @@ class StageRuntime:
         rank: int,
         num_stages: int,
         device: torch.device,
+        ties: StageTies | None = None,
     ) -> None:
         self.config = config
         self.start_layer = start_layer
@@ -104,8 +113,30 @@ class StageRuntime:
         # (global index, layer, whether its training call is seeded), fixed at build time.
         self._layers = [(start_layer + i, layer, uses_rng(layer)) for i, layer in enumerate(layers)]
         self._training = True  # modules are built in training mode
+        ties = ties or StageTies()
         if config.trainable is not None:
-            self._freeze_all_but(config.trainable)
+            self._freeze_all_but(config.trainable, ties)
+        params_by_key = dict(self.module.named_parameters())
+        for keys in ties.local.values():
+            missing = [k for k in keys if k not in params_by_key]
+            if missing:
+                raise InvalidArgumentError(
+                    f"tied keys {missing} are not parameters of layers [{start_layer}, "
+                    f"{end_layer}) of model {config.model!r}"
+                )
+        # Tied groups that train (a frozen group, as under LoRA, has no gradient to share).
+        self.ties = StageTies(
+            local={
+                g: keys for g, keys in ties.local.items() if params_by_key[keys[0]].requires_grad
+            },
+            peers={
+                g: peer
+                for g, peer in ties.peers.items()
+                if params_by_key[ties.local[g][0]].requires_grad
+            },
+            out_of_norm=ties.out_of_norm,
+        )
+        self._tied_partials: dict[int, torch.Tensor] = {}
         # Frozen parameters (LoRA's base weights, those ``trainable`` leaves out) get no
         # optimizer state; a stage with nothing to train (only a Flatten, or only frozen
         # layers) has no optimizer.
@@ -119,15 +150,22 @@ class StageRuntime:
         # A training run began and is not committed: its gradients replace the last step's.
         self._training_run = False
 
-    def _freeze_all_but(self, patterns: tuple[str, ...]) -> None:
+    def _freeze_all_but(self, patterns: tuple[str, ...], ties: StageTies) -> None:
         """Only parameters whose name (the model's own, as ``Job.state_dict()`` shows it)
-        matches one of ``patterns`` keep training."""
+        matches one of ``patterns`` keep training; a tied parameter trains if any name of its
+        group matches (one parameter in one process), so every stage decides the same."""
         export = model_export(self.config.model, self.config.model_args)
         own = export.get("keys") if export else None
         names: dict[str, str] = own if isinstance(own, dict) else {}
+
+        def matches(key: str) -> bool:
+            return any(fnmatch.fnmatchcase(names.get(key, key), p) for p in patterns)
+
+        group_of = {key: g for g, keys in ties.local.items() for key in keys}
+        groups = tied_parameters(self.config.model, self.config.model_args)
         for key, param in self.module.named_parameters():
-            name = names.get(key, key)
-            if not any(fnmatch.fnmatchcase(name, p) for p in patterns):
+            keys = groups[group_of[key]] if key in group_of else (key,)
+            if not any(matches(k) for k in keys):
                 param.requires_grad_(False)
 
     @property
@@ -267,13 +305,57 @@ class StageRuntime:
         return None if self.is_first or x.grad is None else self._to_wire(x.grad)
 
     def grad_norm_sq(self) -> float:
-        """Sum over parameters of the squared gradient norm (for global clipping)."""
+        """Sum over parameters of the squared gradient norm (for global clipping); a tied
+        group counts once (see [Note: tied parameters] in ``pipesvc.core.tying``)."""
         self._settle_grads()
         total = 0.0
-        for p in self.module.parameters():
-            if p.grad is not None:
+        for key, p in self.module.named_parameters():
+            if p.grad is not None and key not in self.ties.out_of_norm:
                 total += float(torch.linalg.vector_norm(p.grad)) ** 2
         return total
+
+    def tied_partials(self) -> dict[int, torch.Tensor]:
+        """After a training run's last backward: each tied group's gradient summed over its
+        copies on this stage; returns those of the groups shared with another stage (to swap
+        with it, then ``settle_ties``)."""
+        self._settle_grads()
+        params = dict(self.module.named_parameters())
+        self._tied_partials = {}
+        for group, keys in self.ties.local.items():
+            grads = [params[k].grad for k in keys]
+            partial = torch.zeros_like(params[keys[0]])
+            for grad in grads:
+                if grad is not None:
+                    partial += grad
+            self._tied_partials[group] = partial
+        return {g: self._tied_partials[g] for g in self.ties.peers}
+
+    def settle_ties(self, theirs: dict[int, torch.Tensor]) -> None:
+        """Gives every tied copy here its group's total: this stage's partial plus the other
+        stage's (``theirs``, for groups shared with one).
+
+        Raises:
+            InvalidArgumentError: ``theirs`` lacks a shared group or does not match its shape.
+        """
+        params = dict(self.module.named_parameters())
+        for group, keys in self.ties.local.items():
+            total = self._tied_partials[group]
+            if group in self.ties.peers:
+                other = theirs.get(group)
+                if other is None or other.shape != total.shape:
+                    raise InvalidArgumentError(
+                        f"tied group {group}: expected a gradient of shape {list(total.shape)} "
+                        f"from rank {self.ties.peers[group]}; got "
+                        f"{None if other is None else list(other.shape)}"
+                    )
+                total = total + other.to(device=total.device, dtype=total.dtype)
+            for key in keys:
+                p = params[key]
+                if p.grad is None:
+                    p.grad = total.clone()
+                else:
+                    p.grad.copy_(total)
+        self._tied_partials = {}
 
     def commit(self, grad_scale: float | None) -> int:
         """Applies the optimizer step (after scaling gradients); returns the step count.

@@ -7,6 +7,7 @@ links to the neighbours) and delegates runs, commits and aborts to ``StepEngine`
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ from pipesvc import models
 from pipesvc.core.config import config_from_proto, parse_json_object
 from pipesvc.core.limits import MAX_MICROBATCHES
 from pipesvc.core.tensor_codec import decode, encode, named_frames, read_named_frames
+from pipesvc.core.tying import stage_ties
 from pipesvc.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -33,6 +35,7 @@ from pipesvc.stage.frame_wire import OutFrame
 from pipesvc.stage.links import UpstreamLink
 from pipesvc.stage.options import StageOptions
 from pipesvc.stage.runtime import StageRuntime
+from pipesvc.stage.tied_link import TiedLink
 from pipesvc.v1 import common_pb2, stage_pb2, stage_pb2_grpc
 from pipesvc.wire.rpc_status import abort_with, handle_errors
 from pipesvc.wire.transport import open_channel
@@ -54,6 +57,28 @@ def _carried(request: stage_pb2.RunStepRequest) -> Carried | None:
     carried = request.commit
     scale = carried.grad_scale if carried.HasField("grad_scale") else None
     return Carried(run_id=carried.run_id, grad_scale=scale)
+
+
+def _plan_ranges(request: stage_pb2.AssignRequest) -> list[tuple[int, int]]:
+    """Each rank's layer range from the plan an Assign carries (for tied parameters).
+
+    Raises:
+        InvalidArgumentError: the plan does not list each rank once, or disagrees with the
+            stage's own entry.
+    """
+    by_rank = {p.rank: (p.start_layer, p.end_layer) for p in request.plan}
+    own = request.stage
+    if sorted(by_rank) != list(range(request.num_stages)) or len(request.plan) != len(by_rank):
+        raise InvalidArgumentError(
+            f"the plan lists ranks {sorted(p.rank for p in request.plan)}; a model with tied "
+            f"parameters needs each of the {request.num_stages} ranks once"
+        )
+    if by_rank[own.rank] != (own.start_layer, own.end_layer):
+        raise InvalidArgumentError(
+            f"the plan gives rank {own.rank} layers {list(by_rank[own.rank])}; the stage entry "
+            f"says [{own.start_layer}, {own.end_layer}]"
+        )
+    return [by_rank[r] for r in range(request.num_stages)]
 
 
 def _rss_bytes() -> int:
@@ -165,6 +190,8 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
                 # The coordinator is the authority: a stage it declared lost and now reuses
                 # may still hold an old job, which is dropped here.
                 logger.warning("dropping job %s to serve job %s", self._job.job_id, request.job_id)
+        groups = models.tied_parameters(config.model, config.model_args)
+        ties = stage_ties(groups, _plan_ranges(request), stage.rank) if groups else None
         runtime = StageRuntime(
             config=config,
             start_layer=stage.start_layer,
@@ -172,7 +199,25 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
             rank=stage.rank,
             num_stages=request.num_stages,
             device=self._options.device,
+            ties=ties,
         )
+        tied = None
+        if runtime.ties.peers:
+            params = dict(runtime.module.named_parameters())
+            tied = TiedLink(
+                job_id=request.job_id,
+                epoch=request.plan_epoch,
+                rank=stage.rank,
+                ties=runtime.ties,
+                shapes={
+                    g: (tuple(params[keys[0]].shape), params[keys[0]].dtype)
+                    for g, keys in runtime.ties.local.items()
+                },
+                addresses={p.rank: p.address for p in request.plan},
+                dial=self._dial,
+                limits=self._codec,
+                timeout_s=self._options.recv_timeout_s,
+            )
         assignment = Assignment(
             job_id=request.job_id,
             epoch=request.plan_epoch,
@@ -180,6 +225,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
             downstream_address=request.downstream_address,
             options=self._options,
             dial=self._dial,
+            tied=tied,
         )
         with self._lock:
             previous, self._job = self._job, assignment
@@ -393,6 +439,34 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
     # -- data plane --------------------------------------------------------------------------
 
     # Served with frame_wire's codec (see stage.server.add_stage_service), so it yields OutFrame.
+    @handle_errors
+    def SwapTiedGradients(
+        self, request_iterator: Iterable[stage_pb2.TiedGradientFrame], context: object
+    ) -> Iterator[common_pb2.TensorFrame]:
+        requests = iter(request_iterator)
+        first = next(requests, None)
+        if first is None:
+            raise InvalidArgumentError("a tied-gradient swap sent no frames")
+        job = self._current(first.job_id, first.plan_epoch)
+        if job.tied is None:
+            raise FailedPreconditionError(
+                f"job {first.job_id!r} shares no tied parameters of this stage with another"
+            )
+        ident = (first.job_id, first.plan_epoch, first.run_id, first.rank)
+
+        def frames() -> Iterator[common_pb2.TensorFrame]:
+            for request in itertools.chain([first], requests):
+                if (request.job_id, request.plan_epoch, request.run_id, request.rank) != ident:
+                    raise InvalidArgumentError(
+                        f"a tied-gradient swap of run {first.run_id} from rank {first.rank} "
+                        f"switched to run {request.run_id} from rank {request.rank}"
+                    )
+                yield request.frame
+
+        own = job.tied.answer(first.run_id, first.rank, frames())
+        for group, tensor in own.items():
+            yield from named_frames(str(group), tensor.detach().cpu())
+
     def Exchange(  # type: ignore[override]
         self, request_iterator: Iterable[stage_pb2.DataFrame], context: grpc.ServicerContext
     ) -> Iterator[OutFrame | stage_pb2.DataFrame]:

@@ -224,6 +224,7 @@ class AssignRequest(_message.Message):
     STAGE_FIELD_NUMBER: _builtins.int
     NUM_STAGES_FIELD_NUMBER: _builtins.int
     DOWNSTREAM_ADDRESS_FIELD_NUMBER: _builtins.int
+    PLAN_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job's identity."""
     plan_epoch: _builtins.int
@@ -240,6 +241,12 @@ class AssignRequest(_message.Message):
     def stage(self) -> _common_pb2.PlanStage:
         """This stage's place in the plan."""
 
+    @_builtins.property
+    def plan(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.PlanStage]:
+        """Every stage of the plan, with its address (a stage holding a tied parameter swaps its
+        gradient with the stage holding the other copy).
+        """
+
     def __init__(
         self,
         *,
@@ -249,10 +256,11 @@ class AssignRequest(_message.Message):
         stage: _common_pb2.PlanStage | None = ...,
         num_stages: _builtins.int = ...,
         downstream_address: _builtins.str = ...,
+        plan: _abc.Iterable[_common_pb2.PlanStage] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec", "stage", b"stage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["downstream_address", b"downstream_address", "job_id", b"job_id", "num_stages", b"num_stages", "plan_epoch", b"plan_epoch", "spec", b"spec", "stage", b"stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["downstream_address", b"downstream_address", "job_id", b"job_id", "num_stages", b"num_stages", "plan", b"plan", "plan_epoch", b"plan_epoch", "spec", b"spec", "stage", b"stage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1016,3 +1024,45 @@ class ShmSlot(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ShmSlot: _TypeAlias = ShmSlot  # noqa: Y015
+
+@_typing.final
+class TiedGradientFrame(_message.Message):
+    """One frame of a tied-gradient swap: the partial gradient of each tied group, named by the
+    group's index in the model's list of tied groups.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    PLAN_EPOCH_FIELD_NUMBER: _builtins.int
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    FRAME_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """The job (every frame)."""
+    plan_epoch: _builtins.int
+    """The plan epoch."""
+    run_id: _builtins.int
+    """The training run the gradients belong to."""
+    rank: _builtins.int
+    """The sender's rank."""
+    @_builtins.property
+    def frame(self) -> _common_pb2.TensorFrame:
+        """A frame of one group's tensor."""
+
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        plan_epoch: _builtins.int = ...,
+        run_id: _builtins.int = ...,
+        rank: _builtins.int = ...,
+        frame: _common_pb2.TensorFrame | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["frame", b"frame"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["frame", b"frame", "job_id", b"job_id", "plan_epoch", b"plan_epoch", "rank", b"rank", "run_id", b"run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TiedGradientFrame: _TypeAlias = TiedGradientFrame  # noqa: Y015

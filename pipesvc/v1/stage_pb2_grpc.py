@@ -97,6 +97,11 @@ class StageServiceStub:
                 request_serializer=pipesvc_dot_v1_dot_stage__pb2.DataFrame.SerializeToString,
                 response_deserializer=pipesvc_dot_v1_dot_stage__pb2.DataFrame.FromString,
                 _registered_method=True)
+        self.SwapTiedGradients = channel.stream_stream(
+                '/pipesvc.v1.StageService/SwapTiedGradients',
+                request_serializer=pipesvc_dot_v1_dot_stage__pb2.TiedGradientFrame.SerializeToString,
+                response_deserializer=pipesvc_dot_v1_dot_common__pb2.TensorFrame.FromString,
+                _registered_method=True)
 
 
 class StageServiceServicer:
@@ -192,6 +197,16 @@ class StageServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SwapTiedGradients(self, request_iterator, context):
+        """Tied parameters on two stages (an input embedding and the LM head it shares its matrix
+        with): at the end of a training run the higher rank streams its partial gradient of each
+        group it shares with this stage, and this stage answers with its own once its run is
+        done; each adds the other's, so both copies get the same total.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -254,6 +269,11 @@ def add_StageServiceServicer_to_server(servicer, server):
                     servicer.Exchange,
                     request_deserializer=pipesvc_dot_v1_dot_stage__pb2.DataFrame.FromString,
                     response_serializer=pipesvc_dot_v1_dot_stage__pb2.DataFrame.SerializeToString,
+            ),
+            'SwapTiedGradients': grpc.stream_stream_rpc_method_handler(
+                    servicer.SwapTiedGradients,
+                    request_deserializer=pipesvc_dot_v1_dot_stage__pb2.TiedGradientFrame.FromString,
+                    response_serializer=pipesvc_dot_v1_dot_common__pb2.TensorFrame.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -582,6 +602,33 @@ class StageService:
             '/pipesvc.v1.StageService/Exchange',
             pipesvc_dot_v1_dot_stage__pb2.DataFrame.SerializeToString,
             pipesvc_dot_v1_dot_stage__pb2.DataFrame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SwapTiedGradients(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pipesvc.v1.StageService/SwapTiedGradients',
+            pipesvc_dot_v1_dot_stage__pb2.TiedGradientFrame.SerializeToString,
+            pipesvc_dot_v1_dot_common__pb2.TensorFrame.FromString,
             options,
             channel_credentials,
             insecure,

@@ -70,6 +70,12 @@ class StageServiceStub:
     """The data plane between neighbours: the upstream stage opens it once per job and sends
     activation frames; this stage sends gradient frames back on the same stream.
     """
+    SwapTiedGradients: _grpc.StreamStreamMultiCallable[_stage_pb2.TiedGradientFrame, _common_pb2.TensorFrame]
+    """Tied parameters on two stages (an input embedding and the LM head it shares its matrix
+    with): at the end of a training run the higher rank streams its partial gradient of each
+    group it shares with this stage, and this stage answers with its own once its run is
+    done; each adds the other's, so both copies get the same total.
+    """
 
 @_typing.type_check_only
 class StageServiceAsyncStub(StageServiceStub):
@@ -109,6 +115,12 @@ class StageServiceAsyncStub(StageServiceStub):
     Exchange: _aio.StreamStreamMultiCallable[_stage_pb2.DataFrame, _stage_pb2.DataFrame]  # type: ignore[assignment]
     """The data plane between neighbours: the upstream stage opens it once per job and sends
     activation frames; this stage sends gradient frames back on the same stream.
+    """
+    SwapTiedGradients: _aio.StreamStreamMultiCallable[_stage_pb2.TiedGradientFrame, _common_pb2.TensorFrame]  # type: ignore[assignment]
+    """Tied parameters on two stages (an input embedding and the LM head it shares its matrix
+    with): at the end of a training run the higher rank streams its partial gradient of each
+    group it shares with this stage, and this stage answers with its own once its run is
+    done; each adds the other's, so both copies get the same total.
     """
 
 class StageServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -218,6 +230,18 @@ class StageServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_stage_pb2.DataFrame], _abc.AsyncIterator[_stage_pb2.DataFrame]]:
         """The data plane between neighbours: the upstream stage opens it once per job and sends
         activation frames; this stage sends gradient frames back on the same stream.
+        """
+
+    @_abc_1.abstractmethod
+    def SwapTiedGradients(
+        self,
+        request_iterator: _MaybeAsyncIterator[_stage_pb2.TiedGradientFrame],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_common_pb2.TensorFrame], _abc.AsyncIterator[_common_pb2.TensorFrame]]:
+        """Tied parameters on two stages (an input embedding and the LM head it shares its matrix
+        with): at the end of a training run the higher rank streams its partial gradient of each
+        group it shares with this stage, and this stage answers with its own once its run is
+        done; each adds the other's, so both copies get the same total.
         """
 
 def add_StageServiceServicer_to_server(servicer: StageServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

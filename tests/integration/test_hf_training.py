@@ -24,6 +24,8 @@ FAMILIES = {
     # one block: over three stages each layer is a stage, and with LoRA the first (the
     # embedding) has nothing to train
     "hf-tiny": ("llama", {"num_key_value_heads": 2, "num_hidden_layers": 1}),
+    # the head tied to the input embedding (GPT-2's default), learned positions; no dropout
+    "hf-gpt2": ("gpt2", {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}),
 }
 OPTIMIZER = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6}
 # eps 1e-6, not 1e-8: a key bias's gradient is zero in exact arithmetic (softmax ignores a
@@ -67,9 +69,9 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, labels
 
 
-def train_in_one_process(model: Any) -> list[float]:
+def train_in_one_process(model: Any, clip: float | None = None) -> list[float]:
     """``STEPS`` AdamW steps (``OPTIMIZER``) of ``model`` on ``batch``, over the parameters
-    that require gradients; returns the losses."""
+    that require gradients, clipping their global norm to ``clip``; returns the losses."""
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-6)
@@ -79,6 +81,8 @@ def train_in_one_process(model: Any) -> list[float]:
         optimizer.zero_grad()
         loss = model(ids, labels=labels).loss
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, clip)
         optimizer.step()
         losses.append(loss.item())
     return losses
@@ -271,3 +275,54 @@ def test_trainable_patterns_freeze_the_rest_like_one_process(
     for key, value in final.items():
         assert torch.allclose(value, expected[key], rtol=1e-4, atol=1e-5), key
         assert torch.equal(value, initial[key]) == (key not in trains), key
+
+
+@pytest.mark.parametrize(
+    ("schedule", "num_stages", "clip"),
+    [("1f1b", 3, None), ("gpipe", 2, 0.5), ("1f1b", 1, 0.5)],
+)
+def test_a_tied_embedding_and_head_train_as_one_parameter(
+    hf_client: pipesvc.Client,
+    hf_dirs: dict[str, Path],
+    schedule: str,
+    num_stages: int,
+    clip: float | None,
+    tmp_path: Path,
+) -> None:
+    # GPT-2 uses its token embedding as the LM head. Over 2 or 3 stages the embedding (first
+    # stage) and the head (last) are copies on different stages, on 1 stage two copies on one:
+    # both get the sum of both gradients and the same update, so they stay bit-identical and
+    # training equals the tied model in one process, norm clipping (a tied weight counts once)
+    # included.
+    job = hf_client.create_job(
+        model="hf-gpt2",
+        loss="causal_lm",
+        optimizer=OPTIMIZER,
+        schedule=schedule,
+        num_stages=num_stages,
+        num_microbatches=3,
+        clip_grad_norm=clip,
+        checkpoint_every=2,
+    )
+    with job:
+        losses = [job.train_step(*batch(step)) for step in range(STEPS)]
+        weights, gradients = job.state_dict(), job.gradients()
+        job.save_pretrained(tmp_path / "saved")
+        ids, _ = batch(99)
+        logits = job.forward(ids)
+    embed, head = "transformer.wte.weight", "lm_head.weight"
+    assert torch.equal(gradients[embed], gradients[head])
+    assert torch.equal(weights[embed], weights[head])
+    reference = AutoModelForCausalLM.from_pretrained(hf_dirs["hf-gpt2"])
+    assert reference.lm_head.weight is reference.transformer.wte.weight
+    expected_losses = train_in_one_process(reference, clip)
+    assert losses == pytest.approx(expected_losses, rel=1e-5, abs=1e-6)
+    expected = reference.state_dict()
+    assert sorted(weights) == sorted(expected)
+    for key, value in weights.items():
+        assert torch.allclose(value, expected[key], rtol=1e-4, atol=1e-5), key
+    # The copies are equal, so the saved model is tied again, with the job's logits.
+    assert AutoConfig.from_pretrained(tmp_path / "saved").tie_word_embeddings is True
+    with torch.no_grad():
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
+        assert torch.allclose(loaded(ids).logits, logits, rtol=1e-5, atol=1e-6)
