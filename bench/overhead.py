@@ -60,7 +60,7 @@ sys.path.insert(0, str(REPO_ROOT))  # spawned children inherit sys.path
 import pipesvc  # noqa: E402
 from bench import pipeline as base  # noqa: E402
 from pipesvc.coordinator.state_db import JobRecord, StateDB  # noqa: E402
-from pipesvc.coordinator.step_log import StepLog  # noqa: E402
+from pipesvc.coordinator.step_log import LoggedBatch, StepLog  # noqa: E402
 from pipesvc.core.partition import uniform  # noqa: E402
 from pipesvc.observe.trace import StageTimeline  # noqa: E402
 
@@ -229,7 +229,7 @@ def measure_storage(directory: Path, num_writes: int = 20) -> dict[str, float]:
         log = StepLog(directory / w.name)
         start = time.perf_counter()
         for step in range(1, num_writes + 1):
-            log.write(step, *_batch(w))
+            log.write(step, LoggedBatch(*_batch(w)))
         found[f"steplog {w.name}"] = (time.perf_counter() - start) * 1e3 / num_writes
     db = StateDB(directory / "db")
     spec = {"model": "mlp", "model_args": {}, "optimizer": {"name": "sgd", "lr": LR}}

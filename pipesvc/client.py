@@ -216,6 +216,11 @@ class Client:
         self.close()
 
 
+def _side_inputs(attention_mask: torch.Tensor | None) -> dict[str, common_pb2.Tensor]:
+    """A request's side inputs (see [Note: side inputs] in ``pipesvc.core.microbatch``)."""
+    return {} if attention_mask is None else {"attention_mask": encode(attention_mask)}
+
+
 class Job:
     """A job on the cluster: train it, run it, read and write its weights."""
 
@@ -255,10 +260,17 @@ class Job:
             f"plan=[{ranges}], recoveries={self.recoveries})"
         )
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def train_step(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+    ) -> float:
         """One optimizer step on the mini-batch; returns its mean loss.
 
-        The step commits on every stage or on none.
+        The step commits on every stage or on none. ``attention_mask`` (Hugging Face models:
+        shaped like the token ids, 1 for a token and 0 for padding, bool or integer) is split
+        with the batch and applied by every block, as ``model(ids, attention_mask=...)`` does.
 
         Raises:
             InvalidArgumentError: the batch does not fit the model or the job.
@@ -269,7 +281,10 @@ class Job:
         reply = self._client._call(
             self._client._stub.TrainStep,
             coordinator_pb2.TrainStepRequest(
-                job_id=self.id, inputs=encode(inputs), targets=encode(targets)
+                job_id=self.id,
+                inputs=encode(inputs),
+                targets=encode(targets),
+                side_inputs=_side_inputs(attention_mask),
             ),
         )
         if reply.HasField("job"):
@@ -287,15 +302,20 @@ class Job:
         )
         return self
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        """The model's output on ``inputs``, computed through the pipeline.
+    def forward(
+        self, inputs: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The model's output on ``inputs`` (with the padding ``attention_mask``, as in
+        ``train_step``), computed through the pipeline.
 
         Raises:
             InvalidArgumentError: the batch does not fit the model.
         """
         reply = self._client._call(
             self._client._stub.Forward,
-            coordinator_pb2.ForwardRequest(job_id=self.id, inputs=encode(inputs)),
+            coordinator_pb2.ForwardRequest(
+                job_id=self.id, inputs=encode(inputs), side_inputs=_side_inputs(attention_mask)
+            ),
         )
         if reply.HasField("job"):
             self._update(reply.job)

@@ -40,7 +40,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent import futures
 from typing import Any
 
@@ -53,8 +53,10 @@ from pipesvc.coordinator.registry import StageRegistry
 from pipesvc.coordinator.stage_calls import Deadlines, StageLostError
 from pipesvc.coordinator.stage_group import StageGroup
 from pipesvc.coordinator.state_db import JobRecord
+from pipesvc.coordinator.step_log import LoggedBatch
 from pipesvc.core import microbatch
 from pipesvc.core.config import JobConfig, config_from_dict, config_to_proto
+from pipesvc.core.microbatch import RunBatch
 from pipesvc.core.plan import PipelineStage, plan_from_dicts
 from pipesvc.core.tensor_codec import decode
 from pipesvc.errors import (
@@ -119,7 +121,7 @@ class JobDriver:
             state=self.state,
             storage=storage,
             metrics=metrics,
-            replay=lambda inputs, targets: self._train_once(inputs, targets, None),
+            replay=lambda batch: self._train_once(batch, None),
             needs_reconcile=needs_reconcile,
             pool=self._pool,
         )
@@ -177,10 +179,7 @@ class JobDriver:
     # -- calls ---------------------------------------------------------------------------------
 
     def _run(
-        self,
-        mode: stage_pb2.RunMode.ValueType,
-        inputs: list[torch.Tensor],
-        targets: list[torch.Tensor],
+        self, mode: stage_pb2.RunMode.ValueType, batch: RunBatch
     ) -> tuple[int, list[stage_pb2.RunStepResponse]]:
         """One run phase on every stage under a new run id, carrying the pending commit (see
         [Note: deferred commit]); aborted everywhere if it fails.
@@ -193,7 +192,7 @@ class JobDriver:
         state = self.state
         carried = state.pending
         try:
-            return self._run_once(mode, inputs, targets, carried)
+            return self._run_once(mode, batch, carried)
         except PipesvcError as exc:
             if carried is None:
                 raise
@@ -213,22 +212,19 @@ class JobDriver:
                 raise  # a fault of a stage or link: recovered from as for any run
         # A final-class error may have been the carried commit's (settled now), not the run's:
         # the run goes once more on its own, and a caller's error repeats.
-        return self._run_once(mode, inputs, targets, None)
+        return self._run_once(mode, batch, None)
 
     def _run_once(
-        self,
-        mode: stage_pb2.RunMode.ValueType,
-        inputs: list[torch.Tensor],
-        targets: list[torch.Tensor],
-        carried: PendingCommit | None,
+        self, mode: stage_pb2.RunMode.ValueType, batch: RunBatch, carried: PendingCommit | None
     ) -> tuple[int, list[stage_pb2.RunStepResponse]]:
         state = self.state
         state.run_id += 1
         run_id = state.run_id
-        what = f"run {run_id} (step {state.step + 1})" if targets else f"inference run {run_id}"
+        training = mode == stage_pb2.TRAIN
+        what = f"run {run_id} (step {state.step + 1})" if training else f"inference run {run_id}"
         commit = carried.carried() if carried is not None else None
         try:
-            replies = self.group.run_step(run_id, mode, inputs, targets, what=what, commit=commit)
+            replies = self.group.run_step(run_id, mode, batch, what=what, commit=commit)
         except PipesvcError as exc:
             self._metrics.inc("steps_aborted_total")
             if mode == stage_pb2.TRAIN:
@@ -243,17 +239,12 @@ class JobDriver:
 
     # -- steps ---------------------------------------------------------------------------------
 
-    def _train_once(
-        self,
-        input_mbs: list[torch.Tensor],
-        target_mbs: list[torch.Tensor],
-        log: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> float:
+    def _train_once(self, batch: RunBatch, log: LoggedBatch | None) -> float:
         state = self.state
         # The write-ahead log entry is written while the stages compute, and before any commit.
-        logged = self._pool.submit(self._storage.log.write, state.step + 1, *log) if log else None
+        logged = self._pool.submit(self._storage.log.write, state.step + 1, log) if log else None
         try:
-            run_id, replies = self._run(stage_pb2.TRAIN, input_mbs, target_mbs)
+            run_id, replies = self._run(stage_pb2.TRAIN, batch)
         finally:
             if logged is not None:
                 logged.result()
@@ -270,8 +261,15 @@ class JobDriver:
         self._decided_at = time.monotonic()
         return loss
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, int]:
+    def train_step(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        side: Mapping[str, torch.Tensor] | None = None,
+    ) -> tuple[float, int]:
         """Runs one training step and decides it on every stage; returns (loss, step).
+
+        ``side``: side inputs by name, split with the batch (see [Note: side inputs]).
 
         A lost stage is recovered from (see [Note: recovery]) and the step still returns. Once
         decided the step counts as committed (see [Note: commit invariant]); its commit is
@@ -288,8 +286,9 @@ class JobDriver:
                 f"inputs {list(inputs.shape)} and targets {list(targets.shape)} need the same "
                 "batch size in dimension 0"
             )
-        m = self.config.num_microbatches
-        input_mbs, target_mbs = microbatch.split(inputs, m), microbatch.split(targets, m)
+        side = dict(side or {})
+        microbatch.check_side(inputs, side)
+        batch = RunBatch.split(inputs, targets, side, self.config.num_microbatches)
         state = self.state
         with self._lock:
             started = time.monotonic()
@@ -299,7 +298,7 @@ class JobDriver:
                 if state.step >= target:  # a recovery finished the step's commit by replay
                     assert self._last_loss[0] == target, (self._last_loss, target)
                     return self._last_loss[1]
-                return self._train_once(input_mbs, target_mbs, (inputs, targets))
+                return self._train_once(batch, LoggedBatch(inputs, targets, side))
 
             loss = self._resilient(attempt, f"step {target}")
             self.recovery.persist()
@@ -322,17 +321,23 @@ class JobDriver:
                 )
             return loss, state.step
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        """Inference on ``inputs`` through the pipeline, micro-batched; survives lost stages.
+    def forward(
+        self, inputs: torch.Tensor, side: Mapping[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Inference on ``inputs`` (with ``side`` inputs, see [Note: side inputs]) through the
+        pipeline, micro-batched; survives lost stages.
 
         Raises:
             InvalidArgumentError: the batch is empty or does not fit the model.
         """
         if inputs.dim() == 0 or inputs.shape[0] == 0:
             raise InvalidArgumentError(f"inputs of shape {list(inputs.shape)} have no batch")
-        mbs = microbatch.split(inputs, min(self.config.num_microbatches, inputs.shape[0]))
+        side = dict(side or {})
+        microbatch.check_side(inputs, side)
+        m = min(self.config.num_microbatches, inputs.shape[0])
+        batch = RunBatch.split(inputs, None, side, m)
         with self._lock:
-            replies = self._resilient(lambda: self._run(stage_pb2.INFER, mbs, [])[1], "forward")
+            replies = self._resilient(lambda: self._run(stage_pb2.INFER, batch)[1], "forward")
         return torch.cat([decode(t) for t in replies[-1].outputs], dim=0)
 
     def _resilient(self, attempt: Any, what: str) -> Any:

@@ -25,8 +25,8 @@ from pipesvc.coordinator.stage_calls import StageLostError, call_stage, health_o
 from pipesvc.coordinator.stage_group import StageGroup
 from pipesvc.coordinator.state_db import JobRecord, StateDB
 from pipesvc.coordinator.step_log import StepLog
-from pipesvc.core import microbatch
 from pipesvc.core.health import Health
+from pipesvc.core.microbatch import RunBatch
 from pipesvc.core.tensor_codec import named_frames, read_named_frames
 from pipesvc.errors import (
     InternalError,
@@ -51,7 +51,7 @@ CHECKPOINT_BUFFER_BYTES = 256 << 20
 """A periodic checkpoint whose state fits in this much coordinator memory is written in the
 background; a larger one is written while it streams, one layer in memory at a time."""
 
-ReplayStep = Callable[[list[torch.Tensor], list[torch.Tensor]], object]
+ReplayStep = Callable[[RunBatch], object]
 """Runs and commits one logged step (its micro-batches), without logging it again."""
 
 
@@ -255,8 +255,8 @@ class Recovery:
         self.persist()
         m = group.config.num_microbatches
         for step in range(state.step + 1, target + 1):
-            inputs, targets = self.storage.log.read(step)
-            self._replay(microbatch.split(inputs, m), microbatch.split(targets, m))
+            logged = self.storage.log.read(step)
+            self._replay(RunBatch.split(logged.inputs, logged.targets, logged.side, m))
         state.replay_target = None
         self.persist()
 

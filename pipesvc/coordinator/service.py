@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent import futures
 from pathlib import Path
 
@@ -226,6 +226,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
             jobs = [j for j in self._jobs.values() if not j.closed]
         return coordinator_pb2.ListJobsResponse(jobs=[j.info() for j in jobs])
 
+    def _side(self, side: Mapping[str, common_pb2.Tensor]) -> dict[str, torch.Tensor]:
+        """A request's side inputs, decoded (checked against the batch by the job)."""
+        return {name: decode(tensor, self._codec) for name, tensor in side.items()}
+
     @handle_errors
     def TrainStep(
         self, request: coordinator_pb2.TrainStepRequest, context: object
@@ -234,9 +238,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
             raise InvalidArgumentError("a training step needs both inputs and targets")
         inputs = decode(request.inputs, self._codec)
         targets = decode(request.targets, self._codec)
+        side = self._side(request.side_inputs)
         job = self._job(request.job_id)
         try:
-            loss, step = job.train_step(inputs, targets)
+            loss, step = job.train_step(inputs, targets, side)
         except InvalidArgumentError as exc:
             better = _in_terms_of_the_batch(exc, job, inputs, targets)
             if better is exc:
@@ -251,9 +256,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
         if not request.HasField("inputs"):
             raise InvalidArgumentError("forward needs inputs")
         inputs = decode(request.inputs, self._codec)
+        side = self._side(request.side_inputs)
         job = self._job(request.job_id)
         try:
-            outputs = encode(job.forward(inputs))
+            outputs = encode(job.forward(inputs, side))
         except InvalidArgumentError as exc:
             better = _in_terms_of_the_batch(exc, job, inputs, None)
             if better is exc:

@@ -7,8 +7,6 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent import futures
 from typing import Any, TypeVar
 
-import torch
-
 from pipesvc.coordinator.registry import StageRegistry
 from pipesvc.coordinator.stage_calls import (
     Deadlines,
@@ -24,6 +22,7 @@ from pipesvc.core import microbatch
 from pipesvc.core.config import JobConfig, config_to_proto
 from pipesvc.core.health import Health
 from pipesvc.core.loss import loss_units
+from pipesvc.core.microbatch import RunBatch
 from pipesvc.core.plan import PipelineStage
 from pipesvc.core.tensor_codec import encode
 from pipesvc.errors import PipesvcError
@@ -94,25 +93,30 @@ class StageGroup:
         self,
         run_id: int,
         mode: stage_pb2.RunMode.ValueType,
-        inputs: list[torch.Tensor],
-        targets: list[torch.Tensor],
+        batch: RunBatch,
         *,
         what: str,
         commit: stage_pb2.CarriedCommit | None = None,
     ) -> list[stage_pb2.RunStepResponse]:
         """One pipelined run on every stage under the health watchdog: the micro-batch
-        ``inputs`` go to the first stage, the ``targets`` (none for inference) to the last;
-        every stage first applies the carried ``commit`` (see [Note: deferred commit]).
+        inputs go to the first stage, the targets (none for inference) to the last, the side
+        inputs to every stage; every stage first applies the carried ``commit`` (see
+        [Note: deferred commit]).
 
         Raises:
             StageLostError: the watchdog declared a stage lost (the caller aborts the run).
             PipesvcError: the first root-cause error of any stage, naming it.
         """
+        inputs, targets = batch.inputs, batch.targets
         units = [loss_units(self.config.loss, t) for t in targets]
         weights = microbatch.loss_weights(units) if targets else []
         last = len(self.plan) - 1
         encoded_inputs = [encode(t) for t in inputs]
         encoded_targets = [encode(t) for t in targets]
+        encoded_side = [
+            stage_pb2.SideInputs(tensors={n: encode(t) for n, t in side.items()})
+            for side in batch.side
+        ]
 
         def request(stage: PipelineStage) -> stage_pb2.RunStepRequest:
             return stage_pb2.RunStepRequest(
@@ -125,6 +129,7 @@ class StageGroup:
                 targets=encoded_targets if stage.rank == last else [],
                 loss_weights=weights if stage.rank == last and targets else [],
                 commit=commit,
+                side_inputs=encoded_side,
             )
 
         deadlines = self.deadlines

@@ -1,6 +1,9 @@
-"""Splitting a mini-batch into micro-batches and weighting their losses."""
+"""Splitting a mini-batch (with its side inputs) into micro-batches and weighting their losses."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,3 +39,65 @@ def loss_weights(sizes: list[int]) -> list[float]:
     """
     total = sum(sizes)
     return [size / total if total else 0.0 for size in sizes]
+
+
+SIDE_INPUTS = ("attention_mask",)
+"""Names of the side inputs a batch may carry beside its inputs: tensors every stage's layers
+may read, split into micro-batches like the inputs (see [Note: side inputs])."""
+
+
+def check_side(inputs: torch.Tensor, side: Mapping[str, torch.Tensor]) -> None:
+    """Checks a batch's side inputs against its inputs.
+
+    [Note: side inputs] What a layer needs beside the activations, and only the client has, is
+    a side input: the padding ``attention_mask`` of a Hugging Face model, shaped like the token
+    ids (``[B, T]``, 1 for a token, 0 for padding; bool or integer). The coordinator splits it
+    with the inputs, logs it with the step (a replay sees it again) and sends each stage every
+    micro-batch's side inputs with the run request, so a stage computes what its layers need
+    (the causal mask with the padding) without it crossing the data plane stage by stage.
+
+    Raises:
+        InvalidArgumentError: an unknown name, or a tensor that does not fit ``inputs``.
+    """
+    for name, tensor in side.items():
+        if name not in SIDE_INPUTS:
+            raise InvalidArgumentError(
+                f"side input {name!r} is unknown; expected one of {list(SIDE_INPUTS)}"
+            )
+        if tensor.dim() < 2 or list(tensor.shape) != list(inputs.shape[:2]):
+            raise InvalidArgumentError(
+                f"{name} of shape {list(tensor.shape)} must have the input ids' shape "
+                f"{list(inputs.shape[:2])}"
+            )
+        if tensor.is_floating_point() or tensor.is_complex():
+            raise InvalidArgumentError(f"{name} has dtype {tensor.dtype}; expected bool or int")
+        if tensor.numel() and not bool(((tensor == 0) | (tensor == 1)).all()):
+            raise InvalidArgumentError(f"{name} must hold only 0 and 1")
+
+
+@dataclass(frozen=True, slots=True)
+class RunBatch:
+    """One run's micro-batches: inputs (first stage), targets (last stage, training only) and
+    side inputs (every stage; one mapping per micro-batch, or none at all)."""
+
+    inputs: list[torch.Tensor]
+    targets: list[torch.Tensor] = field(default_factory=list)
+    side: list[dict[str, torch.Tensor]] = field(default_factory=list)
+
+    @classmethod
+    def split(
+        cls,
+        inputs: torch.Tensor,
+        targets: torch.Tensor | None,
+        side: Mapping[str, torch.Tensor] | None,
+        num_microbatches: int,
+    ) -> RunBatch:
+        """The batch cut into ``num_microbatches`` micro-batches, every part at the same rows."""
+        parts = {name: split(t, num_microbatches) for name, t in (side or {}).items()}
+        return cls(
+            inputs=split(inputs, num_microbatches),
+            targets=split(targets, num_microbatches) if targets is not None else [],
+            side=[{n: p[i] for n, p in parts.items()} for i in range(num_microbatches)]
+            if parts
+            else [],
+        )

@@ -10,10 +10,11 @@ the blocks themselves are ``transformers``' own modules, so the numbers are thei
 [Note: Hugging Face layers] Each block computes what it needs beside the hidden states on its
 own stage: the positions ``0..T-1``, the rotary embeddings from them (the family's own rotary
 module, whose frequencies are computed buffers no checkpoint holds: the skeleton keeps buffers
-real and only parameters on the meta device) and the causal mask (``attention_mask=None``
-with the ``sdpa`` attention, which is then causal).
-Only the hidden states cross stages, so no padding mask is carried yet: a batch's rows all
-have the same length. The model is built on the meta device from ``config.json`` (no memory),
+real and only parameters on the meta device) and the attention mask, which ``transformers``'
+own mask builders make from the causal rule (a sliding window where the config has one) and
+the batch's padding ``attention_mask``. That mask is a side input: every stage gets it with the
+run request (see [Note: side inputs] in ``pipesvc.core.microbatch``); only the hidden states
+cross from stage to stage. The model is built on the meta device from ``config.json`` (no memory),
 so the planner's description costs nothing; a stage then materialises only its own layers and
 reads their tensors by byte range from the safetensors files (``read_tensors``), never a
 whole file. Parameters are float32 (master weights for training), whatever the checkpoint's
@@ -43,7 +44,57 @@ from pipesvc.models.lora import add_lora, check_lora
 from pipesvc.models.registry import LayerSpec, register_model
 
 
-def _call_block(block: nn.Module, hidden: torch.Tensor, rotary: nn.Module | None) -> torch.Tensor:
+@functools.lru_cache(maxsize=4)
+def _mask_functions() -> tuple[Any, Any, frozenset[str]]:
+    """transformers' causal and sliding-window mask builders and their parameter names (the
+    cache argument is ``cache`` in 5.x, ``past_key_values`` with ``cache_position`` before)."""
+    from transformers import masking_utils
+
+    causal = masking_utils.create_causal_mask
+    sliding = masking_utils.create_sliding_window_causal_mask
+    return causal, sliding, frozenset(inspect.signature(causal).parameters)
+
+
+def _attention_mask(
+    config: Any,
+    block_index: int,
+    hidden: torch.Tensor,
+    positions: torch.Tensor,
+    padding: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """Block ``block_index``'s attention mask, built as the family's own model builds it: the
+    causal mask (sliding-window where the config says so) with the ``padding`` mask; None
+    where plain causal attention computes the same (no padding, the ``sdpa`` path)."""
+    causal, sliding, params = _mask_functions()
+    types = getattr(config, "layer_types", None)
+    if types:
+        window = types[block_index] == "sliding_attention"
+    else:
+        window = getattr(config, "sliding_window", None) is not None
+    if padding is None and (not window or hidden.is_meta):
+        return None  # causal: sdpa's own causal path (and a description on meta is sizes only)
+    kwargs: dict[str, Any] = {
+        "config": config,
+        "inputs_embeds": hidden,
+        "attention_mask": padding,
+        "position_ids": positions,
+    }
+    if "cache" in params:
+        kwargs["cache"] = None
+    else:
+        kwargs["past_key_values"] = None
+    if "cache_position" in params:
+        kwargs["cache_position"] = positions[0]
+    mask: torch.Tensor | None = (sliding if window else causal)(**kwargs)
+    return mask
+
+
+def _call_block(
+    block: nn.Module,
+    hidden: torch.Tensor,
+    rotary: nn.Module | None,
+    mask: tuple[Any, int, torch.Tensor | None],
+) -> torch.Tensor:
     params = inspect.signature(block.forward).parameters
     batch, length = hidden.shape[0], hidden.shape[1]
     positions = torch.arange(length, device=hidden.device).unsqueeze(0).expand(batch, length)
@@ -52,7 +103,9 @@ def _call_block(block: nn.Module, hidden: torch.Tensor, rotary: nn.Module | None
         extra["position_embeddings"] = rotary(hidden, positions)
     if "position_ids" in params:
         extra["position_ids"] = positions
-    out = block(hidden, attention_mask=None, **extra)
+    config, index, padding = mask
+    attention = _attention_mask(config, index, hidden, positions[:1], padding)
+    out = block(hidden, attention_mask=attention, **extra)
     result: torch.Tensor = out[0] if isinstance(out, tuple) else out
     return result
 
@@ -76,15 +129,28 @@ class Embedding(nn.Module):
 
 
 class Block(nn.Module):
-    """One decoder block: hidden states in and out (see [Note: Hugging Face layers])."""
+    """One decoder block: hidden states in and out, with the batch's padding mask as a side
+    input (see [Note: Hugging Face layers])."""
 
-    def __init__(self, block: nn.Module, rotary: nn.Module | None) -> None:
+    side_inputs = ("attention_mask",)
+
+    def __init__(self, block: nn.Module, rotary: nn.Module | None, config: Any, index: int) -> None:
         super().__init__()
         self.block = block
         self.rotary = rotary  # computed buffers only: nothing stored, nothing trained
+        self.config = config  # read by the mask builders only
+        self.index = index
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return _call_block(self.block, hidden, self.rotary)
+    def forward(
+        self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if attention_mask is not None and tuple(attention_mask.shape) != tuple(hidden.shape[:2]):
+            raise InvalidArgumentError(
+                f"attention_mask of shape {list(attention_mask.shape)} for hidden states of "
+                f"shape {list(hidden.shape)}; expected {list(hidden.shape[:2])}"
+            )
+        mask = (self.config, self.index, attention_mask)
+        return _call_block(self.block, hidden, self.rotary, mask)
 
 
 class Head(nn.Module):
@@ -203,7 +269,7 @@ def build_hf_layer(
     else:
         block = part(f"{family.blocks}.{index - 1}")
         assert block is not None
-        layer = Block(block, _rotary(ckpt))
+        layer = Block(block, _rotary(ckpt), model.config, index - 1)
     device = torch.get_default_device()
     if device.type == "meta":
         layer = layer.to("meta")

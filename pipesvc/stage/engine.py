@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -79,11 +79,13 @@ class Carried:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunInputs:
-    """A run's data: inputs on the first stage, targets and loss weights on the last."""
+    """A run's data: inputs on the first stage, targets and loss weights on the last, and
+    each micro-batch's side inputs on every stage (see [Note: side inputs])."""
 
     inputs: list[torch.Tensor]
     targets: list[torch.Tensor]
     loss_weights: list[float]
+    side: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
 
 class StepEngine:
@@ -250,7 +252,7 @@ class StepEngine:
                     f" from rank {rt.rank - 1}",
                 )
         with rec.span("forward", mb):
-            y = rt.forward(mb, x, training=training)
+            y = rt.forward(mb, x, training=training, side=data.side[mb] if data.side else None)
             if rt.is_last and training:
                 loss = rt.loss(mb, data.targets[mb], data.loss_weights[mb])
                 losses[mb] = float(loss.detach())  # float() of a tensor needing grad warns

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -226,20 +227,27 @@ class StageRuntime:
             return t
         return t.detach().to(self._wire_dtype)
 
-    def _apply(self, x: torch.Tensor, microbatch: int | None) -> torch.Tensor:
+    def _apply(
+        self, x: torch.Tensor, microbatch: int | None, side: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor:
         """Runs the layers (see [Note: precision]); in training, stochastic ones run seeded."""
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast):
-            return self._apply_layers(x, microbatch)
+            return self._apply_layers(x, microbatch, side)
 
-    def _apply_layers(self, x: torch.Tensor, microbatch: int | None) -> torch.Tensor:
+    def _apply_layers(
+        self, x: torch.Tensor, microbatch: int | None, side: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor:
         seed, step = self.config.seed, self.step + 1
         for index, layer, seeded in self._layers:
+            # A layer names the side inputs it reads (``side_inputs``, see [Note: side inputs]).
+            wanted = getattr(layer, "side_inputs", ())
+            kwargs = {n: side[n].to(self.device) for n in wanted if n in side}
             try:
                 if seeded and microbatch is not None:
                     with layer_rng(seed, step, microbatch, index, self.device):
-                        x = layer(x)
+                        x = layer(x, **kwargs)
                 else:
-                    x = layer(x)
+                    x = layer(x, **kwargs)
             except (RuntimeError, IndexError, ValueError) as exc:
                 raise InvalidArgumentError(
                     f"layer {index} failed on an input of shape {list(x.shape)} and dtype "
@@ -247,15 +255,24 @@ class StageRuntime:
                 ) from exc
         return x
 
-    def forward(self, microbatch: int, x: torch.Tensor, *, training: bool) -> torch.Tensor:
-        """Runs this stage's layers on ``x``; in training keeps what backward needs."""
+    def forward(
+        self,
+        microbatch: int,
+        x: torch.Tensor,
+        *,
+        training: bool,
+        side: Mapping[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Runs this stage's layers on ``x`` (with the micro-batch's ``side`` inputs); in
+        training keeps what backward needs."""
+        side = side or {}
         x = x.to(self.device)
         if self.config.precision == "bf16" and x.is_floating_point():
             x = x.to(torch.bfloat16)
         self._set_mode(training)
         if not training:
             with torch.no_grad():
-                out = self._apply(x, None)
+                out = self._apply(x, None, side)
             return out if self.is_last else self._to_wire(out)
         if not self.is_first:
             if not x.is_floating_point():
@@ -264,7 +281,7 @@ class StageRuntime:
                     "a floating-point tensor is needed for its gradient"
                 )
             x = x.detach().requires_grad_(True)
-        y = self._apply(x, microbatch)
+        y = self._apply(x, microbatch, side)
         self._saved[microbatch] = (x, y)
         self.max_live = max(self.max_live, len(self._saved))
         return y if self.is_last else self._to_wire(y)

@@ -313,13 +313,26 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
                 f"rank {rt.rank} expects {expected_targets} targets and loss weights; got "
                 f"{len(request.targets)} and {len(request.loss_weights)}"
             )
+        if len(request.side_inputs) not in (0, m):
+            raise InvalidArgumentError(
+                f"side inputs for {len(request.side_inputs)} micro-batches; expected 0 or {m}"
+            )
         inputs = [decode(t, self._codec) for t in request.inputs]
         targets = [decode(t, self._codec) for t in request.targets]
+        side = [
+            {name: decode(t, self._codec) for name, t in entry.tensors.items()}
+            for entry in request.side_inputs
+        ]
         result = job.engine.run_step(
             request.run_id,
             training=training,
             num_microbatches=m,
-            data=RunInputs(inputs=inputs, targets=targets, loss_weights=list(request.loss_weights)),
+            data=RunInputs(
+                inputs=inputs,
+                targets=targets,
+                loss_weights=list(request.loss_weights),
+                side=side,
+            ),
             commit=_carried(request),
         )
         response = stage_pb2.RunStepResponse(

@@ -25,13 +25,17 @@ _sym_db = _symbol_database.Default()
 from pipesvc.v1 import common_pb2 as pipesvc_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpipesvc/v1/coordinator.proto\x12\npipesvc.v1\x1a\x17pipesvc/v1/common.proto\"]\n\x14RegisterStageRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06models\x18\x04 \x03(\t\"\x17\n\x15RegisterStageResponse\"\x13\n\x11ListStagesRequest\"\xd9\x01\n\x0bStageStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06models\x18\x04 \x03(\t\x12\x0e\n\x06job_id\x18\x05 \x01(\t\x12\x13\n\x0bstart_layer\x18\x06 \x01(\r\x12\x11\n\tend_layer\x18\x07 \x01(\r\x12\x0c\n\x04rank\x18\x08 \x01(\r\x12\x0e\n\x06health\x18\t \x01(\t\x12\x11\n\trss_bytes\x18\n \x01(\x04\x12\x1a\n\x12microbatches_per_s\x18\x0b \x01(\x01\"=\n\x12ListStagesResponse\x12\'\n\x06stages\x18\x01 \x03(\x0b\x32\x17.pipesvc.v1.StageStatus\"P\n\x10\x43reateJobRequest\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.pipesvc.v1.JobSpec\x12\x19\n\x11wait_for_stages_s\x18\x02 \x01(\x01\"\xab\x01\n\x07JobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12!\n\x04spec\x18\x02 \x01(\x0b\x32\x13.pipesvc.v1.JobSpec\x12\x12\n\nplan_epoch\x18\x03 \x01(\x04\x12#\n\x04plan\x18\x04 \x03(\x0b\x32\x15.pipesvc.v1.PlanStage\x12\x0c\n\x04step\x18\x05 \x01(\x04\x12\x12\n\nnum_layers\x18\x06 \x01(\r\x12\x12\n\nrecoveries\x18\x07 \x01(\r\"\"\n\x0bModelExport\x12\x13\n\x0b\x65xport_json\x18\x01 \x01(\t\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x11\n\x0fListJobsRequest\"5\n\x10ListJobsResponse\x12!\n\x04jobs\x18\x01 \x03(\x0b\x32\x13.pipesvc.v1.JobInfo\"k\n\x10TrainStepRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\"\n\x06inputs\x18\x02 \x01(\x0b\x32\x12.pipesvc.v1.Tensor\x12#\n\x07targets\x18\x03 \x01(\x0b\x32\x12.pipesvc.v1.Tensor\"Q\n\x11TrainStepResponse\x12\x0c\n\x04loss\x18\x01 \x01(\x01\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12 \n\x03job\x18\x03 \x01(\x0b\x32\x13.pipesvc.v1.JobInfo\"D\n\x0e\x46orwardRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\"\n\x06inputs\x18\x02 \x01(\x0b\x32\x12.pipesvc.v1.Tensor\"X\n\x0f\x46orwardResponse\x12#\n\x07outputs\x18\x01 \x01(\x0b\x32\x12.pipesvc.v1.Tensor\x12 \n\x03job\x18\x02 \x01(\x0b\x32\x13.pipesvc.v1.JobInfo\"I\n\x12GetJobStateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.pipesvc.v1.StateKind\"i\n\x13LoadJobStateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12&\n\x05\x66rame\x18\x02 \x01(\x0b\x32\x17.pipesvc.v1.TensorFrame\x12\x11\n\x04step\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_step\"+\n\x14LoadJobStateResponse\x12\x13\n\x0bnum_tensors\x18\x01 \x01(\r\"!\n\x0f\x43loseJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x12\n\x10\x43loseJobResponse\"2\n\x08JobTrace\x12&\n\x06stages\x18\x01 \x03(\x0b\x32\x16.pipesvc.v1.StageTrace2\xeb\x06\n\x12\x43oordinatorService\x12T\n\rRegisterStage\x12 .pipesvc.v1.RegisterStageRequest\x1a!.pipesvc.v1.RegisterStageResponse\x12K\n\nListStages\x12\x1d.pipesvc.v1.ListStagesRequest\x1a\x1e.pipesvc.v1.ListStagesResponse\x12>\n\tCreateJob\x12\x1c.pipesvc.v1.CreateJobRequest\x1a\x13.pipesvc.v1.JobInfo\x12\x38\n\x06GetJob\x12\x19.pipesvc.v1.GetJobRequest\x1a\x13.pipesvc.v1.JobInfo\x12\x45\n\x08ListJobs\x12\x1b.pipesvc.v1.ListJobsRequest\x1a\x1c.pipesvc.v1.ListJobsResponse\x12H\n\tTrainStep\x12\x1c.pipesvc.v1.TrainStepRequest\x1a\x1d.pipesvc.v1.TrainStepResponse\x12\x42\n\x07\x46orward\x12\x1a.pipesvc.v1.ForwardRequest\x1a\x1b.pipesvc.v1.ForwardResponse\x12\x45\n\x08GetState\x12\x1e.pipesvc.v1.GetJobStateRequest\x1a\x17.pipesvc.v1.TensorFrame0\x01\x12P\n\tLoadState\x12\x1f.pipesvc.v1.LoadJobStateRequest\x1a .pipesvc.v1.LoadJobStateResponse(\x01\x12\x45\n\x08\x43loseJob\x12\x1b.pipesvc.v1.CloseJobRequest\x1a\x1c.pipesvc.v1.CloseJobResponse\x12=\n\x08GetTrace\x12\x1b.pipesvc.v1.GetTraceRequest\x1a\x14.pipesvc.v1.JobTrace\x12\x44\n\x0eGetModelExport\x12\x19.pipesvc.v1.GetJobRequest\x1a\x17.pipesvc.v1.ModelExportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpipesvc/v1/coordinator.proto\x12\npipesvc.v1\x1a\x17pipesvc/v1/common.proto\"]\n\x14RegisterStageRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06models\x18\x04 \x03(\t\"\x17\n\x15RegisterStageResponse\"\x13\n\x11ListStagesRequest\"\xd9\x01\n\x0bStageStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06models\x18\x04 \x03(\t\x12\x0e\n\x06job_id\x18\x05 \x01(\t\x12\x13\n\x0bstart_layer\x18\x06 \x01(\r\x12\x11\n\tend_layer\x18\x07 \x01(\r\x12\x0c\n\x04rank\x18\x08 \x01(\r\x12\x0e\n\x06health\x18\t \x01(\t\x12\x11\n\trss_bytes\x18\n \x01(\x04\x12\x1a\n\x12microbatches_per_s\x18\x0b \x01(\x01\"=\n\x12ListStagesResponse\x12\'\n\x06stages\x18\x01 \x03(\x0b\x32\x17.pipesvc.v1.StageStatus\"P\n\x10\x43reateJobRequest\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.pipesvc.v1.JobSpec\x12\x19\n\x11wait_for_stages_s\x18\x02 \x01(\x01\"\xab\x01\n\x07JobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12!\n\x04spec\x18\x02 \x01(\x0b\x32\x13.pipesvc.v1.JobSpec\x12\x12\n\nplan_epoch\x18\x03 \x01(\x04\x12#\n\x04plan\x18\x04 \x03(\x0b\x32\x15.pipesvc.v1.PlanStage\x12\x0c\n\x04step\x18\x05 \x01(\x04\x12\x12\n\nnum_layers\x18\x06 \x01(\r\x12\x12\n\nrecoveries\x18\x07 \x01(\r\"\"\n\x0bModelExport\x12\x13\n\x0b\x65xport_json\x18\x01 \x01(\t\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x11\n\x0fListJobsRequest\"5\n\x10ListJobsResponse\x12!\n\x04jobs\x18\x01 \x03(\x0b\x32\x13.pipesvc.v1.JobInfo\"\xf5\x01\n\x10TrainStepRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\"\n\x06inputs\x18\x02 \x01(\x0b\x32\x12.pipesvc.v1.Tensor\x12#\n\x07targets\x18\x03 \x01(\x0b\x32\x12.pipesvc.v1.Tensor\x12\x41\n\x0bside_inputs\x18\x04 \x03(\x0b\x32,.pipesvc.v1.TrainStepRequest.SideInputsEntry\x1a\x45\n\x0fSideInputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.pipesvc.v1.Tensor:\x02\x38\x01\"Q\n\x11TrainStepResponse\x12\x0c\n\x04loss\x18\x01 \x01(\x01\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12 \n\x03job\x18\x03 \x01(\x0b\x32\x13.pipesvc.v1.JobInfo\"\xcc\x01\n\x0e\x46orwardRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\"\n\x06inputs\x18\x02 \x01(\x0b\x32\x12.pipesvc.v1.Tensor\x12?\n\x0bside_inputs\x18\x03 \x03(\x0b\x32*.pipesvc.v1.ForwardRequest.SideInputsEntry\x1a\x45\n\x0fSideInputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.pipesvc.v1.Tensor:\x02\x38\x01\"X\n\x0f\x46orwardResponse\x12#\n\x07outputs\x18\x01 \x01(\x0b\x32\x12.pipesvc.v1.Tensor\x12 \n\x03job\x18\x02 \x01(\x0b\x32\x13.pipesvc.v1.JobInfo\"I\n\x12GetJobStateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.pipesvc.v1.StateKind\"i\n\x13LoadJobStateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12&\n\x05\x66rame\x18\x02 \x01(\x0b\x32\x17.pipesvc.v1.TensorFrame\x12\x11\n\x04step\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_step\"+\n\x14LoadJobStateResponse\x12\x13\n\x0bnum_tensors\x18\x01 \x01(\r\"!\n\x0f\x43loseJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x12\n\x10\x43loseJobResponse\"2\n\x08JobTrace\x12&\n\x06stages\x18\x01 \x03(\x0b\x32\x16.pipesvc.v1.StageTrace2\xeb\x06\n\x12\x43oordinatorService\x12T\n\rRegisterStage\x12 .pipesvc.v1.RegisterStageRequest\x1a!.pipesvc.v1.RegisterStageResponse\x12K\n\nListStages\x12\x1d.pipesvc.v1.ListStagesRequest\x1a\x1e.pipesvc.v1.ListStagesResponse\x12>\n\tCreateJob\x12\x1c.pipesvc.v1.CreateJobRequest\x1a\x13.pipesvc.v1.JobInfo\x12\x38\n\x06GetJob\x12\x19.pipesvc.v1.GetJobRequest\x1a\x13.pipesvc.v1.JobInfo\x12\x45\n\x08ListJobs\x12\x1b.pipesvc.v1.ListJobsRequest\x1a\x1c.pipesvc.v1.ListJobsResponse\x12H\n\tTrainStep\x12\x1c.pipesvc.v1.TrainStepRequest\x1a\x1d.pipesvc.v1.TrainStepResponse\x12\x42\n\x07\x46orward\x12\x1a.pipesvc.v1.ForwardRequest\x1a\x1b.pipesvc.v1.ForwardResponse\x12\x45\n\x08GetState\x12\x1e.pipesvc.v1.GetJobStateRequest\x1a\x17.pipesvc.v1.TensorFrame0\x01\x12P\n\tLoadState\x12\x1f.pipesvc.v1.LoadJobStateRequest\x1a .pipesvc.v1.LoadJobStateResponse(\x01\x12\x45\n\x08\x43loseJob\x12\x1b.pipesvc.v1.CloseJobRequest\x1a\x1c.pipesvc.v1.CloseJobResponse\x12=\n\x08GetTrace\x12\x1b.pipesvc.v1.GetTraceRequest\x1a\x14.pipesvc.v1.JobTrace\x12\x44\n\x0eGetModelExport\x12\x19.pipesvc.v1.GetJobRequest\x1a\x17.pipesvc.v1.ModelExportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pipesvc.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_TRAINSTEPREQUEST_SIDEINPUTSENTRY']._loaded_options = None
+  _globals['_TRAINSTEPREQUEST_SIDEINPUTSENTRY']._serialized_options = b'8\001'
+  _globals['_FORWARDREQUEST_SIDEINPUTSENTRY']._loaded_options = None
+  _globals['_FORWARDREQUEST_SIDEINPUTSENTRY']._serialized_options = b'8\001'
   _globals['_REGISTERSTAGEREQUEST']._serialized_start=69
   _globals['_REGISTERSTAGEREQUEST']._serialized_end=162
   _globals['_REGISTERSTAGERESPONSE']._serialized_start=164
@@ -54,26 +58,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTJOBSREQUEST']._serialized_end=835
   _globals['_LISTJOBSRESPONSE']._serialized_start=837
   _globals['_LISTJOBSRESPONSE']._serialized_end=890
-  _globals['_TRAINSTEPREQUEST']._serialized_start=892
-  _globals['_TRAINSTEPREQUEST']._serialized_end=999
-  _globals['_TRAINSTEPRESPONSE']._serialized_start=1001
-  _globals['_TRAINSTEPRESPONSE']._serialized_end=1082
-  _globals['_FORWARDREQUEST']._serialized_start=1084
-  _globals['_FORWARDREQUEST']._serialized_end=1152
-  _globals['_FORWARDRESPONSE']._serialized_start=1154
-  _globals['_FORWARDRESPONSE']._serialized_end=1242
-  _globals['_GETJOBSTATEREQUEST']._serialized_start=1244
-  _globals['_GETJOBSTATEREQUEST']._serialized_end=1317
-  _globals['_LOADJOBSTATEREQUEST']._serialized_start=1319
-  _globals['_LOADJOBSTATEREQUEST']._serialized_end=1424
-  _globals['_LOADJOBSTATERESPONSE']._serialized_start=1426
-  _globals['_LOADJOBSTATERESPONSE']._serialized_end=1469
-  _globals['_CLOSEJOBREQUEST']._serialized_start=1471
-  _globals['_CLOSEJOBREQUEST']._serialized_end=1504
-  _globals['_CLOSEJOBRESPONSE']._serialized_start=1506
-  _globals['_CLOSEJOBRESPONSE']._serialized_end=1524
-  _globals['_JOBTRACE']._serialized_start=1526
-  _globals['_JOBTRACE']._serialized_end=1576
-  _globals['_COORDINATORSERVICE']._serialized_start=1579
-  _globals['_COORDINATORSERVICE']._serialized_end=2454
+  _globals['_TRAINSTEPREQUEST']._serialized_start=893
+  _globals['_TRAINSTEPREQUEST']._serialized_end=1138
+  _globals['_TRAINSTEPREQUEST_SIDEINPUTSENTRY']._serialized_start=1069
+  _globals['_TRAINSTEPREQUEST_SIDEINPUTSENTRY']._serialized_end=1138
+  _globals['_TRAINSTEPRESPONSE']._serialized_start=1140
+  _globals['_TRAINSTEPRESPONSE']._serialized_end=1221
+  _globals['_FORWARDREQUEST']._serialized_start=1224
+  _globals['_FORWARDREQUEST']._serialized_end=1428
+  _globals['_FORWARDREQUEST_SIDEINPUTSENTRY']._serialized_start=1069
+  _globals['_FORWARDREQUEST_SIDEINPUTSENTRY']._serialized_end=1138
+  _globals['_FORWARDRESPONSE']._serialized_start=1430
+  _globals['_FORWARDRESPONSE']._serialized_end=1518
+  _globals['_GETJOBSTATEREQUEST']._serialized_start=1520
+  _globals['_GETJOBSTATEREQUEST']._serialized_end=1593
+  _globals['_LOADJOBSTATEREQUEST']._serialized_start=1595
+  _globals['_LOADJOBSTATEREQUEST']._serialized_end=1700
+  _globals['_LOADJOBSTATERESPONSE']._serialized_start=1702
+  _globals['_LOADJOBSTATERESPONSE']._serialized_end=1745
+  _globals['_CLOSEJOBREQUEST']._serialized_start=1747
+  _globals['_CLOSEJOBREQUEST']._serialized_end=1780
+  _globals['_CLOSEJOBRESPONSE']._serialized_start=1782
+  _globals['_CLOSEJOBRESPONSE']._serialized_end=1800
+  _globals['_JOBTRACE']._serialized_start=1802
+  _globals['_JOBTRACE']._serialized_end=1852
+  _globals['_COORDINATORSERVICE']._serialized_start=1855
+  _globals['_COORDINATORSERVICE']._serialized_end=2730
 # @@protoc_insertion_point(module_scope)

@@ -348,9 +348,31 @@ class TrainStepRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class SideInputsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> _common_pb2.Tensor: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _common_pb2.Tensor | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     JOB_ID_FIELD_NUMBER: _builtins.int
     INPUTS_FIELD_NUMBER: _builtins.int
     TARGETS_FIELD_NUMBER: _builtins.int
+    SIDE_INPUTS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job to train."""
     @_builtins.property
@@ -361,16 +383,23 @@ class TrainStepRequest(_message.Message):
     def targets(self) -> _common_pb2.Tensor:
         """Targets of the loss; dimension 0 is the batch."""
 
+    @_builtins.property
+    def side_inputs(self) -> _containers.MessageMap[_builtins.str, _common_pb2.Tensor]:
+        """Side inputs by name (the padding "attention_mask", shaped like the input ids): split
+        with the inputs and given to every stage's layers.
+        """
+
     def __init__(
         self,
         *,
         job_id: _builtins.str = ...,
         inputs: _common_pb2.Tensor | None = ...,
         targets: _common_pb2.Tensor | None = ...,
+        side_inputs: _abc.Mapping[_builtins.str, _common_pb2.Tensor] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "targets", b"targets"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "job_id", b"job_id", "targets", b"targets"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "job_id", b"job_id", "side_inputs", b"side_inputs", "targets", b"targets"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -414,23 +443,50 @@ class ForwardRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class SideInputsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> _common_pb2.Tensor: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _common_pb2.Tensor | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     JOB_ID_FIELD_NUMBER: _builtins.int
     INPUTS_FIELD_NUMBER: _builtins.int
+    SIDE_INPUTS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job to run."""
     @_builtins.property
     def inputs(self) -> _common_pb2.Tensor:
         """The batch; dimension 0 is the batch."""
 
+    @_builtins.property
+    def side_inputs(self) -> _containers.MessageMap[_builtins.str, _common_pb2.Tensor]:
+        """Side inputs by name, as in TrainStepRequest."""
+
     def __init__(
         self,
         *,
         job_id: _builtins.str = ...,
         inputs: _common_pb2.Tensor | None = ...,
+        side_inputs: _abc.Mapping[_builtins.str, _common_pb2.Tensor] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "job_id", b"job_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "job_id", b"job_id", "side_inputs", b"side_inputs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

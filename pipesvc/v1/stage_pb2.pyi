@@ -303,6 +303,7 @@ class RunStepRequest(_message.Message):
     TARGETS_FIELD_NUMBER: _builtins.int
     LOSS_WEIGHTS_FIELD_NUMBER: _builtins.int
     COMMIT_FIELD_NUMBER: _builtins.int
+    SIDE_INPUTS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     plan_epoch: _builtins.int
@@ -332,6 +333,12 @@ class RunStepRequest(_message.Message):
         stage does not hold it, the call fails and this run does not start.
         """
 
+    @_builtins.property
+    def side_inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___SideInputs]:
+        """Each micro-batch's side inputs (the padding attention mask), in order, on every stage;
+        empty when the batch has none.
+        """
+
     def __init__(
         self,
         *,
@@ -344,14 +351,58 @@ class RunStepRequest(_message.Message):
         targets: _abc.Iterable[_common_pb2.Tensor] | None = ...,
         loss_weights: _abc.Iterable[_builtins.float] | None = ...,
         commit: Global___CarriedCommit | None = ...,
+        side_inputs: _abc.Iterable[Global___SideInputs] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "inputs", b"inputs", "job_id", b"job_id", "loss_weights", b"loss_weights", "mode", b"mode", "num_microbatches", b"num_microbatches", "plan_epoch", b"plan_epoch", "run_id", b"run_id", "targets", b"targets"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "inputs", b"inputs", "job_id", b"job_id", "loss_weights", b"loss_weights", "mode", b"mode", "num_microbatches", b"num_microbatches", "plan_epoch", b"plan_epoch", "run_id", b"run_id", "side_inputs", b"side_inputs", "targets", b"targets"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RunStepRequest: _TypeAlias = RunStepRequest  # noqa: Y015
+
+@_typing.final
+class SideInputs(_message.Message):
+    """One micro-batch's side inputs by name."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class TensorsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> _common_pb2.Tensor: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _common_pb2.Tensor | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    TENSORS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tensors(self) -> _containers.MessageMap[_builtins.str, _common_pb2.Tensor]: ...
+    def __init__(
+        self,
+        *,
+        tensors: _abc.Mapping[_builtins.str, _common_pb2.Tensor] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tensors", b"tensors"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SideInputs: _TypeAlias = SideInputs  # noqa: Y015
 
 @_typing.final
 class CarriedCommit(_message.Message):

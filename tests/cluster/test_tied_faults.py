@@ -1,10 +1,13 @@
-"""Tied parameters through faults and bad requests (see [Note: tied parameters]).
+"""Tied parameters and side inputs through faults and bad requests (see [Note: tied
+parameters] and [Note: side inputs]).
 
 GPT-2's head shares its matrix with the token embedding; over two stages each holds a copy and
 the two swap their gradients at the end of every training run. A stage killed in any phase
 around that swap (its backward, while the other waits in the swap; the commit; the checkpoint)
 is replaced by the spare and the job ends bit-for-bit tied and equal to the tied model trained
-in one process. A malformed swap is refused with a typed error and changes nothing.
+in one process; the batches are left-padded, so the steps replayed from the step log must
+carry their attention masks too. A malformed swap is refused with a typed error and changes
+nothing.
 """
 
 from __future__ import annotations
@@ -40,10 +43,14 @@ def gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-padded rows with their attention mask: a replayed step must see the mask again."""
     g = torch.Generator().manual_seed(7 + step)
     ids = torch.randint(0, VOCAB, (6, 8), generator=g)
-    return ids, ids.clone()
+    mask = torch.ones(6, 8, dtype=torch.long)
+    for row in range(6):
+        mask[row, : (row + step) % 5] = 0
+    return ids, ids.masked_fill(mask == 0, -100), mask
 
 
 def reference_weights(directory: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -53,7 +60,8 @@ def reference_weights(directory: Path) -> tuple[list[float], dict[str, torch.Ten
     losses = []
     for step in range(STEPS):
         optimizer.zero_grad()
-        loss = model(*batch(step)[:1], labels=batch(step)[1]).loss
+        ids, labels, mask = batch(step)
+        loss = model(ids, attention_mask=mask, labels=labels).loss
         loss.backward()
         optimizer.step()
         losses.append(loss.item())

@@ -26,6 +26,8 @@ FAMILIES = {
     "hf-tiny": ("llama", {"num_key_value_heads": 2, "num_hidden_layers": 1}),
     # the head tied to the input embedding (GPT-2's default), learned positions; no dropout
     "hf-gpt2": ("gpt2", {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}),
+    # a sliding window shorter than the sequence: the mask is built as mistral builds it
+    "hf-mistral": ("mistral", {"num_key_value_heads": 2, "sliding_window": 4}),
 }
 OPTIMIZER = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6}
 # eps 1e-6, not 1e-8: a key bias's gradient is zero in exact arithmetic (softmax ignores a
@@ -326,3 +328,88 @@ def test_a_tied_embedding_and_head_train_as_one_parameter(
     with torch.no_grad():
         loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
         assert torch.allclose(loaded(ids).logits, logits, rtol=1e-5, atol=1e-6)
+
+
+def left_padded(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """7 rows of up to 10 tokens, left-padded to different lengths (one row not at all), with
+    their attention mask; labels -100 on the padding."""
+    g = torch.Generator().manual_seed(300 + step)
+    ids = torch.randint(0, VOCAB, (7, 10), generator=g)
+    mask = torch.ones(7, 10, dtype=torch.long)
+    for row in range(1, 7):
+        mask[row, : (row * (step + 2)) % 8] = 0
+    labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
+    return ids, labels, mask
+
+
+@pytest.mark.parametrize(
+    ("name", "schedule", "num_stages"),
+    [("hf-llama", "1f1b", 3), ("hf-gpt2", "gpipe", 2), ("hf-mistral", "1f1b", 2),
+     ("hf-neox", "gpipe", 3)],
+)  # fmt: skip
+def test_padded_batches_with_an_attention_mask_equal_one_process(
+    hf_client: pipesvc.Client, hf_dirs: dict[str, Path], name: str, schedule: str, num_stages: int
+) -> None:
+    # Left padding changes what every real token attends to, so it only matches with the
+    # mask: it reaches every block on every stage, split with the micro-batches (3 uneven ones).
+    with hf_client.create_job(
+        model=name, loss="causal_lm", optimizer=OPTIMIZER, schedule=schedule,
+        num_stages=num_stages, num_microbatches=3, checkpoint_every=2,
+    ) as job:  # fmt: skip
+        losses = [job.train_step(*left_padded(step)) for step in range(STEPS)]
+        weights, gradients = job.state_dict(), job.gradients()
+        ids, _, mask = left_padded(99)
+        logits = job.forward(ids, attention_mask=mask)
+        unmasked = job.forward(ids)
+    reference: Any = AutoModelForCausalLM.from_pretrained(hf_dirs[name])
+    reference.train()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
+    expected_losses = []
+    for step in range(STEPS):
+        step_ids, labels, step_mask = left_padded(step)
+        optimizer.zero_grad()
+        loss = reference(step_ids, attention_mask=step_mask, labels=labels).loss
+        loss.backward()
+        expected_grads = {k: p.grad.clone() for k, p in reference.named_parameters()}
+        optimizer.step()
+        expected_losses.append(loss.item())
+    assert losses == pytest.approx(expected_losses, rel=1e-5, abs=1e-6)
+    expected = reference.state_dict()
+    for key, value in weights.items():
+        assert torch.allclose(value, expected[key], rtol=1e-4, atol=1e-5), key
+    for key, grad in expected_grads.items():
+        assert torch.allclose(gradients[key], grad, rtol=1e-4, atol=1e-6), key
+    reference.eval()
+    with torch.no_grad():
+        expected_logits = reference(ids, attention_mask=mask).logits
+        expected_unmasked = reference(ids).logits
+    real = mask.bool()  # padded positions' logits are not defined by a mask (rows of pads)
+    assert torch.allclose(logits[real], expected_logits[real], rtol=1e-4, atol=1e-5)
+    assert torch.allclose(unmasked, expected_unmasked, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(logits[real], unmasked[real], rtol=1e-4, atol=1e-5)
+
+
+def test_a_mask_that_does_not_fit_is_refused_and_changes_nothing(
+    hf_client: pipesvc.Client,
+) -> None:
+    with hf_client.create_job(
+        model="hf-llama", loss="causal_lm", optimizer=OPTIMIZER, num_stages=2,
+        num_microbatches=3, checkpoint_every=0,
+    ) as job:  # fmt: skip
+        ids, labels, mask = left_padded(0)
+        before = job.state_dict()
+        bad = {
+            r"shape \[7, 9\]": mask[:, :9],
+            "dtype torch.float32": mask.float(),
+            "only 0 and 1": mask * 2,
+        }
+        for message, wrong in bad.items():
+            with pytest.raises(pipesvc.InvalidArgumentError, match=message):
+                job.train_step(ids, labels, wrong)
+            with pytest.raises(pipesvc.InvalidArgumentError, match=message):
+                job.forward(ids, attention_mask=wrong)
+        assert job.refresh().step == 0
+        after = job.state_dict()
+        assert all(torch.equal(after[k], before[k]) for k in before)
+        job.train_step(ids, labels, mask)  # the job still trains
+        assert job.step == 1
