@@ -28,6 +28,12 @@ FAMILIES = {
     "hf-gpt2": ("gpt2", {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}),
     # a sliding window shorter than the sequence: the mask is built as mistral builds it
     "hf-mistral": ("mistral", {"num_key_value_heads": 2, "sliding_window": 4}),
+    # multi-query attention
+    "hf-qwen2": ("qwen2", {"num_key_value_heads": 1}),
+    # a scaled embedding, multi-query attention, the head tied to the embedding
+    "hf-gemma": ("gemma", {"num_key_value_heads": 1, "head_dim": 8}),
+    # partial rotary embeddings, a dense head with a bias
+    "hf-phi": ("phi", {}),
 }
 OPTIMIZER = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6}
 # eps 1e-6, not 1e-8: a key bias's gradient is zero in exact arithmetic (softmax ignores a
@@ -98,7 +104,8 @@ def reference_run(directory: Path) -> tuple[list[float], Any]:
 @pytest.mark.parametrize(
     ("name", "schedule", "num_stages"),
     [("hf-llama", "1f1b", 3), ("hf-llama", "gpipe", 2), ("hf-neox", "gpipe", 3),
-     ("hf-neox", "1f1b", 2)],
+     ("hf-neox", "1f1b", 2), ("hf-qwen2", "gpipe", 3), ("hf-gemma", "1f1b", 2),
+     ("hf-phi", "1f1b", 3), ("hf-mistral", "gpipe", 2)],
 )  # fmt: skip
 def test_training_equals_transformers_in_one_process(
     hf_client: pipesvc.Client, hf_dirs: dict[str, Path], name: str, schedule: str, num_stages: int
