@@ -243,6 +243,8 @@ def _cmd_stage(args: argparse.Namespace) -> int:
             duplicate_sends=args.duplicate_sends,
             fault_kill=FaultKill.parse(args.fault_kill) if args.fault_kill else None,
             metrics=_metrics(args),
+            kv_budget_bytes=parse_bytes(args.kv_budget),
+            session_idle_s=args.session_idle_s,
         ),
         coordinator=args.coordinator,
         listen=args.listen,
@@ -459,6 +461,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="shared-memory area offered to a neighbour on the same host; 0 turns the "
         "shared-memory path off both ways: no area offered, none of a neighbour's mapped "
         "(default %(default)s)",
+    )
+    p.add_argument(
+        "--kv-budget",
+        default=_bytes_text(_default(StageOptions, "kv_budget_bytes")),
+        help=_help(_field_docs(StageOptions).get("kv_budget_bytes", "")),
+    )
+    p.add_argument(
+        "--session-idle-s",
+        type=float,
+        default=_default(StageOptions, "session_idle_s"),
+        help=_help(_field_docs(StageOptions).get("session_idle_s", "")),
     )
     p.add_argument("--duplicate-sends", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--fault-kill", help=argparse.SUPPRESS)

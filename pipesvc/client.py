@@ -321,6 +321,84 @@ class Job:
             self._update(reply.job)
         return decode(reply.outputs)
 
+    def stream(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        eos_token_id: int | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> Iterator[torch.Tensor]:
+        """Yields each generation step's new token of every row (``[batch]``) as it is made;
+        the arguments are ``generate``'s. Closing the iterator early ends the session and
+        frees its caches on every stage.
+
+        Raises:
+            InvalidArgumentError: the prompt, mask or settings do not fit (before any token).
+            ResourceExhaustedError: a stage's KV budget would be exceeded.
+        """
+        request = coordinator_pb2.GenerateRequest(
+            job_id=self.id,
+            input_ids=encode(input_ids),
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            eos_token_id=eos_token_id,
+        )
+        if attention_mask is not None:
+            request.attention_mask.CopyFrom(encode(attention_mask))
+        with rpc_errors(self._client._where):
+            replies = self._client._stub.Generate(request, timeout=self._client.timeout_s)
+            try:
+                for reply in replies:
+                    yield decode(reply.tokens)
+            finally:
+                replies.cancel()
+
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        eos_token_id: int | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The prompt followed by up to ``max_new_tokens`` new tokens per row, like
+        ``transformers``' ``generate``: ``temperature=0.0`` picks the most likely token
+        (``do_sample=False``); above 0 it samples, after ``top_k`` and ``top_p`` filtering,
+        reproducibly for a given ``seed``. A batch may be left-padded to one length with an
+        ``attention_mask``. Generation ends early once every row has produced
+        ``eos_token_id`` (rows that finished first get it again). Each stage keeps the keys
+        and values of its own layers per session, so a new token costs one position through
+        the pipeline; the job's last committed weights are used, between training steps.
+
+        Raises:
+            InvalidArgumentError: the prompt, mask or settings do not fit.
+            ResourceExhaustedError: a stage's KV budget would be exceeded.
+        """
+        steps = self.stream(
+            input_ids,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            eos_token_id=eos_token_id,
+            attention_mask=attention_mask,
+        )
+        new = [tokens[:, None] for tokens in steps]
+        return torch.cat([input_ids.to(torch.long), *new], dim=1)
+
     def _read_state(self, kind: common_pb2.StateKind.ValueType) -> dict[str, torch.Tensor]:
         request = coordinator_pb2.GetJobStateRequest(job_id=self.id, kind=kind)
         with rpc_errors(self._client._where):

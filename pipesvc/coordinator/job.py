@@ -40,17 +40,18 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from concurrent import futures
 from typing import Any
 
 import torch
 
 from pipesvc.coordinator import planner
+from pipesvc.coordinator.generation import MAX_NEW_TOKENS, ModelSupport, Session
 from pipesvc.coordinator.job_state import JobState, PendingCommit
 from pipesvc.coordinator.recovery import FINAL_ERRORS, JobStorage, Recovery
 from pipesvc.coordinator.registry import StageRegistry
-from pipesvc.coordinator.stage_calls import Deadlines, StageLostError
+from pipesvc.coordinator.stage_calls import Deadlines, StageLostError, call_stage
 from pipesvc.coordinator.stage_group import StageGroup
 from pipesvc.coordinator.state_db import JobRecord
 from pipesvc.coordinator.step_log import LoggedBatch
@@ -58,6 +59,7 @@ from pipesvc.core import microbatch
 from pipesvc.core.config import JobConfig, config_from_dict, config_to_proto
 from pipesvc.core.microbatch import RunBatch
 from pipesvc.core.plan import PipelineStage, plan_from_dicts
+from pipesvc.core.sampling import Sampling
 from pipesvc.core.tensor_codec import decode
 from pipesvc.errors import (
     FailedPreconditionError,
@@ -128,6 +130,7 @@ class JobDriver:
         self._last_loss = (0, 0.0)  # (step, loss) of the newest run phase that succeeded
         self._decided_at = 0.0  # when the newest step was decided (for the idle flush)
         self._lock = threading.Lock()
+        self._support: ModelSupport | None = None
 
     @property
     def plan(self) -> list[PipelineStage]:
@@ -339,6 +342,110 @@ class JobDriver:
         with self._lock:
             replies = self._resilient(lambda: self._run(stage_pb2.INFER, batch)[1], "forward")
         return torch.cat([decode(t) for t in replies[-1].outputs], dim=0)
+
+    # -- generation ------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        sampling: Sampling,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        eos_token_id: int | None = None,
+    ) -> Generator[torch.Tensor, None, None]:
+        """Generates up to ``max_new_tokens`` tokens after the prompt from the job's committed
+        weights; yields each step's new token of every row (``[B]``) as it is made (see
+        [Note: generation on the coordinator]). Each step holds the job for one run only, so
+        training steps and other sessions go in between. The session's caches are released on
+        every stage when the iterator ends or is closed.
+
+        Raises:
+            InvalidArgumentError: the prompt, the mask or the sampling settings do not fit.
+            ResourceExhaustedError: a stage's KV budget would be exceeded.
+        """
+        if not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
+            raise InvalidArgumentError(
+                f"max_new_tokens ({max_new_tokens}) must be in [1, {MAX_NEW_TOKENS}]"
+            )
+        parts = min(self.config.num_microbatches, int(input_ids.shape[0]) if input_ids.dim() else 1)
+        session = Session(
+            input_ids,
+            attention_mask,
+            parts=max(1, parts),
+            sampling=sampling,
+            support=self._model_support(),
+            eos_token_id=eos_token_id,
+        )
+        self._metrics.inc("generation_sessions_total")
+        started = time.monotonic()
+        try:
+            for step in range(max_new_tokens):
+                with self._lock:
+                    logits, epoch = self._resilient(
+                        lambda: self._generate_once(session), "generation step"
+                    )
+                now = time.monotonic()
+                name = "time_per_output_token_seconds" if step else "time_to_first_token_seconds"
+                self._metrics.observe(name, now - started)
+                self._metrics.inc("generated_tokens_total", float(input_ids.shape[0]))
+                yield session.advance(logits, epoch)
+                started = time.monotonic()  # the consumer's time is not the step's
+                if session.done:
+                    return
+        finally:
+            self._release_session(session)
+
+    def _generate_once(self, session: Session) -> tuple[list[torch.Tensor], int]:
+        epoch = self.group.epoch
+        try:
+            _, replies = self._run(stage_pb2.GENERATE, session.next_batch(epoch))
+        except FailedPreconditionError as exc:
+            if "has no cache" not in str(exc):
+                raise
+            # A stage dropped the session (idle too long): rebuild its caches from the tokens.
+            session.invalidate()
+            _, replies = self._run(stage_pb2.GENERATE, session.next_batch(epoch))
+        return [decode(t) for t in replies[-1].outputs], epoch
+
+    def _model_support(self) -> ModelSupport:
+        """Whether the model keeps caches and which side inputs it reads (asked once)."""
+        if self._support is None:
+            reply = call_stage(
+                self.group.registry,
+                self.group.plan[0],
+                lambda stub: stub.Describe,
+                stage_pb2.DescribeRequest(
+                    model=self.config.model, model_args_json=self.config.model_args_json()
+                ),
+                self.group.deadlines.control_s,
+            )
+            self._support = ModelSupport(
+                kv_cache=reply.kv_cache, side_inputs=tuple(reply.side_inputs)
+            )
+        return self._support
+
+    def _release_session(self, session: Session) -> None:
+        """Drops the session's caches on every stage of the plan (best effort: a stage that
+        is gone or busy drops them when they expire)."""
+        request = stage_pb2.ReleaseSessionRequest(job_id=self.job_id, session=session.id)
+        for stage in list(self.group.plan):
+            try:
+                call_stage(
+                    self.group.registry,
+                    stage,
+                    lambda stub: stub.ReleaseSession,
+                    request,
+                    self.group.deadlines.health_s,
+                )
+            except PipesvcError as exc:
+                logger.info(
+                    "job %s: session %s not released on %s: %s",
+                    self.job_id,
+                    session.id,
+                    stage.address,
+                    exc,
+                )
 
     def _resilient(self, attempt: Any, what: str) -> Any:
         """Runs ``attempt`` after making the job ready; recovers and retries on stage failures."""

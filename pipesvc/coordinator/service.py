@@ -21,6 +21,7 @@ from pipesvc.coordinator.state_db import StateDB
 from pipesvc.core.config import config_from_proto
 from pipesvc.core.health import Health
 from pipesvc.core.limits import Limits
+from pipesvc.core.sampling import Sampling
 from pipesvc.core.tensor_codec import decode, encode
 from pipesvc.errors import InvalidArgumentError, NotFoundError
 from pipesvc.observe.metrics import NO_METRICS, Metrics
@@ -266,6 +267,40 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 raise
             raise better from exc
         return coordinator_pb2.ForwardResponse(outputs=outputs, job=job.info())
+
+    @handle_errors
+    def Generate(
+        self, request: coordinator_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[coordinator_pb2.GenerateResponse]:
+        if not request.HasField("input_ids"):
+            raise InvalidArgumentError("generation needs input_ids")
+        input_ids = decode(request.input_ids, self._codec)
+        mask = (
+            decode(request.attention_mask, self._codec)
+            if request.HasField("attention_mask")
+            else None
+        )
+        sampling = Sampling(
+            temperature=request.temperature,
+            top_k=request.top_k if request.HasField("top_k") else None,
+            top_p=request.top_p if request.HasField("top_p") else None,
+            seed=request.seed if request.HasField("seed") else None,
+        )
+        job = self._job(request.job_id)
+        steps = job.generate(
+            input_ids,
+            request.max_new_tokens,
+            sampling,
+            attention_mask=mask,
+            eos_token_id=request.eos_token_id if request.HasField("eos_token_id") else None,
+        )
+        try:
+            for tokens in steps:
+                yield coordinator_pb2.GenerateResponse(tokens=encode(tokens))
+                if not context.is_active():  # the client went away: release the session
+                    return
+        finally:
+            steps.close()
 
     @handle_errors
     def GetState(

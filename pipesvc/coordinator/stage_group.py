@@ -130,6 +130,10 @@ class StageGroup:
                 loss_weights=weights if stage.rank == last and targets else [],
                 commit=commit,
                 side_inputs=encoded_side,
+                caches=[
+                    stage_pb2.CacheRef(session=c.session, part=c.part, fresh=c.fresh)
+                    for c in batch.caches
+                ],
             )
 
         deadlines = self.deadlines

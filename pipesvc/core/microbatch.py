@@ -76,13 +76,26 @@ def check_side(inputs: torch.Tensor, side: Mapping[str, torch.Tensor]) -> None:
 
 
 @dataclass(frozen=True, slots=True)
+class CacheRef:
+    """The key/value cache one micro-batch of a generation run reads and extends on every stage
+    (see [Note: generation sessions] in ``pipesvc.stage.sessions``)."""
+
+    session: str
+    part: int
+    fresh: bool
+    """Start it empty: the prompt, or a replay of every token so far."""
+
+
+@dataclass(frozen=True, slots=True)
 class RunBatch:
-    """One run's micro-batches: inputs (first stage), targets (last stage, training only) and
-    side inputs (every stage; one mapping per micro-batch, or none at all)."""
+    """One run's micro-batches: inputs (first stage), targets (last stage, training only), side
+    inputs (every stage; one mapping per micro-batch, or none at all) and, in generation, the
+    cache of each micro-batch (every stage)."""
 
     inputs: list[torch.Tensor]
     targets: list[torch.Tensor] = field(default_factory=list)
     side: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    caches: list[CacheRef] = field(default_factory=list)
 
     @classmethod
     def split(

@@ -61,17 +61,20 @@ def _attention_mask(
     hidden: torch.Tensor,
     positions: torch.Tensor,
     padding: torch.Tensor | None,
+    cache: Any,
 ) -> torch.Tensor | None:
     """Block ``block_index``'s attention mask, built as the family's own model builds it: the
-    causal mask (sliding-window where the config says so) with the ``padding`` mask; None
-    where plain causal attention computes the same (no padding, the ``sdpa`` path)."""
+    causal mask (sliding-window where the config says so) with the ``padding`` mask, over the
+    ``cache``'s past positions and the new ones; None where plain causal attention computes the
+    same (no padding and no past, the ``sdpa`` path). Built before the block adds the new keys
+    to its cache, from that block's own cache layer (a stage holds only some of them)."""
     causal, sliding, params = _mask_functions()
     types = getattr(config, "layer_types", None)
     if types:
         window = types[block_index] == "sliding_attention"
     else:
         window = getattr(config, "sliding_window", None) is not None
-    if padding is None and (not window or hidden.is_meta):
+    if padding is None and cache is None and (not window or hidden.is_meta):
         return None  # causal: sdpa's own causal path (and a description on meta is sizes only)
     kwargs: dict[str, Any] = {
         "config": config,
@@ -79,12 +82,12 @@ def _attention_mask(
         "attention_mask": padding,
         "position_ids": positions,
     }
-    if "cache" in params:
-        kwargs["cache"] = None
-    else:
-        kwargs["past_key_values"] = None
+    kwargs["cache" if "cache" in params else "past_key_values"] = cache
+    if "layer_idx" in params:
+        kwargs["layer_idx"] = block_index
     if "cache_position" in params:
-        kwargs["cache_position"] = positions[0]
+        past = cache.get_seq_length(block_index) if cache is not None else 0
+        kwargs["cache_position"] = torch.arange(past, past + hidden.shape[1], device=hidden.device)
     mask: torch.Tensor | None = (sliding if window else causal)(**kwargs)
     return mask
 
@@ -93,18 +96,29 @@ def _call_block(
     block: nn.Module,
     hidden: torch.Tensor,
     rotary: nn.Module | None,
-    mask: tuple[Any, int, torch.Tensor | None],
+    where: tuple[Any, int],
+    padding: torch.Tensor | None,
+    positions: torch.Tensor | None,
+    cache: Any,
 ) -> torch.Tensor:
     params = inspect.signature(block.forward).parameters
     batch, length = hidden.shape[0], hidden.shape[1]
-    positions = torch.arange(length, device=hidden.device).unsqueeze(0).expand(batch, length)
+    if positions is None:  # training and plain forward: 0..T-1, as transformers' model uses
+        positions = torch.arange(length, device=hidden.device).unsqueeze(0)
+    positions = positions.to(hidden.device)
     extra: dict[str, Any] = {}
     if rotary is not None and "position_embeddings" in params:
-        extra["position_embeddings"] = rotary(hidden, positions)
+        extra["position_embeddings"] = rotary(hidden, positions.expand(batch, length))
     if "position_ids" in params:
-        extra["position_ids"] = positions
-    config, index, padding = mask
-    attention = _attention_mask(config, index, hidden, positions[:1], padding)
+        extra["position_ids"] = positions.expand(batch, length)
+    config, index = where
+    attention = _attention_mask(config, index, hidden, positions, padding, cache)
+    if cache is not None:
+        extra["cache" if "cache" in params else "past_key_values"] = cache
+        extra["use_cache"] = True
+        if "cache_position" in params:
+            past = cache.get_seq_length(index)
+            extra["cache_position"] = torch.arange(past, past + length, device=hidden.device)
     out = block(hidden, attention_mask=attention, **extra)
     result: torch.Tensor = out[0] if isinstance(out, tuple) else out
     return result
@@ -119,10 +133,14 @@ class Embedding(nn.Module):
         self.positions = positions
         self.dropout = dropout
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    side_inputs = ("position_ids",)
+
+    def forward(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         hidden: torch.Tensor = self.embed(ids)
         if self.positions is not None:
-            hidden = hidden + self.positions(torch.arange(ids.shape[1], device=ids.device))
+            if position_ids is None:
+                position_ids = torch.arange(ids.shape[1], device=ids.device)
+            hidden = hidden + self.positions(position_ids.to(ids.device))
         if self.dropout is not None:
             hidden = self.dropout(hidden)
         return hidden
@@ -132,7 +150,8 @@ class Block(nn.Module):
     """One decoder block: hidden states in and out, with the batch's padding mask as a side
     input (see [Note: Hugging Face layers])."""
 
-    side_inputs = ("attention_mask",)
+    side_inputs = ("attention_mask", "position_ids")
+    uses_cache = True
 
     def __init__(self, block: nn.Module, rotary: nn.Module | None, config: Any, index: int) -> None:
         super().__init__()
@@ -142,15 +161,27 @@ class Block(nn.Module):
         self.index = index
 
     def forward(
-        self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: Any = None,
     ) -> torch.Tensor:
-        if attention_mask is not None and tuple(attention_mask.shape) != tuple(hidden.shape[:2]):
+        """``attention_mask`` covers the cached positions and the new ones (``[B, past + T]``),
+        ``position_ids`` the new ones (``[B, T]``); ``cache`` (a ``transformers`` cache) holds
+        the keys and values of earlier positions and takes this call's."""
+        past = cache.get_seq_length(self.index) if cache is not None else 0
+        expected = (hidden.shape[0], past + hidden.shape[1])
+        if attention_mask is not None and tuple(attention_mask.shape) != expected:
             raise InvalidArgumentError(
                 f"attention_mask of shape {list(attention_mask.shape)} for hidden states of "
-                f"shape {list(hidden.shape)}; expected {list(hidden.shape[:2])}"
+                f"shape {list(hidden.shape)} after {past} cached positions; expected "
+                f"{list(expected)}"
             )
-        mask = (self.config, self.index, attention_mask)
-        return _call_block(self.block, hidden, self.rotary, mask)
+        where = (self.config, self.index)
+        return _call_block(
+            self.block, hidden, self.rotary, where, attention_mask, position_ids, cache
+        )
 
 
 class Head(nn.Module):
@@ -225,6 +256,18 @@ def model_keys(
             for local, name in stored_names(ckpt, index, layer, reading=False).items():
                 keys[f"{index}.{local}"] = name
     return keys
+
+
+def make_cache(directory: str) -> Any:
+    """An empty ``transformers`` key/value cache for the model in ``directory`` (sliding-window
+    layers keep only their window), for one generation session's part on one stage."""
+    from transformers import DynamicCache
+
+    config = _checkpoint(directory).meta_model.config
+    try:
+        return DynamicCache(config=config)
+    except TypeError:  # transformers before the config argument
+        return DynamicCache()
 
 
 def tied_keys(directory: str | os.PathLike[str]) -> list[tuple[str, ...]]:
@@ -336,8 +379,13 @@ def _factory(directory: str) -> Any:
     def tied(lora: dict[str, object] | None = None) -> list[tuple[str, ...]]:
         return tied_keys(directory)
 
+    def new_cache(lora: dict[str, object] | None = None) -> Any:
+        return functools.partial(make_cache, directory)
+
     factory.export = export  # type: ignore[attr-defined]
     factory.tied = tied  # type: ignore[attr-defined]
+    factory.side_inputs = ("attention_mask", "position_ids")  # type: ignore[attr-defined]
+    factory.new_cache = new_cache  # type: ignore[attr-defined]
 
     factory.__qualname__ = f"hf_model[{directory}]"
     return factory

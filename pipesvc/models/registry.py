@@ -17,7 +17,7 @@ import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -157,6 +157,33 @@ def tied_parameters(name: str, model_args: Mapping[str, object]) -> list[tuple[s
     if hook is None:
         return []
     return [tuple(group) for group in hook(**model_args)]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelFeatures:
+    """What a model's layers take beside the activations."""
+
+    side_inputs: tuple[str, ...] = ()
+    """Side inputs some layer reads (see [Note: side inputs] in ``pipesvc.core.microbatch``)."""
+    new_cache: Callable[[], Any] | None = None
+    """Makes an empty key/value cache for generation, passed as ``cache`` to the layers that
+    set ``uses_cache``; None when the model has no cache (generation recomputes)."""
+
+
+def model_features(name: str, model_args: Mapping[str, object]) -> ModelFeatures:
+    """The side inputs and the generation cache of model ``name``: a factory may carry
+    ``side_inputs`` (a tuple of names) and ``new_cache`` (a function of the model arguments
+    returning a function that makes a cache).
+
+    Raises:
+        UnknownModelError: ``name`` is not registered.
+    """
+    factory = _FACTORIES.get(name, _unknown_model)
+    cache_hook = getattr(factory, "new_cache", None)
+    return ModelFeatures(
+        side_inputs=tuple(getattr(factory, "side_inputs", ())),
+        new_cache=cache_hook(**model_args) if cache_hook is not None else None,
+    )
 
 
 def known_models() -> list[str]:

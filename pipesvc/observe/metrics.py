@@ -22,6 +22,16 @@ _DEFINITIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "queue_depth": ("gauge", "Items waiting in a stage queue", ("queue",)),
     "microbatches_in_flight": ("gauge", "Micro-batches whose activations are alive", ()),
     "bubble_fraction": ("gauge", "Idle share of the stage's last training run", ()),
+    "generation_sessions_total": ("counter", "Generation sessions started", ()),
+    "generated_tokens_total": ("counter", "Tokens generated (one per row per step)", ()),
+    "time_to_first_token_seconds": (
+        "histogram",
+        "From a generation request to its first new token",
+        (),
+    ),
+    "time_per_output_token_seconds": ("histogram", "Time of each later generation step", ()),
+    "generation_sessions": ("gauge", "Generation sessions with caches on the stage", ()),
+    "kv_cache_bytes": ("gauge", "Bytes of the generation caches on the stage", ()),
 }
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 

@@ -14,6 +14,7 @@ from pipesvc.stage.mailbox import Mailbox, MailKey
 from pipesvc.stage.options import StageOptions
 from pipesvc.stage.recorder import RunRecorder
 from pipesvc.stage.runtime import StageRuntime
+from pipesvc.stage.sessions import SessionCaches
 from pipesvc.stage.tied_link import TiedLink
 
 
@@ -53,6 +54,11 @@ class Assignment:
             metrics=options.metrics,
             fault_kill=options.fault_kill,
             tied=tied,
+            sessions=SessionCaches(
+                runtime.features.new_cache,
+                budget_bytes=options.kv_budget_bytes,
+                idle_s=options.session_idle_s,
+            ),
         )
 
     @property

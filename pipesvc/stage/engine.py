@@ -28,6 +28,7 @@ from typing import Protocol
 
 import torch
 
+from pipesvc.core.microbatch import CacheRef
 from pipesvc.core.schedule import Action, ActionKind, forward_only_actions, stage_actions
 from pipesvc.errors import FailedPreconditionError
 from pipesvc.observe.metrics import NO_METRICS, Metrics
@@ -35,6 +36,7 @@ from pipesvc.stage.faults import FaultKill
 from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
 from pipesvc.stage.recorder import RunRecorder
 from pipesvc.stage.runtime import StageRuntime
+from pipesvc.stage.sessions import SessionCaches
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +88,9 @@ class RunInputs:
     targets: list[torch.Tensor]
     loss_weights: list[float]
     side: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    caches: list[CacheRef] = field(default_factory=list)
+    """Generation: the cache each micro-batch reads and extends (see [Note: generation
+    sessions]); empty otherwise."""
 
 
 class StepEngine:
@@ -105,6 +110,7 @@ class StepEngine:
         metrics: Metrics = NO_METRICS,
         fault_kill: FaultKill | None = None,
         tied: TiedSwap | None = None,
+        sessions: SessionCaches | None = None,
     ) -> None:
         self.runtime = runtime
         self.mailbox = mailbox
@@ -123,6 +129,8 @@ class StepEngine:
         self._metrics = metrics
         self._fault_kill = fault_kill
         self._tied = tied
+        self.sessions = sessions
+        """The generation caches of this stage's layers, per session."""
 
     def run_step(
         self,
@@ -132,6 +140,7 @@ class StepEngine:
         num_microbatches: int,
         data: RunInputs,
         commit: Carried | None = None,
+        generating: bool = False,
     ) -> RunResult:
         """Runs this stage's part of run ``run_id`` after applying the carried ``commit`` (if
         any); a training run then awaits commit.
@@ -145,6 +154,8 @@ class StepEngine:
                 the run's mail are dropped (the carried commit stays applied).
         """
         rt = self.runtime
+        if data.caches and self.sessions is None:
+            raise FailedPreconditionError("this stage keeps no generation caches")
         if commit is not None:
             self._check_commit_fault()
         with self.run_lock:
@@ -169,15 +180,29 @@ class StepEngine:
             else:
                 actions = forward_only_actions(num_microbatches)
             rt.begin_run(training)
+            sessions = sorted({ref.session for ref in data.caches})
+            if self.sessions is not None and sessions:
+                self.sessions.expire()
             try:
-                losses, outputs = self._execute(run_id, actions, data, training=training)
+                losses, outputs = self._execute(
+                    run_id, actions, data, training=training, generating=generating
+                )
                 if training and rt.ties:
                     self._share_tied(run_id)
+                if self.sessions is not None and sessions:
+                    try:
+                        self.sessions.settle(sessions)
+                    finally:
+                        self._metrics.set("generation_sessions", len(self.sessions.sessions()))
+                        self._metrics.set("kv_cache_bytes", self.sessions.total_bytes())
             except BaseException:
                 rt.abort()
                 self.mailbox.abort(run_id)
                 if self._tied is not None:
                     self._tied.abort(run_id)
+                if self.sessions is not None:
+                    for session in sessions:  # its parts may now disagree: it starts again
+                        self.sessions.release(session)
                 raise
             finally:
                 self.mailbox.finish(run_id)
@@ -208,7 +233,13 @@ class StepEngine:
         rt.settle_ties(theirs)
 
     def _execute(
-        self, run_id: int, actions: list[Action], data: RunInputs, *, training: bool
+        self,
+        run_id: int,
+        actions: list[Action],
+        data: RunInputs,
+        *,
+        training: bool,
+        generating: bool = False,
     ) -> tuple[list[float], list[torch.Tensor]]:
         rt = self.runtime
         rec = self.recorder
@@ -226,7 +257,7 @@ class StepEngine:
                     last_mb=len(actions) // 2 - 1,
                 )
             if action.kind is ActionKind.FORWARD:
-                self._forward(run_id, mb, data, training, losses, outputs)
+                self._forward(run_id, mb, data, training, losses, outputs, generating)
             else:
                 self._backward(run_id, mb)
         rec.end(training=training)
@@ -240,8 +271,13 @@ class StepEngine:
         training: bool,
         losses: dict[int, float],
         outputs: dict[int, torch.Tensor],
+        generating: bool = False,
     ) -> None:
         rt, rec = self.runtime, self.recorder
+        cache = None
+        if data.caches:
+            assert self.sessions is not None  # checked when the run began
+            cache = self.sessions.get(data.caches[mb])
         if rt.is_first:
             x = data.inputs[mb]
         else:
@@ -252,7 +288,8 @@ class StepEngine:
                     f" from rank {rt.rank - 1}",
                 )
         with rec.span("forward", mb):
-            y = rt.forward(mb, x, training=training, side=data.side[mb] if data.side else None)
+            side = data.side[mb] if data.side else None
+            y = rt.forward(mb, x, training=training, side=side, cache=cache)
             if rt.is_last and training:
                 loss = rt.loss(mb, data.targets[mb], data.loss_weights[mb])
                 losses[mb] = float(loss.detach())  # float() of a tensor needing grad warns
@@ -260,6 +297,8 @@ class StepEngine:
         if not rt.is_last:
             with rec.span("send", mb):
                 self._send_activation(MailKey(run_id, ACTIVATION, mb), y)
+        elif generating:
+            outputs[mb] = y[:, -1].contiguous()  # the next token's logits only
         elif not training:
             outputs[mb] = y
 

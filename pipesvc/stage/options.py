@@ -37,3 +37,7 @@ class StageOptions:
     """Fault injection for tests: SIGKILL this stage at a chosen point."""
     metrics: Metrics = field(default_factory=Metrics)
     """Where the stage records its metrics (nothing by default)."""
+    kv_budget_bytes: int = 1 << 30
+    """Most bytes the generation sessions' key/value caches may hold on this stage."""
+    session_idle_s: float = 300.0
+    """A generation session idle this long is dropped from the stage."""

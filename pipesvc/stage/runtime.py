@@ -45,6 +45,7 @@ import fnmatch
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -59,6 +60,7 @@ from pipesvc.models import (
     build_layers,
     layer_rng,
     model_export,
+    model_features,
     tied_parameters,
     uses_rng,
 )
@@ -138,6 +140,8 @@ class StageRuntime:
             out_of_norm=ties.out_of_norm,
         )
         self._tied_partials: dict[int, torch.Tensor] = {}
+        self.features = model_features(config.model, config.model_args)
+        """The side inputs the model's layers read and its generation cache."""
         # Frozen parameters (LoRA's base weights, those ``trainable`` leaves out) get no
         # optimizer state; a stage with nothing to train (only a Flatten, or only frozen
         # layers) has no optimizer.
@@ -228,20 +232,31 @@ class StageRuntime:
         return t.detach().to(self._wire_dtype)
 
     def _apply(
-        self, x: torch.Tensor, microbatch: int | None, side: Mapping[str, torch.Tensor]
+        self,
+        x: torch.Tensor,
+        microbatch: int | None,
+        side: Mapping[str, torch.Tensor],
+        cache: Any = None,
     ) -> torch.Tensor:
         """Runs the layers (see [Note: precision]); in training, stochastic ones run seeded."""
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast):
-            return self._apply_layers(x, microbatch, side)
+            return self._apply_layers(x, microbatch, side, cache)
 
     def _apply_layers(
-        self, x: torch.Tensor, microbatch: int | None, side: Mapping[str, torch.Tensor]
+        self,
+        x: torch.Tensor,
+        microbatch: int | None,
+        side: Mapping[str, torch.Tensor],
+        cache: Any,
     ) -> torch.Tensor:
         seed, step = self.config.seed, self.step + 1
         for index, layer, seeded in self._layers:
-            # A layer names the side inputs it reads (``side_inputs``, see [Note: side inputs]).
+            # A layer names the side inputs it reads (``side_inputs``, see [Note: side inputs])
+            # and whether it reads and extends a generation cache (``uses_cache``).
             wanted = getattr(layer, "side_inputs", ())
-            kwargs = {n: side[n].to(self.device) for n in wanted if n in side}
+            kwargs: dict[str, Any] = {n: side[n].to(self.device) for n in wanted if n in side}
+            if cache is not None and getattr(layer, "uses_cache", False):
+                kwargs["cache"] = cache
             try:
                 if seeded and microbatch is not None:
                     with layer_rng(seed, step, microbatch, index, self.device):
@@ -262,17 +277,28 @@ class StageRuntime:
         *,
         training: bool,
         side: Mapping[str, torch.Tensor] | None = None,
+        cache: Any = None,
     ) -> torch.Tensor:
-        """Runs this stage's layers on ``x`` (with the micro-batch's ``side`` inputs); in
-        training keeps what backward needs."""
+        """Runs this stage's layers on ``x`` (with the micro-batch's ``side`` inputs, and in
+        generation its key/value ``cache``); in training keeps what backward needs.
+
+        Raises:
+            InvalidArgumentError: a side input the model does not read, or a layer failed.
+        """
         side = side or {}
+        unknown = sorted(set(side) - set(self.features.side_inputs))
+        if unknown:
+            raise InvalidArgumentError(
+                f"model {self.config.model!r} takes no side input {unknown[0]!r}; it takes "
+                f"{list(self.features.side_inputs) or 'none'}"
+            )
         x = x.to(self.device)
         if self.config.precision == "bf16" and x.is_floating_point():
             x = x.to(torch.bfloat16)
         self._set_mode(training)
         if not training:
             with torch.no_grad():
-                out = self._apply(x, None, side)
+                out = self._apply(x, None, side, cache)
             return out if self.is_last else self._to_wire(out)
         if not self.is_first:
             if not x.is_floating_point():

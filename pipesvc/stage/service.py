@@ -20,6 +20,7 @@ import torch
 from pipesvc import models
 from pipesvc.core.config import config_from_proto, parse_json_object
 from pipesvc.core.limits import MAX_MICROBATCHES
+from pipesvc.core.microbatch import CacheRef
 from pipesvc.core.tensor_codec import decode, encode, named_frames, read_named_frames
 from pipesvc.core.tying import stage_ties
 from pipesvc.errors import (
@@ -145,6 +146,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
     ) -> stage_pb2.DescribeResponse:
         args = parse_json_object(request.model_args_json, "model_args_json")
         export = models.model_export(request.model, args)
+        features = models.model_features(request.model, args)
         description = models.describe(
             request.model,
             args,
@@ -167,6 +169,8 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
                 for layer in description.layers
             ],
             export_json=json.dumps(export) if export is not None else "",
+            kv_cache=features.new_cache is not None,
+            side_inputs=list(features.side_inputs),
         )
 
     @handle_errors
@@ -284,6 +288,11 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
             info.microbatches_per_s = job.engine.recorder.microbatches_per_s
             info.downstream_shm = job.downstream is not None and job.downstream.uses_shm
             info.upstream_shm = job.upstream is not None and job.upstream.uses_shm
+            sessions = job.engine.sessions
+            if sessions is not None:
+                sessions.expire()
+                info.sessions = len(sessions.sessions())
+                info.cache_bytes = sessions.total_bytes()
         return info
 
     # -- runs --------------------------------------------------------------------------------
@@ -294,9 +303,10 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
     ) -> stage_pb2.RunStepResponse:
         job = self._current(request.job_id, request.plan_epoch)
         rt = job.runtime
-        if request.mode not in (stage_pb2.TRAIN, stage_pb2.INFER):
-            raise InvalidArgumentError(f"mode {request.mode} must be TRAIN or INFER")
+        if request.mode not in (stage_pb2.TRAIN, stage_pb2.INFER, stage_pb2.GENERATE):
+            raise InvalidArgumentError(f"mode {request.mode} must be TRAIN, INFER or GENERATE")
         training = request.mode == stage_pb2.TRAIN
+        generating = request.mode == stage_pb2.GENERATE
         m = request.num_microbatches
         if not 1 <= m <= MAX_MICROBATCHES:
             raise InvalidArgumentError(f"num_microbatches ({m}) must be in [1, {MAX_MICROBATCHES}]")
@@ -317,6 +327,16 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
             raise InvalidArgumentError(
                 f"side inputs for {len(request.side_inputs)} micro-batches; expected 0 or {m}"
             )
+        if len(request.caches) not in ((0, m) if generating else (0,)):
+            raise InvalidArgumentError(
+                f"caches for {len(request.caches)} micro-batches in mode {request.mode}; "
+                f"expected {'0 or ' + str(m) if generating else 0}"
+            )
+        for ref in request.caches:
+            if not 1 <= len(ref.session) <= 128:
+                raise InvalidArgumentError(
+                    f"session id of {len(ref.session)} characters; expected 1 to 128"
+                )
         inputs = [decode(t, self._codec) for t in request.inputs]
         targets = [decode(t, self._codec) for t in request.targets]
         side = [
@@ -332,8 +352,10 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
                 targets=targets,
                 loss_weights=list(request.loss_weights),
                 side=side,
+                caches=[CacheRef(c.session, c.part, c.fresh) for c in request.caches],
             ),
             commit=_carried(request),
+            generating=generating,
         )
         response = stage_pb2.RunStepResponse(
             losses=result.losses,
@@ -343,6 +365,15 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
         if result.grad_norm_sq is not None:
             response.grad_norm_sq = result.grad_norm_sq
         return response
+
+    @handle_errors
+    def ReleaseSession(
+        self, request: stage_pb2.ReleaseSessionRequest, context: object
+    ) -> stage_pb2.ReleaseSessionResponse:
+        job = self._current(request.job_id)
+        sessions = job.engine.sessions
+        freed = sessions.release(request.session) if sessions is not None else 0
+        return stage_pb2.ReleaseSessionResponse(freed_bytes=freed)
 
     @handle_errors
     def Commit(self, request: stage_pb2.CommitRequest, context: object) -> stage_pb2.CommitResponse:

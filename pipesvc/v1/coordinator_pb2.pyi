@@ -668,3 +668,102 @@ class JobTrace(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___JobTrace: _TypeAlias = JobTrace  # noqa: Y015
+
+@_typing.final
+class GenerateRequest(_message.Message):
+    """A generation session: the prompt and how to pick tokens."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    INPUT_IDS_FIELD_NUMBER: _builtins.int
+    ATTENTION_MASK_FIELD_NUMBER: _builtins.int
+    MAX_NEW_TOKENS_FIELD_NUMBER: _builtins.int
+    TEMPERATURE_FIELD_NUMBER: _builtins.int
+    TOP_K_FIELD_NUMBER: _builtins.int
+    TOP_P_FIELD_NUMBER: _builtins.int
+    SEED_FIELD_NUMBER: _builtins.int
+    EOS_TOKEN_ID_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    """The job."""
+    max_new_tokens: _builtins.int
+    """Most tokens to generate after the prompt."""
+    temperature: _builtins.float
+    """0: greedy; above 0: sample from softmax(logits / temperature)."""
+    top_k: _builtins.int
+    """Sample among the top_k most likely tokens."""
+    top_p: _builtins.float
+    """Sample among the most likely tokens whose probabilities sum to top_p."""
+    seed: _builtins.int
+    """Seed of the session's sampling."""
+    eos_token_id: _builtins.int
+    """A row that produces it is finished (and gets it again after); all finished ends the
+    session.
+    """
+    @_builtins.property
+    def input_ids(self) -> _common_pb2.Tensor:
+        """The prompt's token ids, [batch, length] (rows left-padded to one length)."""
+
+    @_builtins.property
+    def attention_mask(self) -> _common_pb2.Tensor:
+        """1 for a token, 0 for padding, shaped like input_ids; absent: no padding."""
+
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        input_ids: _common_pb2.Tensor | None = ...,
+        attention_mask: _common_pb2.Tensor | None = ...,
+        max_new_tokens: _builtins.int = ...,
+        temperature: _builtins.float = ...,
+        top_k: _builtins.int | None = ...,
+        top_p: _builtins.float | None = ...,
+        seed: _builtins.int | None = ...,
+        eos_token_id: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "_seed", b"_seed", "_top_k", b"_top_k", "_top_p", b"_top_p", "attention_mask", b"attention_mask", "eos_token_id", b"eos_token_id", "input_ids", b"input_ids", "seed", b"seed", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "_seed", b"_seed", "_top_k", b"_top_k", "_top_p", b"_top_p", "attention_mask", b"attention_mask", "eos_token_id", b"eos_token_id", "input_ids", b"input_ids", "job_id", b"job_id", "max_new_tokens", b"max_new_tokens", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__eos_token_id: _TypeAlias = _typing.Literal["eos_token_id"]  # noqa: Y015
+    _WhichOneofArgType__eos_token_id: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id"]  # noqa: Y015
+    _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
+    _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    _WhichOneofReturnType__top_k: _TypeAlias = _typing.Literal["top_k"]  # noqa: Y015
+    _WhichOneofArgType__top_k: _TypeAlias = _typing.Literal["_top_k", b"_top_k"]  # noqa: Y015
+    _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
+    _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__eos_token_id) -> _WhichOneofReturnType__eos_token_id | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_k) -> _WhichOneofReturnType__top_k | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
+
+Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class GenerateResponse(_message.Message):
+    """One generation step."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKENS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tokens(self) -> _common_pb2.Tensor:
+        """The new token of every row, [batch]."""
+
+    def __init__(
+        self,
+        *,
+        tokens: _common_pb2.Tensor | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["tokens", b"tokens"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015

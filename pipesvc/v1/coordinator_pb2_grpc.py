@@ -71,6 +71,11 @@ class CoordinatorServiceStub:
                 request_serializer=pipesvc_dot_v1_dot_coordinator__pb2.ForwardRequest.SerializeToString,
                 response_deserializer=pipesvc_dot_v1_dot_coordinator__pb2.ForwardResponse.FromString,
                 _registered_method=True)
+        self.Generate = channel.unary_stream(
+                '/pipesvc.v1.CoordinatorService/Generate',
+                request_serializer=pipesvc_dot_v1_dot_coordinator__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=pipesvc_dot_v1_dot_coordinator__pb2.GenerateResponse.FromString,
+                _registered_method=True)
         self.GetState = channel.unary_stream(
                 '/pipesvc.v1.CoordinatorService/GetState',
                 request_serializer=pipesvc_dot_v1_dot_coordinator__pb2.GetJobStateRequest.SerializeToString,
@@ -151,6 +156,14 @@ class CoordinatorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Generate(self, request, context):
+        """Generates tokens after a prompt from the job's committed weights, one message per step
+        with each row's new token, through per-stage key/value caches.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetState(self, request, context):
         """Streams the whole model's tensors (or gradients), stage by stage.
         """
@@ -223,6 +236,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     servicer.Forward,
                     request_deserializer=pipesvc_dot_v1_dot_coordinator__pb2.ForwardRequest.FromString,
                     response_serializer=pipesvc_dot_v1_dot_coordinator__pb2.ForwardResponse.SerializeToString,
+            ),
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=pipesvc_dot_v1_dot_coordinator__pb2.GenerateRequest.FromString,
+                    response_serializer=pipesvc_dot_v1_dot_coordinator__pb2.GenerateResponse.SerializeToString,
             ),
             'GetState': grpc.unary_stream_rpc_method_handler(
                     servicer.GetState,
@@ -440,6 +458,33 @@ class CoordinatorService:
             '/pipesvc.v1.CoordinatorService/Forward',
             pipesvc_dot_v1_dot_coordinator__pb2.ForwardRequest.SerializeToString,
             pipesvc_dot_v1_dot_coordinator__pb2.ForwardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pipesvc.v1.CoordinatorService/Generate',
+            pipesvc_dot_v1_dot_coordinator__pb2.GenerateRequest.SerializeToString,
+            pipesvc_dot_v1_dot_coordinator__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,

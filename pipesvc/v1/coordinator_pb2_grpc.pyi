@@ -48,6 +48,10 @@ class CoordinatorServiceStub:
     """One training step on a mini-batch; returns the mean loss after the commit."""
     Forward: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ForwardRequest, _coordinator_pb2.ForwardResponse]
     """Inference on a batch, micro-batched through the pipeline."""
+    Generate: _grpc.UnaryStreamMultiCallable[_coordinator_pb2.GenerateRequest, _coordinator_pb2.GenerateResponse]
+    """Generates tokens after a prompt from the job's committed weights, one message per step
+    with each row's new token, through per-stage key/value caches.
+    """
     GetState: _grpc.UnaryStreamMultiCallable[_coordinator_pb2.GetJobStateRequest, _common_pb2.TensorFrame]
     """Streams the whole model's tensors (or gradients), stage by stage."""
     LoadState: _grpc.StreamUnaryMultiCallable[_coordinator_pb2.LoadJobStateRequest, _coordinator_pb2.LoadJobStateResponse]
@@ -78,6 +82,10 @@ class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
     """One training step on a mini-batch; returns the mean loss after the commit."""
     Forward: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ForwardRequest, _coordinator_pb2.ForwardResponse]  # type: ignore[assignment]
     """Inference on a batch, micro-batched through the pipeline."""
+    Generate: _aio.UnaryStreamMultiCallable[_coordinator_pb2.GenerateRequest, _coordinator_pb2.GenerateResponse]  # type: ignore[assignment]
+    """Generates tokens after a prompt from the job's committed weights, one message per step
+    with each row's new token, through per-stage key/value caches.
+    """
     GetState: _aio.UnaryStreamMultiCallable[_coordinator_pb2.GetJobStateRequest, _common_pb2.TensorFrame]  # type: ignore[assignment]
     """Streams the whole model's tensors (or gradients), stage by stage."""
     LoadState: _aio.StreamUnaryMultiCallable[_coordinator_pb2.LoadJobStateRequest, _coordinator_pb2.LoadJobStateResponse]  # type: ignore[assignment]
@@ -147,6 +155,16 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.ForwardResponse, _abc.Awaitable[_coordinator_pb2.ForwardResponse]]:
         """Inference on a batch, micro-batched through the pipeline."""
+
+    @_abc_1.abstractmethod
+    def Generate(
+        self,
+        request: _coordinator_pb2.GenerateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_coordinator_pb2.GenerateResponse], _abc.AsyncIterator[_coordinator_pb2.GenerateResponse]]:
+        """Generates tokens after a prompt from the job's committed weights, one message per step
+        with each row's new token, through per-stage key/value caches.
+        """
 
     @_abc_1.abstractmethod
     def GetState(

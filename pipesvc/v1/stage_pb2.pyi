@@ -31,6 +31,10 @@ class _RunModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RunMode.Value
     RUN_MODE_UNSPECIFIED: _RunMode.ValueType  # 0
     TRAIN: _RunMode.ValueType  # 1
     INFER: _RunMode.ValueType  # 2
+    GENERATE: _RunMode.ValueType  # 3
+    """A generation step: like INFER, through the named key/value caches (RunStepRequest.caches),
+    and the last stage returns only the last position's logits.
+    """
 
 class RunMode(_RunMode, metaclass=_RunModeEnumTypeWrapper):
     """Whether a run trains (forward + backward, gradients pending) or only infers."""
@@ -38,6 +42,10 @@ class RunMode(_RunMode, metaclass=_RunModeEnumTypeWrapper):
 RUN_MODE_UNSPECIFIED: RunMode.ValueType  # 0
 TRAIN: RunMode.ValueType  # 1
 INFER: RunMode.ValueType  # 2
+GENERATE: RunMode.ValueType  # 3
+"""A generation step: like INFER, through the named key/value caches (RunStepRequest.caches),
+and the last stage returns only the last position's logits.
+"""
 Global___RunMode: _TypeAlias = RunMode  # noqa: Y015
 
 class _Direction:
@@ -190,23 +198,33 @@ class DescribeResponse(_message.Message):
 
     LAYERS_FIELD_NUMBER: _builtins.int
     EXPORT_JSON_FIELD_NUMBER: _builtins.int
+    KV_CACHE_FIELD_NUMBER: _builtins.int
+    SIDE_INPUTS_FIELD_NUMBER: _builtins.int
     export_json: _builtins.str
     """How the model maps to its own format (a JSON object; empty when it has none): for a
     Hugging Face model its config.json, the key of each tensor and the LoRA arguments.
     """
+    kv_cache: _builtins.bool
+    """Whether the model's layers keep key/value caches for generation."""
     @_builtins.property
     def layers(self) -> _containers.RepeatedCompositeFieldContainer[Global___LayerDescription]:
         """One entry per layer."""
+
+    @_builtins.property
+    def side_inputs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The side inputs its layers read (e.g. "attention_mask", "position_ids")."""
 
     def __init__(
         self,
         *,
         layers: _abc.Iterable[Global___LayerDescription] | None = ...,
         export_json: _builtins.str = ...,
+        kv_cache: _builtins.bool = ...,
+        side_inputs: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["export_json", b"export_json", "layers", b"layers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["export_json", b"export_json", "kv_cache", b"kv_cache", "layers", b"layers", "side_inputs", b"side_inputs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -304,6 +322,7 @@ class RunStepRequest(_message.Message):
     LOSS_WEIGHTS_FIELD_NUMBER: _builtins.int
     COMMIT_FIELD_NUMBER: _builtins.int
     SIDE_INPUTS_FIELD_NUMBER: _builtins.int
+    CACHES_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     plan_epoch: _builtins.int
@@ -339,6 +358,12 @@ class RunStepRequest(_message.Message):
         empty when the batch has none.
         """
 
+    @_builtins.property
+    def caches(self) -> _containers.RepeatedCompositeFieldContainer[Global___CacheRef]:
+        """GENERATE: the cache each micro-batch reads and extends, in order; empty for a model
+        without caches (the whole sequence is computed again).
+        """
+
     def __init__(
         self,
         *,
@@ -352,14 +377,45 @@ class RunStepRequest(_message.Message):
         loss_weights: _abc.Iterable[_builtins.float] | None = ...,
         commit: Global___CarriedCommit | None = ...,
         side_inputs: _abc.Iterable[Global___SideInputs] | None = ...,
+        caches: _abc.Iterable[Global___CacheRef] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "inputs", b"inputs", "job_id", b"job_id", "loss_weights", b"loss_weights", "mode", b"mode", "num_microbatches", b"num_microbatches", "plan_epoch", b"plan_epoch", "run_id", b"run_id", "side_inputs", b"side_inputs", "targets", b"targets"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["caches", b"caches", "commit", b"commit", "inputs", b"inputs", "job_id", b"job_id", "loss_weights", b"loss_weights", "mode", b"mode", "num_microbatches", b"num_microbatches", "plan_epoch", b"plan_epoch", "run_id", b"run_id", "side_inputs", b"side_inputs", "targets", b"targets"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RunStepRequest: _TypeAlias = RunStepRequest  # noqa: Y015
+
+@_typing.final
+class CacheRef(_message.Message):
+    """The key/value cache of one part of a generation session on a stage."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_FIELD_NUMBER: _builtins.int
+    PART_FIELD_NUMBER: _builtins.int
+    FRESH_FIELD_NUMBER: _builtins.int
+    session: _builtins.str
+    """The session (the coordinator's id for it)."""
+    part: _builtins.int
+    """The part: which micro-batch of the session's rows."""
+    fresh: _builtins.bool
+    """Start the cache empty (the prompt, or a replay of every token so far)."""
+    def __init__(
+        self,
+        *,
+        session: _builtins.str = ...,
+        part: _builtins.int = ...,
+        fresh: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fresh", b"fresh", "part", b"part", "session", b"session"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CacheRef: _TypeAlias = CacheRef  # noqa: Y015
 
 @_typing.final
 class SideInputs(_message.Message):
@@ -795,6 +851,8 @@ class StageInfo(_message.Message):
     MICROBATCHES_PER_S_FIELD_NUMBER: _builtins.int
     DOWNSTREAM_SHM_FIELD_NUMBER: _builtins.int
     UPSTREAM_SHM_FIELD_NUMBER: _builtins.int
+    SESSIONS_FIELD_NUMBER: _builtins.int
+    CACHE_BYTES_FIELD_NUMBER: _builtins.int
     address: _builtins.str
     """host:port of the stage."""
     device: _builtins.str
@@ -837,6 +895,9 @@ class StageInfo(_message.Message):
     """Whether activations to rank + 1 now travel through shared memory (same host)."""
     upstream_shm: _builtins.bool
     """Whether gradients to rank - 1 now travel through shared memory (same host)."""
+    sessions: _builtins.int
+    """Generation sessions holding key/value caches here, and their bytes."""
+    cache_bytes: _builtins.int
     @_builtins.property
     def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Models this stage can build."""
@@ -871,10 +932,12 @@ class StageInfo(_message.Message):
         microbatches_per_s: _builtins.float = ...,
         downstream_shm: _builtins.bool = ...,
         upstream_shm: _builtins.bool = ...,
+        sessions: _builtins.int = ...,
+        cache_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "device", b"device", "downstream_shm", b"downstream_shm", "end_layer", b"end_layer", "job_id", b"job_id", "last_run_id", b"last_run_id", "max_live_activations", b"max_live_activations", "memory_bytes", b"memory_bytes", "microbatches_per_s", b"microbatches_per_s", "models", b"models", "num_duplicates_dropped", b"num_duplicates_dropped", "num_parameters", b"num_parameters", "num_stale_dropped", b"num_stale_dropped", "num_threads", b"num_threads", "parameter_names", b"parameter_names", "pending_run_id", b"pending_run_id", "pid", b"pid", "plan_epoch", b"plan_epoch", "rank", b"rank", "rss_bytes", b"rss_bytes", "start_layer", b"start_layer", "step", b"step", "upstream_shm", b"upstream_shm"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "cache_bytes", b"cache_bytes", "device", b"device", "downstream_shm", b"downstream_shm", "end_layer", b"end_layer", "job_id", b"job_id", "last_run_id", b"last_run_id", "max_live_activations", b"max_live_activations", "memory_bytes", b"memory_bytes", "microbatches_per_s", b"microbatches_per_s", "models", b"models", "num_duplicates_dropped", b"num_duplicates_dropped", "num_parameters", b"num_parameters", "num_stale_dropped", b"num_stale_dropped", "num_threads", b"num_threads", "parameter_names", b"parameter_names", "pending_run_id", b"pending_run_id", "pid", b"pid", "plan_epoch", b"plan_epoch", "rank", b"rank", "rss_bytes", b"rss_bytes", "sessions", b"sessions", "start_layer", b"start_layer", "step", b"step", "upstream_shm", b"upstream_shm"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1117,3 +1180,48 @@ class TiedGradientFrame(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TiedGradientFrame: _TypeAlias = TiedGradientFrame  # noqa: Y015
+
+@_typing.final
+class ReleaseSessionRequest(_message.Message):
+    """Which session's caches to drop."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    SESSION_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    session: _builtins.str
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        session: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "session", b"session"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseSessionRequest: _TypeAlias = ReleaseSessionRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseSessionResponse(_message.Message):
+    """What was freed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FREED_BYTES_FIELD_NUMBER: _builtins.int
+    freed_bytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        freed_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["freed_bytes", b"freed_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseSessionResponse: _TypeAlias = ReleaseSessionResponse  # noqa: Y015

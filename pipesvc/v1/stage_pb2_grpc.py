@@ -102,6 +102,11 @@ class StageServiceStub:
                 request_serializer=pipesvc_dot_v1_dot_stage__pb2.TiedGradientFrame.SerializeToString,
                 response_deserializer=pipesvc_dot_v1_dot_common__pb2.TensorFrame.FromString,
                 _registered_method=True)
+        self.ReleaseSession = channel.unary_unary(
+                '/pipesvc.v1.StageService/ReleaseSession',
+                request_serializer=pipesvc_dot_v1_dot_stage__pb2.ReleaseSessionRequest.SerializeToString,
+                response_deserializer=pipesvc_dot_v1_dot_stage__pb2.ReleaseSessionResponse.FromString,
+                _registered_method=True)
 
 
 class StageServiceServicer:
@@ -207,6 +212,13 @@ class StageServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseSession(self, request, context):
+        """Drops a generation session's key/value caches (the client finished or went away).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -274,6 +286,11 @@ def add_StageServiceServicer_to_server(servicer, server):
                     servicer.SwapTiedGradients,
                     request_deserializer=pipesvc_dot_v1_dot_stage__pb2.TiedGradientFrame.FromString,
                     response_serializer=pipesvc_dot_v1_dot_common__pb2.TensorFrame.SerializeToString,
+            ),
+            'ReleaseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseSession,
+                    request_deserializer=pipesvc_dot_v1_dot_stage__pb2.ReleaseSessionRequest.FromString,
+                    response_serializer=pipesvc_dot_v1_dot_stage__pb2.ReleaseSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -629,6 +646,33 @@ class StageService:
             '/pipesvc.v1.StageService/SwapTiedGradients',
             pipesvc_dot_v1_dot_stage__pb2.TiedGradientFrame.SerializeToString,
             pipesvc_dot_v1_dot_common__pb2.TensorFrame.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pipesvc.v1.StageService/ReleaseSession',
+            pipesvc_dot_v1_dot_stage__pb2.ReleaseSessionRequest.SerializeToString,
+            pipesvc_dot_v1_dot_stage__pb2.ReleaseSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -76,6 +76,8 @@ class StageServiceStub:
     group it shares with this stage, and this stage answers with its own once its run is
     done; each adds the other's, so both copies get the same total.
     """
+    ReleaseSession: _grpc.UnaryUnaryMultiCallable[_stage_pb2.ReleaseSessionRequest, _stage_pb2.ReleaseSessionResponse]
+    """Drops a generation session's key/value caches (the client finished or went away)."""
 
 @_typing.type_check_only
 class StageServiceAsyncStub(StageServiceStub):
@@ -122,6 +124,8 @@ class StageServiceAsyncStub(StageServiceStub):
     group it shares with this stage, and this stage answers with its own once its run is
     done; each adds the other's, so both copies get the same total.
     """
+    ReleaseSession: _aio.UnaryUnaryMultiCallable[_stage_pb2.ReleaseSessionRequest, _stage_pb2.ReleaseSessionResponse]  # type: ignore[assignment]
+    """Drops a generation session's key/value caches (the client finished or went away)."""
 
 class StageServiceServicer(metaclass=_abc_1.ABCMeta):
     """The stage service: one per stage server. The coordinator assigns and drives it; its
@@ -243,5 +247,13 @@ class StageServiceServicer(metaclass=_abc_1.ABCMeta):
         group it shares with this stage, and this stage answers with its own once its run is
         done; each adds the other's, so both copies get the same total.
         """
+
+    @_abc_1.abstractmethod
+    def ReleaseSession(
+        self,
+        request: _stage_pb2.ReleaseSessionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_stage_pb2.ReleaseSessionResponse, _abc.Awaitable[_stage_pb2.ReleaseSessionResponse]]:
+        """Drops a generation session's key/value caches (the client finished or went away)."""
 
 def add_StageServiceServicer_to_server(servicer: StageServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,145 @@
+"""A generation session as the coordinator keeps it: the tokens so far, the padding mask, the
+parts its rows are split into, and what the stages have cached (no gRPC here).
+
+[Note: generation on the coordinator] A session's rows are split into parts once (micro-batches,
+so the prompt's prefill runs pipelined, and so do the decode steps of a batch of rows). Each step
+is one GENERATE run: the first step, and any step after the stages lost their caches (a new plan
+epoch after a recovery, an expired or released cache), sends every token so far with ``fresh``
+caches; the others send only the newest token of each row, whose keys and values the stages add
+to their caches. The last stage returns each row's next-token logits; the coordinator picks the
+tokens (``pipesvc.core.sampling``), so a replay after a fault sees the same tokens and the same
+generator state, and the client sees the tokens it would have seen without the fault. Positions
+are those ``transformers``' ``generate`` uses: the running count of real tokens in the row
+(``cumsum(mask) - 1``), so left-padded rows number their tokens from 0. A model without caches
+gets the whole sequence every step.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from pipesvc.core.microbatch import CacheRef, RunBatch
+from pipesvc.core.sampling import Sampling
+from pipesvc.errors import InvalidArgumentError
+
+MAX_NEW_TOKENS = 1 << 16
+"""Most tokens one session may generate."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSupport:
+    """What the job's model offers generation (from a stage's Describe)."""
+
+    kv_cache: bool
+    side_inputs: tuple[str, ...]
+
+
+def check_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """The prompt's mask (ones when none is given), checked against the ids.
+
+    Raises:
+        InvalidArgumentError: the ids are not a non-empty ``[B, T]`` integer tensor, or the mask
+            does not fit them, or a row has no token.
+    """
+    if input_ids.dim() != 2 or input_ids.numel() == 0 or input_ids.is_floating_point():
+        raise InvalidArgumentError(
+            f"input_ids of shape {list(input_ids.shape)} and dtype {input_ids.dtype}: expected a "
+            "non-empty [batch, length] tensor of token ids"
+        )
+    if attention_mask is None:
+        return torch.ones_like(input_ids, dtype=torch.long)
+    if list(attention_mask.shape) != list(input_ids.shape):
+        raise InvalidArgumentError(
+            f"attention_mask of shape {list(attention_mask.shape)} must have the input ids' "
+            f"shape {list(input_ids.shape)}"
+        )
+    if attention_mask.is_floating_point() or not bool(
+        ((attention_mask == 0) | (attention_mask == 1)).all()
+    ):
+        raise InvalidArgumentError("attention_mask must be bool or integer and hold only 0 and 1")
+    if not bool(attention_mask.bool().any(dim=1).all()):
+        raise InvalidArgumentError("every row of the prompt needs at least one token (mask 1)")
+    return attention_mask.to(torch.long)
+
+
+class Session:
+    """One generation session (see [Note: generation on the coordinator])."""
+
+    def __init__(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        *,
+        parts: int,
+        sampling: Sampling,
+        support: ModelSupport,
+        eos_token_id: int | None = None,
+    ) -> None:
+        mask = check_prompt(input_ids, attention_mask)
+        if (
+            not support.kv_cache
+            and bool((mask == 0).any())
+            and ("attention_mask" not in support.side_inputs)
+        ):
+            raise InvalidArgumentError(
+                "this model reads no attention_mask, so the prompt's rows must all have the same "
+                "length (no padding)"
+            )
+        self.id = uuid.uuid4().hex
+        self.tokens = input_ids.to(torch.long)
+        self.mask = mask
+        self.prompt_length = input_ids.shape[1]
+        self.sampling = sampling
+        self.support = support
+        self.eos_token_id = eos_token_id
+        self.generator = sampling.generator()
+        self.finished = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+        self.rows = list(torch.tensor_split(torch.arange(input_ids.shape[0]), parts))
+        self.cached = 0
+        """Positions whose keys and values the stages hold (0: none)."""
+        self.epoch: int | None = None
+        """The plan epoch those caches were built in."""
+
+    @property
+    def done(self) -> bool:
+        """Every row has produced its end-of-sequence token."""
+        return bool(self.finished.all())
+
+    def invalidate(self) -> None:
+        """The stages hold no caches for this session: the next step replays every token."""
+        self.cached = 0
+
+    def next_batch(self, epoch: int) -> RunBatch:
+        """The run of the next step in plan epoch ``epoch``."""
+        cached = self.support.kv_cache and self.cached > 0 and self.epoch == epoch
+        start = self.cached if cached else 0
+        positions = (self.mask.cumsum(dim=-1) - 1).masked_fill(self.mask == 0, 0)
+        side_names = set(self.support.side_inputs)
+        inputs, side, caches = [], [], []
+        for part, rows in enumerate(self.rows):
+            inputs.append(self.tokens[rows, start:].contiguous())
+            entry = {}
+            if "attention_mask" in side_names:
+                entry["attention_mask"] = self.mask[rows].contiguous()
+            if "position_ids" in side_names:
+                entry["position_ids"] = positions[rows, start:].contiguous()
+            side.append(entry)
+            if self.support.kv_cache:
+                caches.append(CacheRef(self.id, part, fresh=not cached))
+        return RunBatch(inputs=inputs, side=side if side_names else [], caches=caches)
+
+    def advance(self, logits: list[torch.Tensor], epoch: int) -> torch.Tensor:
+        """Takes the next-token logits of each part (``[rows, vocab]``, in order); returns the
+        new token of every row (end-of-sequence once a row has finished)."""
+        chosen = self.sampling.choose(torch.cat(logits, dim=0), self.generator)
+        if self.eos_token_id is not None:
+            chosen = chosen.masked_fill(self.finished, self.eos_token_id)
+            self.finished |= chosen == self.eos_token_id
+        self.cached = self.tokens.shape[1]
+        self.epoch = epoch
+        self.tokens = torch.cat([self.tokens, chosen[:, None]], dim=1)
+        self.mask = torch.cat([self.mask, torch.ones_like(chosen)[:, None]], dim=1)
+        return chosen

@@ -1,0 +1,198 @@
+"""Generation through the pipeline with per-stage key/value caches: greedy tokens equal
+``transformers``' ``generate`` on the same weights (left-padded prompts of uneven lengths,
+2 and 3 stages), seeded sampling repeats, many sessions at once, caches released and expired."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import pipesvc
+from tests.support.stage_probe import stage_info
+
+VOCAB = 50
+FAMILIES = {
+    "gen-llama": ("llama", {"num_key_value_heads": 2}),
+    "gen-gpt2": ("gpt2", {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}),
+}
+OPTIMIZER = {"name": "adamw", "lr": 1e-2}
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    dirs = {}
+    for name, (model_type, extra) in FAMILIES.items():
+        torch.manual_seed(1)
+        sizes = {
+            "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 3, "num_attention_heads": 4, "max_position_embeddings": 64,
+        }  # fmt: skip
+        config = AutoConfig.for_model(model_type, **{**sizes, **extra})
+        directory = tmp_path_factory.mktemp(name)
+        AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+        dirs[name] = directory
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def cluster(hf_dirs: dict[str, Path]) -> Iterator[pipesvc.LocalCluster]:
+    with pipesvc.LocalCluster(
+        num_stages=3,
+        threads_per_stage=1,
+        hf_models=hf_dirs,
+        stage_args=["--session-idle-s", "2"],
+    ) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def client(cluster: pipesvc.LocalCluster) -> Iterator[pipesvc.Client]:
+    with cluster.connect() as client:
+        yield client
+
+
+def prompts() -> tuple[torch.Tensor, torch.Tensor]:
+    """Four prompts of 7, 4, 6 and 1 tokens, left-padded to 7 with their mask."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, VOCAB, (4, 7), generator=g)
+    mask = torch.ones(4, 7, dtype=torch.long)
+    for row, length in enumerate([7, 4, 6, 1]):
+        mask[row, : 7 - length] = 0
+        ids[row, : 7 - length] = 0
+    return ids, mask
+
+
+def reference(directory: Path, weights: dict[str, torch.Tensor]) -> Any:
+    model: Any = AutoModelForCausalLM.from_pretrained(directory)
+    model.load_state_dict(weights)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def train_two_steps(job: pipesvc.Job) -> None:
+    ids, mask = prompts()
+    labels = ids.masked_fill(mask == 0, -100)
+    for _ in range(2):
+        job.train_step(ids, labels, mask)
+
+
+@pytest.mark.parametrize(
+    ("name", "num_stages", "schedule"),
+    [("gen-llama", 2, "1f1b"), ("gen-llama", 3, "gpipe"), ("gen-gpt2", 3, "1f1b"),
+     ("gen-gpt2", 2, "gpipe")],
+)  # fmt: skip
+def test_greedy_tokens_equal_transformers_generate(
+    client: pipesvc.Client, hf_dirs: dict[str, Path], name: str, num_stages: int, schedule: str
+) -> None:
+    ids, mask = prompts()
+    with client.create_job(
+        model=name, loss="causal_lm", optimizer=OPTIMIZER, num_stages=num_stages,
+        schedule=schedule, num_microbatches=2, checkpoint_every=0,
+    ) as job:  # fmt: skip
+        train_two_steps(job)  # generation reads the committed weights, between steps
+        out = job.generate(ids, 12, attention_mask=mask)
+        streamed = torch.stack(list(job.stream(ids, 12, attention_mask=mask)), dim=1)
+        weights = job.state_dict()
+        infos = [stage_info(s.address) for s in job.plan]
+    with torch.no_grad():
+        expected = reference(hf_dirs[name], weights).generate(
+            ids, attention_mask=mask, max_new_tokens=12, do_sample=False
+        )
+    assert out.dtype == torch.long and out.shape == (4, 19)
+    assert torch.equal(out, expected)
+    assert torch.equal(streamed, out[:, 7:])
+    # Both sessions ended: their caches are gone from every stage.
+    assert [(i.sessions, i.cache_bytes) for i in infos] == [(0, 0)] * num_stages
+
+
+def test_seeded_sampling_repeats_and_the_seed_matters(client: pipesvc.Client) -> None:
+    ids, mask = prompts()
+    with client.create_job(
+        model="gen-llama", loss="causal_lm", num_stages=2, num_microbatches=2,
+        checkpoint_every=0,
+    ) as job:  # fmt: skip
+        options: dict[str, Any] = {"temperature": 1.5, "top_k": 20, "top_p": 0.95}
+        first = job.generate(ids, 16, attention_mask=mask, seed=7, **options)
+        again = job.generate(ids, 16, attention_mask=mask, seed=7, **options)
+        other = job.generate(ids, 16, attention_mask=mask, seed=8, **options)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+
+
+def test_concurrent_sessions_each_equal_their_own_run(client: pipesvc.Client) -> None:
+    g = torch.Generator().manual_seed(11)
+    prompts_ = [torch.randint(1, VOCAB, (1 + i % 3, 3 + i), generator=g) for i in range(8)]
+    with client.create_job(
+        model="gen-llama", loss="causal_lm", num_stages=3, num_microbatches=2,
+        checkpoint_every=0,
+    ) as job:  # fmt: skip
+        alone = [job.generate(p, 10) for p in prompts_]
+        together: list[torch.Tensor | None] = [None] * len(prompts_)
+
+        def run(i: int) -> None:
+            together[i] = job.generate(prompts_[i], 10)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts_))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    for i, expected in enumerate(alone):
+        assert together[i] is not None and torch.equal(together[i], expected), i
+
+
+def test_closing_a_stream_frees_its_caches_and_an_idle_session_expires(
+    client: pipesvc.Client,
+) -> None:
+    ids, mask = prompts()
+    with client.create_job(
+        model="gen-gpt2", loss="causal_lm", num_stages=2, num_microbatches=2,
+        checkpoint_every=0,
+    ) as job:  # fmt: skip
+        expected = job.generate(ids, 6, attention_mask=mask)[:, 7:]
+        stream = job.stream(ids, 6, attention_mask=mask)
+        first = [next(stream), next(stream)]
+        held = [stage_info(s.address) for s in job.plan]
+        assert all(i.sessions == 1 and i.cache_bytes > 0 for i in held)
+        # Left idle past the stages' --session-idle-s 2: the caches go, and the session
+        # rebuilds them from its tokens on the next step, with the same tokens.
+        time.sleep(3)
+        assert [stage_info(s.address).sessions for s in job.plan] == [0, 0]
+        rest = list(stream)
+        assert torch.equal(torch.stack(first + rest, dim=1), expected)
+        # Closed halfway: the coordinator releases the session on every stage.
+        stream = job.stream(ids, 6, attention_mask=mask)
+        next(stream)
+        stream.close()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if all(stage_info(s.address).sessions == 0 for s in job.plan):
+                break
+            time.sleep(0.1)
+        assert [stage_info(s.address).cache_bytes for s in job.plan] == [0, 0]
+
+
+def test_bad_generation_requests_are_refused(client: pipesvc.Client) -> None:
+    ids, mask = prompts()
+    with client.create_job(
+        model="gen-llama", loss="causal_lm", num_stages=2, checkpoint_every=0
+    ) as job:
+        cases = {
+            "max_new_tokens": lambda: job.generate(ids, 0),
+            "temperature": lambda: job.generate(ids, 3, temperature=-1.0),
+            "top_p": lambda: job.generate(ids, 3, temperature=1.0, top_p=1.5),
+            "attention_mask of shape": lambda: job.generate(ids, 3, attention_mask=mask[:, 1:]),
+            "input_ids of shape": lambda: job.generate(ids[0], 3),
+        }
+        for message, call in cases.items():
+            with pytest.raises(pipesvc.InvalidArgumentError, match=message):
+                call()
+        assert job.generate(ids, 2, attention_mask=mask).shape == (4, 9)

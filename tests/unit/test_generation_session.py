@@ -1,0 +1,83 @@
+"""A generation session on the coordinator and the choice of tokens (pure: no stages)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipesvc.coordinator.generation import ModelSupport, Session
+from pipesvc.core.sampling import Sampling
+from pipesvc.errors import InvalidArgumentError
+
+CACHED = ModelSupport(kv_cache=True, side_inputs=("attention_mask", "position_ids"))
+
+
+def session(support: ModelSupport = CACHED, eos: int | None = None) -> Session:
+    ids = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10], [0, 11, 12, 13]])
+    mask = (ids != 0).long()
+    return Session(ids, mask, parts=2, sampling=Sampling(), support=support, eos_token_id=eos)
+
+
+def logits_for(tokens: list[int], vocab: int = 20) -> list[torch.Tensor]:
+    rows = torch.full((len(tokens), vocab), -1.0)
+    rows[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
+    return [rows[:2], rows[2:]]  # the session's two parts: rows [0, 1] and [2]
+
+
+def test_the_prompt_goes_whole_then_one_position_per_step() -> None:
+    s = session()
+    first = s.next_batch(epoch=1)
+    assert [t.shape for t in first.inputs] == [(2, 4), (1, 4)]
+    assert [c.fresh for c in first.caches] == [True, True]
+    # Positions count each row's real tokens from 0, as transformers' generate does.
+    assert first.side[0]["position_ids"].tolist() == [[0, 0, 0, 1], [0, 1, 2, 3]]
+    assert torch.equal(s.advance(logits_for([3, 4, 5]), epoch=1), torch.tensor([3, 4, 5]))
+    second = s.next_batch(epoch=1)
+    assert [t.tolist() for t in second.inputs] == [[[3], [4]], [[5]]]
+    assert [c.fresh for c in second.caches] == [False, False]
+    assert second.side[0]["position_ids"].tolist() == [[2], [4]]
+    assert second.side[1]["attention_mask"].tolist() == [[0, 1, 1, 1, 1]]
+
+
+def test_lost_caches_replay_every_token_so_far() -> None:
+    s = session()
+    s.next_batch(epoch=1)
+    s.advance(logits_for([3, 4, 5]), epoch=1)
+    after_recovery = s.next_batch(epoch=2)  # a new plan epoch: the stages have no caches
+    assert [t.shape[1] for t in after_recovery.inputs] == [5, 5]
+    assert all(c.fresh for c in after_recovery.caches)
+    s.invalidate()  # a stage dropped them (idle)
+    assert all(c.fresh for c in s.next_batch(epoch=1).caches)
+
+
+def test_a_model_without_caches_gets_the_whole_sequence_each_step() -> None:
+    s = session(ModelSupport(kv_cache=False, side_inputs=("attention_mask",)))
+    s.advance(logits_for([3, 4, 5]), epoch=1)
+    batch = s.next_batch(epoch=1)
+    assert [t.shape[1] for t in batch.inputs] == [5, 5] and batch.caches == []
+    with pytest.raises(InvalidArgumentError, match="reads no attention_mask"):
+        session(ModelSupport(kv_cache=False, side_inputs=()))
+
+
+def test_finished_rows_repeat_the_end_token_until_all_finish() -> None:
+    s = session(eos=4)
+    assert s.advance(logits_for([3, 4, 5]), epoch=1).tolist() == [3, 4, 5]
+    assert s.advance(logits_for([4, 9, 9]), epoch=1).tolist() == [4, 4, 9]
+    assert not s.done
+    s.advance(logits_for([1, 1, 4]), epoch=1)
+    assert s.done
+
+
+def test_sampling_is_greedy_at_zero_and_repeats_with_a_seed() -> None:
+    logits = torch.randn(6, 30, generator=torch.Generator().manual_seed(0))
+    greedy = Sampling()
+    assert torch.equal(greedy.choose(logits, greedy.generator()), logits.argmax(-1))
+    top1 = Sampling(temperature=2.0, top_k=1, seed=3)
+    assert torch.equal(top1.choose(logits, top1.generator()), logits.argmax(-1))
+    nucleus = Sampling(temperature=1.0, top_p=1e-6, seed=3)  # only the most likely survives
+    assert torch.equal(nucleus.choose(logits, nucleus.generator()), logits.argmax(-1))
+    hot = Sampling(temperature=1.0, seed=9)
+    draws = [hot.choose(logits, hot.generator()) for _ in range(2)]
+    assert torch.equal(draws[0], draws[1])
+    with pytest.raises(InvalidArgumentError, match="top_k"):
+        Sampling(top_k=0)
