@@ -79,11 +79,7 @@ class Session:
         eos_token_id: int | None = None,
     ) -> None:
         mask = check_prompt(input_ids, attention_mask)
-        if (
-            not support.kv_cache
-            and bool((mask == 0).any())
-            and ("attention_mask" not in support.side_inputs)
-        ):
+        if bool((mask == 0).any()) and "attention_mask" not in support.side_inputs:
             raise InvalidArgumentError(
                 "this model reads no attention_mask, so the prompt's rows must all have the same "
                 "length (no padding)"

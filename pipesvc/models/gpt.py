@@ -39,8 +39,32 @@ def _init_linear_and_embedding(module: nn.Module, *, std: float = INIT_STD) -> N
             nn.init.zeros_(sub.bias)
 
 
+class KVCache:
+    """The keys and values of the blocks on one stage, for one part of a generation session
+    (see [Note: generation sessions] in ``pipesvc.stage.sessions``)."""
+
+    def __init__(self) -> None:
+        self._store: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def extend(
+        self, owner: nn.Module, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Appends ``owner``'s new keys and values (``(B, heads, T, d)``); returns them all."""
+        past = self._store.get(id(owner))
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        self._store[id(owner)] = (k, v)
+        return k, v
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for kv in self._store.values() for t in kv)
+
+
 class Embedding(nn.Module):
-    """Token + learned position embedding: LongTensor (B, T) with T <= block_size -> (B, T, C)."""
+    """Token + learned position embedding: LongTensor (B, T) with T <= block_size -> (B, T, C);
+    in generation the new tokens' positions come as the ``position_ids`` side input."""
+
+    side_inputs = ("position_ids",)
 
     def __init__(self, vocab_size: int, block_size: int, embed_dim: int, dropout: float) -> None:
         super().__init__()
@@ -50,11 +74,11 @@ class Embedding(nn.Module):
         self.dropout = nn.Dropout(dropout)
         _init_linear_and_embedding(self)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Embeds token ids.
 
         Raises:
-            InvalidArgumentError: ``idx`` is not 2-D or is longer than ``block_size``.
+            InvalidArgumentError: ``idx`` is not 2-D or reaches past ``block_size``.
         """
         if idx.dim() != 2:
             raise InvalidArgumentError(f"gpt input must be (B, T), got shape {tuple(idx.shape)}")
@@ -64,6 +88,13 @@ class Embedding(nn.Module):
                 f"gpt sequence length ({seq_len}) exceeds block_size ({self.block_size})"
             )
         pos = torch.arange(seq_len, device=idx.device)
+        if position_ids is not None:
+            end = int(position_ids.max()) + 1 if position_ids.numel() else 0
+            if end > self.block_size:
+                raise InvalidArgumentError(
+                    f"gpt position {end - 1} is past block_size ({self.block_size})"
+                )
+            pos = position_ids
         x: torch.Tensor = self.dropout(self.token(idx) + self.position(pos))
         return x
 
@@ -83,15 +114,27 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(embed_dim, embed_dim)
         self.resid_dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         batch, seq_len, channels = x.shape
         # (B, T, 3C) -> three (B, heads, T, head_dim)
         q, k, v = (
             t.view(batch, seq_len, self.num_heads, -1).transpose(1, 2)
             for t in self.qkv(x).split(channels, dim=2)
         )
+        mask = None
+        if cache is not None:
+            k, v = cache.extend(self, k, v)
+            past = k.shape[2] - seq_len
+            if past:  # the new positions see every cached one and the new ones before them
+                mask = torch.ones(seq_len, past + seq_len, dtype=torch.bool, device=x.device)
+                mask = mask.tril(diagonal=past)
         y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=mask is None,
         )
         y = y.transpose(1, 2).contiguous().view(batch, seq_len, channels)
         out: torch.Tensor = self.resid_dropout(self.proj(y))
@@ -127,8 +170,10 @@ class Block(nn.Module):
         for proj in (self.attn.proj, self.mlp.proj):
             nn.init.normal_(proj.weight, mean=0.0, std=INIT_STD / math.sqrt(2 * num_blocks))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    uses_cache = True
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache)
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -184,3 +229,11 @@ def gpt(
         *(LayerSpec(Block, embed_dim, num_heads, dropout, num_blocks) for _ in range(num_blocks)),
         LayerSpec(Head, embed_dim, vocab_size),
     ]
+
+
+def _new_cache(**_: object) -> type[KVCache]:
+    return KVCache
+
+
+gpt.side_inputs = ("position_ids",)  # type: ignore[attr-defined]
+gpt.new_cache = _new_cache  # type: ignore[attr-defined]

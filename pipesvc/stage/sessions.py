@@ -33,7 +33,11 @@ MIB = 2**20
 
 
 def cache_bytes(cache: Any) -> int:
-    """Bytes of the key and value tensors a ``transformers`` cache holds."""
+    """Bytes of the key and value tensors a cache holds (its own ``nbytes()``, or a
+    ``transformers`` cache's layers)."""
+    own = getattr(cache, "nbytes", None)
+    if callable(own):
+        return int(own())
     tensors: list[Any] = []
     layers = getattr(cache, "layers", None)
     if layers is not None:

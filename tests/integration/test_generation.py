@@ -196,3 +196,35 @@ def test_bad_generation_requests_are_refused(client: pipesvc.Client) -> None:
             with pytest.raises(pipesvc.InvalidArgumentError, match=message):
                 call()
         assert job.generate(ids, 2, attention_mask=mask).shape == (4, 9)
+
+
+def test_the_builtin_gpt_generates_through_its_caches_like_one_process(
+    client: pipesvc.Client,
+) -> None:
+    args = {"vocab_size": 40, "block_size": 32, "embed_dim": 32, "num_heads": 4, "num_blocks": 3}
+    ids = torch.randint(0, 40, (3, 5), generator=torch.Generator().manual_seed(2))
+    with client.create_job(
+        model="gpt", model_args=args, seed=3, num_stages=3, num_microbatches=2,
+        checkpoint_every=0,
+    ) as job:  # fmt: skip
+        out = job.generate(ids, 10)
+        stream = job.stream(ids, 10)
+        next(stream)
+        cached = [stage_info(s.address).cache_bytes for s in job.plan]
+        stream.close()
+        weights = job.state_dict()
+        # The gpt reads no attention mask: a padded prompt is refused before any token.
+        mask = torch.ones_like(ids)
+        mask[0, 0] = 0
+        with pytest.raises(pipesvc.InvalidArgumentError, match="reads no attention_mask"):
+            job.generate(ids, 2, attention_mask=mask)
+    # The embedding (stage 0) and the head (stage 2) hold no cache; each block's stage does.
+    assert cached[1] > 0
+    model = pipesvc.models.build("gpt", seed=3, **args)
+    model.load_state_dict(weights)
+    model.eval()
+    tokens = ids
+    with torch.no_grad():
+        for _ in range(10):
+            tokens = torch.cat([tokens, model(tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, tokens)
