@@ -24,6 +24,7 @@ import torch
 from pipesvc.core.config import JobConfig, config_from_proto, config_to_dict, config_to_proto
 from pipesvc.core.health import Health
 from pipesvc.core.limits import parse_bytes
+from pipesvc.core.optim import DEFAULT_OPTIMIZER, NO_OPTIMIZER
 from pipesvc.core.plan import PipelineStage, plan_to_dicts
 from pipesvc.core.tensor_codec import decode, encode, named_frames, read_named_frames
 from pipesvc.errors import FailedPreconditionError, InvalidArgumentError
@@ -98,7 +99,7 @@ class Client:
         num_stages: int = 2,
         num_microbatches: int = 4,
         schedule: str = "1f1b",
-        optimizer: Mapping[str, Any] | None = None,
+        optimizer: Mapping[str, Any] | None = DEFAULT_OPTIMIZER,
         loss: str = "cross_entropy",
         partition: str = "parameters",
         clip_grad_norm: float | None = None,
@@ -111,6 +112,9 @@ class Client:
         wait_for_stages_s: float = 0.0,
     ) -> Job:
         """Plans and assigns a job; see JobConfig for each argument.
+
+        ``optimizer=None`` makes an inference job: it holds weights only (no gradients, no
+        optimizer state, no step log) and serves ``forward``, ``generate`` and ``stream``.
 
         With ``wait_for_stages_s``, the coordinator first waits up to that long (and at most
         half this client's ``timeout_s``) for enough free stages that can build the model.
@@ -130,7 +134,7 @@ class Client:
             num_stages=num_stages,
             num_microbatches=num_microbatches,
             schedule=schedule,
-            optimizer=dict(optimizer or {"name": "adamw", "lr": 1e-3}),
+            optimizer=dict(optimizer) if optimizer is not None else {"name": NO_OPTIMIZER},
             loss=loss,
             partition=partition,
             clip_grad_norm=clip_grad_norm,

@@ -58,6 +58,7 @@ from pipesvc.coordinator.step_log import LoggedBatch
 from pipesvc.core import microbatch
 from pipesvc.core.config import JobConfig, config_from_dict, config_to_proto
 from pipesvc.core.microbatch import RunBatch
+from pipesvc.core.optim import trains
 from pipesvc.core.plan import PipelineStage, plan_from_dicts
 from pipesvc.core.sampling import Sampling
 from pipesvc.core.tensor_codec import decode
@@ -284,6 +285,12 @@ class JobDriver:
             ResourceExhaustedError, PlanError: recovery is impossible (too little memory, no
                 stage left); the message says why.
         """
+        if not trains(self.config.optimizer):
+            raise FailedPreconditionError(
+                f"job {self.job_id} is an inference job (created with optimizer=None): it holds "
+                "no gradients or optimizer state and cannot train; create a job with an "
+                "optimizer to train"
+            )
         if inputs.dim() == 0 or targets.dim() == 0 or inputs.shape[0] != targets.shape[0]:
             raise InvalidArgumentError(
                 f"inputs {list(inputs.shape)} and targets {list(targets.shape)} need the same "

@@ -18,6 +18,7 @@ from typing import Protocol
 from pipesvc.core import partition, schedule
 from pipesvc.core.config import JobConfig
 from pipesvc.core.health import Health
+from pipesvc.core.optim import NO_OPTIMIZER
 from pipesvc.core.plan import PipelineStage, check_plan
 from pipesvc.errors import PlanError, ResourceExhaustedError
 from pipesvc.v1 import stage_pb2
@@ -77,6 +78,8 @@ def memory_estimate(
         for i in chosen
     )
     activations = sum(int(layers[i].activation_bytes) for i in chosen)
+    if optimizer == NO_OPTIMIZER:  # an inference job: weights only
+        trains = 0
     state = weights + trains * (1 + _OPTIMIZER_COPIES.get(optimizer, 1))
     if precision == "bf16":
         state //= 2

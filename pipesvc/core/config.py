@@ -11,7 +11,7 @@ from typing import Any
 
 from pipesvc.core.limits import MAX_MICROBATCHES
 from pipesvc.core.loss import check_loss
-from pipesvc.core.optim import check_optimizer
+from pipesvc.core.optim import DEFAULT_OPTIMIZER, check_optimizer
 from pipesvc.core.partition import get_partition
 from pipesvc.core.schedule import get_schedule
 from pipesvc.errors import InvalidArgumentError
@@ -28,7 +28,7 @@ PRECISIONS = ("fp32", "bf16-mixed", "bf16")
 
 
 def _default_optimizer() -> dict[str, Any]:
-    return {"name": "adamw", "lr": 1e-3}
+    return dict(DEFAULT_OPTIMIZER)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -49,7 +49,8 @@ class JobConfig:
     """A registered pipeline schedule (``pipesvc.core.schedule.schedule_names()``: ``gpipe``,
     ``1f1b`` and any registered with ``register_schedule``)."""
     optimizer: Mapping[str, Any] = field(default_factory=_default_optimizer)
-    """``{"name": "sgd" | "adam" | "adamw", **torch keyword arguments}``."""
+    """``{"name": "sgd" | "adam" | "adamw", **torch keyword arguments}``, or ``{"name":
+    "none"}`` for an inference job (``create_job(optimizer=None)``: weights only)."""
     loss: str = "cross_entropy"
     """``cross_entropy`` or ``mse``, mean-reduced."""
     partition: str = "parameters"

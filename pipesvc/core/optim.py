@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -17,6 +18,18 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 }
 _JSON_SCALARS = (bool, int, float, str, type(None))
 
+DEFAULT_OPTIMIZER: Mapping[str, Any] = MappingProxyType({"name": "adamw", "lr": 1e-3})
+"""The optimizer a job gets unless it names one (``create_job(optimizer=None)``: none)."""
+
+NO_OPTIMIZER = "none"
+"""The optimizer name of an inference job (``create_job(optimizer=None)``): weights only, no
+gradients, no optimizer state; it serves ``forward`` and generation and cannot train."""
+
+
+def trains(spec: Mapping[str, object]) -> bool:
+    """Whether a job with this optimizer spec trains (it is not an inference job)."""
+    return spec.get("name") != NO_OPTIMIZER
+
 
 def check_optimizer(spec: Mapping[str, object]) -> None:
     """Validates ``{"name": ..., **kwargs}`` against the optimizer's signature.
@@ -25,9 +38,17 @@ def check_optimizer(spec: Mapping[str, object]) -> None:
         InvalidArgumentError: unknown name, unknown keyword, or a non-JSON value.
     """
     name = spec.get("name")
+    if name == NO_OPTIMIZER:
+        if set(spec) != {"name"}:
+            raise InvalidArgumentError(
+                f"an inference job (optimizer {NO_OPTIMIZER!r}) takes no optimizer arguments; "
+                f"got {sorted(set(spec) - {'name'})}"
+            )
+        return
     if not isinstance(name, str) or name not in OPTIMIZERS:
         raise InvalidArgumentError(
-            f"optimizer name {name!r} is not supported; expected one of {sorted(OPTIMIZERS)}"
+            f"optimizer name {name!r} is not supported; expected one of "
+            f"{sorted(OPTIMIZERS)} (or None for an inference job)"
         )
     accepted = [p for p in inspect.signature(OPTIMIZERS[name]).parameters if p != "params"]
     for key, value in spec.items():

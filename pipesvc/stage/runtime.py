@@ -52,7 +52,7 @@ from torch import nn
 
 from pipesvc.core.config import JobConfig
 from pipesvc.core.loss import compute_loss
-from pipesvc.core.optim import build_optimizer
+from pipesvc.core.optim import build_optimizer, trains
 from pipesvc.core.tying import StageTies
 from pipesvc.errors import FailedPreconditionError, InvalidArgumentError
 from pipesvc.models import (
@@ -117,7 +117,9 @@ class StageRuntime:
         self._layers = [(start_layer + i, layer, uses_rng(layer)) for i, layer in enumerate(layers)]
         self._training = True  # modules are built in training mode
         ties = ties or StageTies()
-        if config.trainable is not None:
+        if not trains(config.optimizer):  # an inference job: no gradients, no state
+            self.module.requires_grad_(False)
+        elif config.trainable is not None:
             self._freeze_all_but(config.trainable, ties)
         params_by_key = dict(self.module.named_parameters())
         for keys in ties.local.values():

@@ -57,7 +57,10 @@ def test_a_stage_killed_mid_session_leaves_the_tokens_unchanged(
         ) as cluster,
         cluster.connect() as client,
         client.create_job(
-            model="llama", loss="causal_lm", num_stages=num_stages, num_microbatches=2,
+            model="llama",
+            loss="causal_lm",
+            num_stages=num_stages,
+            num_microbatches=2,
             checkpoint_every=0,
         ) as job,  # fmt: skip
     ):

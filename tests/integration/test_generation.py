@@ -228,3 +228,27 @@ def test_the_builtin_gpt_generates_through_its_caches_like_one_process(
         for _ in range(10):
             tokens = torch.cat([tokens, model(tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(out, tokens)
+
+
+def test_an_inference_job_holds_weights_only_and_generates(
+    client: pipesvc.Client, hf_dirs: dict[str, Path]
+) -> None:
+    ids, mask = prompts()
+    with client.create_job(model="gen-llama", optimizer=None, num_stages=2) as job:
+        out = job.generate(ids, 5, attention_mask=mask)
+        with pytest.raises(pipesvc.FailedPreconditionError, match="inference job"):
+            job.train_step(ids, ids)
+        assert job.step == 0 and job.gradients() == {}
+        infos = [stage_info(s.address) for s in job.plan]
+        weights = job.state_dict()
+    with torch.no_grad():
+        expected = reference(hf_dirs["gen-llama"], weights).generate(
+            ids, attention_mask=mask, max_new_tokens=5, do_sample=False
+        )
+    assert torch.equal(out, expected)
+    assert sum(i.num_parameters for i in infos) > 0
+    # The default is an explicit optimizer, not what None means.
+    with client.create_job(model="gen-llama", num_stages=2) as training:
+        train_two_steps(training)
+        assert training.step == 2
+    assert training.config.optimizer == {"name": "adamw", "lr": 1e-3}

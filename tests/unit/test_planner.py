@@ -185,6 +185,8 @@ def test_memory_estimate_counts_gradients_and_state_only_for_what_trains() -> No
     assert placement.memory_estimate(frozen, 0, 2, "adamw") == 8000 + 400 * 3
     assert placement.memory_estimate(full, 0, 2, "adamw", precision="bf16") == 8000 * 2
     assert placement.memory_estimate(full, 0, 2, "adamw", precision="bf16-mixed") == 8000 * 4
+    # An inference job (optimizer=None) holds the weights only.
+    assert placement.memory_estimate(full, 0, 2, "none") == 8000
 
 
 def test_a_lora_job_fits_a_stage_its_full_training_would_not() -> None:
