@@ -333,6 +333,42 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from pipesvc.client import Client
+    from pipesvc.tokenizer import text_codec
+
+    with Client(args.coordinator, security=_security(args), timeout_s=args.timeout_s) as client:
+        job = client.get_job(args.job)
+        codec = text_codec(job, args.tokenizer)
+        prompt = codec.encode(args.prompt)
+        if not prompt:
+            print("pipesvc generate: the prompt has no token the tokenizer knows", file=sys.stderr)
+            return 2
+        # What the model sees of the prompt, then the text of the prompt and the new tokens
+        # decoded together (a tokenizer may join or split characters across tokens).
+        shown = codec.decode(prompt)
+        print(shown, end="", flush=True)
+        new: list[int] = []
+        for tokens in job.stream(
+            torch.tensor([prompt]),
+            args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            eos_token_id=args.eos_token_id,
+        ):
+            new.append(int(tokens[0]))
+            text = codec.decode(prompt + new)
+            if text.startswith(shown):
+                print(text[len(shown) :], end="", flush=True)
+                shown = text
+        print(flush=True)
+    return 0
+
+
 def _cmd_health(args: argparse.Namespace) -> int:
     from pipesvc.wire.transport import check_health
 
@@ -545,6 +581,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=30.0)
     _add_security_flags(p)
     p.set_defaults(func=_cmd_trace)
+
+    p = sub.add_parser(
+        "generate", help="stream text a job generates after a prompt (per-stage KV caches)"
+    )
+    p.add_argument(
+        "--coordinator", default=DEFAULT_COORDINATOR, help="HOST:PORT (default %(default)s)"
+    )
+    p.add_argument("--job", required=True, help="job id")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="(default %(default)s)")
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="0 for greedy (default %(default)s)"
+    )
+    p.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
+    p.add_argument("--top-p", type=float, help="sample among the tokens of this much probability")
+    p.add_argument("--seed", type=int, help="seed of the sampling")
+    p.add_argument("--eos-token-id", type=int, help="stop once this token is generated")
+    p.add_argument(
+        "--tokenizer",
+        help="directory with tokenizer.json (default: the Hugging Face model's directory, when "
+        "this machine can read it; the demo's characters for the built-in gpt)",
+    )
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    _add_security_flags(p)
+    p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("health", help="exit 0 only if the server at --target is SERVING")
     p.add_argument("--target", required=True, help="HOST:PORT of any pipesvc server")

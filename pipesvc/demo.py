@@ -200,13 +200,20 @@ def check_first_step(
 
 
 def sample(job: Job, corpus: CharCorpus, prompt: str, length: int, seed: int) -> str:
-    """Generates ``length`` characters after ``prompt`` through the pipeline's forward."""
-    generator = torch.Generator().manual_seed(seed)
+    """Generates ``length`` characters after ``prompt`` through the pipeline, with each stage's
+    key/value caches (``Job.generate``). The model knows ``SEQUENCE_LENGTH`` positions, so a
+    longer text goes on in windows: each starts from the last half window of characters."""
     ids = corpus.encode(prompt)
-    for _ in range(length):
-        context = torch.tensor([ids[-SEQUENCE_LENGTH:]], dtype=torch.long)
-        logits = job.forward(context)[0, -1] / 0.8
-        ids.append(int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)))
+    window = 0
+    while len(ids) - len(corpus.encode(prompt)) < length:
+        context = ids[-(SEQUENCE_LENGTH // 2) :] if window else ids[-SEQUENCE_LENGTH:]
+        left = length - (len(ids) - len(corpus.encode(prompt)))
+        steps = max(1, min(left, SEQUENCE_LENGTH - len(context)))
+        out = job.generate(
+            torch.tensor([context], dtype=torch.long), steps, temperature=0.8, seed=seed + window
+        )
+        ids += out[0, len(context) :].tolist()
+        window += 1
     return corpus.decode(ids)
 
 

@@ -36,7 +36,8 @@ LAYERS: dict[str, frozenset[str]] = {
         {"errors", "registry", "v1", "core", "models", "storage", "observe", "wire"}
     ),
 }
-"""The rest (``cli``, ``local_cluster``, ``demo``, ``__init__``) is the application on top."""
+"""The rest (``cli``, ``local_cluster``, ``demo``, ``tokenizer``, ``__init__``) is the
+application on top."""
 PURE_LAYERS = ("errors", "registry", "models", "storage", "observe", "core")
 """Folders that must never reach gRPC, directly or through another module."""
 PURE_IN_SERVERS = (
@@ -53,6 +54,8 @@ PURE_IN_SERVERS = (
     "pipesvc.stage.shm_files",
     "pipesvc.stage.slot_allocator",
     "pipesvc.stage.malloc",
+    "pipesvc.stage.sessions",
+    "pipesvc.coordinator.generation",
     "pipesvc.coordinator.placement",
     "pipesvc.coordinator.job_state",
     "pipesvc.coordinator.step_log",
