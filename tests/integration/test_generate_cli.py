@@ -71,9 +71,8 @@ def test_generate_uses_the_demos_characters_for_the_builtin_gpt(
             cluster, job, "--prompt", "def f", "--max-new-tokens", "9", "--temperature", "0.9",
             "--seed", "4",
         )  # fmt: skip
-        ids = job.generate(
-            torch.tensor([corpus.encode("def f")]), 9, temperature=0.9, seed=4
-        )[0].tolist()
+        prompt = torch.tensor([corpus.encode("def f")])
+        ids = job.generate(prompt, 9, temperature=0.9, seed=4)[0].tolist()
     # A model no tokenizer is known for is refused with what to do.
     with cluster.connect() as client, client.create_job(model="mlp", optimizer=None) as other:
         refused = subprocess.run(
