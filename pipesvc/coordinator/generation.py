@@ -16,14 +16,16 @@ gets the whole sequence every step.
 
 from __future__ import annotations
 
+import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from pipesvc.core.microbatch import CacheRef, RunBatch
 from pipesvc.core.sampling import Sampling
-from pipesvc.errors import InvalidArgumentError
+from pipesvc.errors import InvalidArgumentError, PipesvcError, ResourceExhaustedError
 
 MAX_NEW_TOKENS = 1 << 16
 """Most tokens one session may generate."""
@@ -139,3 +141,102 @@ class Session:
         self.tokens = torch.cat([self.tokens, chosen[:, None]], dim=1)
         self.mask = torch.cat([self.mask, torch.ones_like(chosen)[:, None]], dim=1)
         return chosen
+
+
+def merge(batches: list[RunBatch]) -> RunBatch:
+    """The runs of several sessions' steps as one run: their micro-batches one after another."""
+    return RunBatch(
+        inputs=[t for b in batches for t in b.inputs],
+        side=[s for b in batches for s in b.side],
+        caches=[c for b in batches for c in b.caches],
+    )
+
+
+@dataclass(eq=False)
+class _Ticket:
+    session: Session
+    result: tuple[list[torch.Tensor], int] | None = None
+    error: BaseException | None = None
+    done: bool = False
+
+
+RunSteps = Callable[[list[Session]], list[tuple[list[torch.Tensor], int]]]
+"""Runs one step of each session as one GENERATE run; returns each session's part logits and
+the plan epoch they were computed in."""
+
+
+class StepBatcher:
+    """Continuous batching of a job's sessions (see [Note: continuous batching]).
+
+    [Note: continuous batching] Every session thread hands its next step to the job's batcher.
+    While no run is going, the first to arrive becomes the leader: it takes every step waiting
+    (first come, up to ``max_parts`` micro-batches) and runs them as one GENERATE run, each
+    session's parts as micro-batches with their own caches, so the stages pipeline them and the
+    control plane's cost of a run is shared; sessions join and leave between runs. The others
+    wait for their results or for their turn to lead. When the shared run fails on a KV budget,
+    each session's step is run again alone, so only the sessions that do not fit fail.
+    """
+
+    def __init__(self, run: RunSteps, *, max_parts: int = 256) -> None:
+        self._run = run
+        self._max_parts = max_parts
+        self._cond = threading.Condition()
+        self._pending: list[_Ticket] = []
+        self._running = False
+
+    def step(self, session: Session) -> tuple[list[torch.Tensor], int]:
+        """One step of ``session``, run with whatever other sessions' steps are waiting."""
+        ticket = _Ticket(session)
+        with self._cond:
+            self._pending.append(ticket)
+            while not ticket.done:
+                if self._running:
+                    self._cond.wait()
+                    continue
+                self._running = True
+                group = self._take()
+                self._cond.release()
+                try:
+                    self._run_group(group)
+                finally:
+                    self._cond.acquire()
+                    for t in group:
+                        t.done = True
+                    self._running = False
+                    self._cond.notify_all()
+        if ticket.error is not None:
+            raise ticket.error
+        assert ticket.result is not None
+        return ticket.result
+
+    def _take(self) -> list[_Ticket]:
+        group: list[_Ticket] = []
+        parts = 0
+        while self._pending:
+            size = len(self._pending[0].session.rows)
+            if group and parts + size > self._max_parts:
+                break
+            group.append(self._pending.pop(0))
+            parts += size
+        return group
+
+    def _run_group(self, group: list[_Ticket]) -> None:
+        try:
+            results = self._run([t.session for t in group])
+        except ResourceExhaustedError as exc:
+            if len(group) == 1:
+                group[0].error = exc
+                return
+            for t in group:  # alone, so that only the sessions that do not fit fail
+                t.session.invalidate()
+                try:
+                    t.result = self._run([t.session])[0]
+                except PipesvcError as alone:
+                    t.error = alone
+            return
+        except BaseException as exc:  # every session of the run sees its error
+            for t in group:
+                t.error = exc
+            return
+        for t, result in zip(group, results, strict=True):
+            t.result = result

@@ -47,7 +47,13 @@ from typing import Any
 import torch
 
 from pipesvc.coordinator import planner
-from pipesvc.coordinator.generation import MAX_NEW_TOKENS, ModelSupport, Session
+from pipesvc.coordinator.generation import (
+    MAX_NEW_TOKENS,
+    ModelSupport,
+    Session,
+    StepBatcher,
+    merge,
+)
 from pipesvc.coordinator.job_state import JobState, PendingCommit
 from pipesvc.coordinator.recovery import FINAL_ERRORS, JobStorage, Recovery
 from pipesvc.coordinator.registry import StageRegistry
@@ -132,6 +138,7 @@ class JobDriver:
         self._decided_at = 0.0  # when the newest step was decided (for the idle flush)
         self._lock = threading.Lock()
         self._support: ModelSupport | None = None
+        self._batcher = StepBatcher(self._generate_steps)
 
     @property
     def plan(self) -> list[PipelineStage]:
@@ -388,10 +395,7 @@ class JobDriver:
         started = time.monotonic()
         try:
             for step in range(max_new_tokens):
-                with self._lock:
-                    logits, epoch = self._resilient(
-                        lambda: self._generate_once(session), "generation step"
-                    )
+                logits, epoch = self._batcher.step(session)
                 now = time.monotonic()
                 name = "time_per_output_token_seconds" if step else "time_to_first_token_seconds"
                 self._metrics.observe(name, now - started)
@@ -403,17 +407,36 @@ class JobDriver:
         finally:
             self._release_session(session)
 
-    def _generate_once(self, session: Session) -> tuple[list[torch.Tensor], int]:
+    def _generate_steps(self, sessions: list[Session]) -> list[tuple[list[torch.Tensor], int]]:
+        """One step of every session in one GENERATE run (see [Note: continuous batching]),
+        recovering from lost stages like any run."""
+        with self._lock:
+            result: list[tuple[list[torch.Tensor], int]] = self._resilient(
+                lambda: self._generate_once(sessions), "generation step"
+            )
+            return result
+
+    def _generate_once(self, sessions: list[Session]) -> list[tuple[list[torch.Tensor], int]]:
         epoch = self.group.epoch
         try:
-            _, replies = self._run(stage_pb2.GENERATE, session.next_batch(epoch))
+            _, replies = self._run(
+                stage_pb2.GENERATE, merge([s.next_batch(epoch) for s in sessions])
+            )
         except FailedPreconditionError as exc:
             if "has no cache" not in str(exc):
                 raise
-            # A stage dropped the session (idle too long): rebuild its caches from the tokens.
-            session.invalidate()
-            _, replies = self._run(stage_pb2.GENERATE, session.next_batch(epoch))
-        return [decode(t) for t in replies[-1].outputs], epoch
+            # A stage dropped a session (idle too long): rebuild the caches from the tokens.
+            for session in sessions:
+                session.invalidate()
+            _, replies = self._run(
+                stage_pb2.GENERATE, merge([s.next_batch(epoch) for s in sessions])
+            )
+        outputs = [decode(t) for t in replies[-1].outputs]
+        results, start = [], 0
+        for session in sessions:
+            results.append((outputs[start : start + len(session.rows)], epoch))
+            start += len(session.rows)
+        return results
 
     def _model_support(self) -> ModelSupport:
         """Whether the model keeps caches and which side inputs it reads (asked once)."""

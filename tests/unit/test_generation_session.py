@@ -81,3 +81,75 @@ def test_sampling_is_greedy_at_zero_and_repeats_with_a_seed() -> None:
     assert torch.equal(draws[0], draws[1])
     with pytest.raises(InvalidArgumentError, match="top_k"):
         Sampling(top_k=0)
+
+
+def test_waiting_sessions_share_one_run_and_each_gets_its_own_logits() -> None:
+    import threading
+    import time
+
+    from pipesvc.coordinator.generation import StepBatcher
+
+    runs: list[list[str]] = []
+
+    def run(sessions: list[Session]) -> list[tuple[list[torch.Tensor], int]]:
+        runs.append([s.id for s in sessions])
+        time.sleep(0.05)  # long enough for the others to queue behind the first run
+        return [([torch.full((1, 4), float(i))], 1) for i in range(len(sessions))]
+
+    batcher = StepBatcher(run)
+    sessions = [session() for _ in range(6)]
+    got: dict[str, float] = {}
+
+    def step(s: Session) -> None:
+        logits, _ = batcher.step(s)
+        got[s.id] = float(logits[0][0, 0])
+
+    threads = [threading.Thread(target=step, args=(s,)) for s in sessions]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert sorted(got) == sorted(s.id for s in sessions)
+    assert max(len(r) for r in runs) > 1  # steps that waited ran together
+    for ids in runs:  # and each got the logits of its own place in its run
+        assert [got[i] for i in ids] == [float(k) for k in range(len(ids))]
+
+
+def test_a_shared_run_over_the_budget_retries_each_session_alone() -> None:
+    import threading
+    import time
+
+    from pipesvc.coordinator.generation import StepBatcher
+    from pipesvc.errors import ResourceExhaustedError
+
+    warm, big, small = session(), session(), session()
+    runs: list[set[str]] = []
+
+    def run(sessions: list[Session]) -> list[tuple[list[torch.Tensor], int]]:
+        runs.append({s.id for s in sessions})
+        if sessions == [warm]:
+            time.sleep(0.2)  # big and small queue meanwhile, and then run together
+        elif len(sessions) > 1 or sessions[0] is big:
+            raise ResourceExhaustedError("over budget")
+        return [([torch.zeros(1, 4)], 1) for _ in sessions]
+
+    batcher = StepBatcher(run)
+    results: dict[str, object] = {}
+
+    def step(s: Session) -> None:
+        try:
+            results[s.id] = batcher.step(s)
+        except ResourceExhaustedError as exc:
+            results[s.id] = exc
+
+    first = threading.Thread(target=step, args=(warm,))
+    first.start()
+    time.sleep(0.05)
+    others = [threading.Thread(target=step, args=(s,)) for s in (big, small)]
+    for t in others:
+        t.start()
+    for t in [first, *others]:
+        t.join(timeout=10)
+    assert {big.id, small.id} in runs  # they shared a run, which failed on the budget
+    assert isinstance(results[big.id], ResourceExhaustedError)  # alone it still does not fit
+    assert isinstance(results[small.id], tuple)  # alone it does
