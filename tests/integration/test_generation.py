@@ -252,3 +252,38 @@ def test_an_inference_job_holds_weights_only_and_generates(
         train_two_steps(training)
         assert training.step == 2
     assert training.config.optimizer == {"name": "adamw", "lr": 1e-3}
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16"])
+def test_generation_runs_in_the_jobs_precision(
+    client: pipesvc.Client, hf_dirs: dict[str, Path], precision: str
+) -> None:
+    # Under bfloat16 the tokens are the one-process model's under the same casts; they may part
+    # from float32's after a near tie, so this checks the run, the shapes and determinism.
+    ids, mask = prompts()
+    with client.create_job(
+        model="gen-llama", optimizer=None, num_stages=2, num_microbatches=2, precision=precision
+    ) as job:
+        first = job.generate(ids, 6, attention_mask=mask)
+        again = job.generate(ids, 6, attention_mask=mask)
+    assert first.shape == (4, 13) and torch.equal(first, again)
+    assert torch.equal(first[:, :7], ids)
+
+
+def test_rows_that_produce_the_end_token_finish_like_transformers(
+    client: pipesvc.Client, hf_dirs: dict[str, Path]
+) -> None:
+    ids, mask = prompts()
+    with client.create_job(model="gen-gpt2", optimizer=None, num_stages=2) as job:
+        free = job.generate(ids, 10, attention_mask=mask)
+        eos = int(free[1, 9])  # a token row 1 produces third: it finishes there
+        out = job.generate(ids, 10, attention_mask=mask, eos_token_id=eos)
+        weights = job.state_dict()
+    model = reference(hf_dirs["gen-gpt2"], weights)
+    with torch.no_grad():
+        expected = model.generate(
+            ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=eos,
+            pad_token_id=eos,
+        )  # fmt: skip
+    assert torch.equal(out, expected)
+    assert out[1, 9:].eq(eos).all()
