@@ -260,7 +260,7 @@ class StepEngine:
                 self._forward(run_id, mb, data, training, losses, outputs, generating)
             else:
                 self._backward(run_id, mb)
-        rec.end(training=training)
+        rec.end(training=training, generating=generating)
         return [losses[i] for i in sorted(losses)], [outputs[i] for i in sorted(outputs)]
 
     def _forward(

@@ -78,12 +78,13 @@ class RunRecorder:
             elif name == "wait":
                 self._metrics.observe("wait_seconds", seconds, kind="input")
 
-    def end(self, *, training: bool) -> None:
+    def end(self, *, training: bool, generating: bool = False) -> None:
         """Finishes the run: throughput window, bubble gauge and run counter."""
         span_ns = max(1, time.time_ns() - self._run_start_ns)
         with self._lock:
             self._window.append((self._computed, span_ns / 1e9))
-        self._metrics.inc("runs_total", mode="train" if training else "infer")
+        mode = "train" if training else "generate" if generating else "infer"
+        self._metrics.inc("runs_total", mode=mode)
         if training:
             self._metrics.set("bubble_fraction", 1.0 - min(1.0, self._busy_ns / span_ns))
 

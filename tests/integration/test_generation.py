@@ -102,6 +102,12 @@ def test_greedy_tokens_equal_transformers_generate(
         streamed = torch.stack(list(job.stream(ids, 12, attention_mask=mask)), dim=1)
         weights = job.state_dict()
         infos = [stage_info(s.address) for s in job.plan]
+        # Generation steps are runs in the trace: each stage's forward of each part.
+        timelines = job.timelines(max_runs=1)
+    for timeline in timelines:
+        forwards = [e for e in timeline.events if e.name == "forward"]
+        assert sorted(e.microbatch for e in forwards) == [0, 1]
+        assert {e.name for e in timeline.events} <= {"forward", "wait", "send"}
     with torch.no_grad():
         expected = reference(hf_dirs[name], weights).generate(
             ids, attention_mask=mask, max_new_tokens=12, do_sample=False
