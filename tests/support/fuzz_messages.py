@@ -513,8 +513,18 @@ def _scalar(field: FieldDescriptor, t: Target, depth: int) -> Strategy[Any]:
     raise AssertionError(f"no strategy for field {field.full_name} of type {kind}")
 
 
+def _is_map(field: FieldDescriptor) -> bool:
+    return field.type == _U.TYPE_MESSAGE and field.message_type.GetOptions().map_entry
+
+
 def field_values(field: FieldDescriptor, t: Target, depth: int = 0) -> Strategy[Any]:
-    """Values for one field: a list for repeated fields (``shape`` and ``models`` are lists)."""
+    """Values for one field: a list for repeated fields (``shape`` and ``models`` are lists),
+    a dict for map fields."""
+    if _is_map(field):
+        entry = field.message_type.fields_by_name
+        return st.dictionaries(
+            _scalar(entry["key"], t, depth), _scalar(entry["value"], t, depth), max_size=3
+        )
     value = _scalar(field, t, depth)
     if field.is_repeated and field.name not in ("shape", "models"):
         return st.lists(value, max_size=3)
@@ -523,7 +533,14 @@ def field_values(field: FieldDescriptor, t: Target, depth: int = 0) -> Strategy[
 
 def set_field(message: Message, field: FieldDescriptor, value: Any) -> None:
     message.ClearField(field.name)
-    if field.is_repeated:
+    if _is_map(field):
+        entries = getattr(message, field.name)
+        for key, item in value.items():
+            if isinstance(item, Message):
+                entries[key].CopyFrom(item)
+            else:
+                entries[key] = item
+    elif field.is_repeated:
         getattr(message, field.name).extend(value)
     elif field.type == _U.TYPE_MESSAGE:
         getattr(message, field.name).CopyFrom(value)
