@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from collections.abc import Generator, Iterable, Iterator, Mapping
 from concurrent import futures
@@ -47,6 +46,7 @@ from typing import Any
 import torch
 
 from pipesvc.coordinator import planner
+from pipesvc.coordinator.fair_lock import FairLock
 from pipesvc.coordinator.generation import (
     MAX_NEW_TOKENS,
     ModelSupport,
@@ -136,7 +136,7 @@ class JobDriver:
         )
         self._last_loss = (0, 0.0)  # (step, loss) of the newest run phase that succeeded
         self._decided_at = 0.0  # when the newest step was decided (for the idle flush)
-        self._lock = threading.Lock()
+        self._lock = FairLock()  # calls take turns (see fair_lock.py)
         self._support: ModelSupport | None = None
         self._batcher = StepBatcher(self._generate_steps)
 

@@ -293,3 +293,36 @@ def test_rows_that_produce_the_end_token_finish_like_transformers(
         )  # fmt: skip
     assert torch.equal(out, expected)
     assert out[1, 9:].eq(eos).all()
+
+
+def test_training_and_a_session_on_one_job_take_turns(client: pipesvc.Client) -> None:
+    # Each generation step holds the job for one run and each training step for one step, so
+    # neither waits for the other to finish: both make progress in turns.
+    ids, mask = prompts()
+    labels = ids.masked_fill(mask == 0, -100)
+    with client.create_job(
+        model="gen-llama", loss="causal_lm", optimizer=OPTIMIZER, num_stages=2,
+        num_microbatches=2, checkpoint_every=0,
+    ) as job:  # fmt: skip
+        events: list[tuple[str, float]] = []
+        trainer_done = threading.Event()
+
+        def train() -> None:
+            for _ in range(8):
+                job.train_step(ids, labels, mask)
+                events.append(("train", time.monotonic()))
+            trainer_done.set()
+
+        trainer = threading.Thread(target=train)
+        trainer.start()
+        for _ in job.stream(ids, 30, attention_mask=mask):
+            events.append(("token", time.monotonic()))
+        trainer.join(timeout=120)
+        assert trainer_done.is_set() and job.step == 8
+    kinds = [kind for kind, _ in sorted(events, key=lambda e: e[1])]
+    # Tokens came while training was still going, and steps while tokens were still coming.
+    first_train, last_train = kinds.index("train"), len(kinds) - 1 - kinds[::-1].index("train")
+    assert "token" in kinds[first_train:last_train]
+    first_token = kinds.index("token")
+    last_token = len(kinds) - 1 - kinds[::-1].index("token")
+    assert "train" in kinds[first_token:last_token]
