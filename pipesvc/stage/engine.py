@@ -193,7 +193,7 @@ class StepEngine:
                     try:
                         self.sessions.settle(sessions)
                     finally:
-                        self._metrics.set("generation_sessions", len(self.sessions.sessions()))
+                        self._metrics.set("open_generation_sessions", len(self.sessions.sessions()))
                         self._metrics.set("kv_cache_bytes", self.sessions.total_bytes())
             except BaseException:
                 rt.abort()
