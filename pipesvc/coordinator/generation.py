@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipesvc.core.microbatch import CacheRef, RunBatch
+from pipesvc.core.microbatch import CacheRef, MicrobatchCaches, RunBatch
 from pipesvc.core.sampling import Sampling
 from pipesvc.errors import InvalidArgumentError, PipesvcError, ResourceExhaustedError
 
@@ -37,6 +37,9 @@ class ModelSupport:
 
     kv_cache: bool
     side_inputs: tuple[str, ...]
+    fuses_caches: bool = False
+    """Decode steps of several sessions can share a micro-batch (see [Note: fused decode] in
+    ``pipesvc.stage.fused_cache``)."""
 
 
 def check_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -116,7 +119,8 @@ class Session:
         start = self.cached if cached else 0
         positions = (self.mask.cumsum(dim=-1) - 1).masked_fill(self.mask == 0, 0)
         side_names = set(self.support.side_inputs)
-        inputs, side, caches = [], [], []
+        inputs, side = [], []
+        caches: list[MicrobatchCaches] = []
         for part, rows in enumerate(self.rows):
             inputs.append(self.tokens[rows, start:].contiguous())
             entry = {}
@@ -126,7 +130,7 @@ class Session:
                 entry["position_ids"] = positions[rows, start:].contiguous()
             side.append(entry)
             if self.support.kv_cache:
-                caches.append(CacheRef(self.id, part, fresh=not cached))
+                caches.append((CacheRef(self.id, part, fresh=not cached, rows=len(rows)),))
         return RunBatch(inputs=inputs, side=side if side_names else [], caches=caches)
 
     def advance(self, logits: list[torch.Tensor], epoch: int) -> torch.Tensor:
@@ -143,13 +147,90 @@ class Session:
         return chosen
 
 
-def merge(batches: list[RunBatch]) -> RunBatch:
-    """The runs of several sessions' steps as one run: their micro-batches one after another."""
-    return RunBatch(
-        inputs=[t for b in batches for t in b.inputs],
-        side=[s for b in batches for s in b.side],
-        caches=[c for b in batches for c in b.caches],
+Source = tuple[int, int, int]
+"""Where a part's next-token logits come from: (micro-batch, first row, end row)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepRun:
+    """One GENERATE run of several sessions' steps, and where each part's logits come from."""
+
+    batch: RunBatch
+    sources: list[list[Source]]
+    """Per session, per part."""
+
+    def logits(self, outputs: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """Each session's part logits, from the last stage's outputs of each micro-batch."""
+        return [[outputs[mb][a:b] for mb, a, b in parts] for parts in self.sources]
+
+
+@dataclass(frozen=True, slots=True)
+class _Part:
+    session: int
+    part: int
+    inputs: torch.Tensor
+    side: dict[str, torch.Tensor]
+    caches: tuple[CacheRef, ...]
+
+
+def plan_step(sessions: list[Session], epoch: int, *, fuse_into: int = 0) -> StepRun:
+    """The run of one step of each of ``sessions`` in plan epoch ``epoch``: each part is a
+    micro-batch, except that with ``fuse_into`` > 0 the decode parts (one new position over an
+    existing cache) are fused into at most that many micro-batches (see [Note: fused decode] in
+    ``pipesvc.stage.fused_cache``)."""
+    runs: list[_Part] = []
+    decode: list[_Part] = []
+    sources: list[list[Source]] = []
+    for index, session in enumerate(sessions):
+        batch = session.next_batch(epoch)
+        count = len(batch.inputs)
+        sources.append([(0, 0, 0)] * count)
+        for part in range(count):
+            entry = _Part(
+                index,
+                part,
+                batch.inputs[part],
+                batch.side[part] if batch.side else {},
+                batch.caches[part] if batch.caches else (),
+            )
+            fusable = fuse_into > 0 and entry.caches and not entry.caches[0].fresh
+            (decode if fusable and entry.inputs.shape[1] == 1 else runs).append(entry)
+    groups = [runs[i : i + 1] for i in range(len(runs))]
+    if decode:
+        cuts = torch.tensor_split(torch.arange(len(decode)), min(fuse_into, len(decode)))
+        groups += [[decode[int(i)] for i in cut] for cut in cuts]
+    inputs, side = [], []
+    caches: list[MicrobatchCaches] = []
+    for mb, group in enumerate(groups):
+        row = 0
+        for entry in group:
+            sources[entry.session][entry.part] = (mb, row, row + entry.inputs.shape[0])
+            row += entry.inputs.shape[0]
+        inputs.append(torch.cat([e.inputs for e in group]) if len(group) > 1 else group[0].inputs)
+        side.append(_fused_side([e.side for e in group]))
+        caches.append(tuple(ref for e in group for ref in e.caches))
+    has_side = any(side)
+    has_caches = any(caches)
+    return StepRun(
+        RunBatch(inputs=inputs, side=side if has_side else [], caches=caches if has_caches else []),
+        sources,
     )
+
+
+def _fused_side(sides: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The side inputs of parts fused into one micro-batch: rows one after another, each
+    ``attention_mask`` left-padded with zeros to the longest (their caches are stacked the same
+    way on the stages)."""
+    if len(sides) == 1:
+        return sides[0]
+    fused = {}
+    for name in sides[0]:
+        tensors = [s[name] for s in sides]
+        if name == "attention_mask":
+            width = max(t.shape[1] for t in tensors)
+            tensors = [torch.nn.functional.pad(t, (width - t.shape[1], 0)) for t in tensors]
+        fused[name] = torch.cat(tensors)
+    return fused
 
 
 @dataclass(eq=False)
@@ -161,8 +242,8 @@ class _Ticket:
 
 
 RunSteps = Callable[[list[Session]], list[tuple[list[torch.Tensor], int]]]
-"""Runs one step of each session as one GENERATE run; returns each session's part logits and
-the plan epoch they were computed in."""
+"""Runs one step of each session as one GENERATE run (``plan_step``); returns each session's
+part logits and the plan epoch they were computed in."""
 
 
 class StepBatcher:
@@ -170,8 +251,11 @@ class StepBatcher:
 
     [Note: continuous batching] Every session thread hands its next step to the job's batcher.
     While no run is going, the first to arrive becomes the leader: it takes every step waiting
-    (first come, up to ``max_parts`` micro-batches) and runs them as one GENERATE run, each
-    session's parts as micro-batches with their own caches, so the stages pipeline them and the
+    (first come, up to ``max_parts`` parts) and runs them as one GENERATE run (``plan_step``):
+    a part that starts its cache (a prompt, a replay) is a micro-batch of its own, and the
+    decode parts, one new position each, are fused into as many micro-batches as the pipeline
+    has stages (see [Note: fused decode] in ``pipesvc.stage.fused_cache``), so each stage runs
+    every session's step through its weights at once, the stages still pipeline, and the
     control plane's cost of a run is shared; sessions join and leave between runs. The others
     wait for their results or for their turn to lead. When the shared run fails on a KV budget,
     each session's step is run again alone, so only the sessions that do not fit fail.

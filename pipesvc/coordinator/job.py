@@ -52,7 +52,7 @@ from pipesvc.coordinator.generation import (
     ModelSupport,
     Session,
     StepBatcher,
-    merge,
+    plan_step,
 )
 from pipesvc.coordinator.job_state import JobState, PendingCommit
 from pipesvc.coordinator.recovery import FINAL_ERRORS, JobStorage, Recovery
@@ -418,25 +418,20 @@ class JobDriver:
 
     def _generate_once(self, sessions: list[Session]) -> list[tuple[list[torch.Tensor], int]]:
         epoch = self.group.epoch
+        fuse_into = len(self.group.plan) if self._model_support().fuses_caches else 0
+        run = plan_step(sessions, epoch, fuse_into=fuse_into)
         try:
-            _, replies = self._run(
-                stage_pb2.GENERATE, merge([s.next_batch(epoch) for s in sessions])
-            )
+            _, replies = self._run(stage_pb2.GENERATE, run.batch)
         except FailedPreconditionError as exc:
             if "has no cache" not in str(exc):
                 raise
             # A stage dropped a session (idle too long): rebuild the caches from the tokens.
             for session in sessions:
                 session.invalidate()
-            _, replies = self._run(
-                stage_pb2.GENERATE, merge([s.next_batch(epoch) for s in sessions])
-            )
+            run = plan_step(sessions, epoch, fuse_into=fuse_into)
+            _, replies = self._run(stage_pb2.GENERATE, run.batch)
         outputs = [decode(t) for t in replies[-1].outputs]
-        results, start = [], 0
-        for session in sessions:
-            results.append((outputs[start : start + len(session.rows)], epoch))
-            start += len(session.rows)
-        return results
+        return [(logits, epoch) for logits in run.logits(outputs)]
 
     def _model_support(self) -> ModelSupport:
         """Whether the model keeps caches and which side inputs it reads (asked once)."""
@@ -451,7 +446,9 @@ class JobDriver:
                 self.group.deadlines.control_s,
             )
             self._support = ModelSupport(
-                kv_cache=reply.kv_cache, side_inputs=tuple(reply.side_inputs)
+                kv_cache=reply.kv_cache,
+                side_inputs=tuple(reply.side_inputs),
+                fuses_caches=reply.fuses_caches,
             )
         return self._support
 

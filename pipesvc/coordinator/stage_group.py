@@ -118,6 +118,16 @@ class StageGroup:
             for side in batch.side
         ]
 
+        caches = [
+            stage_pb2.MicrobatchCaches(
+                refs=[
+                    stage_pb2.CacheRef(session=c.session, part=c.part, fresh=c.fresh, rows=c.rows)
+                    for c in refs
+                ]
+            )
+            for refs in batch.caches
+        ]
+
         def request(stage: PipelineStage) -> stage_pb2.RunStepRequest:
             return stage_pb2.RunStepRequest(
                 job_id=self.job_id,
@@ -130,10 +140,7 @@ class StageGroup:
                 loss_weights=weights if stage.rank == last and targets else [],
                 commit=commit,
                 side_inputs=encoded_side,
-                caches=[
-                    stage_pb2.CacheRef(session=c.session, part=c.part, fresh=c.fresh)
-                    for c in batch.caches
-                ],
+                caches=caches,
             )
 
         deadlines = self.deadlines

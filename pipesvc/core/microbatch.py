@@ -84,18 +84,26 @@ class CacheRef:
     part: int
     fresh: bool
     """Start it empty: the prompt, or a replay of every token so far."""
+    rows: int
+    """The rows of the micro-batch it covers (the part's rows)."""
+
+
+MicrobatchCaches = tuple[CacheRef, ...]
+"""The caches one micro-batch of a generation run reads and extends: one part's, or several
+sessions' decode parts fused into one micro-batch, their rows one after another (see
+[Note: fused decode] in ``pipesvc.stage.fused_cache``)."""
 
 
 @dataclass(frozen=True, slots=True)
 class RunBatch:
     """One run's micro-batches: inputs (first stage), targets (last stage, training only), side
     inputs (every stage; one mapping per micro-batch, or none at all) and, in generation, the
-    cache of each micro-batch (every stage)."""
+    caches of each micro-batch (every stage)."""
 
     inputs: list[torch.Tensor]
     targets: list[torch.Tensor] = field(default_factory=list)
     side: list[dict[str, torch.Tensor]] = field(default_factory=list)
-    caches: list[CacheRef] = field(default_factory=list)
+    caches: list[MicrobatchCaches] = field(default_factory=list)
 
     @classmethod
     def split(

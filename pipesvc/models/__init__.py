@@ -11,6 +11,8 @@ from __future__ import annotations
 from pipesvc.models import cnn, gpt, mlp
 from pipesvc.models.hf import register_hf_model
 from pipesvc.models.registry import (
+    CacheLayout,
+    CacheTensors,
     LayerInfo,
     LayerSpec,
     ModelDescription,
@@ -39,6 +41,8 @@ from pipesvc.models.rng import (
 )
 
 __all__ = [
+    "CacheLayout",
+    "CacheTensors",
     "LayerInfo",
     "LayerSpec",
     "ModelDescription",

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipesvc.errors import InvalidArgumentError
-from pipesvc.models.registry import LayerSpec, register_model
+from pipesvc.models.registry import CacheLayout, CacheTensors, LayerSpec, register_model
 
 INIT_STD = 0.02
 """Standard deviation of the normal init of Linear and Embedding weights (as in GPT-2)."""
@@ -44,7 +44,7 @@ class KVCache:
     (see [Note: generation sessions] in ``pipesvc.stage.sessions``)."""
 
     def __init__(self) -> None:
-        self._store: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._store: CacheTensors = {}
 
     def extend(
         self, owner: nn.Module, k: torch.Tensor, v: torch.Tensor
@@ -58,6 +58,17 @@ class KVCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for kv in self._store.values() for t in kv)
+
+    def tensors(self) -> CacheTensors:
+        """Its keys and values by block (see ``CacheLayout``)."""
+        return dict(self._store)
+
+    @classmethod
+    def from_tensors(cls, tensors: CacheTensors) -> KVCache:
+        """A cache holding ``tensors`` (keyed as ``tensors()`` keys them)."""
+        cache = cls()
+        cache._store = dict(tensors)
+        return cache
 
 
 class Embedding(nn.Module):
@@ -99,6 +110,32 @@ class Embedding(nn.Module):
         return x
 
 
+def _attention_mask(
+    length: int, past: int, padding: torch.Tensor | None, device: torch.device
+) -> torch.Tensor | None:
+    """Which keys each new position sees (``[B or 1, 1, T, past + T]``, True to attend): the
+    cached ones and the new ones up to itself, less the padding (0 in ``padding``, ``[B,
+    past + T]``), though always itself, so a padding row still has a key; None when plain
+    causal attention is exactly that.
+
+    Raises:
+        InvalidArgumentError: ``padding`` does not cover the cached and the new positions.
+    """
+    if padding is None and not past:
+        return None
+    mask = torch.ones(length, past + length, dtype=torch.bool, device=device).tril(diagonal=past)
+    if padding is None:
+        return mask
+    if padding.dim() != 2 or padding.shape[1] != past + length:
+        raise InvalidArgumentError(
+            f"attention_mask of shape {list(padding.shape)} after {past} cached positions; "
+            f"expected [batch, {past + length}]"
+        )
+    keys = torch.arange(past + length, device=device)
+    itself = keys[None, :] == (past + torch.arange(length, device=device))[:, None]
+    return mask & (padding.to(device=device, dtype=torch.bool)[:, None, None, :] | itself)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention: (B, T, C) -> (B, T, C)."""
 
@@ -114,20 +151,21 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(embed_dim, embed_dim)
         self.resid_dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: KVCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         batch, seq_len, channels = x.shape
         # (B, T, 3C) -> three (B, heads, T, head_dim)
         q, k, v = (
             t.view(batch, seq_len, self.num_heads, -1).transpose(1, 2)
             for t in self.qkv(x).split(channels, dim=2)
         )
-        mask = None
         if cache is not None:
             k, v = cache.extend(self, k, v)
-            past = k.shape[2] - seq_len
-            if past:  # the new positions see every cached one and the new ones before them
-                mask = torch.ones(seq_len, past + seq_len, dtype=torch.bool, device=x.device)
-                mask = mask.tril(diagonal=past)
+        mask = _attention_mask(seq_len, k.shape[2] - seq_len, attention_mask, x.device)
         y = F.scaled_dot_product_attention(
             q,
             k,
@@ -171,9 +209,15 @@ class Block(nn.Module):
             nn.init.normal_(proj.weight, mean=0.0, std=INIT_STD / math.sqrt(2 * num_blocks))
 
     uses_cache = True
+    side_inputs = ("attention_mask",)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache)
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: KVCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, attention_mask)
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -235,5 +279,10 @@ def _new_cache(**_: object) -> type[KVCache]:
     return KVCache
 
 
-gpt.side_inputs = ("position_ids",)  # type: ignore[attr-defined]
+def _cache_layout(**_: object) -> CacheLayout:
+    return CacheLayout(tensors=KVCache.tensors, build=KVCache.from_tensors)
+
+
+gpt.side_inputs = ("position_ids", "attention_mask")  # type: ignore[attr-defined]
 gpt.new_cache = _new_cache  # type: ignore[attr-defined]
+gpt.cache_layout = _cache_layout  # type: ignore[attr-defined]

@@ -41,7 +41,7 @@ from torch import nn
 from pipesvc.errors import InvalidArgumentError
 from pipesvc.models.hf_checkpoint import Checkpoint, part_of
 from pipesvc.models.lora import add_lora, check_lora
-from pipesvc.models.registry import LayerSpec, register_model
+from pipesvc.models.registry import CacheLayout, CacheTensors, LayerSpec, register_model
 
 
 @functools.lru_cache(maxsize=4)
@@ -270,6 +270,44 @@ def make_cache(directory: str) -> Any:
         return DynamicCache()
 
 
+def _cache_tensors(cache: Any) -> CacheTensors:
+    """The keys and values of each layer a ``transformers`` cache holds (a stage's cache holds
+    only its own blocks')."""
+    tensors: CacheTensors = {}
+    for index, layer in enumerate(cache.layers):
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor) and keys.numel():
+            tensors[index] = (keys, values)
+    return tensors
+
+
+def _cache_from_tensors(directory: str, tensors: CacheTensors) -> Any:
+    cache = make_cache(directory)
+    for index, (keys, values) in tensors.items():
+        if not isinstance(index, int):
+            raise InvalidArgumentError(f"cache layer {index!r}: expected a block index")
+        cache.update(keys, values, index)
+    return cache
+
+
+def cache_layout(directory: str) -> CacheLayout | None:
+    """How several sessions' caches of the model in ``directory`` stack into one batch (see
+    [Note: fused decode] in ``pipesvc.stage.fused_cache``); None for a model with sliding-window
+    layers (a window's cache drops old positions, so rows of different lengths do not line up)
+    and for a ``transformers`` whose caches keep no per-layer objects."""
+    from transformers import DynamicCache
+
+    config = _checkpoint(directory).meta_model.config
+    types = getattr(config, "layer_types", None) or ()
+    if getattr(config, "sliding_window", None) is not None or "sliding_attention" in types:
+        return None
+    if not hasattr(DynamicCache(), "layers"):
+        return None
+    return CacheLayout(
+        tensors=_cache_tensors, build=functools.partial(_cache_from_tensors, directory)
+    )
+
+
 def tied_keys(directory: str | os.PathLike[str]) -> list[tuple[str, ...]]:
     """The tied groups of the model in ``directory``: the input embedding and the head when
     its config ties them (see [Note: tied parameters] in ``pipesvc.core.tying``)."""
@@ -382,10 +420,14 @@ def _factory(directory: str) -> Any:
     def new_cache(lora: dict[str, object] | None = None) -> Any:
         return functools.partial(make_cache, directory)
 
+    def layout(lora: dict[str, object] | None = None) -> CacheLayout | None:
+        return cache_layout(directory)
+
     factory.export = export  # type: ignore[attr-defined]
     factory.tied = tied  # type: ignore[attr-defined]
     factory.side_inputs = ("attention_mask", "position_ids")  # type: ignore[attr-defined]
     factory.new_cache = new_cache  # type: ignore[attr-defined]
+    factory.cache_layout = layout  # type: ignore[attr-defined]
 
     factory.__qualname__ = f"hf_model[{directory}]"
     return factory

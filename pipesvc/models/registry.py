@@ -15,7 +15,7 @@ import hashlib
 import importlib
 import inspect
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -159,6 +159,22 @@ def tied_parameters(name: str, model_args: Mapping[str, object]) -> list[tuple[s
     return [tuple(group) for group in hook(**model_args)]
 
 
+CacheTensors = dict[Hashable, tuple[torch.Tensor, torch.Tensor]]
+"""A cache's keys and values by layer, each ``[rows, heads, length, head_dim]``."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CacheLayout:
+    """How a model's generation cache shows its tensors, so a stage can stack several
+    sessions' caches into one micro-batch and split them again (see [Note: fused decode] in
+    ``pipesvc.stage.fused_cache``)."""
+
+    tensors: Callable[[Any], CacheTensors]
+    """The cache's keys and values by layer (every layer it holds, all of one length)."""
+    build: Callable[[CacheTensors], Any]
+    """A cache holding these keys and values."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelFeatures:
     """What a model's layers take beside the activations."""
@@ -168,21 +184,32 @@ class ModelFeatures:
     new_cache: Callable[[], Any] | None = None
     """Makes an empty key/value cache for generation, passed as ``cache`` to the layers that
     set ``uses_cache``; None when the model has no cache (generation recomputes)."""
+    cache_layout: CacheLayout | None = None
+    """How to stack and split its caches; None when sessions cannot share a micro-batch (the
+    model also needs to read ``attention_mask``, which hides the stacking's padding)."""
+
+    @property
+    def fuses_caches(self) -> bool:
+        """Whether decode steps of several sessions can share a micro-batch."""
+        return self.cache_layout is not None and "attention_mask" in self.side_inputs
 
 
 def model_features(name: str, model_args: Mapping[str, object]) -> ModelFeatures:
     """The side inputs and the generation cache of model ``name``: a factory may carry
-    ``side_inputs`` (a tuple of names) and ``new_cache`` (a function of the model arguments
-    returning a function that makes a cache).
+    ``side_inputs`` (a tuple of names), ``new_cache`` (a function of the model arguments
+    returning a function that makes a cache) and ``cache_layout`` (a function of the model
+    arguments returning a ``CacheLayout`` or None).
 
     Raises:
         UnknownModelError: ``name`` is not registered.
     """
     factory = _FACTORIES.get(name, _unknown_model)
     cache_hook = getattr(factory, "new_cache", None)
+    layout_hook = getattr(factory, "cache_layout", None)
     return ModelFeatures(
         side_inputs=tuple(getattr(factory, "side_inputs", ())),
         new_cache=cache_hook(**model_args) if cache_hook is not None else None,
+        cache_layout=layout_hook(**model_args) if layout_hook is not None else None,
     )
 
 

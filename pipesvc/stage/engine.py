@@ -28,10 +28,11 @@ from typing import Protocol
 
 import torch
 
-from pipesvc.core.microbatch import CacheRef
+from pipesvc.core.microbatch import MicrobatchCaches
 from pipesvc.core.schedule import Action, ActionKind, forward_only_actions, stage_actions
 from pipesvc.errors import FailedPreconditionError
 from pipesvc.observe.metrics import NO_METRICS, Metrics
+from pipesvc.stage import fused_cache
 from pipesvc.stage.faults import FaultKill
 from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
 from pipesvc.stage.recorder import RunRecorder
@@ -88,9 +89,10 @@ class RunInputs:
     targets: list[torch.Tensor]
     loss_weights: list[float]
     side: list[dict[str, torch.Tensor]] = field(default_factory=list)
-    caches: list[CacheRef] = field(default_factory=list)
-    """Generation: the cache each micro-batch reads and extends (see [Note: generation
-    sessions]); empty otherwise."""
+    caches: list[MicrobatchCaches] = field(default_factory=list)
+    """Generation: the caches each micro-batch reads and extends (see [Note: generation
+    sessions]; several when sessions' decode steps are fused, see [Note: fused decode]); empty
+    otherwise."""
 
 
 class StepEngine:
@@ -180,7 +182,7 @@ class StepEngine:
             else:
                 actions = forward_only_actions(num_microbatches)
             rt.begin_run(training)
-            sessions = sorted({ref.session for ref in data.caches})
+            sessions = sorted({ref.session for refs in data.caches for ref in refs})
             if self.sessions is not None and sessions:
                 self.sessions.expire()
             try:
@@ -274,10 +276,21 @@ class StepEngine:
         generating: bool = False,
     ) -> None:
         rt, rec = self.runtime, self.recorder
-        cache = None
+        cache, stacked = None, None
         if data.caches:
             assert self.sessions is not None  # checked when the run began
-            cache = self.sessions.get(data.caches[mb])
+            refs = data.caches[mb]
+            if len(refs) == 1:
+                cache = self.sessions.get(refs[0])
+            else:  # see [Note: fused decode]
+                layout = rt.features.cache_layout
+                if layout is None or not rt.features.fuses_caches:
+                    raise FailedPreconditionError(
+                        f"model {rt.config.model!r} cannot fuse sessions' caches in a micro-batch"
+                    )
+                parts = [self.sessions.get(ref) for ref in refs]
+                stacked = fused_cache.stack(layout, parts, [ref.rows for ref in refs])
+                cache = stacked.cache
         if rt.is_first:
             x = data.inputs[mb]
         else:
@@ -290,6 +303,10 @@ class StepEngine:
         with rec.span("forward", mb):
             side = data.side[mb] if data.side else None
             y = rt.forward(mb, x, training=training, side=side, cache=cache)
+            if stacked is not None:
+                assert self.sessions is not None
+                for ref, part in zip(data.caches[mb], stacked.split(), strict=True):
+                    self.sessions.put(ref, part)
             if rt.is_last and training:
                 loss = rt.loss(mb, data.targets[mb], data.loss_weights[mb])
                 losses[mb] = float(loss.detach())  # float() of a tensor needing grad warns

@@ -20,7 +20,7 @@ import torch
 from pipesvc import models
 from pipesvc.core.config import config_from_proto, parse_json_object
 from pipesvc.core.limits import MAX_MICROBATCHES
-from pipesvc.core.microbatch import CacheRef
+from pipesvc.core.microbatch import CacheRef, MicrobatchCaches
 from pipesvc.core.tensor_codec import decode, encode, named_frames, read_named_frames
 from pipesvc.core.tying import stage_ties
 from pipesvc.errors import (
@@ -171,6 +171,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
             export_json=json.dumps(export) if export is not None else "",
             kv_cache=features.new_cache is not None,
             side_inputs=list(features.side_inputs),
+            fuses_caches=features.new_cache is not None and features.fuses_caches,
         )
 
     @handle_errors
@@ -327,16 +328,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
             raise InvalidArgumentError(
                 f"side inputs for {len(request.side_inputs)} micro-batches; expected 0 or {m}"
             )
-        if len(request.caches) not in ((0, m) if generating else (0,)):
-            raise InvalidArgumentError(
-                f"caches for {len(request.caches)} micro-batches in mode {request.mode}; "
-                f"expected {'0 or ' + str(m) if generating else 0}"
-            )
-        for ref in request.caches:
-            if not 1 <= len(ref.session) <= 128:
-                raise InvalidArgumentError(
-                    f"session id of {len(ref.session)} characters; expected 1 to 128"
-                )
+        caches = _cache_refs(request, m, generating)
         inputs = [decode(t, self._codec) for t in request.inputs]
         targets = [decode(t, self._codec) for t in request.targets]
         side = [
@@ -352,7 +344,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
                 targets=targets,
                 loss_weights=list(request.loss_weights),
                 side=side,
-                caches=[CacheRef(c.session, c.part, c.fresh) for c in request.caches],
+                caches=caches,
             ),
             commit=_carried(request),
             generating=generating,
@@ -543,3 +535,45 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
             return
         except PipesvcError as exc:
             abort_with(context, exc)
+
+
+def _cache_refs(
+    request: stage_pb2.RunStepRequest, m: int, generating: bool
+) -> list[MicrobatchCaches]:
+    """The caches of each micro-batch of a run request, checked.
+
+    Raises:
+        InvalidArgumentError: caches outside GENERATE, not one entry per micro-batch, a bad
+            session id, a part named twice, or a fused micro-batch that starts a cache.
+    """
+    if len(request.caches) not in ((0, m) if generating else (0,)):
+        raise InvalidArgumentError(
+            f"caches for {len(request.caches)} micro-batches in mode {request.mode}; "
+            f"expected {'0 or ' + str(m) if generating else 0}"
+        )
+    seen: set[tuple[str, int]] = set()
+    caches: list[MicrobatchCaches] = []
+    for index, entry in enumerate(request.caches):
+        if not 1 <= len(entry.refs) <= MAX_MICROBATCHES:
+            raise InvalidArgumentError(
+                f"micro-batch {index} names {len(entry.refs)} caches; expected 1 to "
+                f"{MAX_MICROBATCHES}"
+            )
+        for ref in entry.refs:
+            if not 1 <= len(ref.session) <= 128:
+                raise InvalidArgumentError(
+                    f"session id of {len(ref.session)} characters; expected 1 to 128"
+                )
+            if (ref.session, ref.part) in seen:
+                raise InvalidArgumentError(
+                    f"session {ref.session!r} part {ref.part} is named twice in one run"
+                )
+            seen.add((ref.session, ref.part))
+            if len(entry.refs) > 1 and (ref.fresh or ref.rows == 0):
+                raise InvalidArgumentError(
+                    f"micro-batch {index} fuses {len(entry.refs)} caches; each must extend an "
+                    f"existing cache (fresh false) over its rows (rows > 0); session "
+                    f"{ref.session!r} part {ref.part} has fresh={ref.fresh}, rows={ref.rows}"
+                )
+        caches.append(tuple(CacheRef(r.session, r.part, r.fresh, r.rows) for r in entry.refs))
+    return caches

@@ -88,6 +88,13 @@ class SessionCaches:
             self._used[ref.session] = self._clock()
             return self._caches[key]
 
+    def put(self, ref: CacheRef, cache: Any) -> None:
+        """Replaces the cache of ``ref``'s part (after a fused run cut it back, see [Note:
+        fused decode] in ``pipesvc.stage.fused_cache``)."""
+        with self._lock:
+            self._caches[(ref.session, ref.part)] = cache
+            self._used[ref.session] = self._clock()
+
     def session_bytes(self, session: str) -> int:
         with self._lock:
             caches = [c for (s, _), c in self._caches.items() if s == session]

@@ -200,12 +200,18 @@ class DescribeResponse(_message.Message):
     EXPORT_JSON_FIELD_NUMBER: _builtins.int
     KV_CACHE_FIELD_NUMBER: _builtins.int
     SIDE_INPUTS_FIELD_NUMBER: _builtins.int
+    FUSES_CACHES_FIELD_NUMBER: _builtins.int
     export_json: _builtins.str
     """How the model maps to its own format (a JSON object; empty when it has none): for a
     Hugging Face model its config.json, the key of each tensor and the LoRA arguments.
     """
     kv_cache: _builtins.bool
     """Whether the model's layers keep key/value caches for generation."""
+    fuses_caches: _builtins.bool
+    """Whether several sessions' caches can extend in one micro-batch (RunStepRequest.caches
+    with several refs): the stage stacks them left-padded, and the attention mask hides the
+    padding.
+    """
     @_builtins.property
     def layers(self) -> _containers.RepeatedCompositeFieldContainer[Global___LayerDescription]:
         """One entry per layer."""
@@ -221,10 +227,11 @@ class DescribeResponse(_message.Message):
         export_json: _builtins.str = ...,
         kv_cache: _builtins.bool = ...,
         side_inputs: _abc.Iterable[_builtins.str] | None = ...,
+        fuses_caches: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["export_json", b"export_json", "kv_cache", b"kv_cache", "layers", b"layers", "side_inputs", b"side_inputs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["export_json", b"export_json", "fuses_caches", b"fuses_caches", "kv_cache", b"kv_cache", "layers", b"layers", "side_inputs", b"side_inputs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -359,8 +366,8 @@ class RunStepRequest(_message.Message):
         """
 
     @_builtins.property
-    def caches(self) -> _containers.RepeatedCompositeFieldContainer[Global___CacheRef]:
-        """GENERATE: the cache each micro-batch reads and extends, in order; empty for a model
+    def caches(self) -> _containers.RepeatedCompositeFieldContainer[Global___MicrobatchCaches]:
+        """GENERATE: the caches each micro-batch reads and extends, in order; empty for a model
         without caches (the whole sequence is computed again).
         """
 
@@ -377,7 +384,7 @@ class RunStepRequest(_message.Message):
         loss_weights: _abc.Iterable[_builtins.float] | None = ...,
         commit: Global___CarriedCommit | None = ...,
         side_inputs: _abc.Iterable[Global___SideInputs] | None = ...,
-        caches: _abc.Iterable[Global___CacheRef] | None = ...,
+        caches: _abc.Iterable[Global___MicrobatchCaches] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
@@ -388,6 +395,30 @@ class RunStepRequest(_message.Message):
 Global___RunStepRequest: _TypeAlias = RunStepRequest  # noqa: Y015
 
 @_typing.final
+class MicrobatchCaches(_message.Message):
+    """The caches of one micro-batch of a generation run: one, or (decode steps only, on a model
+    that fuses caches) several sessions' parts whose rows follow one another in this order.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REFS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def refs(self) -> _containers.RepeatedCompositeFieldContainer[Global___CacheRef]: ...
+    def __init__(
+        self,
+        *,
+        refs: _abc.Iterable[Global___CacheRef] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["refs", b"refs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MicrobatchCaches: _TypeAlias = MicrobatchCaches  # noqa: Y015
+
+@_typing.final
 class CacheRef(_message.Message):
     """The key/value cache of one part of a generation session on a stage."""
 
@@ -396,22 +427,26 @@ class CacheRef(_message.Message):
     SESSION_FIELD_NUMBER: _builtins.int
     PART_FIELD_NUMBER: _builtins.int
     FRESH_FIELD_NUMBER: _builtins.int
+    ROWS_FIELD_NUMBER: _builtins.int
     session: _builtins.str
     """The session (the coordinator's id for it)."""
     part: _builtins.int
     """The part: which micro-batch of the session's rows."""
     fresh: _builtins.bool
     """Start the cache empty (the prompt, or a replay of every token so far)."""
+    rows: _builtins.int
+    """The micro-batch's rows this cache covers (its rows in the session's part)."""
     def __init__(
         self,
         *,
         session: _builtins.str = ...,
         part: _builtins.int = ...,
         fresh: _builtins.bool = ...,
+        rows: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fresh", b"fresh", "part", b"part", "session", b"session"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fresh", b"fresh", "part", b"part", "rows", b"rows", "session", b"session"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -219,11 +219,11 @@ def test_the_builtin_gpt_generates_through_its_caches_like_one_process(
         cached = [stage_info(s.address).cache_bytes for s in job.plan]
         stream.close()
         weights = job.state_dict()
-        # The gpt reads no attention mask: a padded prompt is refused before any token.
+        # A left-padded row generates what its unpadded prompt generates alone.
         mask = torch.ones_like(ids)
-        mask[0, 0] = 0
-        with pytest.raises(pipesvc.InvalidArgumentError, match="reads no attention_mask"):
-            job.generate(ids, 2, attention_mask=mask)
+        mask[0, :2] = 0
+        padded = job.generate(ids, 4, attention_mask=mask)
+        alone = job.generate(ids[:1, 2:], 4)
     # The embedding (stage 0) and the head (stage 2) hold no cache; each block's stage does.
     assert cached[1] > 0
     model = pipesvc.models.build("gpt", seed=3, **args)
@@ -234,6 +234,7 @@ def test_the_builtin_gpt_generates_through_its_caches_like_one_process(
         for _ in range(10):
             tokens = torch.cat([tokens, model(tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(out, tokens)
+    assert torch.equal(padded[0, 5:], alone[0, 3:])
 
 
 def test_an_inference_job_holds_weights_only_and_generates(

@@ -18,8 +18,11 @@ import pytest
 import torch
 
 from pipesvc import models
+from pipesvc.coordinator.generation import ModelSupport, Session, plan_step
 from pipesvc.core import microbatch, partition, schedule
 from pipesvc.core.config import JobConfig
+from pipesvc.core.microbatch import RunBatch
+from pipesvc.core.sampling import Sampling
 from pipesvc.errors import (
     FailedPreconditionError,
     ResourceExhaustedError,
@@ -31,6 +34,7 @@ from pipesvc.stage.faults import FaultKill
 from pipesvc.stage.mailbox import Mailbox, MailKey
 from pipesvc.stage.recorder import RunRecorder
 from pipesvc.stage.runtime import StageRuntime
+from pipesvc.stage.sessions import SessionCaches
 from tests.support.reference import DROPOUT_GPT, PROBLEMS, Problem, Reference
 
 GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-6
@@ -96,15 +100,22 @@ class Pipeline:
         self.mailboxes = [Mailbox() for _ in ranges]
         self.fail_send: tuple[int, int] | None = None
         """(rank, micro-batch): that rank's send of that micro-batch's activation raises."""
+        runtimes = [
+            StageRuntime(
+                config=self.config,
+                start_layer=start,
+                end_layer=end,
+                rank=rank,
+                num_stages=num_stages,
+                device=torch.device("cpu"),
+            )
+            for rank, (start, end) in enumerate(ranges)
+        ]
         self.engines = [
             StepEngine(
-                runtime=StageRuntime(
-                    config=self.config,
-                    start_layer=start,
-                    end_layer=end,
-                    rank=rank,
-                    num_stages=num_stages,
-                    device=torch.device("cpu"),
+                runtime=runtimes[rank],
+                sessions=SessionCaches(
+                    runtimes[rank].features.new_cache, budget_bytes=2**30, idle_s=60.0
                 ),
                 mailbox=self.mailboxes[rank],
                 send_activation=self._sender(rank, rank + 1),
@@ -132,7 +143,19 @@ class Pipeline:
         result or error each."""
         xs = microbatch.split(x, min(self.config.num_microbatches, x.shape[0]))
         ys = microbatch.split(y, len(xs)) if y is not None else []
-        weights = microbatch.loss_weights([len(t) for t in xs]) if y is not None else []
+        return self.run_batch(RunBatch(inputs=xs, targets=ys), run_id, commit)
+
+    def run_batch(
+        self,
+        batch: RunBatch,
+        run_id: int,
+        commit: Carried | None = None,
+        *,
+        generating: bool = False,
+    ) -> list[RunResult | BaseException]:
+        """Every engine's part of the run of ``batch``."""
+        xs, ys = batch.inputs, batch.targets
+        weights = microbatch.loss_weights([len(t) for t in xs]) if ys else []
         last = len(self.engines) - 1
         results: list[RunResult | BaseException] = [
             TimeoutError(f"rank {r} did not finish") for r in range(len(self.engines))
@@ -142,14 +165,17 @@ class Pipeline:
             try:
                 results[rank] = engine.run_step(
                     run_id,
-                    training=y is not None,
+                    training=bool(ys),
                     num_microbatches=len(xs),
                     data=RunInputs(
                         inputs=xs if rank == 0 else [],
                         targets=ys if rank == last else [],
                         loss_weights=weights if rank == last else [],
+                        side=batch.side,
+                        caches=batch.caches,
                     ),
                     commit=commit,
+                    generating=generating,
                 )
             except BaseException as exc:  # reported to the test thread
                 results[rank] = exc
@@ -408,3 +434,54 @@ def test_a_carried_commit_is_checked_applied_first_and_kept_by_a_later_abort() -
         engine.commit(3, None)
     reference.step(x2, y2)
     _assert_tensors(pipeline.tensors("parameters"), reference.model.state_dict())
+
+
+def _generate(
+    pipeline: Pipeline, prompts: list[torch.Tensor], steps: int, *, fuse: bool
+) -> list[torch.Tensor]:
+    """Greedy generation of every prompt as one session each, all sessions' steps in one run
+    per step, as the coordinator's batcher runs them (decode parts fused, or each alone)."""
+    features = pipeline.engines[0].runtime.features
+    support = ModelSupport(
+        kv_cache=True, side_inputs=features.side_inputs, fuses_caches=features.fuses_caches
+    )
+    sessions = [
+        Session(p, None, parts=min(2, p.shape[0]), sampling=Sampling(), support=support)
+        for p in prompts
+    ]
+    for _ in range(steps):
+        run = plan_step(sessions, 1, fuse_into=len(pipeline.engines) if fuse else 0)
+        pipeline.run_id += 1
+        results = pipeline.run_batch(run.batch, pipeline.run_id, generating=True)
+        last = results[-1]
+        assert isinstance(last, RunResult), results
+        for session, logits in zip(sessions, run.logits(last.outputs), strict=True):
+            session.advance(logits, 1)
+    return [s.tokens for s in sessions]
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_sessions_fused_into_shared_micro_batches_generate_their_own_tokens(
+    num_stages: int,
+) -> None:
+    """Decode steps of sessions with different lengths and row counts, fused into shared
+    micro-batches on every stage, give each session the tokens it gets alone, and the one
+    process model's greedy tokens."""
+    args = {**PROBLEMS["gpt"].model_args, "block_size": 32}
+    problem = Problem("gpt", args, "cross_entropy", (8,))
+    pipeline = _pipeline(problem, num_stages=num_stages)
+    g = torch.Generator().manual_seed(8)
+    vocab = 17
+    prompts = [torch.randint(0, vocab, (1 + i % 3, 2 + 2 * i), generator=g) for i in range(5)]
+    fused = _generate(pipeline, prompts, 6, fuse=True)
+    alone = [_generate(pipeline, [p], 6, fuse=False)[0] for p in prompts]
+    net = models.build(problem.model, seed=3, **problem.model_args).eval()
+    for i, prompt in enumerate(prompts):
+        tokens = prompt
+        with torch.no_grad():
+            for _ in range(6):  # the whole sequence each step, no caches
+                tokens = torch.cat([tokens, net(tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
+        assert torch.equal(alone[i], tokens), i
+        assert torch.equal(fused[i], tokens), i
+    for engine in pipeline.engines:  # the fused and the lone sessions all kept their caches
+        assert engine.sessions is not None and len(engine.sessions.sessions()) == 5 + 5

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipesvc.coordinator.generation import ModelSupport, Session
+from pipesvc.coordinator.generation import ModelSupport, Session, plan_step
 from pipesvc.core.sampling import Sampling
 from pipesvc.errors import InvalidArgumentError
 
@@ -28,13 +28,13 @@ def test_the_prompt_goes_whole_then_one_position_per_step() -> None:
     s = session()
     first = s.next_batch(epoch=1)
     assert [t.shape for t in first.inputs] == [(2, 4), (1, 4)]
-    assert [c.fresh for c in first.caches] == [True, True]
+    assert [c.fresh for (c,) in first.caches] == [True, True]
     # Positions count each row's real tokens from 0, as transformers' generate does.
     assert first.side[0]["position_ids"].tolist() == [[0, 0, 0, 1], [0, 1, 2, 3]]
     assert torch.equal(s.advance(logits_for([3, 4, 5]), epoch=1), torch.tensor([3, 4, 5]))
     second = s.next_batch(epoch=1)
     assert [t.tolist() for t in second.inputs] == [[[3], [4]], [[5]]]
-    assert [c.fresh for c in second.caches] == [False, False]
+    assert [c.fresh for (c,) in second.caches] == [False, False]
     assert second.side[0]["position_ids"].tolist() == [[2], [4]]
     assert second.side[1]["attention_mask"].tolist() == [[0, 1, 1, 1, 1]]
 
@@ -45,9 +45,9 @@ def test_lost_caches_replay_every_token_so_far() -> None:
     s.advance(logits_for([3, 4, 5]), epoch=1)
     after_recovery = s.next_batch(epoch=2)  # a new plan epoch: the stages have no caches
     assert [t.shape[1] for t in after_recovery.inputs] == [5, 5]
-    assert all(c.fresh for c in after_recovery.caches)
+    assert all(c.fresh for (c,) in after_recovery.caches)
     s.invalidate()  # a stage dropped them (idle)
-    assert all(c.fresh for c in s.next_batch(epoch=1).caches)
+    assert all(c.fresh for (c,) in s.next_batch(epoch=1).caches)
 
 
 def test_a_model_without_caches_gets_the_whole_sequence_each_step() -> None:
@@ -153,3 +153,38 @@ def test_a_shared_run_over_the_budget_retries_each_session_alone() -> None:
     assert {big.id, small.id} in runs  # they shared a run, which failed on the budget
     assert isinstance(results[big.id], ResourceExhaustedError)  # alone it still does not fit
     assert isinstance(results[small.id], tuple)  # alone it does
+
+
+def test_decode_parts_of_several_sessions_fuse_and_their_logits_find_their_way_back() -> None:
+    support = ModelSupport(
+        kv_cache=True, side_inputs=("attention_mask", "position_ids"), fuses_caches=True
+    )
+    a, b, fresh = session(support), session(support), session(support)
+    b.advance(logits_for([1, 2, 3]), epoch=1)  # b is one token longer than a
+    for s in (a, b):
+        s.advance(logits_for([3, 4, 5]), epoch=1)
+    run = plan_step([a, b, fresh], epoch=1, fuse_into=1)
+    batch = run.batch
+    # fresh's two prompt parts run alone; the four decode parts fuse into one micro-batch.
+    assert [t.shape for t in batch.inputs] == [(2, 4), (1, 4), (6, 1)]
+    assert [[(r.session, r.part, r.fresh, r.rows) for r in refs] for refs in batch.caches] == [
+        [(fresh.id, 0, True, 2)],
+        [(fresh.id, 1, True, 1)],
+        [(a.id, 0, False, 2), (a.id, 1, False, 1), (b.id, 0, False, 2), (b.id, 1, False, 1)],
+    ]
+    # The masks are left-padded to the longest (b's); each row keeps its own positions.
+    assert batch.side[2]["attention_mask"].tolist() == [
+        [0, 0, 0, 1, 1, 1], [0, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1],
+        [0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1],
+    ]  # fmt: skip
+    assert batch.side[2]["position_ids"].tolist() == [[2], [4], [3], [3], [5], [4]]
+    outputs = [torch.full((t.shape[0], 1), float(mb)) for mb, t in enumerate(batch.inputs)]
+    outputs[2] = torch.arange(20.0, 26.0)[:, None]
+    logits = run.logits(outputs)
+    assert [[t.flatten().tolist() for t in parts] for parts in logits] == [
+        [[20.0, 21.0], [22.0]], [[23.0, 24.0], [25.0]], [[0.0, 0.0], [1.0]]
+    ]  # fmt: skip
+    two = plan_step([a, b], epoch=1, fuse_into=2)  # at most two micro-batches of decode parts
+    assert [len(refs) for refs in two.batch.caches] == [2, 2]
+    unfused = plan_step([a, b], epoch=1)  # without fusing, each part is its own micro-batch
+    assert [len(refs) for refs in unfused.batch.caches] == [1, 1, 1, 1]
