@@ -17,6 +17,7 @@ gets the whole sequence every step.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -250,7 +251,9 @@ class StepBatcher:
     """Continuous batching of a job's sessions (see [Note: continuous batching]).
 
     [Note: continuous batching] Every session thread hands its next step to the job's batcher.
-    While no run is going, the first to arrive becomes the leader: it takes every step waiting
+    While no run is going, the first to arrive becomes the leader: it waits a moment (up to
+    ``gather_s``) for the other open sessions, which are usually just taking their tokens from
+    the last run, to hand in their steps, then takes every step waiting
     (first come, up to ``max_parts`` parts) and runs them as one GENERATE run (``plan_step``):
     a part that starts its cache (a prompt, a replay) is a micro-batch of its own, and the
     decode parts, one new position each, are fused into as many micro-batches as the pipeline
@@ -261,23 +264,38 @@ class StepBatcher:
     each session's step is run again alone, so only the sessions that do not fit fail.
     """
 
-    def __init__(self, run: RunSteps, *, max_parts: int = 256) -> None:
+    def __init__(self, run: RunSteps, *, max_parts: int = 256, gather_s: float = 0.005) -> None:
         self._run = run
         self._max_parts = max_parts
+        self._gather_s = gather_s
         self._cond = threading.Condition()
         self._pending: list[_Ticket] = []
         self._running = False
+        self._live = 0
+
+    def open(self) -> None:
+        """A session starts: the leader of a run waits a moment for its steps."""
+        with self._cond:
+            self._live += 1
+
+    def close(self) -> None:
+        """A session ended (finished, failed or closed by its client)."""
+        with self._cond:
+            self._live -= 1
+            self._cond.notify_all()
 
     def step(self, session: Session) -> tuple[list[torch.Tensor], int]:
         """One step of ``session``, run with whatever other sessions' steps are waiting."""
         ticket = _Ticket(session)
         with self._cond:
             self._pending.append(ticket)
+            self._cond.notify_all()  # a gathering leader counts it
             while not ticket.done:
                 if self._running:
                     self._cond.wait()
                     continue
                 self._running = True
+                self._gather()
                 group = self._take()
                 self._cond.release()
                 try:
@@ -292,6 +310,17 @@ class StepBatcher:
             raise ticket.error
         assert ticket.result is not None
         return ticket.result
+
+    def _gather(self) -> None:
+        """Waits up to ``gather_s`` for every open session to hand in its step, so the sessions
+        that just got their tokens from the last run are in the next one too, rather than
+        the first of them running alone (called by the leader, holding the lock)."""
+        deadline = time.monotonic() + self._gather_s
+        while len(self._pending) < self._live:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._cond.wait(left)
 
     def _take(self) -> list[_Ticket]:
         group: list[_Ticket] = []

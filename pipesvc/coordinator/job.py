@@ -393,6 +393,7 @@ class JobDriver:
         )
         self._metrics.inc("generation_sessions_total")
         started = time.monotonic()
+        self._batcher.open()
         try:
             for step in range(max_new_tokens):
                 logits, epoch = self._batcher.step(session)
@@ -405,6 +406,7 @@ class JobDriver:
                 if session.done:
                     return
         finally:
+            self._batcher.close()
             self._release_session(session)
 
     def _generate_steps(self, sessions: list[Session]) -> list[tuple[list[torch.Tensor], int]]:

@@ -188,3 +188,38 @@ def test_decode_parts_of_several_sessions_fuse_and_their_logits_find_their_way_b
     assert [len(refs) for refs in two.batch.caches] == [2, 2]
     unfused = plan_step([a, b], epoch=1)  # without fusing, each part is its own micro-batch
     assert [len(refs) for refs in unfused.batch.caches] == [1, 1, 1, 1]
+
+
+def test_the_leader_waits_a_moment_for_the_open_sessions_and_no_longer() -> None:
+    import threading
+    import time
+
+    from pipesvc.coordinator.generation import StepBatcher
+
+    runs: list[set[str]] = []
+
+    def run(sessions: list[Session]) -> list[tuple[list[torch.Tensor], int]]:
+        runs.append({s.id for s in sessions})
+        return [([torch.zeros(1, 4)], 1) for _ in sessions]
+
+    batcher = StepBatcher(run, gather_s=5.0)
+    early, late, idle = session(), session(), session()
+    batcher.open()
+    batcher.open()
+    first = threading.Thread(target=batcher.step, args=(early,))
+    first.start()
+    time.sleep(0.2)  # the leader (early) is still waiting for the other open session
+    assert runs == []
+    batcher.step(late)
+    first.join(timeout=10)
+    assert runs == [{early.id, late.id}]
+    # A session that stays open without a step holds the others up gather_s at most.
+    quick = StepBatcher(run, gather_s=0.1)
+    quick.open()
+    quick.open()
+    started = time.monotonic()
+    quick.step(idle)
+    assert runs[-1] == {idle.id} and time.monotonic() - started >= 0.1
+    quick.close()  # with one session open, a step runs without waiting for another
+    quick.step(idle)
+    assert runs[-1] == {idle.id}
