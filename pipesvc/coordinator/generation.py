@@ -16,17 +16,14 @@ gets the whole sequence every step.
 
 from __future__ import annotations
 
-import threading
-import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from pipesvc.core.microbatch import CacheRef, MicrobatchCaches, RunBatch
 from pipesvc.core.sampling import Sampling
-from pipesvc.errors import InvalidArgumentError, PipesvcError, ResourceExhaustedError
+from pipesvc.errors import InvalidArgumentError
 
 MAX_NEW_TOKENS = 1 << 16
 """Most tokens one session may generate."""
@@ -232,124 +229,3 @@ def _fused_side(sides: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]
             tensors = [torch.nn.functional.pad(t, (width - t.shape[1], 0)) for t in tensors]
         fused[name] = torch.cat(tensors)
     return fused
-
-
-@dataclass(eq=False)
-class _Ticket:
-    session: Session
-    result: tuple[list[torch.Tensor], int] | None = None
-    error: BaseException | None = None
-    done: bool = False
-
-
-RunSteps = Callable[[list[Session]], list[tuple[list[torch.Tensor], int]]]
-"""Runs one step of each session as one GENERATE run (``plan_step``); returns each session's
-part logits and the plan epoch they were computed in."""
-
-
-class StepBatcher:
-    """Continuous batching of a job's sessions (see [Note: continuous batching]).
-
-    [Note: continuous batching] Every session thread hands its next step to the job's batcher.
-    While no run is going, the first to arrive becomes the leader: it waits a moment (up to
-    ``gather_s``) for the other open sessions, which are usually just taking their tokens from
-    the last run, to hand in their steps, then takes every step waiting
-    (first come, up to ``max_parts`` parts) and runs them as one GENERATE run (``plan_step``):
-    a part that starts its cache (a prompt, a replay) is a micro-batch of its own, and the
-    decode parts, one new position each, are fused into as many micro-batches as the pipeline
-    has stages (see [Note: fused decode] in ``pipesvc.stage.fused_cache``), so each stage runs
-    every session's step through its weights at once, the stages still pipeline, and the
-    control plane's cost of a run is shared; sessions join and leave between runs. The others
-    wait for their results or for their turn to lead. When the shared run fails on a KV budget,
-    each session's step is run again alone, so only the sessions that do not fit fail.
-    """
-
-    def __init__(self, run: RunSteps, *, max_parts: int = 256, gather_s: float = 0.005) -> None:
-        self._run = run
-        self._max_parts = max_parts
-        self._gather_s = gather_s
-        self._cond = threading.Condition()
-        self._pending: list[_Ticket] = []
-        self._running = False
-        self._live = 0
-
-    def open(self) -> None:
-        """A session starts: the leader of a run waits a moment for its steps."""
-        with self._cond:
-            self._live += 1
-
-    def close(self) -> None:
-        """A session ended (finished, failed or closed by its client)."""
-        with self._cond:
-            self._live -= 1
-            self._cond.notify_all()
-
-    def step(self, session: Session) -> tuple[list[torch.Tensor], int]:
-        """One step of ``session``, run with whatever other sessions' steps are waiting."""
-        ticket = _Ticket(session)
-        with self._cond:
-            self._pending.append(ticket)
-            self._cond.notify_all()  # a gathering leader counts it
-            while not ticket.done:
-                if self._running:
-                    self._cond.wait()
-                    continue
-                self._running = True
-                self._gather()
-                group = self._take()
-                self._cond.release()
-                try:
-                    self._run_group(group)
-                finally:
-                    self._cond.acquire()
-                    for t in group:
-                        t.done = True
-                    self._running = False
-                    self._cond.notify_all()
-        if ticket.error is not None:
-            raise ticket.error
-        assert ticket.result is not None
-        return ticket.result
-
-    def _gather(self) -> None:
-        """Waits up to ``gather_s`` for every open session to hand in its step, so the sessions
-        that just got their tokens from the last run are in the next one too, rather than
-        the first of them running alone (called by the leader, holding the lock)."""
-        deadline = time.monotonic() + self._gather_s
-        while len(self._pending) < self._live:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            self._cond.wait(left)
-
-    def _take(self) -> list[_Ticket]:
-        group: list[_Ticket] = []
-        parts = 0
-        while self._pending:
-            size = len(self._pending[0].session.rows)
-            if group and parts + size > self._max_parts:
-                break
-            group.append(self._pending.pop(0))
-            parts += size
-        return group
-
-    def _run_group(self, group: list[_Ticket]) -> None:
-        try:
-            results = self._run([t.session for t in group])
-        except ResourceExhaustedError as exc:
-            if len(group) == 1:
-                group[0].error = exc
-                return
-            for t in group:  # alone, so that only the sessions that do not fit fail
-                t.session.invalidate()
-                try:
-                    t.result = self._run([t.session])[0]
-                except PipesvcError as alone:
-                    t.error = alone
-            return
-        except BaseException as exc:  # every session of the run sees its error
-            for t in group:
-                t.error = exc
-            return
-        for t, result in zip(group, results, strict=True):
-            t.result = result

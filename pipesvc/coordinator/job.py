@@ -46,14 +46,9 @@ from typing import Any
 import torch
 
 from pipesvc.coordinator import planner
+from pipesvc.coordinator.batcher import StepBatcher
 from pipesvc.coordinator.fair_lock import FairLock
-from pipesvc.coordinator.generation import (
-    MAX_NEW_TOKENS,
-    ModelSupport,
-    Session,
-    StepBatcher,
-    plan_step,
-)
+from pipesvc.coordinator.generation import MAX_NEW_TOKENS, ModelSupport, Session, plan_step
 from pipesvc.coordinator.job_state import JobState, PendingCommit
 from pipesvc.coordinator.recovery import FINAL_ERRORS, JobStorage, Recovery
 from pipesvc.coordinator.registry import StageRegistry
@@ -138,7 +133,7 @@ class JobDriver:
         self._decided_at = 0.0  # when the newest step was decided (for the idle flush)
         self._lock = FairLock()  # calls take turns (see fair_lock.py)
         self._support: ModelSupport | None = None
-        self._batcher = StepBatcher(self._generate_steps)
+        self._batcher = StepBatcher(self._generate_steps, on_token=self._count_token)
 
     @property
     def plan(self) -> list[PipelineStage]:
@@ -392,22 +387,18 @@ class JobDriver:
             eos_token_id=eos_token_id,
         )
         self._metrics.inc("generation_sessions_total")
-        started = time.monotonic()
-        self._batcher.open()
+        stream = self._batcher.open(session, max_new_tokens)
         try:
-            for step in range(max_new_tokens):
-                logits, epoch = self._batcher.step(session)
-                now = time.monotonic()
-                name = "time_per_output_token_seconds" if step else "time_to_first_token_seconds"
-                self._metrics.observe(name, now - started)
-                self._metrics.inc("generated_tokens_total", float(input_ids.shape[0]))
-                yield session.advance(logits, epoch)
-                started = time.monotonic()  # the consumer's time is not the step's
-                if session.done:
-                    return
+            while (tokens := self._batcher.next(stream)) is not None:
+                yield tokens
         finally:
-            self._batcher.close()
+            self._batcher.close(stream)
             self._release_session(session)
+
+    def _count_token(self, first: bool, seconds: float, rows: int) -> None:
+        name = "time_to_first_token_seconds" if first else "time_per_output_token_seconds"
+        self._metrics.observe(name, seconds)
+        self._metrics.inc("generated_tokens_total", float(rows))
 
     def _generate_steps(self, sessions: list[Session]) -> list[tuple[list[torch.Tensor], int]]:
         """One step of every session in one GENERATE run (see [Note: continuous batching]),
@@ -420,7 +411,9 @@ class JobDriver:
 
     def _generate_once(self, sessions: list[Session]) -> list[tuple[list[torch.Tensor], int]]:
         epoch = self.group.epoch
-        fuse_into = len(self.group.plan) if self._model_support().fuses_caches else 0
+        # One decode micro-batch: it costs about the same for 1 row as for many (the weights
+        # are read either way), so splitting it to overlap the stages costs more than it saves.
+        fuse_into = 1 if self._model_support().fuses_caches else 0
         run = plan_step(sessions, epoch, fuse_into=fuse_into)
         try:
             _, replies = self._run(stage_pb2.GENERATE, run.batch)

@@ -2,7 +2,7 @@
 
 [Note: fused decode] A decode step computes one new position per row: little work for each
 weight it reads, so the steps of many sessions cost less as one micro-batch than as many. The
-coordinator fuses the decode parts of the sessions in a run into a few micro-batches: their new
+coordinator fuses the decode parts of the sessions in a run into one micro-batch: their new
 tokens one part after another, each row's position, and each row's padding mask left-padded
 with zeros to the longest cache plus the new position. A stage stacks the parts' caches the same
 way (each layer's keys and values left-padded with zeros to the longest, then joined along the

@@ -102,11 +102,14 @@ def test_greedy_tokens_equal_transformers_generate(
         streamed = torch.stack(list(job.stream(ids, 12, attention_mask=mask)), dim=1)
         weights = job.state_dict()
         infos = [stage_info(s.address) for s in job.plan]
-        # Generation steps are runs in the trace: each stage's forward of each part.
-        timelines = job.timelines(max_runs=1)
+        # Generation steps are runs in the trace: the prompt's two parts are two micro-batches,
+        # a decode step's parts share one (see [Note: fused decode]).
+        timelines = job.timelines(max_runs=12 * 2)
     for timeline in timelines:
         forwards = [e for e in timeline.events if e.name == "forward"]
-        assert sorted(e.microbatch for e in forwards) == [0, 1]
+        runs = sorted({e.run_id for e in forwards})
+        per_run = [sorted(e.microbatch for e in forwards if e.run_id == r) for r in runs]
+        assert per_run == ([[0, 1]] + [[0]] * 11) * 2
         assert {e.name for e in timeline.events} <= {"forward", "wait", "send"}
     with torch.no_grad():
         expected = reference(hf_dirs[name], weights).generate(

@@ -1,0 +1,192 @@
+"""Continuous batching of a job's generation sessions: one loop runs every session's steps.
+
+[Note: continuous batching] A job's sessions do not each drive their own steps. Each opens a
+stream on the job's ``StepBatcher``; one loop (a thread that lives while any stream is open)
+repeats: take every session that wants a step, run one step of all of them as one GENERATE run
+(``run``: ``plan_step`` and the stages, under the job's lock, so training steps go in between),
+pick each session's tokens and put them on its stream. A session wants a step while it has
+tokens left to make, has not finished, and its reader is at most ``ahead`` steps behind, so a
+client that reads slowly pauses only its own session and never holds the others back, and
+sessions that keep up share every run (sessions join and leave between runs). In a run a part
+that starts its cache (a prompt, a replay) is a micro-batch of its own, and the decode parts of
+all the sessions share one (see [Note: fused decode] in ``pipesvc.stage.fused_cache``), so each
+stage reads its weights once per step for all of them. When a shared run fails on a KV budget,
+each session's step runs again alone, so only the sessions that do not fit fail. No gRPC here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from pipesvc.coordinator.generation import Session
+from pipesvc.errors import PipesvcError, ResourceExhaustedError
+
+logger = logging.getLogger(__name__)
+
+RunSteps = Callable[[list[Session]], list[tuple[list[torch.Tensor], int]]]
+"""Runs one step of each session as one GENERATE run; returns each session's part logits and
+the plan epoch they were computed in."""
+
+OnToken = Callable[[bool, float, int], None]
+"""Told of each step a session made: whether it was the first, its seconds, and its rows."""
+
+
+@dataclass(eq=False)
+class TokenStream:
+    """One session's place in the batcher: its tokens made and not yet read."""
+
+    session: Session
+    steps_left: int
+    made: deque[torch.Tensor] = field(default_factory=deque)
+    error: BaseException | None = None
+    closed: bool = False
+    running: bool = False
+    """A run holding this session is going."""
+    steps: int = 0
+    since: float = field(default_factory=time.monotonic)
+    """When its last step was asked for (or made)."""
+
+    @property
+    def finished(self) -> bool:
+        return self.closed or self.error is not None or self.steps_left == 0 or self.session.done
+
+
+class StepBatcher:
+    """Runs the steps of a job's sessions (see [Note: continuous batching])."""
+
+    def __init__(
+        self,
+        run: RunSteps,
+        *,
+        max_parts: int = 256,
+        ahead: int = 2,
+        on_token: OnToken | None = None,
+    ) -> None:
+        self._run = run
+        self._max_parts = max_parts
+        self._ahead = ahead
+        self._on_token = on_token
+        self._cond = threading.Condition()
+        self._streams: list[TokenStream] = []
+        self._loop: threading.Thread | None = None
+
+    def open(self, session: Session, steps: int) -> TokenStream:
+        """Starts making up to ``steps`` tokens of ``session``."""
+        stream = TokenStream(session, steps)
+        with self._cond:
+            self._streams.append(stream)
+            if self._loop is None:
+                self._loop = threading.Thread(target=self._serve, name="step-batcher", daemon=True)
+                self._loop.start()
+            self._cond.notify_all()
+        return stream
+
+    def next(self, stream: TokenStream) -> torch.Tensor | None:
+        """The session's next step's tokens (``[B]``), waiting for them; None once it has made
+        all it will.
+
+        Raises:
+            PipesvcError: its step failed (the session is over).
+        """
+        with self._cond:
+            while not stream.made and stream.error is None and not stream.finished:
+                self._cond.wait()
+            if stream.made:
+                tokens = stream.made.popleft()
+                self._cond.notify_all()  # its session may want a step again
+                return tokens
+            if stream.error is not None:
+                raise stream.error
+            return None
+
+    def close(self, stream: TokenStream) -> None:
+        """Ends the session's stream; returns once no run holds it, so its caches can go."""
+        with self._cond:
+            stream.closed = True
+            while stream.running:
+                self._cond.wait()
+            if stream in self._streams:
+                self._streams.remove(stream)
+            self._cond.notify_all()
+
+    def _wants_step(self, stream: TokenStream) -> bool:
+        return not stream.finished and len(stream.made) < self._ahead
+
+    def _serve(self) -> None:
+        while True:
+            with self._cond:
+                while not (ready := [s for s in self._streams if self._wants_step(s)]):
+                    if not self._streams:
+                        self._loop = None
+                        return
+                    self._cond.wait()
+                group = self._take(ready)
+                for stream in group:
+                    stream.running = True
+            try:
+                self._run_group(group)
+            finally:
+                with self._cond:
+                    for stream in group:
+                        stream.running = False
+                    self._cond.notify_all()
+
+    def _take(self, ready: list[TokenStream]) -> list[TokenStream]:
+        """The sessions of the next run: the ready ones up to ``max_parts`` parts, those waiting
+        longest first; the ones left move to the back of the line."""
+        ready.sort(key=lambda s: s.since)
+        group: list[TokenStream] = []
+        parts = 0
+        for stream in ready:
+            size = len(stream.session.rows)
+            if group and parts + size > self._max_parts:
+                break
+            group.append(stream)
+            parts += size
+        return group
+
+    def _run_group(self, group: list[TokenStream]) -> None:
+        try:
+            results = self._run([s.session for s in group])
+        except ResourceExhaustedError as exc:
+            if len(group) == 1:
+                self._fail(group[0], exc)
+                return
+            for stream in group:  # alone, so that only the sessions that do not fit fail
+                stream.session.invalidate()
+                try:
+                    self._made(stream, self._run([stream.session])[0])
+                except PipesvcError as alone:
+                    self._fail(stream, alone)
+            return
+        except BaseException as exc:  # every session of the run sees its error
+            for stream in group:
+                self._fail(stream, exc)
+            return
+        for stream, result in zip(group, results, strict=True):
+            self._made(stream, result)
+
+    def _made(self, stream: TokenStream, result: tuple[list[torch.Tensor], int]) -> None:
+        logits, epoch = result
+        tokens = stream.session.advance(logits, epoch)
+        now = time.monotonic()
+        if self._on_token is not None:
+            self._on_token(stream.steps == 0, now - stream.since, int(tokens.shape[0]))
+        with self._cond:
+            stream.made.append(tokens)
+            stream.steps += 1
+            stream.steps_left -= 1
+            stream.since = now
+            self._cond.notify_all()
+
+    def _fail(self, stream: TokenStream, error: BaseException) -> None:
+        with self._cond:
+            stream.error = error
+            self._cond.notify_all()

@@ -1,0 +1,151 @@
+"""The job's step batcher (see [Note: continuous batching]): one loop runs the steps of every
+session that wants one as one run; a slow reader pauses only its own session; a run over the
+KV budget is retried session by session. Pure: the run is a function here, no stages."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from pipesvc.coordinator.batcher import StepBatcher
+from pipesvc.coordinator.generation import ModelSupport, Session
+from pipesvc.core.sampling import Sampling
+from pipesvc.errors import ResourceExhaustedError, StageUnavailableError
+
+SUPPORT = ModelSupport(kv_cache=True, side_inputs=("attention_mask", "position_ids"))
+TIMEOUT_S = 10.0
+
+
+def session(rows: int = 1) -> Session:
+    return Session(
+        torch.ones(rows, 3, dtype=torch.long), None, parts=1, sampling=Sampling(), support=SUPPORT
+    )
+
+
+class Runs:
+    """A run function that records its sessions and makes token ``run number`` for every row
+    (with an optional hook per run)."""
+
+    def __init__(self, hook: object = None) -> None:
+        self.runs: list[list[Session]] = []
+        self.hook = hook
+        self.lock = threading.Lock()
+
+    def __call__(self, sessions: list[Session]) -> list[tuple[list[torch.Tensor], int]]:
+        with self.lock:
+            self.runs.append(list(sessions))
+            number = len(self.runs)
+        if callable(self.hook):
+            self.hook(sessions)
+        logits = torch.full((1, 64), -1.0)
+        logits[0, number % 64] = 1.0
+        return [([logits.expand(len(s.rows[0]), 64)], 1) for s in sessions]
+
+
+def read_all(batcher: StepBatcher, stream: object) -> list[int]:
+    out: list[int] = []
+    while (tokens := batcher.next(stream)) is not None:  # type: ignore[arg-type]
+        out.append(int(tokens[0]))
+    return out
+
+
+def test_sessions_that_keep_up_share_every_run_and_get_their_own_tokens() -> None:
+    runs = Runs()
+    batcher = StepBatcher(runs)
+    sessions = [session() for _ in range(4)]
+    gate = threading.Event()
+    runs.hook = lambda _: gate.wait(TIMEOUT_S)  # every stream opens before the first run ends
+    streams = [batcher.open(s, 5) for s in sessions]
+    gate.set()
+    results: dict[int, list[int]] = {}
+    threads = [
+        threading.Thread(target=lambda i=i: results.__setitem__(i, read_all(batcher, streams[i])))
+        for i in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT_S)
+    for stream in streams:
+        batcher.close(stream)
+    # Runs are shared: 20 steps in fewer runs (the second run, after the gated first, holds
+    # all four; how the rest group depends on how fast each reader reads).
+    assert len(runs.runs) < 20 and len(runs.runs[1]) == 4, [len(r) for r in runs.runs]
+    for i, s in enumerate(sessions):
+        made = [n for n, run in enumerate(runs.runs, start=1) if s in run]
+        assert results[i] == made  # the tokens of exactly the runs it was in, in order
+        assert s.tokens.shape[1] == 3 + 5
+
+
+def test_a_reader_that_falls_behind_pauses_only_its_own_session() -> None:
+    runs = Runs()
+    batcher = StepBatcher(runs, ahead=2)
+    slow, quick = session(), session()
+    slow_stream = batcher.open(slow, 10)
+    quick_stream = batcher.open(quick, 10)
+    assert len(read_all(batcher, quick_stream)) == 10  # slow's reader never reads meanwhile
+    assert sum(slow in run for run in runs.runs) == 2  # made as far ahead as allowed, no more
+    assert len(read_all(batcher, slow_stream)) == 10  # reading lets it go on
+    for stream in (slow_stream, quick_stream):
+        batcher.close(stream)
+
+
+def test_a_shared_run_over_the_budget_retries_each_session_alone() -> None:
+    big, small, warm = session(rows=2), session(), session()
+    gate = threading.Event()
+
+    def hook(sessions: list[Session]) -> None:
+        if sessions == [warm]:
+            gate.wait(TIMEOUT_S)  # big and small open meanwhile, and then run together
+        elif len(sessions) > 1 or sessions[0] is big:
+            raise ResourceExhaustedError("over budget")
+
+    runs = Runs(hook)
+    batcher = StepBatcher(runs)
+    warm_stream = batcher.open(warm, 1)
+    while not runs.runs:
+        time.sleep(0.01)
+    streams = {s.id: batcher.open(s, 1) for s in (big, small)}
+    gate.set()
+    results: dict[str, object] = {}
+    for s in (big, small):
+        try:
+            results[s.id] = read_all(batcher, streams[s.id])
+        except ResourceExhaustedError as exc:
+            results[s.id] = exc
+    assert [set(r) for r in runs.runs[1:]] == [{big, small}, {big}, {small}]
+    assert isinstance(results[big.id], ResourceExhaustedError)  # alone it still does not fit
+    assert isinstance(results[small.id], list)  # alone it does
+    for stream in [warm_stream, *streams.values()]:
+        batcher.close(stream)
+
+
+def test_a_failed_run_fails_its_sessions_and_close_waits_for_the_run() -> None:
+    started, release = threading.Event(), threading.Event()
+
+    def hook(_: list[Session]) -> None:
+        started.set()
+        release.wait(TIMEOUT_S)
+        raise StageUnavailableError("stage lost for good")
+
+    batcher = StepBatcher(Runs(hook))
+    stream = batcher.open(session(), 3)
+    assert started.wait(TIMEOUT_S)
+    closer = threading.Thread(target=batcher.close, args=(stream,))
+    closer.start()
+    time.sleep(0.1)
+    assert closer.is_alive()  # the run holding the session is still going
+    release.set()
+    closer.join(TIMEOUT_S)
+    assert not closer.is_alive()
+    errored = batcher.open(session(), 2)
+    release.set()
+    try:
+        read_all(batcher, errored)
+    except StageUnavailableError as exc:
+        assert "lost for good" in str(exc)
+    else:
+        raise AssertionError("the failed run's error did not reach its session")
+    batcher.close(errored)
