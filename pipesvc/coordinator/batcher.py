@@ -44,6 +44,8 @@ class TokenStream:
 
     session: Session
     steps_left: int
+    changed: threading.Condition
+    """Notified when it has tokens, an error, or is no longer in a run (on the batcher's lock)."""
     made: deque[torch.Tensor] = field(default_factory=deque)
     error: BaseException | None = None
     closed: bool = False
@@ -73,13 +75,15 @@ class StepBatcher:
         self._max_parts = max_parts
         self._ahead = ahead
         self._on_token = on_token
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        """The loop's: notified when a stream opens, closes or is read."""
         self._streams: list[TokenStream] = []
         self._loop: threading.Thread | None = None
 
     def open(self, session: Session, steps: int) -> TokenStream:
         """Starts making up to ``steps`` tokens of ``session``."""
-        stream = TokenStream(session, steps)
+        stream = TokenStream(session, steps, threading.Condition(self._lock))
         with self._cond:
             self._streams.append(stream)
             if self._loop is None:
@@ -97,10 +101,10 @@ class StepBatcher:
         """
         with self._cond:
             while not stream.made and stream.error is None and not stream.finished:
-                self._cond.wait()
+                stream.changed.wait()
             if stream.made:
                 tokens = stream.made.popleft()
-                self._cond.notify_all()  # its session may want a step again
+                self._cond.notify()  # its session may want a step again
                 return tokens
             if stream.error is not None:
                 raise stream.error
@@ -111,10 +115,10 @@ class StepBatcher:
         with self._cond:
             stream.closed = True
             while stream.running:
-                self._cond.wait()
+                stream.changed.wait()
             if stream in self._streams:
                 self._streams.remove(stream)
-            self._cond.notify_all()
+            self._cond.notify()
 
     def _wants_step(self, stream: TokenStream) -> bool:
         return not stream.finished and len(stream.made) < self._ahead
@@ -136,7 +140,7 @@ class StepBatcher:
                 with self._cond:
                     for stream in group:
                         stream.running = False
-                    self._cond.notify_all()
+                        stream.changed.notify_all()
 
     def _take(self, ready: list[TokenStream]) -> list[TokenStream]:
         """The sessions of the next run: the ready ones up to ``max_parts`` parts, those waiting
@@ -162,7 +166,7 @@ class StepBatcher:
             for stream in group:  # alone, so that only the sessions that do not fit fail
                 stream.session.invalidate()
                 try:
-                    self._made(stream, self._run([stream.session])[0])
+                    self._made([stream], self._run([stream.session]))
                 except PipesvcError as alone:
                     self._fail(stream, alone)
             return
@@ -170,23 +174,30 @@ class StepBatcher:
             for stream in group:
                 self._fail(stream, exc)
             return
-        for stream, result in zip(group, results, strict=True):
-            self._made(stream, result)
+        self._made(group, results)
 
-    def _made(self, stream: TokenStream, result: tuple[list[torch.Tensor], int]) -> None:
-        logits, epoch = result
-        tokens = stream.session.advance(logits, epoch)
+    def _made(
+        self, group: list[TokenStream], results: list[tuple[list[torch.Tensor], int]]
+    ) -> None:
+        """Picks each session's tokens from its logits and hands them to its stream."""
+        made = [
+            s.session.advance(logits, epoch)
+            for s, (logits, epoch) in zip(group, results, strict=True)
+        ]
         now = time.monotonic()
+        with self._lock:
+            for stream, tokens in zip(group, made, strict=True):
+                stream.made.append(tokens)
+                stream.steps += 1
+                stream.steps_left -= 1
+                stream.changed.notify_all()
         if self._on_token is not None:
-            self._on_token(stream.steps == 0, now - stream.since, int(tokens.shape[0]))
-        with self._cond:
-            stream.made.append(tokens)
-            stream.steps += 1
-            stream.steps_left -= 1
+            for stream, tokens in zip(group, made, strict=True):
+                self._on_token(stream.steps == 1, now - stream.since, int(tokens.shape[0]))
+        for stream in group:
             stream.since = now
-            self._cond.notify_all()
 
     def _fail(self, stream: TokenStream, error: BaseException) -> None:
-        with self._cond:
+        with self._lock:
             stream.error = error
-            self._cond.notify_all()
+            stream.changed.notify_all()
