@@ -128,7 +128,14 @@ class Session:
                 entry["position_ids"] = positions[rows, start:].contiguous()
             side.append(entry)
             if self.support.kv_cache:
-                caches.append((CacheRef(self.id, part, fresh=not cached, rows=len(rows)),))
+                ref = CacheRef(
+                    self.id,
+                    part,
+                    fresh=not cached,
+                    rows=len(rows),
+                    positions=self.tokens.shape[1] - start,
+                )
+                caches.append((ref,))
         return RunBatch(inputs=inputs, side=side if side_names else [], caches=caches)
 
     def advance(self, logits: list[torch.Tensor], epoch: int) -> torch.Tensor:
@@ -171,13 +178,14 @@ class _Part:
     caches: tuple[CacheRef, ...]
 
 
-def plan_step(sessions: list[Session], epoch: int, *, fuse_into: int = 0) -> StepRun:
+def plan_step(sessions: list[Session], epoch: int, *, fuse: bool = False) -> StepRun:
     """The run of one step of each of ``sessions`` in plan epoch ``epoch``: each part is a
-    micro-batch, except that with ``fuse_into`` > 0 the decode parts (one new position over an
-    existing cache) are fused into at most that many micro-batches (see [Note: fused decode] in
-    ``pipesvc.stage.fused_cache``)."""
-    runs: list[_Part] = []
-    decode: list[_Part] = []
+    micro-batch, or with ``fuse`` the parts that start their caches (prompts, replays) share
+    one micro-batch and the parts that extend theirs by one position share another (see
+    [Note: fused decode] in ``pipesvc.stage.fused_cache``)."""
+    alone: list[_Part] = []
+    starting: list[_Part] = []
+    extending: list[_Part] = []
     sources: list[list[Source]] = []
     for index, session in enumerate(sessions):
         batch = session.next_batch(epoch)
@@ -191,12 +199,15 @@ def plan_step(sessions: list[Session], epoch: int, *, fuse_into: int = 0) -> Ste
                 batch.side[part] if batch.side else {},
                 batch.caches[part] if batch.caches else (),
             )
-            fusable = fuse_into > 0 and entry.caches and not entry.caches[0].fresh
-            (decode if fusable and entry.inputs.shape[1] == 1 else runs).append(entry)
-    groups = [runs[i : i + 1] for i in range(len(runs))]
-    if decode:
-        cuts = torch.tensor_split(torch.arange(len(decode)), min(fuse_into, len(decode)))
-        groups += [[decode[int(i)] for i in cut] for cut in cuts]
+            if not fuse or not entry.caches:
+                alone.append(entry)
+            elif entry.caches[0].fresh:
+                starting.append(entry)
+            elif entry.inputs.shape[1] == 1:
+                extending.append(entry)
+            else:
+                alone.append(entry)
+    groups = [[entry] for entry in alone] + [g for g in (starting, extending) if g]
     inputs, side = [], []
     caches: list[MicrobatchCaches] = []
     for mb, group in enumerate(groups):
@@ -204,8 +215,9 @@ def plan_step(sessions: list[Session], epoch: int, *, fuse_into: int = 0) -> Ste
         for entry in group:
             sources[entry.session][entry.part] = (mb, row, row + entry.inputs.shape[0])
             row += entry.inputs.shape[0]
-        inputs.append(torch.cat([e.inputs for e in group]) if len(group) > 1 else group[0].inputs)
-        side.append(_fused_side([e.side for e in group]))
+        width = max(e.inputs.shape[1] for e in group)
+        inputs.append(torch.cat([_left_pad(e.inputs, width) for e in group]))
+        side.append(_fused_side([e.side for e in group], width))
         caches.append(tuple(ref for e in group for ref in e.caches))
     has_side = any(side)
     has_caches = any(caches)
@@ -215,9 +227,15 @@ def plan_step(sessions: list[Session], epoch: int, *, fuse_into: int = 0) -> Ste
     )
 
 
-def _fused_side(sides: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The side inputs of parts fused into one micro-batch: rows one after another, each
-    ``attention_mask`` left-padded with zeros to the longest (their caches are stacked the same
+def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` (``[rows, w]``) with zeros before its columns, ``width`` wide."""
+    return torch.nn.functional.pad(t, (width - t.shape[1], 0)) if t.shape[1] < width else t
+
+
+def _fused_side(sides: list[dict[str, torch.Tensor]], width: int) -> dict[str, torch.Tensor]:
+    """The side inputs of parts fused into one micro-batch ``width`` new positions wide: rows
+    one after another, ``position_ids`` left-padded with zeros to ``width`` and
+    ``attention_mask`` left-padded with zeros to the widest (their caches are stacked the same
     way on the stages)."""
     if len(sides) == 1:
         return sides[0]
@@ -225,7 +243,9 @@ def _fused_side(sides: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]
     for name in sides[0]:
         tensors = [s[name] for s in sides]
         if name == "attention_mask":
-            width = max(t.shape[1] for t in tensors)
-            tensors = [torch.nn.functional.pad(t, (width - t.shape[1], 0)) for t in tensors]
+            widest = max(t.shape[1] for t in tensors)
+            tensors = [_left_pad(t, widest) for t in tensors]
+        elif name == "position_ids":
+            tensors = [_left_pad(t, width) for t in tensors]
         fused[name] = torch.cat(tensors)
     return fused

@@ -413,8 +413,8 @@ class JobDriver:
         epoch = self.group.epoch
         # One decode micro-batch: it costs about the same for 1 row as for many (the weights
         # are read either way), so splitting it to overlap the stages costs more than it saves.
-        fuse_into = 1 if self._model_support().fuses_caches else 0
-        run = plan_step(sessions, epoch, fuse_into=fuse_into)
+        fuse = self._model_support().fuses_caches
+        run = plan_step(sessions, epoch, fuse=fuse)
         try:
             _, replies = self._run(stage_pb2.GENERATE, run.batch)
         except FailedPreconditionError as exc:
@@ -423,7 +423,7 @@ class JobDriver:
             # A stage dropped a session (idle too long): rebuild the caches from the tokens.
             for session in sessions:
                 session.invalidate()
-            run = plan_step(sessions, epoch, fuse_into=fuse_into)
+            run = plan_step(sessions, epoch, fuse=fuse)
             _, replies = self._run(stage_pb2.GENERATE, run.batch)
         outputs = [decode(t) for t in replies[-1].outputs]
         return [(logits, epoch) for logits in run.logits(outputs)]

@@ -121,7 +121,13 @@ class StageGroup:
         caches = [
             stage_pb2.MicrobatchCaches(
                 refs=[
-                    stage_pb2.CacheRef(session=c.session, part=c.part, fresh=c.fresh, rows=c.rows)
+                    stage_pb2.CacheRef(
+                        session=c.session,
+                        part=c.part,
+                        fresh=c.fresh,
+                        rows=c.rows,
+                        positions=c.positions,
+                    )
                     for c in refs
                 ]
             )

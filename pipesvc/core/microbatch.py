@@ -86,12 +86,15 @@ class CacheRef:
     """Start it empty: the prompt, or a replay of every token so far."""
     rows: int
     """The rows of the micro-batch it covers (the part's rows)."""
+    positions: int
+    """The positions this step adds (the part's own width; 1 for a decode step)."""
 
 
 MicrobatchCaches = tuple[CacheRef, ...]
 """The caches one micro-batch of a generation run reads and extends: one part's, or several
-sessions' decode parts fused into one micro-batch, their rows one after another (see
-[Note: fused decode] in ``pipesvc.stage.fused_cache``)."""
+sessions' parts fused into one micro-batch, their rows one after another, all starting their
+caches or all extending them by one position (see [Note: fused decode] in
+``pipesvc.stage.fused_cache``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -289,7 +289,9 @@ class StepEngine:
                         f"model {rt.config.model!r} cannot fuse sessions' caches in a micro-batch"
                     )
                 parts = [self.sessions.get(ref) for ref in refs]
-                stacked = fused_cache.stack(layout, parts, [ref.rows for ref in refs])
+                stacked = fused_cache.stack(
+                    layout, parts, [ref.rows for ref in refs], [ref.positions for ref in refs]
+                )
                 cache = stacked.cache
         if rt.is_first:
             x = data.inputs[mb]

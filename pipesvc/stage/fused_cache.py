@@ -2,16 +2,20 @@
 
 [Note: fused decode] A decode step computes one new position per row: little work for each
 weight it reads, so the steps of many sessions cost less as one micro-batch than as many. The
-coordinator fuses the decode parts of the sessions in a run into one micro-batch: their new
-tokens one part after another, each row's position, and each row's padding mask left-padded
-with zeros to the longest cache plus the new position. A stage stacks the parts' caches the same
-way (each layer's keys and values left-padded with zeros to the longest, then joined along the
-rows), runs its layers once on the fused micro-batch, and cuts the grown cache back into each
-part's rows and length. The mask hides the zeros, so every row attends to exactly its own keys,
-and its numbers are its own step's up to the rounding of a larger matrix product. A model
-offers this with a ``CacheLayout`` (how its cache shows its tensors) and by reading
-``attention_mask``; a model with sliding-window layers does not (a window's cache drops old
-positions, so the rows would not line up) and runs each part as its own micro-batch.
+coordinator fuses the parts of the sessions in a run that extend their caches by one position
+into one micro-batch: their new tokens one part after another, each row's position, and each
+row's padding mask left-padded with zeros to the longest cache plus the new position. A stage
+stacks the parts' caches the same way (each layer's keys and values left-padded with zeros to
+the longest, then joined along the rows), runs its layers once on the fused micro-batch, and
+cuts the grown cache back into each part's rows and length. The mask hides the zeros, so every
+row attends to exactly its own keys, and its numbers are its own step's up to the rounding of
+a larger matrix product. Prompts (parts that start their caches, and replays) fuse the same way
+into a micro-batch of their own: their tokens left-padded to the longest, and each part keeps
+the last of the new positions, as many as it brought (``CacheRef.positions``). The two kinds
+never share a micro-batch: a part's positions would not be contiguous. A model offers this with
+a ``CacheLayout`` (how its cache shows its tensors) and by reading ``attention_mask``; a model
+with sliding-window layers does not (a window's cache drops old positions, so the rows would
+not line up) and runs each part as its own micro-batch.
 """
 
 from __future__ import annotations
@@ -36,16 +40,31 @@ class StackedCaches:
     rows: tuple[int, ...]
     lengths: tuple[int, ...]
     """Each part's cached positions before the run."""
+    positions: tuple[int, ...]
+    """The positions each part adds in the run."""
     longest: int
 
     def split(self) -> list[Any]:
-        """Each part's cache after the run: its rows, and its own positions plus the new ones."""
+        """Each part's cache after the run: its rows, its own positions and the new ones.
+
+        Raises:
+            InvalidArgumentError: a part adds more positions than the run did, or a part with a
+                cache adds fewer (its positions would not be contiguous).
+        """
         tensors = self.layout.tensors(self.cache)
+        if not tensors:  # no layer of this stage keeps a cache
+            return [self.layout.build({}) for _ in self.rows]
+        grown = max(k.shape[2] for k, _ in tensors.values()) - self.longest
         parts, row = [], 0
-        for rows, length in zip(self.rows, self.lengths, strict=True):
+        for rows, length, added in zip(self.rows, self.lengths, self.positions, strict=True):
+            if added > grown or (length and added != grown):
+                raise InvalidArgumentError(
+                    f"a part with {length} cached positions adds {added} in a fused run that "
+                    f"added {grown}; expected {grown if length else f'at most {grown}'}"
+                )
             part: CacheTensors = {}
             for name, (keys, values) in tensors.items():
-                keep = length + keys.shape[2] - self.longest
+                keep = length + added
                 part[name] = (
                     keys[row : row + rows, :, keys.shape[2] - keep :],
                     values[row : row + rows, :, values.shape[2] - keep :],
@@ -55,15 +74,23 @@ class StackedCaches:
         return parts
 
 
-def stack(layout: CacheLayout, caches: Sequence[Any], rows: Sequence[int]) -> StackedCaches:
-    """Stacks the parts' ``caches`` (``rows[i]`` rows each) into one, left-padded with zeros.
+def stack(
+    layout: CacheLayout,
+    caches: Sequence[Any],
+    rows: Sequence[int],
+    positions: Sequence[int],
+) -> StackedCaches:
+    """Stacks the parts' ``caches`` (``rows[i]`` rows each, adding ``positions[i]`` in the run)
+    into one, left-padded with zeros.
 
     Raises:
         InvalidArgumentError: the caches hold different layers, a layer's tensors do not have
             the part's rows, or a cache's layers differ in length or shape.
     """
-    if len(caches) != len(rows) or not caches:
-        raise InvalidArgumentError(f"{len(caches)} caches for {len(rows)} parts")
+    if len(caches) != len(rows) or len(rows) != len(positions) or not caches:
+        raise InvalidArgumentError(
+            f"{len(caches)} caches for {len(rows)} parts adding {len(positions)} positions"
+        )
     parts = [layout.tensors(cache) for cache in caches]
     names = list(parts[0])
     reference = _kinds(parts[0])
@@ -92,7 +119,9 @@ def stack(layout: CacheLayout, caches: Sequence[Any], rows: Sequence[int]) -> St
         )
         for name in names
     }
-    return StackedCaches(layout, layout.build(fused), tuple(rows), tuple(lengths), longest)
+    return StackedCaches(
+        layout, layout.build(fused), tuple(rows), tuple(lengths), tuple(positions), longest
+    )
 
 
 def _kinds(part: CacheTensors) -> set[tuple[int, int, torch.dtype]]:

@@ -544,7 +544,8 @@ def _cache_refs(
 
     Raises:
         InvalidArgumentError: caches outside GENERATE, not one entry per micro-batch, a bad
-            session id, a part named twice, or a fused micro-batch that starts a cache.
+            session id, a part named twice, or a fused micro-batch that mixes parts starting
+            and extending caches.
     """
     if len(request.caches) not in ((0, m) if generating else (0,)):
         raise InvalidArgumentError(
@@ -569,11 +570,20 @@ def _cache_refs(
                     f"session {ref.session!r} part {ref.part} is named twice in one run"
                 )
             seen.add((ref.session, ref.part))
-            if len(entry.refs) > 1 and (ref.fresh or ref.rows == 0):
-                raise InvalidArgumentError(
-                    f"micro-batch {index} fuses {len(entry.refs)} caches; each must extend an "
-                    f"existing cache (fresh false) over its rows (rows > 0); session "
-                    f"{ref.session!r} part {ref.part} has fresh={ref.fresh}, rows={ref.rows}"
-                )
-        caches.append(tuple(CacheRef(r.session, r.part, r.fresh, r.rows) for r in entry.refs))
+        fused = len(entry.refs) > 1
+        fresh = {ref.fresh for ref in entry.refs}
+        if fused and (
+            len(fresh) > 1
+            or any(r.rows == 0 or r.positions == 0 for r in entry.refs)
+            or (fresh == {False} and any(r.positions != 1 for r in entry.refs))
+        ):
+            raise InvalidArgumentError(
+                f"micro-batch {index} fuses {len(entry.refs)} caches; expected all starting "
+                "(fresh) or all extending by one position, each over rows > 0 adding "
+                "positions > 0; got (fresh, rows, positions) "
+                + str([(r.fresh, r.rows, r.positions) for r in entry.refs])
+            )
+        caches.append(
+            tuple(CacheRef(r.session, r.part, r.fresh, r.rows, r.positions) for r in entry.refs)
+        )
     return caches

@@ -396,8 +396,9 @@ Global___RunStepRequest: _TypeAlias = RunStepRequest  # noqa: Y015
 
 @_typing.final
 class MicrobatchCaches(_message.Message):
-    """The caches of one micro-batch of a generation run: one, or (decode steps only, on a model
-    that fuses caches) several sessions' parts whose rows follow one another in this order.
+    """The caches of one micro-batch of a generation run: one, or (on a model that fuses caches)
+    several sessions' parts whose rows follow one another in this order, either all starting
+    their caches (prompts, left-padded to the longest) or all extending them by one position.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -428,6 +429,7 @@ class CacheRef(_message.Message):
     PART_FIELD_NUMBER: _builtins.int
     FRESH_FIELD_NUMBER: _builtins.int
     ROWS_FIELD_NUMBER: _builtins.int
+    POSITIONS_FIELD_NUMBER: _builtins.int
     session: _builtins.str
     """The session (the coordinator's id for it)."""
     part: _builtins.int
@@ -436,6 +438,10 @@ class CacheRef(_message.Message):
     """Start the cache empty (the prompt, or a replay of every token so far)."""
     rows: _builtins.int
     """The micro-batch's rows this cache covers (its rows in the session's part)."""
+    positions: _builtins.int
+    """The positions this step adds to it (its own width: 1 for a decode step); in a fused
+    micro-batch its tokens are the last that many of the micro-batch's columns.
+    """
     def __init__(
         self,
         *,
@@ -443,10 +449,11 @@ class CacheRef(_message.Message):
         part: _builtins.int = ...,
         fresh: _builtins.bool = ...,
         rows: _builtins.int = ...,
+        positions: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fresh", b"fresh", "part", b"part", "rows", b"rows", "session", b"session"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fresh", b"fresh", "part", b"part", "positions", b"positions", "rows", b"rows", "session", b"session"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

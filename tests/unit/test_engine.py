@@ -450,7 +450,7 @@ def _generate(
         for p in prompts
     ]
     for _ in range(steps):
-        run = plan_step(sessions, 1, fuse_into=len(pipeline.engines) if fuse else 0)
+        run = plan_step(sessions, 1, fuse=fuse)
         pipeline.run_id += 1
         results = pipeline.run_batch(run.batch, pipeline.run_id, generating=True)
         last = results[-1]

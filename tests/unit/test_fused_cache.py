@@ -77,7 +77,8 @@ def test_fused_decode_steps_equal_each_sessions_own(model: str, request: Any) ->
             steps.append((new, torch.cat([mask, torch.ones_like(new)], dim=1)))
             alone.append((run(net, new, steps[-1][1], caches[0]), caches[0]))
             fused_parts.append(caches[1])
-        stacked = fused_cache.stack(layout, fused_parts, [ids.shape[0] for ids, _ in prompts])
+        rows = [ids.shape[0] for ids, _ in prompts]
+        stacked = fused_cache.stack(layout, fused_parts, rows, [1] * len(rows))
         width = max(m.shape[1] for _, m in steps)
         mask = torch.cat([torch.nn.functional.pad(m, (width - m.shape[1], 0)) for _, m in steps])
         ids = torch.cat([new for new, _ in steps])
@@ -103,6 +104,49 @@ def test_fused_decode_steps_equal_each_sessions_own(model: str, request: Any) ->
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("model", ["gpt", "hf"])
+def test_fused_prompts_of_different_lengths_equal_each_prompt_alone(
+    model: str, request: Any
+) -> None:
+    name = request.getfixturevalue("hf_llama") if model == "hf" else "gpt"
+    args: dict[str, Any] = {} if model == "hf" else {"vocab_size": VOCAB, "num_blocks": 2}
+    net = models.build(name, seed=3, **args).eval()
+    features = models.model_features(name, args)
+    layout = features.cache_layout
+    assert layout is not None and features.new_cache is not None
+    g = torch.Generator().manual_seed(6)
+    prompts = [left_padded([4], g), left_padded([7, 5], g), left_padded([2, 2, 1], g)]
+    width = max(ids.shape[1] for ids, _ in prompts)
+    with torch.no_grad():
+        alone = []
+        for ids, mask in prompts:
+            cache = features.new_cache()
+            alone.append((run(net, ids, mask, cache), cache))
+        empty = [features.new_cache() for _ in prompts]
+        rows = [ids.shape[0] for ids, _ in prompts]
+        stacked = fused_cache.stack(layout, empty, rows, [ids.shape[1] for ids, _ in prompts])
+
+        def pad(t: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.pad(t, (width - t.shape[1], 0))
+
+        ids = torch.cat([pad(i) for i, _ in prompts])
+        mask = torch.cat([pad(m) for _, m in prompts])
+        logits = run(net, ids, mask, stacked.cache)
+        cut = stacked.split()
+    row = 0
+    for (expected, own_cache), part in zip(alone, cut, strict=True):
+        torch.testing.assert_close(
+            logits[row : row + expected.shape[0]], expected, rtol=1e-5, atol=1e-5
+        )
+        row += expected.shape[0]
+        ours, theirs = layout.tensors(part), layout.tensors(own_cache)
+        assert set(ours) == set(theirs)
+        for key in ours:
+            for a, b in zip(ours[key], theirs[key], strict=True):
+                assert a.shape == b.shape  # each part keeps exactly its own positions
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_caches_that_do_not_fit_together_are_refused() -> None:
     features = models.model_features("gpt", {"num_blocks": 2})
     layout = features.cache_layout
@@ -113,13 +157,15 @@ def test_caches_that_do_not_fit_together_are_refused() -> None:
         run(net, torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long), caches[0])
         run(net, torch.ones(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.long), caches[1])
     with pytest.raises(InvalidArgumentError, match=r"holds rows \[1\].*expected 2 rows"):
-        fused_cache.stack(layout, caches, [2, 2])  # the second part holds one row
+        fused_cache.stack(layout, caches, [2, 2], [1, 1])  # the second part holds one row
     with pytest.raises(InvalidArgumentError, match="caches layers"):
-        fused_cache.stack(layout, [caches[0], features.new_cache()], [2, 1])
-    stacked = fused_cache.stack(layout, caches, [2, 1])
+        fused_cache.stack(layout, [caches[0], features.new_cache()], [2, 1], [1, 1])
+    stacked = fused_cache.stack(layout, caches, [2, 1], [1, 1])
     keys = next(iter(layout.tensors(stacked.cache).values()))[0]
     assert keys.shape[0] == 3 and keys.shape[2] == 4  # rows joined, lengths left-padded
     assert bool((keys[:2, :, :1] == 0).all())
+    with pytest.raises(InvalidArgumentError, match="adds 1 in a fused run that added 0"):
+        stacked.split()  # nothing ran: a part cannot keep a position that was never added
 
 
 def test_a_sliding_window_model_does_not_fuse(tmp_path: Path) -> None:

@@ -91,28 +91,40 @@ def test_decode_parts_of_several_sessions_fuse_and_their_logits_find_their_way_b
     b.advance(logits_for([1, 2, 3]), epoch=1)  # b is one token longer than a
     for s in (a, b):
         s.advance(logits_for([3, 4, 5]), epoch=1)
-    run = plan_step([a, b, fresh], epoch=1, fuse_into=1)
+    run = plan_step([a, b, fresh], epoch=1, fuse=True)
     batch = run.batch
-    # fresh's two prompt parts run alone; the four decode parts fuse into one micro-batch.
-    assert [t.shape for t in batch.inputs] == [(2, 4), (1, 4), (6, 1)]
-    assert [[(r.session, r.part, r.fresh, r.rows) for r in refs] for refs in batch.caches] == [
-        [(fresh.id, 0, True, 2)],
-        [(fresh.id, 1, True, 1)],
-        [(a.id, 0, False, 2), (a.id, 1, False, 1), (b.id, 0, False, 2), (b.id, 1, False, 1)],
-    ]
+    # fresh's two prompt parts share one micro-batch; the four decode parts share another.
+    assert [t.shape for t in batch.inputs] == [(3, 4), (6, 1)]
+    refs = [[(r.session, r.part, r.fresh, r.rows, r.positions) for r in c] for c in batch.caches]
+    assert refs == [
+        [(fresh.id, 0, True, 2, 4), (fresh.id, 1, True, 1, 4)],
+        [(a.id, 0, False, 2, 1), (a.id, 1, False, 1, 1),
+         (b.id, 0, False, 2, 1), (b.id, 1, False, 1, 1)],
+    ]  # fmt: skip
     # The masks are left-padded to the longest (b's); each row keeps its own positions.
-    assert batch.side[2]["attention_mask"].tolist() == [
+    assert batch.side[1]["attention_mask"].tolist() == [
         [0, 0, 0, 1, 1, 1], [0, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1],
         [0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1],
     ]  # fmt: skip
-    assert batch.side[2]["position_ids"].tolist() == [[2], [4], [3], [3], [5], [4]]
+    assert batch.side[1]["position_ids"].tolist() == [[2], [4], [3], [3], [5], [4]]
     outputs = [torch.full((t.shape[0], 1), float(mb)) for mb, t in enumerate(batch.inputs)]
-    outputs[2] = torch.arange(20.0, 26.0)[:, None]
+    outputs[1] = torch.arange(20.0, 26.0)[:, None]
     logits = run.logits(outputs)
     assert [[t.flatten().tolist() for t in parts] for parts in logits] == [
-        [[20.0, 21.0], [22.0]], [[23.0, 24.0], [25.0]], [[0.0, 0.0], [1.0]]
+        [[20.0, 21.0], [22.0]], [[23.0, 24.0], [25.0]], [[0.0, 0.0], [0.0]]
     ]  # fmt: skip
-    two = plan_step([a, b], epoch=1, fuse_into=2)  # at most two micro-batches of decode parts
-    assert [len(refs) for refs in two.batch.caches] == [2, 2]
     unfused = plan_step([a, b], epoch=1)  # without fusing, each part is its own micro-batch
     assert [len(refs) for refs in unfused.batch.caches] == [1, 1, 1, 1]
+
+
+def test_prompts_of_different_lengths_fuse_left_padded() -> None:
+    support = ModelSupport(
+        kv_cache=True, side_inputs=("attention_mask", "position_ids"), fuses_caches=True
+    )
+    short = Session(torch.tensor([[7, 8]]), None, parts=1, sampling=Sampling(), support=support)
+    batch = plan_step([session(support), short], epoch=1, fuse=True).batch
+    assert len(batch.inputs) == 1
+    assert batch.inputs[0].tolist() == [[0, 0, 5, 6], [7, 8, 9, 10], [0, 11, 12, 13], [0, 0, 7, 8]]
+    assert batch.side[0]["attention_mask"][3].tolist() == [0, 0, 1, 1]
+    assert batch.side[0]["position_ids"][3].tolist() == [0, 0, 0, 1]
+    assert [(r.rows, r.positions) for r in batch.caches[0]] == [(2, 4), (1, 4), (1, 2)]
