@@ -39,20 +39,19 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Generator, Iterable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from concurrent import futures
 from typing import Any
 
 import torch
 
 from pipesvc.coordinator import planner
-from pipesvc.coordinator.batcher import StepBatcher
 from pipesvc.coordinator.fair_lock import FairLock
-from pipesvc.coordinator.generation import MAX_NEW_TOKENS, ModelSupport, Session, plan_step
 from pipesvc.coordinator.job_state import JobState, PendingCommit
 from pipesvc.coordinator.recovery import FINAL_ERRORS, JobStorage, Recovery
 from pipesvc.coordinator.registry import StageRegistry
-from pipesvc.coordinator.stage_calls import Deadlines, StageLostError, call_stage
+from pipesvc.coordinator.serving import JobGeneration
+from pipesvc.coordinator.stage_calls import Deadlines, StageLostError
 from pipesvc.coordinator.stage_group import StageGroup
 from pipesvc.coordinator.state_db import JobRecord
 from pipesvc.coordinator.step_log import LoggedBatch
@@ -132,8 +131,14 @@ class JobDriver:
         self._last_loss = (0, 0.0)  # (step, loss) of the newest run phase that succeeded
         self._decided_at = 0.0  # when the newest step was decided (for the idle flush)
         self._lock = FairLock()  # calls take turns (see fair_lock.py)
-        self._support: ModelSupport | None = None
-        self._batcher = StepBatcher(self._generate_steps, on_token=self._count_token)
+        self.generation = JobGeneration(
+            job_id=job_id,
+            config=config,
+            group=self.group,
+            resilient=self._generate_steps,
+            run=self._run,
+            metrics=metrics,
+        )
 
     @property
     def plan(self) -> list[PipelineStage]:
@@ -363,111 +368,19 @@ class JobDriver:
         attention_mask: torch.Tensor | None = None,
         eos_token_id: int | None = None,
     ) -> Generator[torch.Tensor, None, None]:
-        """Generates up to ``max_new_tokens`` tokens after the prompt from the job's committed
-        weights; yields each step's new token of every row (``[B]``) as it is made (see
-        [Note: generation on the coordinator]). Each step holds the job for one run only, so
-        training steps and other sessions go in between. The session's caches are released on
-        every stage when the iterator ends or is closed.
-
-        Raises:
-            InvalidArgumentError: the prompt, the mask or the sampling settings do not fit.
-            ResourceExhaustedError: a stage's KV budget would be exceeded.
-        """
-        if not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
-            raise InvalidArgumentError(
-                f"max_new_tokens ({max_new_tokens}) must be in [1, {MAX_NEW_TOKENS}]"
-            )
-        parts = min(self.config.num_microbatches, int(input_ids.shape[0]) if input_ids.dim() else 1)
-        session = Session(
+        """A generation session on the job's committed weights (``JobGeneration.generate``)."""
+        return self.generation.generate(
             input_ids,
-            attention_mask,
-            parts=max(1, parts),
-            sampling=sampling,
-            support=self._model_support(),
+            max_new_tokens,
+            sampling,
+            attention_mask=attention_mask,
             eos_token_id=eos_token_id,
         )
-        self._metrics.inc("generation_sessions_total")
-        stream = self._batcher.open(session, max_new_tokens)
-        try:
-            while (tokens := self._batcher.next(stream)) is not None:
-                yield tokens
-        finally:
-            self._batcher.close(stream)
-            self._release_session(session)
 
-    def _count_token(self, first: bool, seconds: float, rows: int) -> None:
-        name = "time_to_first_token_seconds" if first else "time_per_output_token_seconds"
-        self._metrics.observe(name, seconds)
-        self._metrics.inc("generated_tokens_total", float(rows))
-
-    def _generate_steps(self, sessions: list[Session]) -> list[tuple[list[torch.Tensor], int]]:
-        """One step of every session in one GENERATE run (see [Note: continuous batching]),
-        recovering from lost stages like any run."""
+    def _generate_steps(self, attempt: Callable[[], Any], what: str) -> Any:
+        """A generation run: under the job's lock, recovering from lost stages like any run."""
         with self._lock:
-            result: list[tuple[list[torch.Tensor], int]] = self._resilient(
-                lambda: self._generate_once(sessions), "generation step"
-            )
-            return result
-
-    def _generate_once(self, sessions: list[Session]) -> list[tuple[list[torch.Tensor], int]]:
-        epoch = self.group.epoch
-        # One decode micro-batch: it costs about the same for 1 row as for many (the weights
-        # are read either way), so splitting it to overlap the stages costs more than it saves.
-        fuse = self._model_support().fuses_caches
-        run = plan_step(sessions, epoch, fuse=fuse)
-        try:
-            _, replies = self._run(stage_pb2.GENERATE, run.batch)
-        except FailedPreconditionError as exc:
-            if "has no cache" not in str(exc):
-                raise
-            # A stage dropped a session (idle too long): rebuild the caches from the tokens.
-            for session in sessions:
-                session.invalidate()
-            run = plan_step(sessions, epoch, fuse=fuse)
-            _, replies = self._run(stage_pb2.GENERATE, run.batch)
-        outputs = [decode(t) for t in replies[-1].outputs]
-        return [(logits, epoch) for logits in run.logits(outputs)]
-
-    def _model_support(self) -> ModelSupport:
-        """Whether the model keeps caches and which side inputs it reads (asked once)."""
-        if self._support is None:
-            reply = call_stage(
-                self.group.registry,
-                self.group.plan[0],
-                lambda stub: stub.Describe,
-                stage_pb2.DescribeRequest(
-                    model=self.config.model, model_args_json=self.config.model_args_json()
-                ),
-                self.group.deadlines.control_s,
-            )
-            self._support = ModelSupport(
-                kv_cache=reply.kv_cache,
-                side_inputs=tuple(reply.side_inputs),
-                fuses_caches=reply.fuses_caches,
-            )
-        return self._support
-
-    def _release_session(self, session: Session) -> None:
-        """Drops the session's caches on every stage of the plan (best effort: a stage that
-        is gone or busy drops them when they expire)."""
-        request = stage_pb2.ReleaseSessionRequest(job_id=self.job_id, session=session.id)
-        for stage in list(self.group.plan):
-            try:
-                call_stage(
-                    self.group.registry,
-                    stage,
-                    lambda stub: stub.ReleaseSession,
-                    request,
-                    self.group.deadlines.health_s,
-                )
-            except PipesvcError as exc:
-                logger.info(
-                    "job %s: session %s not released on %s: %s",
-                    self.job_id,
-                    session.id,
-                    stage.address,
-                    exc,
-                )
+            return self._resilient(attempt, what)
 
     def _resilient(self, attempt: Any, what: str) -> Any:
         """Runs ``attempt`` after making the job ready; recovers and retries on stage failures."""

@@ -1,0 +1,171 @@
+"""A job's text generation: its sessions, their steps through the job's batcher, the model's
+support for caches, and releasing a session's caches (see [Note: generation on the
+coordinator] in ``generation.py`` and [Note: continuous batching] in ``batcher.py``)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Generator
+from typing import Any
+
+import torch
+
+from pipesvc.coordinator.batcher import StepBatcher
+from pipesvc.coordinator.generation import MAX_NEW_TOKENS, ModelSupport, Session, plan_step
+from pipesvc.coordinator.stage_calls import call_stage
+from pipesvc.coordinator.stage_group import StageGroup
+from pipesvc.core.config import JobConfig
+from pipesvc.core.microbatch import RunBatch
+from pipesvc.core.sampling import Sampling
+from pipesvc.core.tensor_codec import decode
+from pipesvc.errors import FailedPreconditionError, InvalidArgumentError, PipesvcError
+from pipesvc.observe.metrics import Metrics
+from pipesvc.v1 import stage_pb2
+
+logger = logging.getLogger(__name__)
+
+Resilient = Callable[[Callable[[], Any], str], Any]
+"""Runs an attempt under the job's lock, recovering from lost stages and retrying."""
+RunPhase = Callable[
+    [stage_pb2.RunMode.ValueType, RunBatch], tuple[int, list[stage_pb2.RunStepResponse]]
+]
+"""One run on every stage of the job (carrying its pending commit)."""
+
+
+class JobGeneration:
+    """The generation sessions of one job."""
+
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        config: JobConfig,
+        group: StageGroup,
+        resilient: Resilient,
+        run: RunPhase,
+        metrics: Metrics,
+    ) -> None:
+        self._job_id = job_id
+        self._config = config
+        self._group = group
+        self._resilient = resilient
+        self._run = run
+        self._metrics = metrics
+        self._support: ModelSupport | None = None
+        self.batcher = StepBatcher(self._steps, on_token=self._count_token)
+
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        sampling: Sampling,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        eos_token_id: int | None = None,
+    ) -> Generator[torch.Tensor, None, None]:
+        """Generates up to ``max_new_tokens`` tokens after the prompt from the job's committed
+        weights; yields each step's new token of every row (``[B]``) as it is made (see
+        [Note: generation on the coordinator]). Each step holds the job for one run only, so
+        training steps and other sessions go in between. The session's caches are released on
+        every stage when the iterator ends or is closed.
+
+        Raises:
+            InvalidArgumentError: the prompt, the mask or the sampling settings do not fit.
+            ResourceExhaustedError: a stage's KV budget would be exceeded.
+        """
+        if not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
+            raise InvalidArgumentError(
+                f"max_new_tokens ({max_new_tokens}) must be in [1, {MAX_NEW_TOKENS}]"
+            )
+        parts = min(
+            self._config.num_microbatches, int(input_ids.shape[0]) if input_ids.dim() else 1
+        )
+        session = Session(
+            input_ids,
+            attention_mask,
+            parts=max(1, parts),
+            sampling=sampling,
+            support=self._model_support(),
+            eos_token_id=eos_token_id,
+        )
+        self._metrics.inc("generation_sessions_total")
+        stream = self.batcher.open(session, max_new_tokens)
+        try:
+            while (tokens := self.batcher.next(stream)) is not None:
+                yield tokens
+        finally:
+            self.batcher.close(stream)
+            self._release_session(session)
+
+    def _count_token(self, first: bool, seconds: float, rows: int) -> None:
+        name = "time_to_first_token_seconds" if first else "time_per_output_token_seconds"
+        self._metrics.observe(name, seconds)
+        self._metrics.inc("generated_tokens_total", float(rows))
+
+    def _steps(self, sessions: list[Session]) -> list[tuple[list[torch.Tensor], int]]:
+        """One step of every session in one GENERATE run (see [Note: continuous batching]),
+        recovering from lost stages like any run."""
+        result: list[tuple[list[torch.Tensor], int]] = self._resilient(
+            lambda: self._generate_once(sessions), "generation step"
+        )
+        return result
+
+    def _generate_once(self, sessions: list[Session]) -> list[tuple[list[torch.Tensor], int]]:
+        epoch = self._group.epoch
+        # One decode micro-batch: it costs about the same for 1 row as for many (the weights
+        # are read either way), so splitting it to overlap the stages costs more than it saves.
+        fuse = self._model_support().fuses_caches
+        run = plan_step(sessions, epoch, fuse=fuse)
+        try:
+            _, replies = self._run(stage_pb2.GENERATE, run.batch)
+        except FailedPreconditionError as exc:
+            if "has no cache" not in str(exc):
+                raise
+            # A stage dropped a session (idle too long): rebuild the caches from the tokens.
+            for session in sessions:
+                session.invalidate()
+            run = plan_step(sessions, epoch, fuse=fuse)
+            _, replies = self._run(stage_pb2.GENERATE, run.batch)
+        outputs = [decode(t) for t in replies[-1].outputs]
+        return [(logits, epoch) for logits in run.logits(outputs)]
+
+    def _model_support(self) -> ModelSupport:
+        """Whether the model keeps caches and which side inputs it reads (asked once)."""
+        if self._support is None:
+            reply = call_stage(
+                self._group.registry,
+                self._group.plan[0],
+                lambda stub: stub.Describe,
+                stage_pb2.DescribeRequest(
+                    model=self._config.model, model_args_json=self._config.model_args_json()
+                ),
+                self._group.deadlines.control_s,
+            )
+            self._support = ModelSupport(
+                kv_cache=reply.kv_cache,
+                side_inputs=tuple(reply.side_inputs),
+                fuses_caches=reply.fuses_caches,
+            )
+        return self._support
+
+    def _release_session(self, session: Session) -> None:
+        """Drops the session's caches on every stage of the plan (best effort: a stage that
+        is gone or busy drops them when they expire)."""
+        request = stage_pb2.ReleaseSessionRequest(job_id=self._job_id, session=session.id)
+        for stage in list(self._group.plan):
+            try:
+                call_stage(
+                    self._group.registry,
+                    stage,
+                    lambda stub: stub.ReleaseSession,
+                    request,
+                    self._group.deadlines.health_s,
+                )
+            except PipesvcError as exc:
+                logger.info(
+                    "job %s: session %s not released on %s: %s",
+                    self._job_id,
+                    session.id,
+                    stage.address,
+                    exc,
+                )
