@@ -139,9 +139,14 @@ class Session:
         return RunBatch(inputs=inputs, side=side if side_names else [], caches=caches)
 
     def advance(self, logits: list[torch.Tensor], epoch: int) -> torch.Tensor:
-        """Takes the next-token logits of each part (``[rows, vocab]``, in order); returns the
-        new token of every row (end-of-sequence once a row has finished)."""
-        chosen = self.sampling.choose(torch.cat(logits, dim=0), self.generator)
+        """Takes the next-token logits of each part (``[rows, vocab]``, in order), or for a
+        greedy session the tokens the last stage picked (``[rows]``); returns the new token of
+        every row (end-of-sequence once a row has finished)."""
+        scores = torch.cat(logits, dim=0)
+        if scores.dim() == 1 and self.sampling.greedy:
+            chosen = scores.to(torch.long)
+        else:
+            chosen = self.sampling.choose(scores, self.generator)
         if self.eos_token_id is not None:
             chosen = chosen.masked_fill(self.finished, self.eos_token_id)
             self.finished |= chosen == self.eos_token_id
@@ -221,10 +226,13 @@ def plan_step(sessions: list[Session], epoch: int, *, fuse: bool = False) -> Ste
         caches.append(tuple(ref for e in group for ref in e.caches))
     has_side = any(side)
     has_caches = any(caches)
-    return StepRun(
-        RunBatch(inputs=inputs, side=side if has_side else [], caches=caches if has_caches else []),
-        sources,
+    batch = RunBatch(
+        inputs=inputs,
+        side=side if has_side else [],
+        caches=caches if has_caches else [],
+        greedy=all(s.sampling.greedy for s in sessions),
     )
+    return StepRun(batch, sources)
 
 
 def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:

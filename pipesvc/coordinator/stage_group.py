@@ -147,6 +147,7 @@ class StageGroup:
                 commit=commit,
                 side_inputs=encoded_side,
                 caches=caches,
+                greedy=batch.greedy,
             )
 
         deadlines = self.deadlines

@@ -107,6 +107,8 @@ class RunBatch:
     targets: list[torch.Tensor] = field(default_factory=list)
     side: list[dict[str, torch.Tensor]] = field(default_factory=list)
     caches: list[MicrobatchCaches] = field(default_factory=list)
+    greedy: bool = False
+    """Generation: the last stage returns each row's most likely next token, not its logits."""
 
     @classmethod
     def split(

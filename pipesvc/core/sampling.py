@@ -42,6 +42,11 @@ class Sampling:
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidArgumentError(f"seed ({self.seed}) must be in [0, 2**63)")
 
+    @property
+    def greedy(self) -> bool:
+        """Each token is the most likely one (``temperature == 0``)."""
+        return self.temperature == 0.0
+
     def generator(self) -> torch.Generator:
         """The session's generator."""
         g = torch.Generator()
@@ -54,7 +59,7 @@ class Sampling:
     def choose(self, logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """The next token of each row of ``logits`` (``[B, V]``) as a ``[B]`` int64 tensor."""
         logits = logits.float()
-        if self.temperature == 0.0:
+        if self.greedy:
             return logits.argmax(dim=-1)
         scores = logits / self.temperature
         if self.top_k is not None and self.top_k < scores.shape[-1]:

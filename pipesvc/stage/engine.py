@@ -93,6 +93,9 @@ class RunInputs:
     """Generation: the caches each micro-batch reads and extends (see [Note: generation
     sessions]; several when sessions' decode steps are fused, see [Note: fused decode]); empty
     otherwise."""
+    greedy: bool = False
+    """Generation: the last stage returns each row's most likely next token (int64), not its
+    next-token logits."""
 
 
 class StepEngine:
@@ -316,6 +319,8 @@ class StepEngine:
         if not rt.is_last:
             with rec.span("send", mb):
                 self._send_activation(MailKey(run_id, ACTIVATION, mb), y)
+        elif generating and data.greedy:
+            outputs[mb] = y[:, -1].argmax(dim=-1)  # the most likely next token of each row
         elif generating:
             outputs[mb] = y[:, -1].contiguous()  # the next token's logits only
         elif not training:

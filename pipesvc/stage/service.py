@@ -345,6 +345,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
                 loss_weights=list(request.loss_weights),
                 side=side,
                 caches=caches,
+                greedy=generating and request.greedy,
             ),
             commit=_carried(request),
             generating=generating,

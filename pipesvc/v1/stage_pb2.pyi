@@ -330,6 +330,7 @@ class RunStepRequest(_message.Message):
     COMMIT_FIELD_NUMBER: _builtins.int
     SIDE_INPUTS_FIELD_NUMBER: _builtins.int
     CACHES_FIELD_NUMBER: _builtins.int
+    GREEDY_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     plan_epoch: _builtins.int
@@ -340,6 +341,10 @@ class RunStepRequest(_message.Message):
     """Train or infer."""
     num_microbatches: _builtins.int
     """Micro-batches in this run."""
+    greedy: _builtins.bool
+    """GENERATE: the last stage returns each row's most likely next token (int64 [rows] per
+    micro-batch) instead of its next-token logits (every session of the run is greedy).
+    """
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Tensor]:
         """Micro-batch inputs, in order; rank 0 only."""
@@ -385,10 +390,11 @@ class RunStepRequest(_message.Message):
         commit: Global___CarriedCommit | None = ...,
         side_inputs: _abc.Iterable[Global___SideInputs] | None = ...,
         caches: _abc.Iterable[Global___MicrobatchCaches] | None = ...,
+        greedy: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["caches", b"caches", "commit", b"commit", "inputs", b"inputs", "job_id", b"job_id", "loss_weights", b"loss_weights", "mode", b"mode", "num_microbatches", b"num_microbatches", "plan_epoch", b"plan_epoch", "run_id", b"run_id", "side_inputs", b"side_inputs", "targets", b"targets"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["caches", b"caches", "commit", b"commit", "greedy", b"greedy", "inputs", b"inputs", "job_id", b"job_id", "loss_weights", b"loss_weights", "mode", b"mode", "num_microbatches", b"num_microbatches", "plan_epoch", b"plan_epoch", "run_id", b"run_id", "side_inputs", b"side_inputs", "targets", b"targets"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

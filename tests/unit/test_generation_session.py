@@ -128,3 +128,13 @@ def test_prompts_of_different_lengths_fuse_left_padded() -> None:
     assert batch.side[0]["attention_mask"][3].tolist() == [0, 0, 1, 1]
     assert batch.side[0]["position_ids"][3].tolist() == [0, 0, 0, 1]
     assert [(r.rows, r.positions) for r in batch.caches[0]] == [(2, 4), (1, 4), (1, 2)]
+
+
+def test_a_run_of_greedy_sessions_asks_the_last_stage_for_tokens_only() -> None:
+    greedy, hot = session(), session()
+    hot.sampling = Sampling(temperature=1.0, seed=1)
+    assert plan_step([greedy], epoch=1).batch.greedy
+    assert not plan_step([greedy, hot], epoch=1).batch.greedy  # hot needs the logits
+    # The last stage's tokens (one per row, per part) are the session's new tokens.
+    assert greedy.advance([torch.tensor([3, 4]), torch.tensor([5])], epoch=1).tolist() == [3, 4, 5]
+    assert greedy.tokens[:, -1].tolist() == [3, 4, 5]
