@@ -264,10 +264,20 @@ def make_cache(directory: str) -> Any:
     from transformers import DynamicCache
 
     config = _checkpoint(directory).meta_model.config
+    if _full_attention_only(config):
+        return DynamicCache()  # plain layers, added as blocks use them (and cheap to make)
     try:
         return DynamicCache(config=config)
     except TypeError:  # transformers before the config argument
         return DynamicCache()
+
+
+def _full_attention_only(config: Any) -> bool:
+    """Every block attends to every earlier position (no sliding window, no chunks)."""
+    types = getattr(config, "layer_types", None) or ()
+    return getattr(config, "sliding_window", None) is None and all(
+        t == "full_attention" for t in types
+    )
 
 
 def _cache_tensors(cache: Any) -> CacheTensors:
@@ -282,11 +292,18 @@ def _cache_tensors(cache: Any) -> CacheTensors:
 
 
 def _cache_from_tensors(directory: str, tensors: CacheTensors) -> Any:
+    """A cache holding ``tensors`` themselves (no copy: its layers keep these tensors, which may
+    be views of a stacked cache, until their next append makes new ones)."""
     cache = make_cache(directory)
     for index, (keys, values) in tensors.items():
         if not isinstance(index, int):
             raise InvalidArgumentError(f"cache layer {index!r}: expected a block index")
-        cache.update(keys, values, index)
+        cache.update(keys[:, :, :0], values[:, :, :0], index)  # the layer, empty
+        layer = cache.layers[index]
+        if isinstance(getattr(layer, "keys", None), torch.Tensor):
+            layer.keys, layer.values = keys, values
+        else:  # a cache layer of another shape: its own append (a copy)
+            cache.update(keys, values, index)
     return cache
 
 
@@ -297,9 +314,7 @@ def cache_layout(directory: str) -> CacheLayout | None:
     and for a ``transformers`` whose caches keep no per-layer objects."""
     from transformers import DynamicCache
 
-    config = _checkpoint(directory).meta_model.config
-    types = getattr(config, "layer_types", None) or ()
-    if getattr(config, "sliding_window", None) is not None or "sliding_attention" in types:
+    if not _full_attention_only(_checkpoint(directory).meta_model.config):
         return None
     if not hasattr(DynamicCache(), "layers"):
         return None

@@ -98,6 +98,15 @@ class RunInputs:
     next-token logits."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Cohort:
+    """A fused run's parts, their stacked cache, and the caches cut from it."""
+
+    key: tuple[tuple[str, int], ...]
+    stacked: fused_cache.StackedCaches
+    parts: list[object]
+
+
 class StepEngine:
     """Runs, commits and aborts the steps of one stage of one job (see [Note: run and commit])."""
 
@@ -292,7 +301,7 @@ class StepEngine:
                         f"model {rt.config.model!r} cannot fuse sessions' caches in a micro-batch"
                     )
                 parts = [self.sessions.get(ref) for ref in refs]
-                stacked = fused_cache.stack(
+                stacked = self._restack(refs, parts) or fused_cache.stack(
                     layout, parts, [ref.rows for ref in refs], [ref.positions for ref in refs]
                 )
                 cache = stacked.cache
@@ -310,8 +319,14 @@ class StepEngine:
             y = rt.forward(mb, x, training=training, side=side, cache=cache)
             if stacked is not None:
                 assert self.sessions is not None
-                for ref, part in zip(data.caches[mb], stacked.split(), strict=True):
+                refs = data.caches[mb]
+                cut = stacked.split()
+                for ref, part in zip(refs, cut, strict=True):
                     self.sessions.put(ref, part)
+                self.sessions.keep_cohort(
+                    _Cohort(tuple((r.session, r.part) for r in refs), stacked, cut),
+                    (r.session for r in refs),
+                )
             if rt.is_last and training:
                 loss = rt.loss(mb, data.targets[mb], data.loss_weights[mb])
                 losses[mb] = float(loss.detach())  # float() of a tensor needing grad warns
@@ -325,6 +340,22 @@ class StepEngine:
             outputs[mb] = y[:, -1].contiguous()  # the next token's logits only
         elif not training:
             outputs[mb] = y
+
+    def _restack(
+        self, refs: MicrobatchCaches, parts: list[object]
+    ) -> fused_cache.StackedCaches | None:
+        """The stacked cache the last fused run left, if this micro-batch fuses the same parts
+        and each still holds the cache cut from it (see [Note: fused decode])."""
+        assert self.sessions is not None
+        cohort = self.sessions.cohort
+        if (
+            not isinstance(cohort, _Cohort)
+            or cohort.key != tuple((r.session, r.part) for r in refs)
+            or any(r.fresh for r in refs)
+            or any(a is not b for a, b in zip(parts, cohort.parts, strict=True))
+        ):
+            return None
+        return cohort.stacked.grown([r.positions for r in refs])
 
     def _backward(self, run_id: int, mb: int) -> None:
         rt, rec = self.runtime, self.recorder

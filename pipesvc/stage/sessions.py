@@ -66,6 +66,8 @@ class SessionCaches:
         self._lock = threading.Lock()
         self._caches: dict[tuple[str, int], Any] = {}
         self._used: dict[str, float] = {}
+        self._cohort: Any = None
+        self._cohort_sessions: frozenset[str] = frozenset()
 
     def get(self, ref: CacheRef) -> Any:
         """The cache of ``ref`` (an empty one when ``ref.fresh``).
@@ -129,12 +131,26 @@ class SessionCaches:
             + f"; {len(self.sessions())} other session(s) hold {self.total_bytes() / MIB:.2f} MiB"
         )
 
+    @property
+    def cohort(self) -> Any:
+        """What the last fused run left to reuse (see [Note: fused decode] in
+        ``pipesvc.stage.fused_cache``), or None; dropped with any of its sessions."""
+        with self._lock:
+            return self._cohort
+
+    def keep_cohort(self, cohort: Any, sessions: Iterable[str]) -> None:
+        with self._lock:
+            self._cohort = cohort
+            self._cohort_sessions = frozenset(sessions)
+
     def release(self, session: str) -> int:
         """Drops every part of ``session``; returns the bytes freed (0 if it had none)."""
         with self._lock:
             keys = [k for k in self._caches if k[0] == session]
             dropped = [self._caches.pop(k) for k in keys]
             self._used.pop(session, None)
+            if session in self._cohort_sessions:
+                self._cohort, self._cohort_sessions = None, frozenset()
         return sum(cache_bytes(c) for c in dropped)
 
     def expire(self) -> list[str]:
@@ -156,3 +172,4 @@ class SessionCaches:
         with self._lock:
             self._caches.clear()
             self._used.clear()
+            self._cohort, self._cohort_sessions = None, frozenset()

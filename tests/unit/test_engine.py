@@ -29,6 +29,7 @@ from pipesvc.errors import (
     StageUnavailableError,
     StepAbortedError,
 )
+from pipesvc.stage import fused_cache
 from pipesvc.stage.engine import Carried, RunInputs, RunResult, SendFn, StepEngine
 from pipesvc.stage.faults import FaultKill
 from pipesvc.stage.mailbox import Mailbox, MailKey
@@ -462,7 +463,7 @@ def _generate(
 
 @pytest.mark.parametrize("num_stages", [2, 3])
 def test_sessions_fused_into_shared_micro_batches_generate_their_own_tokens(
-    num_stages: int,
+    num_stages: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Decode steps of sessions with different lengths and row counts, fused into shared
     micro-batches on every stage, give each session the tokens it gets alone, and the one
@@ -473,7 +474,18 @@ def test_sessions_fused_into_shared_micro_batches_generate_their_own_tokens(
     g = torch.Generator().manual_seed(8)
     vocab = 17
     prompts = [torch.randint(0, vocab, (1 + i % 3, 2 + 2 * i), generator=g) for i in range(5)]
+    stacks: list[int] = []
+    stack = fused_cache.stack
+
+    def counted(*args: Any) -> fused_cache.StackedCaches:
+        stacks.append(len(args[1]))
+        return stack(*args)
+
+    monkeypatch.setattr(fused_cache, "stack", counted)
     fused = _generate(pipeline, prompts, 6, fuse=True)
+    # Each stage stacks the prompts' 8 parts once; every decode step after fuses the same
+    # parts and runs through the stacked cache the step before left.
+    assert stacks == [8] * num_stages
     alone = [_generate(pipeline, [p], 6, fuse=False)[0] for p in prompts]
     net = models.build(problem.model, seed=3, **problem.model_args).eval()
     for i, prompt in enumerate(prompts):
