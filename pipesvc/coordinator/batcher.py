@@ -100,7 +100,7 @@ class StepBatcher:
             PipesvcError: its step failed (the session is over).
         """
         with self._cond:
-            while not stream.made and stream.error is None and not stream.finished:
+            while not stream.made and not stream.finished:  # an error finishes it too
                 stream.changed.wait()
             if stream.made:
                 tokens = stream.made.popleft()

@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent import futures
 from typing import Any
 
@@ -60,7 +60,6 @@ from pipesvc.core.config import JobConfig, config_from_dict, config_to_proto
 from pipesvc.core.microbatch import RunBatch
 from pipesvc.core.optim import trains
 from pipesvc.core.plan import PipelineStage, plan_from_dicts
-from pipesvc.core.sampling import Sampling
 from pipesvc.core.tensor_codec import decode
 from pipesvc.errors import (
     FailedPreconditionError,
@@ -358,24 +357,6 @@ class JobDriver:
         return torch.cat([decode(t) for t in replies[-1].outputs], dim=0)
 
     # -- generation ------------------------------------------------------------------------------
-
-    def generate(
-        self,
-        input_ids: torch.Tensor,
-        max_new_tokens: int,
-        sampling: Sampling,
-        *,
-        attention_mask: torch.Tensor | None = None,
-        eos_token_id: int | None = None,
-    ) -> Generator[torch.Tensor, None, None]:
-        """A generation session on the job's committed weights (``JobGeneration.generate``)."""
-        return self.generation.generate(
-            input_ids,
-            max_new_tokens,
-            sampling,
-            attention_mask=attention_mask,
-            eos_token_id=eos_token_id,
-        )
 
     def _generate_steps(self, attempt: Callable[[], Any], what: str) -> Any:
         """A generation run: under the job's lock, recovering from lost stages like any run."""

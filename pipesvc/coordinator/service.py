@@ -287,7 +287,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
             seed=request.seed if request.HasField("seed") else None,
         )
         job = self._job(request.job_id)
-        steps = job.generate(
+        steps = job.generation.generate(
             input_ids,
             request.max_new_tokens,
             sampling,

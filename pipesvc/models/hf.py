@@ -261,15 +261,23 @@ def model_keys(
 def make_cache(directory: str) -> Any:
     """An empty ``transformers`` key/value cache for the model in ``directory`` (sliding-window
     layers keep only their window), for one generation session's part on one stage."""
+    return _cache_maker(directory)()
+
+
+@functools.lru_cache(maxsize=16)
+def _cache_maker(directory: str) -> Any:
+    """The function ``make_cache`` calls for the model in ``directory``, chosen once (a stage
+    makes one per session part and step, and reading the config is not cheap)."""
     from transformers import DynamicCache
 
     config = _checkpoint(directory).meta_model.config
     if _full_attention_only(config):
-        return DynamicCache()  # plain layers, added as blocks use them (and cheap to make)
+        return DynamicCache  # plain layers, added as blocks use them (and cheap to make)
     try:
-        return DynamicCache(config=config)
+        DynamicCache(config=config)
     except TypeError:  # transformers before the config argument
-        return DynamicCache()
+        return DynamicCache
+    return functools.partial(DynamicCache, config=config)
 
 
 def _full_attention_only(config: Any) -> bool:
