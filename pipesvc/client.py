@@ -64,6 +64,19 @@ class StageStatus:
     """Micro-batches computed per second over its last few runs."""
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Replan:
+    """What ``Job.replan`` did."""
+
+    plan: list[PipelineStage]
+    """The plan now (the old one when nothing moved)."""
+    moved: bool
+    current_s: list[float]
+    """``throughput``: each rank's predicted seconds per micro-batch on the plan before."""
+    predicted_s: list[float]
+    """``throughput``: the same on the plan chosen."""
+
+
 class Client:
     """A connection to a coordinator. Every method raises PipesvcError subclasses only."""
 
@@ -102,6 +115,7 @@ class Client:
         optimizer: Mapping[str, Any] | None = DEFAULT_OPTIMIZER,
         loss: str = "cross_entropy",
         partition: str = "parameters",
+        rebalance: bool = False,
         clip_grad_norm: float | None = None,
         checkpoint_every: int = 10,
         input_shape: Sequence[int] | None = None,
@@ -137,6 +151,7 @@ class Client:
             optimizer=dict(optimizer) if optimizer is not None else {"name": NO_OPTIMIZER},
             loss=loss,
             partition=partition,
+            rebalance=rebalance,
             clip_grad_norm=clip_grad_norm,
             checkpoint_every=checkpoint_every,
             input_shape=tuple(input_shape) if input_shape is not None else None,
@@ -570,6 +585,30 @@ class Job:
                     yield coordinator_pb2.LoadJobStateRequest(job_id=self.id, frame=frame)
 
         self._client._call(self._client._stub.LoadState, requests())
+
+    def replan(self, partition: str = "throughput") -> Replan:
+        """Moves the job's layers to the plan ``partition`` gives, between two steps, with
+        their optimizer state; the next step continues from exactly the same state.
+        ``"throughput"`` measures the stages (their timings of the steps so far and a short
+        calibration) and takes the plan predicted fastest, if it beats the current one.
+
+        Raises:
+            InvalidArgumentError: an unknown partition method.
+            FailedPreconditionError: ``"throughput"`` before the job trained a step on its
+                current plan.
+            ResourceExhaustedError: the method's plan does not fit the stages' memory.
+        """
+        reply = self._client._call(
+            self._client._stub.Replan,
+            coordinator_pb2.ReplanRequest(job_id=self.id, partition=partition),
+        )
+        self.plan = [PipelineStage.from_proto(s) for s in reply.plan]
+        return Replan(
+            plan=list(self.plan),
+            moved=reply.moved,
+            current_s=list(reply.current_s),
+            predicted_s=list(reply.predicted_s),
+        )
 
     def close(self) -> None:
         """Frees the job's stages."""

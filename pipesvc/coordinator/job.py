@@ -48,6 +48,13 @@ import torch
 from pipesvc.coordinator import planner
 from pipesvc.coordinator.fair_lock import FairLock
 from pipesvc.coordinator.job_state import JobState, PendingCommit
+from pipesvc.coordinator.rebalance import (
+    MIN_GAIN,
+    PROBE_STEPS,
+    REBALANCE_EVERY,
+    Decision,
+    Replanner,
+)
 from pipesvc.coordinator.recovery import FINAL_ERRORS, JobStorage, Recovery
 from pipesvc.coordinator.registry import StageRegistry
 from pipesvc.coordinator.serving import JobGeneration
@@ -59,6 +66,7 @@ from pipesvc.core import microbatch
 from pipesvc.core.config import JobConfig, config_from_dict, config_to_proto
 from pipesvc.core.microbatch import RunBatch
 from pipesvc.core.optim import trains
+from pipesvc.core.partition import get_partition
 from pipesvc.core.plan import PipelineStage, plan_from_dicts
 from pipesvc.core.tensor_codec import decode
 from pipesvc.errors import (
@@ -103,7 +111,6 @@ class JobDriver:
     ) -> None:
         self._metrics = metrics
         self.job_id = job_id
-        self.config = config
         self.layers = layers
         self._storage = storage
         self._pool = futures.ThreadPoolExecutor(max_workers=16)
@@ -127,6 +134,7 @@ class JobDriver:
             needs_reconcile=needs_reconcile,
             pool=self._pool,
         )
+        self.replanner = Replanner(group=self.group, recovery=self.recovery)
         self._last_loss = (0, 0.0)  # (step, loss) of the newest run phase that succeeded
         self._decided_at = 0.0  # when the newest step was decided (for the idle flush)
         self._lock = FairLock()  # calls take turns (see fair_lock.py)
@@ -138,6 +146,11 @@ class JobDriver:
             run=self._run,
             metrics=metrics,
         )
+
+    @property
+    def config(self) -> JobConfig:
+        """The job's configuration (its partition method changes with ``replan``)."""
+        return self.group.config
 
     @property
     def plan(self) -> list[PipelineStage]:
@@ -335,7 +348,49 @@ class JobDriver:
                     lambda: self.recovery.checkpoint(background=True),
                     f"checkpoint at step {state.step}",
                 )
+            self._rebalance_if_due()
             return loss, state.step
+
+    def replan(self, partition: str) -> Decision:
+        """Moves the job's layers to the plan ``partition`` gives, between two steps (see
+        [Note: replan] in rebalance.py); survives lost stages like any call.
+
+        Raises:
+            InvalidArgumentError: ``partition`` is not a registered method.
+            FailedPreconditionError: the job is closed, or ``throughput`` has no timings yet.
+            ResourceExhaustedError: the method's plan does not fit the stages' memory.
+        """
+        get_partition(partition)  # an unknown name raises before the job is touched
+        with self._lock:
+            self._resilient(lambda: None, "replan")  # a pending recovery or reconcile first
+            decision = self.replanner.choose(partition)
+            self._resilient(lambda: self.replanner.apply(decision), f"replan ({partition})")
+            return decision
+
+    def _rebalance_if_due(self) -> None:
+        """After a committed step: the probe of a ``throughput`` job, and a ``rebalance``
+        job's periodic measurement (see [Note: replan] in rebalance.py). A failed measurement
+        is logged and training goes on."""
+        step, config = self.state.step, self.config
+        probe = config.partition == "throughput" and step == PROBE_STEPS
+        periodic = config.rebalance and step % REBALANCE_EVERY == 0
+        if not (probe or periodic):
+            return
+        try:
+            decision = self.replanner.choose("throughput", min_gain=MIN_GAIN)
+            self._resilient(lambda: self.replanner.apply(decision), f"rebalance at step {step}")
+        except PipesvcError as exc:
+            logger.warning("job %s: no rebalance at step %d: %s", self.job_id, step, exc)
+            return
+        logger.info(
+            "job %s: measured at step %d; slowest stage %.2f ms per micro-batch, %s",
+            self.job_id,
+            step,
+            1e3 * max(decision.current_s),
+            f"moved (predicted {1e3 * max(decision.predicted_s):.2f} ms)"
+            if decision.moved
+            else "plan kept",
+        )
 
     def forward(
         self, inputs: torch.Tensor, side: Mapping[str, torch.Tensor] | None = None

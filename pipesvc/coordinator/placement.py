@@ -15,7 +15,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from pipesvc.core import partition, schedule
+from pipesvc.core import partition, schedule, throughput
 from pipesvc.core.config import JobConfig
 from pipesvc.core.health import Health
 from pipesvc.core.optim import NO_OPTIMIZER
@@ -148,6 +148,49 @@ def _place(
         )
     check_plan(plan, len(layers))
     return plan
+
+
+def plan_on(
+    config: JobConfig, layers: Sequence[stage_pb2.LayerDescription], stages: Sequence[Stage]
+) -> list[PipelineStage]:
+    """The job's partition method over ``stages`` in rank order.
+
+    Raises:
+        ResourceExhaustedError: a stage's share does not fit its memory.
+    """
+    return _place(config, layers, _ranges(config, layers, stages), stages)
+
+
+def throughput_plan(
+    config: JobConfig,
+    layers: Sequence[stage_pb2.LayerDescription],
+    costs: throughput.LayerCosts,
+    stages: Sequence[Stage],
+    rates: Sequence[throughput.StageRate],
+) -> tuple[list[PipelineStage], list[float]]:
+    """``config.num_stages`` of ``stages`` (each at the rate with its index), their order and
+    their ranges, for the fastest step within every chosen stage's memory (see [Note:
+    throughput plan] in ``pipesvc.core.throughput``); and each rank's predicted seconds per
+    micro-batch.
+
+    Raises:
+        ResourceExhaustedError: no choice of stages and ranges fits their memory.
+    """
+    optimizer = str(config.optimizer.get("name"))
+    in_flight = _in_flight(config, config.num_stages)
+
+    def need(start: int, end: int, rank: int) -> int:
+        return memory_estimate(
+            layers, start, end, optimizer, in_flight[rank], precision=config.precision
+        )
+
+    found = throughput.plan(costs, rates, config.num_stages, need)
+    plan = [
+        PipelineStage(start_layer=start, end_layer=end, rank=rank, address=stages[index].address)
+        for rank, ((start, end), index) in enumerate(zip(found.ranges, found.stages, strict=True))
+    ]
+    check_plan(plan, len(layers))
+    return plan, found.stage_seconds
 
 
 def first_plan(

@@ -106,6 +106,14 @@ class StageRegistry:
                 self._records[address].job_id = job_id
             return True
 
+    def unclaim(self, addresses: list[str]) -> None:
+        """Returns stages that left their job's plan to the free pool."""
+        with self._lock:
+            for address in addresses:
+                if address in self._records:
+                    self._records[address].job_id = ""
+            self._changed.notify_all()
+
     def place(self, address: str, *, rank: int, start_layer: int, end_layer: int) -> None:
         """Records a stage's place in its job's plan."""
         with self._lock:

@@ -335,6 +335,18 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
         return coordinator_pb2.LoadJobStateResponse(num_tensors=job.load_state(frames(), step))
 
     @handle_errors
+    def Replan(
+        self, request: coordinator_pb2.ReplanRequest, context: object
+    ) -> coordinator_pb2.ReplanResponse:
+        decision = self._job(request.job_id).replan(request.partition)
+        return coordinator_pb2.ReplanResponse(
+            plan=[s.to_proto() for s in decision.plan],
+            moved=decision.moved,
+            current_s=decision.current_s,
+            predicted_s=decision.predicted_s,
+        )
+
+    @handle_errors
     def CloseJob(
         self, request: coordinator_pb2.CloseJobRequest, context: object
     ) -> coordinator_pb2.CloseJobResponse:

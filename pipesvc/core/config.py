@@ -56,8 +56,13 @@ class JobConfig:
     partition: str = "parameters"
     """A registered partition method (``pipesvc.core.partition.partition_names()``): ``parameters``
     (balance parameter counts), ``uniform`` (equal layer counts), ``memory`` (balance each
-    stage's memory estimate against its budget), or any registered with
-    ``register_partition``."""
+    stage's memory estimate against its budget), ``throughput`` (the fastest step from the
+    stages' measured speeds: balanced by parameters for the first steps, then measured and
+    re-planned; see [Note: replan] in ``pipesvc.coordinator.rebalance``), or any registered
+    with ``register_partition``."""
+    rebalance: bool = False
+    """Measure the stages every ``REBALANCE_EVERY`` steps and move to the throughput plan when
+    it is predicted enough faster (see [Note: replan] in ``pipesvc.coordinator.rebalance``)."""
     clip_grad_norm: float | None = None
     """Clip the global gradient norm over all stages to this value; None for no clipping."""
     checkpoint_every: int = 10
@@ -85,6 +90,8 @@ class JobConfig:
                 "'gpt' (module and file paths are never accepted)"
             )
         check_model_args(self.model_args)
+        if not isinstance(self.rebalance, bool):
+            raise InvalidArgumentError(f"rebalance must be a bool; got {self.rebalance!r}")
         for name in ("seed", "num_stages", "num_microbatches", "checkpoint_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):

@@ -288,6 +288,9 @@ register_partition("parameters")(balanced)
 # With equal budgets, balancing memory is balancing these costs; the planner calls
 # fit_capacities itself when the budgets differ.
 register_partition("memory")(balanced)
+# ``throughput`` plans from measured speeds (pipesvc.core.throughput); until a job has
+# measurements (when it starts, or re-partitions after losing a stage) it balances parameters.
+register_partition("throughput")(balanced)
 
 
 def max_stage_cost(costs: Sequence[int], ranges: Sequence[tuple[int, int]]) -> int:

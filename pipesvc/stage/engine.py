@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -333,7 +334,10 @@ class StepEngine:
         self._metrics.set("microbatches_in_flight", rt.live)
         if not rt.is_last:
             with rec.span("send", mb):
+                started = time.perf_counter()
                 self._send_activation(MailKey(run_id, ACTIVATION, mb), y)
+                if training:
+                    rt.profiler.sent(y.numel() * y.element_size(), time.perf_counter() - started)
         elif generating and data.greedy:
             outputs[mb] = y[:, -1].argmax(dim=-1)  # the most likely next token of each row
         elif generating:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +65,7 @@ from pipesvc.models import (
     tied_parameters,
     uses_rng,
 )
+from pipesvc.stage.profiler import StageProfiler
 from pipesvc.storage.checkpoint import OPTIM_PREFIX, group_by_layer
 
 
@@ -151,6 +153,7 @@ class StageRuntime:
         self.optimizer = build_optimizer(config.optimizer, params) if params else None
         self.step = 0
         self.max_live = 0
+        self.profiler = StageProfiler()
         self._saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # Gradient buffers zeroed for this run, with their version after zeroing (see Note).
         self._zeroed: list[tuple[torch.nn.Parameter, torch.Tensor, int]] = []
@@ -259,6 +262,7 @@ class StageRuntime:
             kwargs: dict[str, Any] = {n: side[n].to(self.device) for n in wanted if n in side}
             if cache is not None and getattr(layer, "uses_cache", False):
                 kwargs["cache"] = cache
+            started = time.perf_counter()
             try:
                 if seeded and microbatch is not None:
                     with layer_rng(seed, step, microbatch, index, self.device):
@@ -270,6 +274,8 @@ class StageRuntime:
                     f"layer {index} failed on an input of shape {list(x.shape)} and dtype "
                     f"{x.dtype}: {exc}"
                 ) from exc
+            if microbatch is not None:  # a training forward (see pipesvc.stage.profiler)
+                self.profiler.layer(index, time.perf_counter() - started, x)
         return x
 
     def forward(
@@ -338,6 +344,7 @@ class StageRuntime:
             # Nothing before this point trains (a first stage whose layers are all frozen, as
             # the embedding under LoRA): there is no gradient to compute or send.
             return None if self.is_first else torch.zeros_like(x)
+        started = time.perf_counter()
         if grad_output is None:
             torch.autograd.backward(y)
         else:
@@ -347,6 +354,7 @@ class StageRuntime:
                     f"{list(y.shape)}"
                 )
             torch.autograd.backward(y, grad_output.to(device=self.device, dtype=y.dtype))
+        self.profiler.backward(time.perf_counter() - started)
         return None if self.is_first or x.grad is None else self._to_wire(x.grad)
 
     def grad_norm_sq(self) -> float:

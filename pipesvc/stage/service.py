@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import os
 import threading
 from collections.abc import Iterable, Iterator
@@ -35,6 +36,7 @@ from pipesvc.stage.engine import Carried, RunInputs
 from pipesvc.stage.frame_wire import OutFrame
 from pipesvc.stage.links import UpstreamLink
 from pipesvc.stage.options import StageOptions
+from pipesvc.stage.profiler import calibrate
 from pipesvc.stage.runtime import StageRuntime
 from pipesvc.stage.tied_link import TiedLink
 from pipesvc.v1 import common_pb2, stage_pb2, stage_pb2_grpc
@@ -44,6 +46,9 @@ from pipesvc.wire.transport import open_channel
 __all__ = ["StageOptions", "StageService"]
 
 logger = logging.getLogger(__name__)
+MAX_CALIBRATE_S = 5.0
+"""The longest calibration a Profile call may ask for."""
+
 _STATE_KINDS = {
     common_pb2.PARAMETERS: "parameters",
     common_pb2.GRADIENTS: "gradients",
@@ -367,6 +372,39 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
         sessions = job.engine.sessions
         freed = sessions.release(request.session) if sessions is not None else 0
         return stage_pb2.ReleaseSessionResponse(freed_bytes=freed)
+
+    @handle_errors
+    def Profile(self, request: stage_pb2.ProfileRequest, context: object) -> stage_pb2.StageProfile:
+        job = self._current(request.job_id) if request.job_id else None
+        if not (math.isfinite(request.calibrate_s) and 0 <= request.calibrate_s <= MAX_CALIBRATE_S):
+            raise InvalidArgumentError(
+                f"calibrate_s must be between 0 and {MAX_CALIBRATE_S} seconds; got "
+                f"{request.calibrate_s}"
+            )
+        reply = stage_pb2.StageProfile(address=self._options.address)
+        if job is not None:  # without a job id: a free stage's calibration only
+            profiler = job.runtime.profiler
+            measured = profiler.snapshot()
+            if request.reset:
+                profiler.reset()
+            reply.layers.extend(
+                stage_pb2.LayerTime(
+                    index=t.index,
+                    forward_s=t.forward_s,
+                    backward_s=t.backward_s,
+                    output_bytes=t.output_bytes,
+                )
+                for t in measured.layers
+            )
+            reply.microbatches = measured.microbatches
+            reply.send_bytes_per_s = measured.send_bytes_per_s
+        if request.calibrate_s > 0:
+            if job is None:
+                reply.speed = calibrate(request.calibrate_s, self._options.device)
+            else:
+                with job.engine.run_lock:  # not while a run computes: it would slow both
+                    reply.speed = calibrate(request.calibrate_s, self._options.device)
+        return reply
 
     @handle_errors
     def Commit(self, request: stage_pb2.CommitRequest, context: object) -> stage_pb2.CommitResponse:

@@ -210,6 +210,7 @@ class JobSpec(_message.Message):
     INPUT_DTYPE_FIELD_NUMBER: _builtins.int
     PRECISION_FIELD_NUMBER: _builtins.int
     TRAINABLE_FIELD_NUMBER: _builtins.int
+    REBALANCE_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """A registered model name, e.g. "gpt"."""
     model_args_json: _builtins.str
@@ -227,7 +228,7 @@ class JobSpec(_message.Message):
     loss: _builtins.str
     """"mse" or "cross_entropy"."""
     partition: _builtins.str
-    """"uniform", "parameters" or "memory"."""
+    """"uniform", "parameters", "memory", "throughput" or a registered name."""
     clip_grad_norm: _builtins.float
     """Global gradient-norm clip over all stages; absent for none."""
     checkpoint_every: _builtins.int
@@ -238,6 +239,8 @@ class JobSpec(_message.Message):
     """torch dtype name of that input ("float32" when empty)."""
     precision: _builtins.str
     """"fp32" (when empty), "bf16-mixed" or "bf16"."""
+    rebalance: _builtins.bool
+    """Re-plan for throughput by itself when the measured speeds say so."""
     @_builtins.property
     def input_shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Shape of one micro-batch's input (batch dimension first), for the memory estimate of
@@ -266,10 +269,11 @@ class JobSpec(_message.Message):
         input_dtype: _builtins.str = ...,
         precision: _builtins.str = ...,
         trainable: _abc.Iterable[_builtins.str] | None = ...,
+        rebalance: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_clip_grad_norm", b"_clip_grad_norm", "clip_grad_norm", b"clip_grad_norm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_clip_grad_norm", b"_clip_grad_norm", "checkpoint_every", b"checkpoint_every", "clip_grad_norm", b"clip_grad_norm", "input_dtype", b"input_dtype", "input_shape", b"input_shape", "loss", b"loss", "model", b"model", "model_args_json", b"model_args_json", "num_microbatches", b"num_microbatches", "num_stages", b"num_stages", "optimizer_json", b"optimizer_json", "partition", b"partition", "precision", b"precision", "schedule", b"schedule", "seed", b"seed", "trainable", b"trainable"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_clip_grad_norm", b"_clip_grad_norm", "checkpoint_every", b"checkpoint_every", "clip_grad_norm", b"clip_grad_norm", "input_dtype", b"input_dtype", "input_shape", b"input_shape", "loss", b"loss", "model", b"model", "model_args_json", b"model_args_json", "num_microbatches", b"num_microbatches", "num_stages", b"num_stages", "optimizer_json", b"optimizer_json", "partition", b"partition", "precision", b"precision", "rebalance", b"rebalance", "schedule", b"schedule", "seed", b"seed", "trainable", b"trainable"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__clip_grad_norm: _TypeAlias = _typing.Literal["clip_grad_norm"]  # noqa: Y015
     _WhichOneofArgType__clip_grad_norm: _TypeAlias = _typing.Literal["_clip_grad_norm", b"_clip_grad_norm"]  # noqa: Y015

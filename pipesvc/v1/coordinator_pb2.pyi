@@ -20,6 +20,66 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class ReplanRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    PARTITION_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    partition: _builtins.str
+    """A registered partition method."""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        partition: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "partition", b"partition"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplanRequest: _TypeAlias = ReplanRequest  # noqa: Y015
+
+@_typing.final
+class ReplanResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PLAN_FIELD_NUMBER: _builtins.int
+    MOVED_FIELD_NUMBER: _builtins.int
+    CURRENT_S_FIELD_NUMBER: _builtins.int
+    PREDICTED_S_FIELD_NUMBER: _builtins.int
+    moved: _builtins.bool
+    @_builtins.property
+    def plan(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.PlanStage]:
+        """The plan now (the old one when nothing moved)."""
+
+    @_builtins.property
+    def current_s(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """"throughput": each rank's predicted seconds per micro-batch on the plan before the call
+        and on the plan chosen (empty for the other methods).
+        """
+
+    @_builtins.property
+    def predicted_s(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    def __init__(
+        self,
+        *,
+        plan: _abc.Iterable[_common_pb2.PlanStage] | None = ...,
+        moved: _builtins.bool = ...,
+        current_s: _abc.Iterable[_builtins.float] | None = ...,
+        predicted_s: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["current_s", b"current_s", "moved", b"moved", "plan", b"plan", "predicted_s", b"predicted_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplanResponse: _TypeAlias = ReplanResponse  # noqa: Y015
+
+@_typing.final
 class RegisterStageRequest(_message.Message):
     """A stage server's self-description, sent at start-up."""
 

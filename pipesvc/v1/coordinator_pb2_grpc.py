@@ -101,6 +101,11 @@ class CoordinatorServiceStub:
                 request_serializer=pipesvc_dot_v1_dot_coordinator__pb2.GetJobRequest.SerializeToString,
                 response_deserializer=pipesvc_dot_v1_dot_coordinator__pb2.ModelExport.FromString,
                 _registered_method=True)
+        self.Replan = channel.unary_unary(
+                '/pipesvc.v1.CoordinatorService/Replan',
+                request_serializer=pipesvc_dot_v1_dot_coordinator__pb2.ReplanRequest.SerializeToString,
+                response_deserializer=pipesvc_dot_v1_dot_coordinator__pb2.ReplanResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServiceServicer:
@@ -199,6 +204,14 @@ class CoordinatorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Replan(self, request, context):
+        """Moves a job's layers to the plan a partition method gives, between two steps, with their
+        optimizer state ("throughput": from the stages' measured speeds).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -266,6 +279,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
                     servicer.GetModelExport,
                     request_deserializer=pipesvc_dot_v1_dot_coordinator__pb2.GetJobRequest.FromString,
                     response_serializer=pipesvc_dot_v1_dot_coordinator__pb2.ModelExport.SerializeToString,
+            ),
+            'Replan': grpc.unary_unary_rpc_method_handler(
+                    servicer.Replan,
+                    request_deserializer=pipesvc_dot_v1_dot_coordinator__pb2.ReplanRequest.FromString,
+                    response_serializer=pipesvc_dot_v1_dot_coordinator__pb2.ReplanResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -620,6 +638,33 @@ class CoordinatorService:
             '/pipesvc.v1.CoordinatorService/GetModelExport',
             pipesvc_dot_v1_dot_coordinator__pb2.GetJobRequest.SerializeToString,
             pipesvc_dot_v1_dot_coordinator__pb2.ModelExport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Replan(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pipesvc.v1.CoordinatorService/Replan',
+            pipesvc_dot_v1_dot_coordinator__pb2.ReplanRequest.SerializeToString,
+            pipesvc_dot_v1_dot_coordinator__pb2.ReplanResponse.FromString,
             options,
             channel_credentials,
             insecure,

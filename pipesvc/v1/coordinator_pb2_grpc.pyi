@@ -62,6 +62,10 @@ class CoordinatorServiceStub:
     """Every stage's timed actions of the job's recent runs."""
     GetModelExport: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.GetJobRequest, _coordinator_pb2.ModelExport]
     """How a job's model maps to its own format (Hugging Face models), for exporting it."""
+    Replan: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ReplanRequest, _coordinator_pb2.ReplanResponse]
+    """Moves a job's layers to the plan a partition method gives, between two steps, with their
+    optimizer state ("throughput": from the stages' measured speeds).
+    """
 
 @_typing.type_check_only
 class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
@@ -96,6 +100,10 @@ class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
     """Every stage's timed actions of the job's recent runs."""
     GetModelExport: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.GetJobRequest, _coordinator_pb2.ModelExport]  # type: ignore[assignment]
     """How a job's model maps to its own format (Hugging Face models), for exporting it."""
+    Replan: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ReplanRequest, _coordinator_pb2.ReplanResponse]  # type: ignore[assignment]
+    """Moves a job's layers to the plan a partition method gives, between two steps, with their
+    optimizer state ("throughput": from the stages' measured speeds).
+    """
 
 class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
     """The coordinator service: stages register here; clients create jobs and drive them here."""
@@ -205,5 +213,15 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.ModelExport, _abc.Awaitable[_coordinator_pb2.ModelExport]]:
         """How a job's model maps to its own format (Hugging Face models), for exporting it."""
+
+    @_abc_1.abstractmethod
+    def Replan(
+        self,
+        request: _coordinator_pb2.ReplanRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_coordinator_pb2.ReplanResponse, _abc.Awaitable[_coordinator_pb2.ReplanResponse]]:
+        """Moves a job's layers to the plan a partition method gives, between two steps, with their
+        optimizer state ("throughput": from the stages' measured speeds).
+        """
 
 def add_CoordinatorServiceServicer_to_server(servicer: CoordinatorServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

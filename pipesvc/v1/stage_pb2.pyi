@@ -71,6 +71,104 @@ GRADIENT: Direction.ValueType  # 2
 Global___Direction: _TypeAlias = Direction  # noqa: Y015
 
 @_typing.final
+class ProfileRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    CALIBRATE_S_FIELD_NUMBER: _builtins.int
+    RESET_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    calibrate_s: _builtins.float
+    """When > 0: time a fixed float32 matrix product for this many seconds (wall clock, so a
+    stage whose CPU is capped measures slower) and report its rate as `speed`.
+    """
+    reset: _builtins.bool
+    """Forget the timings so far (after a change of plan)."""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        calibrate_s: _builtins.float = ...,
+        reset: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calibrate_s", b"calibrate_s", "job_id", b"job_id", "reset", b"reset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProfileRequest: _TypeAlias = ProfileRequest  # noqa: Y015
+
+@_typing.final
+class LayerTime(_message.Message):
+    """One layer's mean times per micro-batch in training."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    FORWARD_S_FIELD_NUMBER: _builtins.int
+    BACKWARD_S_FIELD_NUMBER: _builtins.int
+    OUTPUT_BYTES_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    forward_s: _builtins.float
+    backward_s: _builtins.float
+    """The stage's backward time per micro-batch, shared out over its layers in proportion to
+    their forward times (autograd runs the stage's layers' backward as one call).
+    """
+    output_bytes: _builtins.int
+    """Bytes of the layer's output per micro-batch."""
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        forward_s: _builtins.float = ...,
+        backward_s: _builtins.float = ...,
+        output_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backward_s", b"backward_s", "forward_s", b"forward_s", "index", b"index", "output_bytes", b"output_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LayerTime: _TypeAlias = LayerTime  # noqa: Y015
+
+@_typing.final
+class StageProfile(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    LAYERS_FIELD_NUMBER: _builtins.int
+    MICROBATCHES_FIELD_NUMBER: _builtins.int
+    SPEED_FIELD_NUMBER: _builtins.int
+    SEND_BYTES_PER_S_FIELD_NUMBER: _builtins.int
+    address: _builtins.str
+    microbatches: _builtins.int
+    """Training micro-batches the timings cover."""
+    speed: _builtins.float
+    """GFLOP/s of the calibration product (0 when not asked)."""
+    send_bytes_per_s: _builtins.float
+    """Activations sent downstream: bytes per second of the send calls (0 when none)."""
+    @_builtins.property
+    def layers(self) -> _containers.RepeatedCompositeFieldContainer[Global___LayerTime]: ...
+    def __init__(
+        self,
+        *,
+        address: _builtins.str = ...,
+        layers: _abc.Iterable[Global___LayerTime] | None = ...,
+        microbatches: _builtins.int = ...,
+        speed: _builtins.float = ...,
+        send_bytes_per_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "layers", b"layers", "microbatches", b"microbatches", "send_bytes_per_s", b"send_bytes_per_s", "speed", b"speed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StageProfile: _TypeAlias = StageProfile  # noqa: Y015
+
+@_typing.final
 class DescribeRequest(_message.Message):
     """Which model to describe, with its factory arguments."""
 

@@ -107,6 +107,11 @@ class StageServiceStub:
                 request_serializer=pipesvc_dot_v1_dot_stage__pb2.ReleaseSessionRequest.SerializeToString,
                 response_deserializer=pipesvc_dot_v1_dot_stage__pb2.ReleaseSessionResponse.FromString,
                 _registered_method=True)
+        self.Profile = channel.unary_unary(
+                '/pipesvc.v1.StageService/Profile',
+                request_serializer=pipesvc_dot_v1_dot_stage__pb2.ProfileRequest.SerializeToString,
+                response_deserializer=pipesvc_dot_v1_dot_stage__pb2.StageProfile.FromString,
+                _registered_method=True)
 
 
 class StageServiceServicer:
@@ -219,6 +224,14 @@ class StageServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Profile(self, request, context):
+        """How fast this stage runs its layers and sends to its neighbour, measured from its own
+        training runs, and optionally its speed on a fixed matrix product (for the planner).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -291,6 +304,11 @@ def add_StageServiceServicer_to_server(servicer, server):
                     servicer.ReleaseSession,
                     request_deserializer=pipesvc_dot_v1_dot_stage__pb2.ReleaseSessionRequest.FromString,
                     response_serializer=pipesvc_dot_v1_dot_stage__pb2.ReleaseSessionResponse.SerializeToString,
+            ),
+            'Profile': grpc.unary_unary_rpc_method_handler(
+                    servicer.Profile,
+                    request_deserializer=pipesvc_dot_v1_dot_stage__pb2.ProfileRequest.FromString,
+                    response_serializer=pipesvc_dot_v1_dot_stage__pb2.StageProfile.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -673,6 +691,33 @@ class StageService:
             '/pipesvc.v1.StageService/ReleaseSession',
             pipesvc_dot_v1_dot_stage__pb2.ReleaseSessionRequest.SerializeToString,
             pipesvc_dot_v1_dot_stage__pb2.ReleaseSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Profile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pipesvc.v1.StageService/Profile',
+            pipesvc_dot_v1_dot_stage__pb2.ProfileRequest.SerializeToString,
+            pipesvc_dot_v1_dot_stage__pb2.StageProfile.FromString,
             options,
             channel_credentials,
             insecure,

@@ -78,6 +78,10 @@ class StageServiceStub:
     """
     ReleaseSession: _grpc.UnaryUnaryMultiCallable[_stage_pb2.ReleaseSessionRequest, _stage_pb2.ReleaseSessionResponse]
     """Drops a generation session's key/value caches (the client finished or went away)."""
+    Profile: _grpc.UnaryUnaryMultiCallable[_stage_pb2.ProfileRequest, _stage_pb2.StageProfile]
+    """How fast this stage runs its layers and sends to its neighbour, measured from its own
+    training runs, and optionally its speed on a fixed matrix product (for the planner).
+    """
 
 @_typing.type_check_only
 class StageServiceAsyncStub(StageServiceStub):
@@ -126,6 +130,10 @@ class StageServiceAsyncStub(StageServiceStub):
     """
     ReleaseSession: _aio.UnaryUnaryMultiCallable[_stage_pb2.ReleaseSessionRequest, _stage_pb2.ReleaseSessionResponse]  # type: ignore[assignment]
     """Drops a generation session's key/value caches (the client finished or went away)."""
+    Profile: _aio.UnaryUnaryMultiCallable[_stage_pb2.ProfileRequest, _stage_pb2.StageProfile]  # type: ignore[assignment]
+    """How fast this stage runs its layers and sends to its neighbour, measured from its own
+    training runs, and optionally its speed on a fixed matrix product (for the planner).
+    """
 
 class StageServiceServicer(metaclass=_abc_1.ABCMeta):
     """The stage service: one per stage server. The coordinator assigns and drives it; its
@@ -255,5 +263,15 @@ class StageServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_stage_pb2.ReleaseSessionResponse, _abc.Awaitable[_stage_pb2.ReleaseSessionResponse]]:
         """Drops a generation session's key/value caches (the client finished or went away)."""
+
+    @_abc_1.abstractmethod
+    def Profile(
+        self,
+        request: _stage_pb2.ProfileRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_stage_pb2.StageProfile, _abc.Awaitable[_stage_pb2.StageProfile]]:
+        """How fast this stage runs its layers and sends to its neighbour, measured from its own
+        training runs, and optionally its speed on a fixed matrix product (for the planner).
+        """
 
 def add_StageServiceServicer_to_server(servicer: StageServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -37,7 +37,7 @@ def all_partitions(num_layers: int, num_stages: int) -> list[list[tuple[int, int
 
 
 def test_builtin_partitions_are_registered_in_order() -> None:
-    assert partition_names() == ("uniform", "parameters", "memory")
+    assert partition_names() == ("uniform", "parameters", "memory", "throughput")
 
 
 @pytest.mark.parametrize("num_layers", range(1, 13))
@@ -116,7 +116,7 @@ def test_too_few_stages(num_stages: int) -> None:
 
 
 def test_unknown_method_lists_choices() -> None:
-    with pytest.raises(InvalidArgumentError, match=r"'bytes'.*uniform, parameters, memory"):
+    with pytest.raises(InvalidArgumentError, match=r"'bytes'.*uniform, parameters, memory, throughput"):
         partition("bytes", [1, 2, 3], 2)
 
 

@@ -144,7 +144,7 @@ def test_builtin_names_and_lookups() -> None:
     assert schedule.schedule_names() == ("gpipe", "1f1b")
     assert schedule.get_schedule("gpipe").actions is schedule.gpipe
     assert schedule.get_schedule("1f1b").actions is schedule.one_f_one_b
-    assert partition.partition_names() == ("uniform", "parameters", "memory")
+    assert partition.partition_names() == ("uniform", "parameters", "memory", "throughput")
     assert partition.get_partition("parameters") is partition.balanced
 
 
@@ -159,7 +159,7 @@ def test_unknown_schedule_names_the_value_and_the_known_names(name: Any) -> None
 
 @pytest.mark.parametrize("name", ["bytes", "", None])
 def test_unknown_partition_names_the_value_and_the_known_names(name: Any) -> None:
-    expected = f"unknown partition method {name!r}; expected one of uniform, parameters, memory"
+    expected = f"unknown partition method {name!r}; expected one of uniform, parameters, memory, throughput"
     with pytest.raises(InvalidArgumentError) as info:
         partition.get_partition(name)
     assert str(info.value) == expected

@@ -1,0 +1,124 @@
+"""A stage's own timings of its training runs, for the throughput plan (no gRPC here).
+
+Per layer: forward seconds and output bytes per micro-batch; per stage: backward seconds per
+micro-batch, and the rate of its sends downstream. Each is a running mean that turns into an
+exponential one (weight ``RECENT``) once it has that many samples behind it, so it follows a
+stage that slows down while it trains.
+
+Times are wall-clock around each call; on a GPU the calls return before the kernels finish,
+so there they measure launch time unless the device is synchronised (CPU stages here).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+RECENT = 0.1
+"""Weight of a new sample once a mean has 1 / RECENT samples."""
+
+CALIBRATION_SIZE = 256
+"""The calibration product multiplies two CALIBRATION_SIZE-square float32 matrices."""
+
+
+class _Mean:
+    """The mean described above; the very first sample is dropped (the first micro-batch of
+    a plan pays for allocation and lazy initialisation)."""
+
+    __slots__ = ("count", "value", "warm")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.value = 0.0
+        self.warm = False
+
+    def add(self, sample: float) -> None:
+        if not self.warm:
+            self.warm = True
+            return
+        self.count += 1
+        self.value += (sample - self.value) * max(1.0 / self.count, RECENT)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerTime:
+    index: int
+    forward_s: float
+    backward_s: float
+    output_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    layers: list[LayerTime]
+    microbatches: int
+    send_bytes_per_s: float
+
+
+class StageProfiler:
+    """Collects the timings of one stage's training runs (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._forward: dict[int, _Mean] = {}
+            self._bytes: dict[int, int] = {}
+            self._backward = _Mean()
+            self._send_rate = _Mean()
+
+    def layer(self, index: int, seconds: float, output: torch.Tensor) -> None:
+        with self._lock:
+            self._forward.setdefault(index, _Mean()).add(seconds)
+            self._bytes[index] = output.numel() * output.element_size()
+
+    def backward(self, seconds: float) -> None:
+        with self._lock:
+            self._backward.add(seconds)
+
+    def sent(self, nbytes: int, seconds: float) -> None:
+        if nbytes and seconds > 0:
+            with self._lock:
+                self._send_rate.add(nbytes / seconds)
+
+    def snapshot(self) -> Profile:
+        with self._lock:
+            forward = {i: m.value for i, m in self._forward.items() if m.count}
+            total = sum(forward.values())
+            backward = self._backward.value
+            layers = [
+                LayerTime(
+                    index=i,
+                    forward_s=f,
+                    backward_s=backward * f / total if total > 0 else 0.0,
+                    output_bytes=self._bytes[i],
+                )
+                for i, f in sorted(forward.items())
+            ]
+            return Profile(layers, self._backward.count, self._send_rate.value)
+
+
+def calibrate(seconds: float, device: torch.device) -> float:
+    """GFLOP/s of repeated float32 matrix products over ``seconds`` of wall-clock time, on
+    this process's torch threads (so a capped CPU or a busy host shows)."""
+    n = CALIBRATION_SIZE
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    torch.mm(a, b)  # warm-up
+    count = 0
+    started = time.perf_counter()
+    deadline = started + seconds
+    while True:
+        torch.mm(a, b)
+        count += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if time.perf_counter() >= deadline:
+            break
+    elapsed = time.perf_counter() - started
+    return 2.0 * n**3 * count / elapsed / 1e9

@@ -1,0 +1,108 @@
+"""Moving a running job's layers between steps: training goes on exactly like one process,
+and the throughput plan moves work off a stage whose CPU is capped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pipesvc
+from pipesvc.coordinator.rebalance import PROBE_STEPS
+from tests.support.cpu_cap import CPU_ROOT, cpu_capped
+from tests.support.reference import DROPOUT_GPT, Reference
+from tests.support.stage_probe import stage_info
+
+OPTIMIZER = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1}
+WEIGHT_TOL = {"rtol": 1e-4, "atol": 1e-5}
+NUM_MICROBATCHES = 4
+
+
+def _check_weights(job: pipesvc.Job, reference: Reference) -> None:
+    weights = job.state_dict()
+    for key, value in reference.model.state_dict().items():
+        torch.testing.assert_close(
+            weights[key], value, **WEIGHT_TOL, msg=lambda m, k=key: f"{k}: {m}"
+        )
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_replanned_job_trains_like_one_process(client: pipesvc.Client, schedule: str) -> None:
+    """A gpt with dropout and AdamW on 3 stages moves from equal layer counts to balanced
+    parameters, then to the measured throughput plan, between steps; every step's loss and
+    the weights after it equal one process's."""
+    problem = DROPOUT_GPT
+    reference = Reference(problem, seed=5, optimizer=OPTIMIZER, clip_grad_norm=None)
+    with client.create_job(
+        model=problem.model,
+        model_args=problem.model_args,
+        seed=5,
+        num_stages=3,
+        num_microbatches=NUM_MICROBATCHES,
+        schedule=schedule,
+        optimizer=OPTIMIZER,
+        loss=problem.loss,
+        partition="uniform",
+    ) as job:
+        before = [(s.start_layer, s.end_layer) for s in job.plan]
+        plans = [before]
+        for step in range(6):
+            x, y = problem.batch(8, seed=step)
+            loss = job.train_step(x, y)
+            assert loss == pytest.approx(reference.step(x, y, NUM_MICROBATCHES), rel=1e-5)
+            if step == 1:
+                moved = job.replan("parameters")
+                assert moved.moved and moved.plan == job.plan
+                assert moved.current_s == [] and moved.predicted_s == []
+                plans.append([(s.start_layer, s.end_layer) for s in job.plan])
+            if step == 3:
+                measured = job.replan("throughput")
+                assert len(measured.current_s) == 3 and len(measured.predicted_s) == 3
+                assert max(measured.predicted_s) <= max(measured.current_s)
+                plans.append([(s.start_layer, s.end_layer) for s in job.plan])
+        assert plans[0] != plans[1], plans
+        _check_weights(job, reference)
+        job.refresh()
+        assert job.step == 6 and [(s.start_layer, s.end_layer) for s in job.plan] == plans[-1]
+
+
+def test_replan_refuses_an_unknown_method_and_a_throughput_plan_before_any_step(
+    client: pipesvc.Client,
+) -> None:
+    problem = DROPOUT_GPT
+    with client.create_job(
+        model=problem.model, model_args=problem.model_args, num_stages=2, loss=problem.loss
+    ) as job:
+        plan = job.plan
+        with pytest.raises(pipesvc.InvalidArgumentError, match="'fastest'"):
+            job.replan("fastest")
+        with pytest.raises(pipesvc.FailedPreconditionError, match="no timings on its stage yet"):
+            job.replan("throughput")
+        assert job.plan == plan and job.refresh().plan == plan
+
+
+@pytest.mark.skipif(not CPU_ROOT.is_dir(), reason="needs the cgroup v1 cpu controller")
+def test_throughput_moves_work_off_a_capped_stage() -> None:
+    """Four stages, one capped at a quarter of a CPU: a ``throughput`` job starts balanced by
+    parameters, measures after its probe steps and gives the capped stage less work."""
+    args = {"in_features": 256, "hidden_features": 1024, "num_layers": 12, "out_features": 8}
+    with (
+        pipesvc.LocalCluster(num_stages=4, threads_per_stage=1) as cluster,
+        cluster.connect() as client,
+        client.create_job(
+            model="mlp",
+            model_args=args,
+            num_stages=4,
+            num_microbatches=4,
+            partition="throughput",
+            loss="mse",
+            optimizer={"name": "sgd", "lr": 0.01},
+        ) as job,
+    ):
+        first = {s.address: s.end_layer - s.start_layer for s in job.plan}
+        slow = job.plan[1].address
+        with cpu_capped(stage_info(slow).pid, 0.25):
+            for step in range(PROBE_STEPS):
+                x = torch.randn(64, 256, generator=torch.Generator().manual_seed(step))
+                job.train_step(x, torch.zeros(64, 8))
+            after = {s.address: s.end_layer - s.start_layer for s in job.refresh().plan}
+        assert after.get(slow, 0) < first[slow], (first, after)
