@@ -116,7 +116,8 @@ def test_too_few_stages(num_stages: int) -> None:
 
 
 def test_unknown_method_lists_choices() -> None:
-    with pytest.raises(InvalidArgumentError, match=r"'bytes'.*uniform, parameters, memory, throughput"):
+    known = "uniform, parameters, memory, throughput"
+    with pytest.raises(InvalidArgumentError, match=rf"'bytes'.*{known}"):
         partition("bytes", [1, 2, 3], 2)
 
 

@@ -159,7 +159,8 @@ def test_unknown_schedule_names_the_value_and_the_known_names(name: Any) -> None
 
 @pytest.mark.parametrize("name", ["bytes", "", None])
 def test_unknown_partition_names_the_value_and_the_known_names(name: Any) -> None:
-    expected = f"unknown partition method {name!r}; expected one of uniform, parameters, memory, throughput"
+    known = "uniform, parameters, memory, throughput"
+    expected = f"unknown partition method {name!r}; expected one of {known}"
     with pytest.raises(InvalidArgumentError) as info:
         partition.get_partition(name)
     assert str(info.value) == expected

@@ -83,7 +83,9 @@ def test_a_slow_stage_gets_less_work_or_none() -> None:
     costs = LayerCosts(work=[1.0] * 12, boundary_bytes=[0] * 12)
     rates = [StageRate(1.0, 1 << 30), StageRate(0.25, 1 << 30)] + [StageRate(1.0, 1 << 30)] * 2
     spread = throughput.plan(costs, rates, 4)
-    sizes = {stage: end - start for (start, end), stage in zip(spread.ranges, spread.stages)}
+    sizes = {
+        stage: end - start for (start, end), stage in zip(spread.ranges, spread.stages, strict=True)
+    }
     assert sizes[1] == 1 and sorted(sizes[s] for s in (0, 2, 3)) == [3, 4, 4]
     assert spread.bottleneck_s == 4.0  # against 12 / 4 / 0.25 = 12 s for equal thirds
     # With a spare as fast as the others, the slow stage is left out.
