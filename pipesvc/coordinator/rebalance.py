@@ -8,6 +8,17 @@ the checkpoint into them; stages that leave the plan drop the job and go back to
 pool. Nothing is replayed: the checkpoint is at the last step, so the next step starts from
 exactly the state the old plan had, and training goes on with identical numbers.
 
+[Note: measured speed] A layer's cost is the same wherever it runs; a stage's speed is what
+it gets done per second where it runs, other work on its host included. The stages count each
+layer's forward operations once (``torch.utils.flop_counter``) and time every training
+micro-batch, so a stage's speed is its layers' operations over their forward time, and a
+layer's cost is its measured time (forward and backward) at its stage's speed: the layers
+without counted operations (an embedding lookup) keep the cost their time shows. A stage with
+no measured speed (a free one, or one whose layers count no operations) gets its calibration
+product's rate, scaled by the median ratio of measured to calibrated speed over the job's
+stages. Speeds measured while the job trains include what training itself does to the host
+(stages sharing cores); a calibration on its own does not.
+
 A job created with ``partition="throughput"`` starts balanced by parameters, because nothing
 is measured yet. After ``PROBE_STEPS`` training steps (the probe: real steps, so no work is
 wasted) it measures its stages and moves to the throughput plan if that is predicted at least
@@ -82,7 +93,8 @@ class Replanner:
         self._recovery = recovery
 
     def measure(self) -> Measurements:
-        """Profiles the job's stages and calibrates them and the free stages, all at once.
+        """Profiles the job's stages; when there are free stages, or a stage without a
+        measured speed, calibrates them all at once too (see [Note: measured speed]).
 
         Raises:
             FailedPreconditionError: a layer has no timings yet (no training step on this
@@ -91,13 +103,25 @@ class Replanner:
         """
         group = self._group
         records = {r.address: r for r in group.registry.all()}
-        stages = [records[s.address] for s in group.plan] + group.registry.free(group.config.model)
-        timeout_s = group.deadlines.control_s + CALIBRATE_S
+        stages = [records[s.address] for s in group.plan]
+        free = group.registry.free(group.config.model)
+        profiles = self._profile(stages, 0.0)
+        if free or any(not _operations(p) for p in profiles):
+            stages += free
+            profiles = self._profile(stages, CALIBRATE_S)
+        return _measurements(group.plan, len(group.layers), stages, profiles)
+
+    def _profile(
+        self, stages: list[StageRecord], calibrate_s: float
+    ) -> list[stage_pb2.StageProfile]:
+        """Every stage's profile at once (the job's for the first ``len(plan)``)."""
+        group = self._group
+        timeout_s = group.deadlines.control_s + calibrate_s
 
         def profile(index: int) -> stage_pb2.StageProfile:
             record = stages[index]
             job_id = group.job_id if index < len(group.plan) else ""
-            request = stage_pb2.ProfileRequest(job_id=job_id, calibrate_s=CALIBRATE_S)
+            request = stage_pb2.ProfileRequest(job_id=job_id, calibrate_s=calibrate_s)
             try:
                 reply: stage_pb2.StageProfile = group.registry.stub(record.address).Profile(
                     request, timeout=timeout_s
@@ -107,8 +131,7 @@ class Replanner:
             return reply
 
         with futures.ThreadPoolExecutor(max_workers=len(stages)) as pool:
-            profiles = list(pool.map(profile, range(len(stages))))
-        return _measurements(group.plan, len(group.layers), stages, profiles)
+            return list(pool.map(profile, range(len(stages))))
 
     def choose(self, partition: str, *, min_gain: float = 0.0) -> Decision:
         """The plan ``partition`` gives (``throughput``: from a new measurement, and only if
@@ -130,6 +153,9 @@ class Replanner:
                 config, group.layers, measured.costs, measured.stages, measured.rates
             )
             current_s = measured.current_s
+            logger.info(
+                "job %s: measured\n%s", group.job_id, _report(measured, current, plan, predicted_s)
+            )
             if max(predicted_s) > max(current_s) * (1 - min_gain):
                 plan, predicted_s = current, current_s
         else:
@@ -193,35 +219,84 @@ def _measurements(
     stages: list[StageRecord],
     profiles: list[stage_pb2.StageProfile],
 ) -> Measurements:
-    """Layer costs from the job's stages' timings, each layer's time scaled by its stage's
-    calibrated speed to work that any stage does at its own speed."""
-    work: dict[int, float] = {}
+    """Layer costs and stage speeds from the job's stages' timings (see [Note: measured
+    speed])."""
+    times: dict[int, float] = {}
     boundary: dict[int, int] = {}
+    speeds: list[float | None] = []
     for stage, profile in zip(plan, profiles, strict=False):
+        flops = forward_s = 0.0
         for layer in profile.layers:
             if stage.start_layer <= layer.index < stage.end_layer:
-                work[layer.index] = (layer.forward_s + layer.backward_s) * profile.speed
+                times[layer.index] = layer.forward_s + layer.backward_s
                 boundary[layer.index] = layer.output_bytes
-    missing = [i for i in range(num_layers) if i not in work]
+                flops += layer.flops
+                forward_s += layer.forward_s
+        speeds.append(flops / forward_s if flops > 0 and forward_s > 0 else None)
+    missing = [i for i in range(num_layers) if i not in times]
     if missing:
         raise FailedPreconditionError(
             f"layer {missing[0]} has no timings on its stage yet; train a step on this plan "
             "before planning for throughput"
         )
+    # Calibrated speeds in the units of the measured ones, for the stages without a measured
+    # speed (free stages; a job's stage whose layers count no operations).
+    ratios = [
+        s / p.speed for s, p in zip(speeds, profiles, strict=False) if s is not None and p.speed > 0
+    ]
+    scale = statistics.median(ratios) if ratios else 1.0
+    speeds += [None] * (len(stages) - len(speeds))
+    speed = [
+        s if s is not None else max(p.speed * scale, 1e-9)
+        for s, p in zip(speeds, profiles, strict=True)
+    ]
     known = [p.send_bytes_per_s for p in profiles[: len(plan)] if p.send_bytes_per_s > 0]
     default_rate = statistics.median(known) if known else float("inf")
     rates = [
         throughput.StageRate(
-            speed=max(profile.speed, 1e-9),
+            speed=v,
             memory_bytes=record.memory_bytes,
             link_bytes_per_s=profile.send_bytes_per_s or default_rate,
         )
-        for record, profile in zip(stages, profiles, strict=True)
+        for record, profile, v in zip(stages, profiles, speed, strict=True)
     ]
+    holder = {i: r for r, s in enumerate(plan) for i in range(s.start_layer, s.end_layer)}
     costs = throughput.LayerCosts(
-        work=[work[i] for i in range(num_layers)],
+        work=[times[i] * speed[holder[i]] for i in range(num_layers)],
         boundary_bytes=[boundary[i] for i in range(num_layers)],
     )
     ranges = [(s.start_layer, s.end_layer) for s in plan]
     current_s = throughput.predict(costs, rates[: len(plan)], ranges)
     return Measurements(costs, stages, rates, current_s)
+
+
+def _operations(profile: stage_pb2.StageProfile) -> int:
+    return sum(layer.flops for layer in profile.layers)
+
+
+def _report(
+    measured: Measurements,
+    current: list[PipelineStage],
+    chosen: list[PipelineStage],
+    chosen_s: list[float],
+) -> str:
+    """A table of the candidates: speed, link rate, and their place and time per micro-batch
+    in the current and the chosen plan."""
+
+    def place(plan: list[PipelineStage], seconds: list[float], address: str) -> str:
+        for stage, s in zip(plan, seconds, strict=True):
+            if stage.address == address:
+                return f"[{stage.start_layer}, {stage.end_layer}) {1e3 * s:.2f} ms"
+        return "-"
+
+    lines = [f"{'stage':<22} {'GFLOP/s':>8} {'link MB/s':>10}  {'now':<22} {'planned':<22}"]
+    for record, rate in zip(measured.stages, measured.rates, strict=True):
+        link = (
+            "-" if rate.link_bytes_per_s == float("inf") else f"{rate.link_bytes_per_s / 1e6:.0f}"
+        )
+        lines.append(
+            f"{record.address:<22} {rate.speed / 1e9:8.2f} {link:>10}  "
+            f"{place(current, measured.current_s, record.address):<22} "
+            f"{place(chosen, chosen_s, record.address):<22}"
+        )
+    return "\n".join(lines)

@@ -49,6 +49,7 @@ class LayerTime:
     forward_s: float
     backward_s: float
     output_bytes: int
+    flops: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +70,7 @@ class StageProfiler:
         with self._lock:
             self._forward: dict[int, _Mean] = {}
             self._bytes: dict[int, int] = {}
+            self._flops: dict[int, int] = {}
             self._backward = _Mean()
             self._send_rate = _Mean()
 
@@ -76,6 +78,15 @@ class StageProfiler:
         with self._lock:
             self._forward.setdefault(index, _Mean()).add(seconds)
             self._bytes[index] = output.numel() * output.element_size()
+
+    def needs_flops(self, index: int) -> bool:
+        """Whether layer ``index``'s operations are still to be counted (once per plan: a
+        counted forward runs slower, and it is the warm-up sample that is dropped anyway)."""
+        return index not in self._flops
+
+    def counted(self, index: int, flops: int) -> None:
+        with self._lock:
+            self._flops[index] = flops
 
     def backward(self, seconds: float) -> None:
         with self._lock:
@@ -97,6 +108,7 @@ class StageProfiler:
                     forward_s=f,
                     backward_s=backward * f / total if total > 0 else 0.0,
                     output_bytes=self._bytes[i],
+                    flops=self._flops.get(i, 0),
                 )
                 for i, f in sorted(forward.items())
             ]

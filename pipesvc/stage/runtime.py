@@ -41,6 +41,7 @@ to bfloat16's precision (about 3 significant digits), which the tests allow for.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
 import time
@@ -50,6 +51,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from pipesvc.core.config import JobConfig
 from pipesvc.core.loss import compute_loss
@@ -262,13 +264,16 @@ class StageRuntime:
             kwargs: dict[str, Any] = {n: side[n].to(self.device) for n in wanted if n in side}
             if cache is not None and getattr(layer, "uses_cache", False):
                 kwargs["cache"] = cache
+            counting = microbatch is not None and self.profiler.needs_flops(index)
+            counter = FlopCounterMode(display=False) if counting else contextlib.nullcontext()
             started = time.perf_counter()
             try:
-                if seeded and microbatch is not None:
-                    with layer_rng(seed, step, microbatch, index, self.device):
+                with counter:
+                    if seeded and microbatch is not None:
+                        with layer_rng(seed, step, microbatch, index, self.device):
+                            x = layer(x, **kwargs)
+                    else:
                         x = layer(x, **kwargs)
-                else:
-                    x = layer(x, **kwargs)
             except (RuntimeError, IndexError, ValueError) as exc:
                 raise InvalidArgumentError(
                     f"layer {index} failed on an input of shape {list(x.shape)} and dtype "
@@ -276,6 +281,8 @@ class StageRuntime:
                 ) from exc
             if microbatch is not None:  # a training forward (see pipesvc.stage.profiler)
                 self.profiler.layer(index, time.perf_counter() - started, x)
+                if isinstance(counter, FlopCounterMode):
+                    self.profiler.counted(index, int(counter.get_total_flops()))
         return x
 
     def forward(

@@ -393,6 +393,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
                     forward_s=t.forward_s,
                     backward_s=t.backward_s,
                     output_bytes=t.output_bytes,
+                    flops=t.flops,
                 )
                 for t in measured.layers
             )

@@ -109,6 +109,7 @@ class LayerTime(_message.Message):
     FORWARD_S_FIELD_NUMBER: _builtins.int
     BACKWARD_S_FIELD_NUMBER: _builtins.int
     OUTPUT_BYTES_FIELD_NUMBER: _builtins.int
+    FLOPS_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     forward_s: _builtins.float
     backward_s: _builtins.float
@@ -117,6 +118,11 @@ class LayerTime(_message.Message):
     """
     output_bytes: _builtins.int
     """Bytes of the layer's output per micro-batch."""
+    flops: _builtins.int
+    """Floating-point operations of one forward of the layer on a micro-batch, counted by torch
+    (matrix products, convolutions, attention; 0 for a layer with none, such as an
+    embedding lookup).
+    """
     def __init__(
         self,
         *,
@@ -124,10 +130,11 @@ class LayerTime(_message.Message):
         forward_s: _builtins.float = ...,
         backward_s: _builtins.float = ...,
         output_bytes: _builtins.int = ...,
+        flops: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backward_s", b"backward_s", "forward_s", b"forward_s", "index", b"index", "output_bytes", b"output_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backward_s", b"backward_s", "flops", b"flops", "forward_s", b"forward_s", "index", b"index", "output_bytes", b"output_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

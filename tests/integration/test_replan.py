@@ -106,3 +106,50 @@ def test_throughput_moves_work_off_a_capped_stage() -> None:
                 job.train_step(x, torch.zeros(64, 8))
             after = {s.address: s.end_layer - s.start_layer for s in job.refresh().plan}
         assert after.get(slow, 0) < first[slow], (first, after)
+
+
+@pytest.mark.skipif(not CPU_ROOT.is_dir(), reason="needs the cgroup v1 cpu controller")
+def test_throughput_replan_trades_a_capped_stage_for_a_free_one() -> None:
+    """Two stages of three train; the second is capped at a tenth of a CPU. A throughput
+    replan calibrates the free stage, moves the capped stage's layers there with their
+    optimizer state, and gives the capped stage back to the free pool; training then goes on
+    exactly as it would have."""
+    args = {"in_features": 64, "hidden_features": 512, "num_layers": 6, "out_features": 4}
+    g = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randn(32, 64, generator=g), torch.randn(32, 4, generator=g)) for _ in range(5)
+    ]
+    options = {
+        "model": "mlp",
+        "model_args": args,
+        "num_stages": 2,
+        "num_microbatches": 4,
+        "loss": "mse",
+        "optimizer": {"name": "adam", "lr": 1e-3},
+        "partition": "uniform",
+    }
+    with (
+        pipesvc.LocalCluster(num_stages=3, threads_per_stage=1) as cluster,
+        cluster.connect() as client,
+    ):
+        with client.create_job(**options) as job:  # type: ignore[arg-type]
+            for x, y in batches:
+                job.train_step(x, y)
+            expected = job.state_dict()
+        with client.create_job(**options) as job:  # type: ignore[arg-type]
+            capped = job.plan[1].address
+            (spare,) = {s.address for s in client.stages()} - {s.address for s in job.plan}
+            with cpu_capped(stage_info(capped).pid, 0.1):
+                for x, y in batches[:3]:
+                    job.train_step(x, y)
+                moved = job.replan("throughput")
+            assert moved.moved and capped not in {s.address for s in moved.plan}
+            assert spare in {s.address for s in moved.plan}
+            assert max(moved.predicted_s) < max(moved.current_s)
+            free = {s.address for s in client.stages() if not s.job_id}
+            assert free == {capped}
+            for x, y in batches[3:]:
+                job.train_step(x, y)
+            got = job.state_dict()
+        for key, value in expected.items():
+            torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
