@@ -36,6 +36,7 @@ the same losses and weights as a run without the fault.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -258,6 +259,8 @@ class JobDriver:
         if carried is not None:
             state.pending = None
             state.gradients_valid = True
+            if carried.snapshot:
+                self.recovery.stream_snapshot(carried.step)
         return run_id, replies
 
     # -- steps ---------------------------------------------------------------------------------
@@ -341,13 +344,12 @@ class JobDriver:
                 extra={"job": self.job_id, "step": state.step},
             )
             every = self.config.checkpoint_every
-            if every and state.step % every == 0:
-                # The step is committed whatever happens here; a stage lost while it is saved
-                # is recovered from (the previous checkpoint and the log are kept till then).
-                self._resilient(
-                    lambda: self.recovery.checkpoint(background=True),
-                    f"checkpoint at step {state.step}",
-                )
+            if every and state.step % every == 0 and state.pending is not None:
+                # The run that carries this step's commit has the stages snapshot their state,
+                # which then streams to a checkpoint while later steps train (see [Note:
+                # snapshot checkpoint] in stage/engine.py); with no such run, the flush of the
+                # commit reads the stages instead.
+                state.pending = dataclasses.replace(state.pending, snapshot=True)
             self._rebalance_if_due()
             return loss, state.step
 

@@ -22,6 +22,9 @@ class PendingCommit:
     """The prepared training run every stage holds."""
     grad_scale: float | None
     """The global clipping scale, or None when the job does not clip."""
+    snapshot: bool = False
+    """The step is due a periodic checkpoint: the run that carries the commit asks every
+    stage for a snapshot (see [Note: snapshot checkpoint] in stage/engine.py)."""
 
     def request(self, job_id: str, epoch: int) -> stage_pb2.CommitRequest:
         """The explicit Commit that flushes it."""
@@ -32,7 +35,7 @@ class PendingCommit:
 
     def carried(self) -> stage_pb2.CarriedCommit:
         """The same commit, carried by the next RunStep."""
-        carried = stage_pb2.CarriedCommit(run_id=self.run_id)
+        carried = stage_pb2.CarriedCommit(run_id=self.run_id, snapshot=self.snapshot)
         if self.grad_scale is not None:
             carried.grad_scale = self.grad_scale
         return carried

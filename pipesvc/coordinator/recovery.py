@@ -114,10 +114,11 @@ class Recovery:
 
     # -- deferred commits ----------------------------------------------------------------------
 
-    def flush(self) -> None:
+    def flush(self, *, due_checkpoint: bool = True) -> None:
         """Commits the pending decided step on every stage now (see [Note: deferred commit]
         in job.py), for a call that must see the committed weights; does nothing if none is
-        pending.
+        pending. A step due a periodic checkpoint then gets it from the stages' live state
+        (``due_checkpoint``; the checkpoint itself flushes without it).
 
         Raises:
             PipesvcError: the commit did not reach every stage; the step is the replay target
@@ -127,6 +128,9 @@ class Recovery:
         if pending is None:
             return
         self.settle(pending, after_failed_run=False)
+        if pending.snapshot and due_checkpoint:
+            # No run carried it: the periodic checkpoint reads the stages instead.
+            self.checkpoint(background=True)
 
     def settle(self, pending: PendingCommit, *, after_failed_run: bool) -> None:
         """Brings every stage to the decided ``pending`` step by Commit where it is still
@@ -138,6 +142,13 @@ class Recovery:
         """
         group, state = self.group, self.state
         state.pending = None
+        if pending.snapshot and after_failed_run:
+            logger.warning(
+                "job %s: the run that carried step %d's checkpoint failed; the next periodic "
+                "checkpoint takes its place",
+                group.job_id,
+                pending.step,
+            )
         try:
             commit_all(
                 group.registry,
@@ -285,7 +296,7 @@ class Recovery:
         fits in ``CHECKPOINT_BUFFER_BYTES``; the checkpoint counts (and the step log behind it
         is pruned) only once it is durable (see [Note: background checkpoint]).
         """
-        self.flush()
+        self.flush(due_checkpoint=False)  # this is the checkpoint
         self.finish_checkpoint(wait=True)  # one at a time, in step order
         started = time.monotonic()
         group, step = self.group, self.state.step
@@ -317,6 +328,32 @@ class Recovery:
             return
         self._finish_writer(writer, record, step)
         self._checkpointed(step, read_s, time.monotonic() - started - read_s, background=False)
+
+    def stream_snapshot(self, step: int) -> None:
+        """After a run carried the commit of ``step`` with a snapshot: streams the stages'
+        snapshots to a new checkpoint on the job's pool while later steps run (see [Note:
+        snapshot checkpoint] in stage/engine.py); it counts once durable, like a background
+        write (see [Note: background checkpoint])."""
+        self.finish_checkpoint(wait=True)  # one at a time, in step order
+        group = self.group
+        plan = list(group.plan)
+        record = self.record()
+        directory = self.storage.checkpoints.path(step)
+
+        def write() -> float:
+            started = time.monotonic()
+            writer = CheckpointWriter(directory)
+            try:
+                frames = group.stream_state(common_pb2.CHECKPOINT, snapshot_step=step, plan=plan)
+                for name, tensor in read_named_frames(frames):
+                    writer.add(name, tensor)
+            except BaseException:
+                writer.discard()
+                raise
+            self._finish_writer(writer, record, step)
+            return time.monotonic() - started
+
+        self._writing = (step, 0.0, self._pool.submit(write))
 
     def _write_checkpoint(
         self,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent import futures
 from typing import Any, TypeVar
 
@@ -211,16 +211,24 @@ class StageGroup:
         self.call_all(lambda stub: stub.Assign, assign, self.deadlines.control_s)
 
     def stream_state(
-        self, kind: common_pb2.StateKind.ValueType
+        self,
+        kind: common_pb2.StateKind.ValueType,
+        *,
+        snapshot_step: int | None = None,
+        plan: Sequence[PipelineStage] | None = None,
     ) -> Iterator[common_pb2.TensorFrame]:
-        """Every stage's tensors of ``kind`` in layer order, frame by frame, each stream under
-        the health watchdog."""
-        for stage in self.plan:
+        """Every stage's tensors of ``kind`` (of ``plan``, by default the current one) in layer
+        order, frame by frame, each stream under the health watchdog; with ``snapshot_step``,
+        the snapshots the stages took after that step's commit."""
+        request = stage_pb2.GetStateRequest(job_id=self.job_id, kind=kind)
+        if snapshot_step is not None:
+            request.snapshot_step = snapshot_step
+        for stage in list(self.plan if plan is None else plan):
             yield from stream_stage(
                 self.registry,
                 stage,
                 lambda stub: stub.GetState,
-                stage_pb2.GetStateRequest(job_id=self.job_id, kind=kind),
+                request,
                 self.deadlines.control_s,
                 deadlines=self.deadlines,
                 what=f"reading its state ({common_pb2.StateKind.Name(kind).lower()})",

@@ -16,6 +16,14 @@ and fault point as ``commit``, before the run begins; if this stage does not hol
 call fails before anything changes. An abort of a later run than the pending one leaves the
 pending gradients alone (that run never began here: it would have committed them first), so
 a decided step survives the abort of the run that was to carry its commit.
+
+[Note: snapshot checkpoint] A carried commit may ask for a snapshot: right after applying it,
+before the run begins, the stage copies its checkpoint state (weights and optimizer state at
+that step) to host memory, and the coordinator streams that copy (GetState with
+``snapshot_step``) while later runs train, then writes it as the step's checkpoint. The copy
+is a memory copy on the step's path; the stream, the files and their syncs are not. It costs
+one more copy of the stage's checkpoint state in host memory until it is read (a later
+snapshot replaces it; a new assignment drops it).
 """
 
 from __future__ import annotations
@@ -75,10 +83,20 @@ class RunResult:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Carried:
-    """A decided commit carried by the next run: its run id and gradient scale."""
+    """A decided commit carried by the next run: its run id and gradient scale, and whether
+    to keep a snapshot of the state it leaves (see [Note: snapshot checkpoint])."""
 
     run_id: int
     grad_scale: float | None
+    snapshot: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A copy of a stage's checkpoint state (weights and optimizer state) after a step."""
+
+    step: int
+    tensors: dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -146,6 +164,9 @@ class StepEngine:
         self._tied = tied
         self.sessions = sessions
         """The generation caches of this stage's layers, per session."""
+        self.snapshot: Snapshot | None = None
+        """The state a carried commit asked to keep, until it is read."""
+        self._snapshot_lock = threading.Lock()
 
     def run_step(
         self,
@@ -180,6 +201,8 @@ class StepEngine:
                 )
             if commit is not None:
                 self._commit_locked(commit.run_id, commit.grad_scale)
+                if commit.snapshot:
+                    self._take_snapshot()
             if self.pending_commit is not None:
                 raise FailedPreconditionError(
                     f"run {self.pending_commit} awaits commit or abort; run {run_id} waits"
@@ -232,6 +255,22 @@ class StepEngine:
                 max_live_activations=rt.max_live,
                 grad_norm_sq=grad_norm_sq,
             )
+
+    def _take_snapshot(self) -> None:
+        """Copies the checkpoint state to host memory (see [Note: snapshot checkpoint])."""
+        rt = self.runtime
+        snapshot = Snapshot(
+            step=rt.step,
+            tensors={k: t.to("cpu", copy=True) for k, t in rt.tensors("checkpoint").items()},
+        )
+        with self._snapshot_lock:
+            self.snapshot = snapshot
+
+    def drop_snapshot(self, step: int) -> None:
+        """Drops the snapshot of ``step`` once read (not the run lock: a run may be going)."""
+        with self._snapshot_lock:
+            if self.snapshot is not None and self.snapshot.step == step:
+                self.snapshot = None
 
     def _share_tied(self, run_id: int) -> None:
         """Gives every tied copy its group's whole gradient (see [Note: tied parameters])."""

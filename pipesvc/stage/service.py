@@ -62,7 +62,7 @@ def _carried(request: stage_pb2.RunStepRequest) -> Carried | None:
         return None
     carried = request.commit
     scale = carried.grad_scale if carried.HasField("grad_scale") else None
-    return Carried(run_id=carried.run_id, grad_scale=scale)
+    return Carried(run_id=carried.run_id, grad_scale=scale, snapshot=carried.snapshot)
 
 
 def _plan_ranges(request: stage_pb2.AssignRequest) -> list[tuple[int, int]]:
@@ -430,6 +430,9 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
             raise InvalidArgumentError(
                 f"state kind {request.kind} must be PARAMETERS, GRADIENTS or CHECKPOINT"
             )
+        if request.HasField("snapshot_step"):
+            yield from self._stream_snapshot(job, request)
+            return
         with job.engine.run_lock:
             tensors = job.runtime.tensors(_STATE_KINDS[request.kind])
         # One tensor copied at a time (under the run lock, so never mid-commit), not the whole
@@ -449,6 +452,32 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
                 copied = live.to("cpu", copy=True)
             yield from named_frames(name, copied)
             del copied
+
+    def _stream_snapshot(
+        self, job: Assignment, request: stage_pb2.GetStateRequest
+    ) -> Iterator[common_pb2.TensorFrame]:
+        """The copy a carried commit took (see [Note: snapshot checkpoint] in engine.py),
+        streamed without the run lock while later runs train; dropped once sent."""
+        if request.kind != common_pb2.CHECKPOINT:
+            raise InvalidArgumentError("snapshot_step is for the CHECKPOINT state kind only")
+        snapshot = job.engine.snapshot
+        if snapshot is None or snapshot.step != request.snapshot_step:
+            held = "none" if snapshot is None else f"step {snapshot.step}"
+            raise FailedPreconditionError(
+                f"no snapshot of step {request.snapshot_step} on this stage (it holds {held})"
+            )
+        fault = self._options.fault_kill
+        for index, (name, tensor) in enumerate(snapshot.tensors.items()):
+            if fault is not None:
+                fault.check(
+                    when="checkpoint",
+                    step=snapshot.step,
+                    rank=job.runtime.rank,
+                    microbatch=index,
+                    last_mb=len(snapshot.tensors) - 1,
+                )
+            yield from named_frames(name, tensor)
+        job.engine.drop_snapshot(snapshot.step)
 
     @handle_errors
     def LoadState(

@@ -623,19 +623,26 @@ class CarriedCommit(_message.Message):
 
     RUN_ID_FIELD_NUMBER: _builtins.int
     GRAD_SCALE_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
     run_id: _builtins.int
     """The prepared run to commit."""
     grad_scale: _builtins.float
     """Multiply every gradient by this before the optimizer step (global norm clipping)."""
+    snapshot: _builtins.bool
+    """After the commit, keep a copy of the stage's checkpoint state (weights and optimizer
+    state at that step) until GetState reads it with snapshot_step: a periodic checkpoint
+    then streams while later steps train.
+    """
     def __init__(
         self,
         *,
         run_id: _builtins.int = ...,
         grad_scale: _builtins.float | None = ...,
+        snapshot: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_grad_scale", b"_grad_scale", "grad_scale", b"grad_scale"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_grad_scale", b"_grad_scale", "grad_scale", b"grad_scale", "run_id", b"run_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_grad_scale", b"_grad_scale", "grad_scale", b"grad_scale", "run_id", b"run_id", "snapshot", b"snapshot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__grad_scale: _TypeAlias = _typing.Literal["grad_scale"]  # noqa: Y015
     _WhichOneofArgType__grad_scale: _TypeAlias = _typing.Literal["_grad_scale", b"_grad_scale"]  # noqa: Y015
@@ -796,21 +803,29 @@ class GetStateRequest(_message.Message):
 
     JOB_ID_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_STEP_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     kind: _common_pb2.StateKind.ValueType
     """Parameters or gradients."""
+    snapshot_step: _builtins.int
+    """CHECKPOINT only: stream the copy taken after the commit of this step (see
+    CarriedCommit.snapshot) instead of the live tensors, and drop it at the end.
+    """
     def __init__(
         self,
         *,
         job_id: _builtins.str = ...,
         kind: _common_pb2.StateKind.ValueType = ...,
+        snapshot_step: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_snapshot_step", b"_snapshot_step", "snapshot_step", b"snapshot_step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "kind", b"kind"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_snapshot_step", b"_snapshot_step", "job_id", b"job_id", "kind", b"kind", "snapshot_step", b"snapshot_step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__snapshot_step: _TypeAlias = _typing.Literal["snapshot_step"]  # noqa: Y015
+    _WhichOneofArgType__snapshot_step: _TypeAlias = _typing.Literal["_snapshot_step", b"_snapshot_step"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__snapshot_step) -> _WhichOneofReturnType__snapshot_step | None: ...
 
 Global___GetStateRequest: _TypeAlias = GetStateRequest  # noqa: Y015
 

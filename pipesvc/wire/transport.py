@@ -60,12 +60,14 @@ def create_server(
     *,
     security: Security = NO_SECURITY,
     limits: Limits = DEFAULT_LIMITS,
+    thread_initializer: Callable[[], None] | None = None,
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """A started server bound to ``address`` (port 0 picks one), with grpc.health.v1.
 
     Auth and concurrency limits are interceptors that leave health alone; the thread pool has
-    room beyond the limits so health always gets a thread. Returns the server, the bound port
-    and the health servicer (initially SERVING).
+    room beyond the limits so health always gets a thread; each of its threads first runs
+    ``thread_initializer``. Returns the server, the bound port and the health servicer
+    (initially SERVING).
 
     Raises:
         StageUnavailableError: the address could not be bound.
@@ -79,7 +81,7 @@ def create_server(
     )
     workers = limits.max_concurrent_rpcs + limits.max_concurrent_streams + 8
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=workers),
+        futures.ThreadPoolExecutor(max_workers=workers, initializer=thread_initializer),
         interceptors=interceptors,
         options=[
             *_message_options(limits),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -56,8 +57,9 @@ def test_stage_killed_while_holding_a_deferred_commit_recovers_to_the_oracle() -
 
 
 def test_reads_right_after_a_step_see_its_commit() -> None:
-    """forward carries the pending commit, state reads and a checkpoint flush it: each sees
-    the weights after the step just returned, never those before it."""
+    """forward carries the pending commit and state reads flush it: each sees the weights after
+    the step just returned, never those before it; a periodic checkpoint is the snapshot the
+    run carrying its step's commit takes."""
     with (
         pipesvc.LocalCluster(num_stages=3, threads_per_stage=1) as cluster,
         cluster.connect() as client,
@@ -77,12 +79,19 @@ def test_reads_right_after_a_step_see_its_commit() -> None:
         _assert_committed(run.job, 2)
 
         run.step()
-        run.step()  # step 4: the checkpoint flushes its commit before reading the state
-        _assert_committed(run.job, 4)
+        run.step()  # step 4: its commit rides on step 5's run, with a snapshot for the checkpoint
+        _assert_held(run.job, 4)
         run.step()
         _assert_held(run.job, 5)
-        # Recovery restores the step-4 checkpoint and replays step 5: had the checkpoint
-        # read step-3 weights, the weights would differ from the oracle's.
+        manifest = (
+            cluster.log_dir / "state" / "jobs" / run.job.id / "checkpoints" / "step-000000004"
+        ) / "manifest.json"
+        deadline = time.monotonic() + 30
+        while not manifest.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)  # written from the snapshots while step 5 trained
+        assert manifest.exists()
+        # Recovery restores the step-4 checkpoint and replays step 5: had the snapshot held
+        # step-3 (or step-5) weights, the weights would differ from the oracle's.
         os.kill(stage_pid(run.job.plan[0].address), signal.SIGKILL)
         run.step()
         assert run.job.refresh().recoveries == 1
