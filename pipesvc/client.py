@@ -121,6 +121,7 @@ class Client:
         input_shape: Sequence[int] | None = None,
         input_dtype: str = "float32",
         trainable: Sequence[str] | None = None,
+        wire_dtype: str | None = None,
         precision: str = "fp32",
         resume_from: str | Path | None = None,
         wait_for_stages_s: float = 0.0,
@@ -157,6 +158,7 @@ class Client:
             input_shape=tuple(input_shape) if input_shape is not None else None,
             input_dtype=input_dtype,
             trainable=tuple(trainable) if trainable is not None else None,
+            wire_dtype=wire_dtype,
             precision=precision,
         )
         manifest = read_manifest(resume_from) if resume_from is not None else None

@@ -25,6 +25,8 @@ _MODEL_NAME = re.compile(r"[a-z][a-z0-9_-]{0,63}")
 MAX_TRAINABLE_PATTERNS = 256
 PRECISIONS = ("fp32", "bf16-mixed", "bf16")
 """How a job's layers compute and store numbers (``JobConfig.precision``)."""
+WIRE_DTYPES = ("bfloat16", "float16")
+"""Dtypes activations and gradients may cross links in (``JobConfig.wire_dtype``)."""
 
 
 def _default_optimizer() -> dict[str, Any]:
@@ -78,6 +80,12 @@ class JobConfig:
     """Glob patterns (``fnmatch``) over parameter names, the keys of ``Job.state_dict()`` (a
     Hugging Face model's own names): only matching parameters train; the rest get no
     gradient and no optimizer state. None: every parameter trains."""
+    wire_dtype: str | None = None
+    """``bfloat16`` or ``float16``: activations and gradients cross the links between stages
+    in this dtype and are cast back on arrival (the layers still compute in ``precision``).
+    Halves the bytes on the wire; the result equals one process with the same casts at the
+    stage boundaries (see [Note: wire dtype] in ``pipesvc.stage.runtime``). None: the compute
+    dtype (bfloat16 under the bf16 precisions, which only ``bfloat16`` or None may name)."""
     precision: str = "fp32"
     """``fp32``; ``bf16-mixed`` (float32 weights and optimizer state, layers under bfloat16
     autocast, bfloat16 between stages); or ``bf16`` (weights, gradients and optimizer state in
@@ -128,6 +136,16 @@ class JobConfig:
             raise InvalidArgumentError(
                 f"precision {self.precision!r} is not supported; expected one of "
                 f"{', '.join(PRECISIONS)}"
+            )
+        if self.wire_dtype is not None and self.wire_dtype not in WIRE_DTYPES:
+            raise InvalidArgumentError(
+                f"wire_dtype {self.wire_dtype!r} is not supported; expected one of "
+                f"{', '.join(WIRE_DTYPES)} or None"
+            )
+        if self.precision != "fp32" and self.wire_dtype not in (None, "bfloat16"):
+            raise InvalidArgumentError(
+                f"wire_dtype {self.wire_dtype!r} with precision {self.precision!r}: the bf16 "
+                "precisions send bfloat16 already; leave wire_dtype None or 'bfloat16'"
             )
         if self.clip_grad_norm is not None and not (
             isinstance(self.clip_grad_norm, int | float)

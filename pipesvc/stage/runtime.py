@@ -37,6 +37,15 @@ copies of floating-point inputs. Integer inputs (token ids) are never cast. One 
 matches a job exactly only with the same casts at the stage boundaries, since autocast's
 output dtypes depend on the op; against one process under autocast without them, losses agree
 to bfloat16's precision (about 3 significant digits), which the tests allow for.
+
+[Note: wire dtype] ``JobConfig.wire_dtype`` sends activations and gradients between stages in
+bfloat16 or float16 under any precision: a stage casts its output (and, in backward, its
+input's gradient) to that dtype before sending, and the receiver casts an arriving activation
+back to its compute dtype (float32, or bfloat16 under ``bf16``; under ``bf16-mixed`` autocast
+takes it as it is) and a gradient to its output's dtype. The numbers are those of one process
+that runs ``t.to(wire).to(compute)`` on each boundary's activation, through which autograd
+casts the gradient the same way. float16 keeps 10 bits of mantissa against bfloat16's 7 but
+only 5 of exponent: gradients below about 6e-8 flush to zero (no loss scaling here).
 """
 
 from __future__ import annotations
@@ -112,7 +121,9 @@ class StageRuntime:
             for layer in layers:
                 layer.to(torch.bfloat16)
         self._autocast = config.precision == "bf16-mixed"
-        self._wire_dtype = torch.bfloat16 if config.precision != "fp32" else None
+        wire = config.wire_dtype or ("bfloat16" if config.precision != "fp32" else None)
+        self._wire_dtype: torch.dtype | None = getattr(torch, wire) if wire else None
+        self._compute_dtype = torch.bfloat16 if config.precision == "bf16" else torch.float32
         # Keys "{global layer}.{param}" match build(...).state_dict() (DESIGN section 4).
         self.module = nn.ModuleDict({str(start_layer + i): layer for i, layer in enumerate(layers)})
         if config.num_microbatches > 1:
@@ -308,8 +319,10 @@ class StageRuntime:
                 f"{list(self.features.side_inputs) or 'none'}"
             )
         x = x.to(self.device)
-        if self.config.precision == "bf16" and x.is_floating_point():
-            x = x.to(torch.bfloat16)
+        if x.is_floating_point() and (
+            self.config.precision == "bf16" or (x.dtype == self._wire_dtype and not self._autocast)
+        ):
+            x = x.to(self._compute_dtype)  # see [Note: wire dtype]
         self._set_mode(training)
         if not training:
             with torch.no_grad():
@@ -330,7 +343,7 @@ class StageRuntime:
     def loss(self, microbatch: int, target: torch.Tensor, weight: float) -> torch.Tensor:
         """Last stage: the weighted loss of micro-batch ``microbatch``, kept for backward."""
         x, y = self._saved[microbatch]
-        logits = y.float() if self._wire_dtype is not None and y.is_floating_point() else y
+        logits = y.float() if y.is_floating_point() else y
         loss = compute_loss(self.config.loss, logits, target.to(self.device)) * weight
         self._saved[microbatch] = (x, loss)
         return loss

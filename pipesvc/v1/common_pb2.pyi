@@ -211,6 +211,7 @@ class JobSpec(_message.Message):
     PRECISION_FIELD_NUMBER: _builtins.int
     TRAINABLE_FIELD_NUMBER: _builtins.int
     REBALANCE_FIELD_NUMBER: _builtins.int
+    WIRE_DTYPE_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """A registered model name, e.g. "gpt"."""
     model_args_json: _builtins.str
@@ -241,6 +242,10 @@ class JobSpec(_message.Message):
     """"fp32" (when empty), "bf16-mixed" or "bf16"."""
     rebalance: _builtins.bool
     """Re-plan for throughput by itself when the measured speeds say so."""
+    wire_dtype: _builtins.str
+    """"bfloat16" or "float16": the dtype activations and gradients cross links in; unset: the
+    compute dtype.
+    """
     @_builtins.property
     def input_shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Shape of one micro-batch's input (batch dimension first), for the memory estimate of
@@ -270,14 +275,20 @@ class JobSpec(_message.Message):
         precision: _builtins.str = ...,
         trainable: _abc.Iterable[_builtins.str] | None = ...,
         rebalance: _builtins.bool = ...,
+        wire_dtype: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_clip_grad_norm", b"_clip_grad_norm", "clip_grad_norm", b"clip_grad_norm"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_clip_grad_norm", b"_clip_grad_norm", "_wire_dtype", b"_wire_dtype", "clip_grad_norm", b"clip_grad_norm", "wire_dtype", b"wire_dtype"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_clip_grad_norm", b"_clip_grad_norm", "checkpoint_every", b"checkpoint_every", "clip_grad_norm", b"clip_grad_norm", "input_dtype", b"input_dtype", "input_shape", b"input_shape", "loss", b"loss", "model", b"model", "model_args_json", b"model_args_json", "num_microbatches", b"num_microbatches", "num_stages", b"num_stages", "optimizer_json", b"optimizer_json", "partition", b"partition", "precision", b"precision", "rebalance", b"rebalance", "schedule", b"schedule", "seed", b"seed", "trainable", b"trainable"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_clip_grad_norm", b"_clip_grad_norm", "_wire_dtype", b"_wire_dtype", "checkpoint_every", b"checkpoint_every", "clip_grad_norm", b"clip_grad_norm", "input_dtype", b"input_dtype", "input_shape", b"input_shape", "loss", b"loss", "model", b"model", "model_args_json", b"model_args_json", "num_microbatches", b"num_microbatches", "num_stages", b"num_stages", "optimizer_json", b"optimizer_json", "partition", b"partition", "precision", b"precision", "rebalance", b"rebalance", "schedule", b"schedule", "seed", b"seed", "trainable", b"trainable", "wire_dtype", b"wire_dtype"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__clip_grad_norm: _TypeAlias = _typing.Literal["clip_grad_norm"]  # noqa: Y015
     _WhichOneofArgType__clip_grad_norm: _TypeAlias = _typing.Literal["_clip_grad_norm", b"_clip_grad_norm"]  # noqa: Y015
+    _WhichOneofReturnType__wire_dtype: _TypeAlias = _typing.Literal["wire_dtype"]  # noqa: Y015
+    _WhichOneofArgType__wire_dtype: _TypeAlias = _typing.Literal["_wire_dtype", b"_wire_dtype"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__clip_grad_norm) -> _WhichOneofReturnType__clip_grad_norm | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__wire_dtype) -> _WhichOneofReturnType__wire_dtype | None: ...
 
 Global___JobSpec: _TypeAlias = JobSpec  # noqa: Y015
 

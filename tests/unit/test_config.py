@@ -135,6 +135,7 @@ NON_DEFAULT: dict[str, Any] = {
     "precision": "bf16-mixed",
     "trainable": ("*.mlp.*", "lm_head.*"),
     "rebalance": True,
+    "wire_dtype": "bfloat16",
 }
 """A value for every JobConfig field, none of them the default."""
 
@@ -186,7 +187,12 @@ def test_the_dict_and_wire_forms_are_unchanged() -> None:
         input_shape=(8, 64),
         input_dtype="int64",
     )
-    newer = {"trainable": None, "precision": "fp32", "rebalance": False}  # fields added since
+    newer = {
+        "trainable": None,
+        "precision": "fp32",
+        "rebalance": False,
+        "wire_dtype": None,
+    }  # fields added since
     assert config_to_dict(config) == {**saved_row, **newer}
     old_defaults = {**saved_row, "clip_grad_norm": None, "input_shape": None}
     assert config_to_dict(config_from_dict(old_defaults)) == {**old_defaults, **newer}

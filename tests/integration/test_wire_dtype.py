@@ -1,0 +1,80 @@
+"""``wire_dtype``: activations and gradients cross links in bfloat16 or float16, and training
+equals one process that makes the same casts at the stage boundaries (see [Note: wire dtype]
+in pipesvc/stage/runtime.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pipesvc
+from pipesvc import models
+from pipesvc.core.microbatch import loss_weights, split
+from tests.support.reference import PROBLEMS, loss_fn
+
+NUM_MICROBATCHES = 4
+STEPS = 3
+
+
+def _one_process(
+    wire: torch.dtype | None, boundaries: set[int], batches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The gpt in one process, SGD over the job's micro-batches, each activation that leaves
+    layer ``i - 1`` for a boundary ``i`` cast to ``wire`` and back."""
+    problem = PROBLEMS["gpt"]
+    model = models.build(problem.model, seed=3, **problem.model_args)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        total = 0.0
+        xs, ys = split(x, NUM_MICROBATCHES), split(y, NUM_MICROBATCHES)
+        for xm, ym, w in zip(xs, ys, loss_weights([len(t) for t in xs]), strict=True):
+            out = xm
+            for index, layer in enumerate(model):
+                if index in boundaries and wire is not None:
+                    out = out.to(wire).to(torch.float32)
+                out = layer(out)
+            loss = loss_fn(problem.loss, out, ym) * w
+            loss.backward()
+            total += float(loss.detach())
+        optimizer.step()
+        losses.append(total)
+    return losses, {k: v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("wire", ["bfloat16", "float16"])
+def test_training_equals_one_process_with_the_same_casts(client: pipesvc.Client, wire: str) -> None:
+    problem = PROBLEMS["gpt"]
+    batches = [problem.batch(8, seed=step) for step in range(STEPS)]
+    with client.create_job(
+        model=problem.model,
+        model_args=problem.model_args,
+        seed=3,
+        num_stages=3,
+        num_microbatches=NUM_MICROBATCHES,
+        optimizer={"name": "sgd", "lr": 0.1},
+        loss=problem.loss,
+        partition="uniform",
+        wire_dtype=wire,
+    ) as job:
+        losses = [job.train_step(x, y) for x, y in batches]
+        weights = job.state_dict()
+        boundaries = {s.start_layer for s in job.plan[1:]}
+    expected_losses, expected = _one_process(getattr(torch, wire), boundaries, batches)
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+    for key, value in expected.items():
+        torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    # The casts happened: without them, one process ends elsewhere.
+    _, uncast = _one_process(None, boundaries, batches)
+    assert any(
+        not torch.allclose(weights[key], value, rtol=1e-5, atol=1e-6)
+        for key, value in uncast.items()
+    )
+
+
+def test_wire_dtype_is_checked() -> None:
+    with pytest.raises(pipesvc.InvalidArgumentError, match="wire_dtype 'int8' is not supported"):
+        pipesvc.JobConfig(model="mlp", wire_dtype="int8")
+    with pytest.raises(pipesvc.InvalidArgumentError, match="send bfloat16 already"):
+        pipesvc.JobConfig(model="mlp", wire_dtype="float16", precision="bf16-mixed")
