@@ -185,6 +185,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         security=security,
         limits=_limits(args),
         metrics=_metrics(args),
+        http_port=args.http_port,
     )
     return 0
 
@@ -441,6 +442,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="missed health checks in a row that declare a stage lost (default %(default)s)",
     )
     _add_metrics_flag(p)
+    p.add_argument(
+        "--http-port",
+        type=int,
+        help="serve the live page (stages, plans, step times, the last step's timeline) on "
+        "this port, on the --listen host (0: any free port)",
+    )
     _add_security_flags(p)
     _add_limit_flags(p)
     p.set_defaults(func=_cmd_coordinator)

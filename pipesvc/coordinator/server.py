@@ -6,9 +6,11 @@ import logging
 import threading
 from pathlib import Path
 
+from pipesvc.coordinator import cluster_view
 from pipesvc.coordinator.service import CoordinatorService
 from pipesvc.coordinator.stage_calls import Deadlines
 from pipesvc.core.limits import Limits
+from pipesvc.observe import dashboard
 from pipesvc.observe.metrics import Metrics
 from pipesvc.v1 import coordinator_pb2_grpc
 from pipesvc.wire.security import Security
@@ -27,11 +29,13 @@ def run_coordinator(
     security: Security | None = None,
     limits: Limits | None = None,
     metrics: Metrics | None = None,
+    http_port: int | None = None,
 ) -> None:
     """Serves the coordinator until ``stop`` is set.
 
     ``address_file``, when given, receives the bound ``host:port`` once the server is up (so a
-    parent that asked for port 0 learns the real one).
+    parent that asked for port 0 learns the real one). ``http_port``: also serve the live page
+    (``pipesvc.observe.dashboard``) there, on the listen host (0: any free port).
     """
     host, _ = split_address(listen)
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -47,6 +51,15 @@ def run_coordinator(
     )
     address = f"{host}:{port}"
     logger.info("coordinator listening on %s, state in %s", address, state_dir)
+    page = None
+    if http_port is not None:
+        page = dashboard.serve(
+            lambda: cluster_view.snapshot(service.registry, service.jobs),
+            host,
+            http_port,
+            security.token,
+        )
+        logger.info("live page on http://%s:%d/", host, page.server_address[1])
     if address_file is not None:
         tmp = address_file.with_suffix(".tmp")
         tmp.write_text(address)
@@ -58,6 +71,8 @@ def run_coordinator(
     try:
         stop.wait()
     finally:
+        if page is not None:
+            page.shutdown()
         health.enter_graceful_shutdown()
         service.shutdown()
         # Bounded: grpc's stop can hang after a stream whose request failed to deserialize.

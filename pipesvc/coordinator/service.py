@@ -106,6 +106,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
             for job in jobs:
                 job.maintain()
 
+    def jobs(self) -> list[JobDriver]:
+        """The jobs this coordinator drives."""
+        with self._lock:
+            return list(self._jobs.values())
+
     def _storage(self, job_id: str) -> JobStorage:
         if self._db is None:
             raise RuntimeError("CoordinatorService.open() was not called")
