@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import pipesvc
-from pipesvc.coordinator.rebalance import PROBE_STEPS
+from pipesvc.coordinator.rebalance import PROBE_STEPS, REBALANCE_EVERY
 from tests.support.cpu_cap import CPU_ROOT, cpu_capped
 from tests.support.reference import DROPOUT_GPT, Reference
 from tests.support.stage_probe import stage_info
@@ -153,3 +153,35 @@ def test_throughput_replan_trades_a_capped_stage_for_a_free_one() -> None:
             got = job.state_dict()
         for key, value in expected.items():
             torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.skipif(not CPU_ROOT.is_dir(), reason="needs the cgroup v1 cpu controller")
+def test_rebalance_moves_work_off_a_stage_that_slows_down_while_training() -> None:
+    """A ``parameters`` job with ``rebalance=True`` trains on even stages; one of them is then
+    capped at a fifth of a CPU, and at the next periodic measurement the job moves layers
+    off it by itself."""
+    args = {"in_features": 256, "hidden_features": 1024, "num_layers": 12, "out_features": 8}
+    with (
+        pipesvc.LocalCluster(num_stages=3, threads_per_stage=1) as cluster,
+        cluster.connect() as client,
+        client.create_job(
+            model="mlp",
+            model_args=args,
+            num_stages=3,
+            num_microbatches=4,
+            loss="mse",
+            optimizer={"name": "sgd", "lr": 0.01},
+            rebalance=True,
+        ) as job,
+    ):
+        x, y = torch.randn(64, 256), torch.zeros(64, 8)
+        first = {s.address: s.end_layer - s.start_layer for s in job.plan}
+        slow = job.plan[1].address
+        for _ in range(REBALANCE_EVERY // 2):
+            job.train_step(x, y)
+        with cpu_capped(stage_info(slow).pid, 0.2):
+            for _ in range(REBALANCE_EVERY // 2):
+                job.train_step(x, y)
+            after = {s.address: s.end_layer - s.start_layer for s in job.refresh().plan}
+        assert after[slow] < first[slow], (first, after)
+        assert job.step == REBALANCE_EVERY
