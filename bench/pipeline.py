@@ -69,7 +69,10 @@ class Workload:
 
 MLP = Workload("mlp", "bench-mlp", {"width": WIDTH, "depth": DEPTH}, "mse", DEPTH)
 GPT = Workload("gpt", "gpt", GPT_ARGS, "cross_entropy", GPT_ARGS["num_blocks"] + 2)
-WORKLOADS = {w.name: w for w in (MLP, GPT)}
+ACT_WIDTH, ACT_BATCH = 256, 4096
+ACT = Workload("act", "bench-mlp", {"width": ACT_WIDTH, "depth": DEPTH}, "mse", DEPTH)
+"""Activation-heavy: 512 KiB of activations per micro-batch for little compute."""
+WORKLOADS = {w.name: w for w in (MLP, GPT, ACT)}
 
 
 def _model(w: Workload) -> torch.nn.Sequential:
@@ -79,8 +82,9 @@ def _model(w: Workload) -> torch.nn.Sequential:
 
 def _batch(w: Workload) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
-    if w.name == "mlp":
-        return torch.randn(BATCH, WIDTH, generator=gen), torch.randn(BATCH, WIDTH, generator=gen)
+    if w.name in ("mlp", "act"):
+        batch, width = (BATCH, WIDTH) if w.name == "mlp" else (ACT_BATCH, ACT_WIDTH)
+        return torch.randn(batch, width, generator=gen), torch.randn(batch, width, generator=gen)
     vocab = GPT_ARGS["vocab_size"]
     tokens = torch.randint(0, vocab, (GPT_BATCH, SEQ_LEN + 1), generator=gen)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
@@ -236,13 +240,17 @@ def _time_job(
 
 
 def pipesvc_steps_per_s(
-    num_stages: int, steps: dict[str, int]
+    num_stages: int, steps: dict[str, int], frames: bool = False
 ) -> dict[tuple[str, str], tuple[float, float]]:
     """``{(workload, schedule): (steps/s, step-1 loss)}`` on one fresh local cluster of
-    ``num_stages`` stages, timing ``steps[workload]`` steps of each job."""
+    ``num_stages`` stages, timing ``steps[workload]`` steps of each job; ``frames``: shared
+    memory off, tensors as frames on the gRPC streams, as between hosts."""
     results = {}
     with pipesvc.LocalCluster(
-        num_stages=num_stages, models=["bench.bench_models"], threads_per_stage=1
+        num_stages=num_stages,
+        models=["bench.bench_models"],
+        threads_per_stage=1,
+        stage_args=["--shm-bytes", "0"] if frames else [],
     ) as cluster:
         client = cluster.connect()
         for name, num_steps in steps.items():
@@ -279,10 +287,19 @@ def _print_table(rows: list[list[str]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--quick", action="store_true", help="10 (mlp) and 5 (gpt) timed steps instead of 20, 10"
+        "--quick",
+        action="store_true",
+        help="10 (mlp) and 5 (gpt, act) timed steps instead of 20, 10, 10",
     )
+    parser.add_argument(
+        "--frames",
+        action="store_true",
+        help="pipesvc stages with shared memory off (--shm-bytes 0): frames on the streams",
+    )
+    parser.add_argument("--workloads", default="mlp,gpt,act")
     args = parser.parse_args()
-    steps = {"mlp": 10, "gpt": 5} if args.quick else {"mlp": 20, "gpt": 10}
+    full = {"mlp": 10, "gpt": 5, "act": 5} if args.quick else {"mlp": 20, "gpt": 10, "act": 10}
+    steps = {name: full[name] for name in args.workloads.split(",")}
     sys.path.insert(0, str(REPO_ROOT))  # spawned children inherit sys.path
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p
@@ -296,11 +313,11 @@ def main() -> None:
     header = ["schedule", "stages", "torch steps/s", "pipesvc steps/s", "pipesvc/torch"]
     header.append("pipesvc/1proc(2thr)")
     tables: dict[str, list[list[str]]] = {
-        "mlp": [header],
-        "gpt": [[*header, "step-1 loss torch", "step-1 loss pipesvc"]],
+        name: [[*header, "step-1 loss torch", "step-1 loss pipesvc"] if name == "gpt" else header]
+        for name in steps
     }
     for num_stages in STAGE_COUNTS:
-        ours = pipesvc_steps_per_s(num_stages, steps)
+        ours = pipesvc_steps_per_s(num_stages, steps, args.frames)
         for name, num_steps in steps.items():
             for schedule in SCHEDULES:
                 rate, loss = ours[name, schedule]
@@ -317,27 +334,32 @@ def main() -> None:
                 if name == "gpt":
                     row += [their_loss, f"{loss:.5f}"]
                 tables[name].append(row)
+    timed = ", ".join(f"{n} ({name})" for name, n in steps.items())
     common = (
-        f"{NUM_MICROBATCHES} micro-batches, SGD; {WARMUP_STEPS} warm-up + {steps['mlp']} (mlp), "
-        f"{steps['gpt']} (gpt) timed steps;\n1 thread per stage process (pipesvc adds a "
-        f"coordinator process); {os.cpu_count()} CPU cores."
+        f"{NUM_MICROBATCHES} micro-batches, SGD; {WARMUP_STEPS} warm-up + {timed} timed "
+        f"steps;\n1 thread per stage process (pipesvc adds a coordinator process); "
+        f"{os.cpu_count()} CPU cores; pipesvc between stages: "
+        f"{'frames on the gRPC streams (shared memory off)' if args.frames else 'shared memory'}."
     )
     print(
         f"\nTraining steps/s, mlp: {DEPTH} x (Linear({WIDTH}, {WIDTH}) + ReLU), batch {BATCH}, "
         f"MSE; gpt: {GPT.num_layers} layers ({GPT_ARGS['num_blocks']} blocks, embedding "
         f"{GPT_ARGS['embed_dim']}, {GPT_ARGS['num_heads']} heads, vocabulary "
-        f"{GPT_ARGS['vocab_size']}), batch {GPT_BATCH} x {SEQ_LEN} tokens, cross-entropy;\n"
-        f"{common}\n\nmlp:\n"
+        f"{GPT_ARGS['vocab_size']}), batch {GPT_BATCH} x {SEQ_LEN} tokens, cross-entropy; "
+        f"act: {DEPTH} x (Linear({ACT_WIDTH}, {ACT_WIDTH}) + ReLU), batch {ACT_BATCH} "
+        f"({ACT_BATCH // NUM_MICROBATCHES * ACT_WIDTH * 4 // 1024} KiB of activations per "
+        f"micro-batch), MSE;\n{common}"
     )
-    _print_table(tables["mlp"])
-    print("\ngpt:\n")
-    _print_table(tables["gpt"])
+    for name in steps:
+        print(f"\n{name}:\n")
+        _print_table(tables[name])
     print()
-    rows = [["one process, whole batch", "mlp steps/s", "vs 2 threads"]]
-    rows[0] += ["gpt steps/s", "vs 2 threads"]
+    rows = [["one process, whole batch"]]
+    for name in steps:
+        rows[0] += [f"{name} steps/s", "vs 2 threads"]
     for n in (1, 2):
         row = [f"{n} thread{'s' if n > 1 else ''}"]
-        for name in ("mlp", "gpt"):
+        for name in steps:
             row += [f"{single[name, n]:.2f}", f"{single[name, n] / single[name, 2]:.2f}"]
         rows.append(row)
     _print_table(rows)

@@ -247,6 +247,9 @@ class JobDriver:
         training = mode == stage_pb2.TRAIN
         what = f"run {run_id} (step {state.step + 1})" if training else f"inference run {run_id}"
         commit = carried.carried() if carried is not None else None
+        if carried is not None and carried.snapshot:
+            # Each stage holds one snapshot: the previous checkpoint must be read first.
+            self.recovery.finish_checkpoint(wait=True)
         try:
             replies = self.group.run_step(run_id, mode, batch, what=what, commit=commit)
         except PipesvcError as exc:
@@ -370,17 +373,22 @@ class JobDriver:
             return decision
 
     def _rebalance_if_due(self) -> None:
-        """After a committed step: the probe of a ``throughput`` job, and a ``rebalance``
-        job's periodic measurement (see [Note: replan] in rebalance.py). A failed measurement
-        is logged and training goes on."""
+        """After a committed step: the probe of a ``throughput`` job (its 3rd step on a plan
+        nothing measured yet), and a ``rebalance`` job's periodic measurement (every 20 steps
+        on the same plan); see [Note: replan] in rebalance.py. A failed measurement or move is
+        logged and training goes on."""
         step, config = self.state.step, self.config
-        probe = config.partition == "throughput" and step == PROBE_STEPS
-        periodic = config.rebalance and step % REBALANCE_EVERY == 0
+        on_plan = self.replanner.count_step()
+        probe = config.partition == "throughput" and on_plan == PROBE_STEPS
+        periodic = config.rebalance and on_plan > 0 and on_plan % REBALANCE_EVERY == 0
         if not (probe or periodic):
             return
         try:
             decision = self.replanner.choose("throughput", min_gain=MIN_GAIN)
-            self._resilient(lambda: self.replanner.apply(decision), f"rebalance at step {step}")
+            self._resilient(
+                lambda: self.replanner.apply(decision, keep_partition=True),
+                f"rebalance at step {step}",
+            )
         except PipesvcError as exc:
             logger.warning("job %s: no rebalance at step %d: %s", self.job_id, step, exc)
             return
@@ -484,10 +492,17 @@ class JobDriver:
             raise FailedPreconditionError(f"job {self.job_id} is closed")
 
     def close(self) -> None:
-        """Frees the job's stages (best effort on each)."""
+        """Takes the checkpoint the last step is due, if any, and frees the job's stages (best
+        effort on each)."""
         with self._lock:
             if self.state.closed:
                 return
+            if self.state.pending is not None and self.state.pending.snapshot:
+                try:
+                    self.recovery.flush()
+                    self.recovery.finish_checkpoint(wait=True)
+                except PipesvcError as exc:
+                    logger.warning("job %s: the last checkpoint failed: %s", self.job_id, exc)
             self.state.closed = True
             for stage in self.group.plan:
                 self.group.release(stage)
@@ -531,17 +546,18 @@ class JobDriver:
             self._lock.release()
 
     def wait_idle(self) -> None:
-        """Blocks until no step is in flight, then lets a background checkpoint finish and
-        flushes a deferred commit (best effort: a restarted coordinator also finds an unflushed
-        one, see ``Recovery.reconcile``), for a graceful coordinator stop."""
+        """Blocks until no step is in flight, then flushes a deferred commit (taking the
+        checkpoint its step is due) and lets a background checkpoint finish (best effort: a
+        restarted coordinator also finds an unflushed commit, see ``Recovery.reconcile``), for
+        a graceful coordinator stop."""
         with self._lock:
             if self.state.closed:
                 return
-            self.recovery.finish_checkpoint(wait=True)
             try:
-                self.recovery.flush()
+                self.recovery.flush()  # with a checkpoint, if its step is due one
             except PipesvcError as exc:
                 logger.warning("job %s: flushing the last commit failed: %s", self.job_id, exc)
+            self.recovery.finish_checkpoint(wait=True)
 
     def trace(self, max_runs: int) -> coordinator_pb2.JobTrace:
         """Every stage's recent timed actions."""

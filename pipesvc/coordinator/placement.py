@@ -11,6 +11,7 @@ fields below (the registry's ``StageRecord`` is one).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Protocol
@@ -179,6 +180,7 @@ def throughput_plan(
     optimizer = str(config.optimizer.get("name"))
     in_flight = _in_flight(config, config.num_stages)
 
+    @functools.cache
     def need(start: int, end: int, rank: int) -> int:
         return memory_estimate(
             layers, start, end, optimizer, in_flight[rank], precision=config.precision

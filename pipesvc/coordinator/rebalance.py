@@ -39,7 +39,7 @@ import grpc
 
 from pipesvc.coordinator import placement
 from pipesvc.coordinator.recovery import Recovery
-from pipesvc.coordinator.registry import StageRecord
+from pipesvc.coordinator.registry import StageRecord, StageRegistry
 from pipesvc.coordinator.stage_group import StageGroup
 from pipesvc.core import throughput
 from pipesvc.core.plan import PipelineStage
@@ -83,6 +83,8 @@ class Decision:
     current_s: list[float]
     predicted_s: list[float]
     partition: str
+    based_on: list[PipelineStage]
+    """The plan the decision was made on (a recovery since makes it stale)."""
 
 
 class Replanner:
@@ -91,6 +93,16 @@ class Replanner:
     def __init__(self, *, group: StageGroup, recovery: Recovery) -> None:
         self._group = group
         self._recovery = recovery
+        self._epoch = -1
+        self._steps_on_plan = 0
+
+    def count_step(self) -> int:
+        """Counts a committed step; returns the steps trained on the current plan (its epoch:
+        a recovery, a move or a restart starts the count again)."""
+        if self._group.epoch != self._epoch:
+            self._epoch, self._steps_on_plan = self._group.epoch, 0
+        self._steps_on_plan += 1
+        return self._steps_on_plan
 
     def measure(self) -> Measurements:
         """Profiles the job's stages; when there are free stages, or a stage without a
@@ -156,7 +168,7 @@ class Replanner:
             logger.info(
                 "job %s: measured\n%s", group.job_id, _report(measured, current, plan, predicted_s)
             )
-            if max(predicted_s) > max(current_s) * (1 - min_gain):
+            if max(predicted_s) >= max(current_s) * (1 - min_gain):  # not faster enough
                 plan, predicted_s = current, current_s
         else:
             records = {r.address: r for r in group.registry.all()}
@@ -167,19 +179,28 @@ class Replanner:
             current_s=current_s,
             predicted_s=predicted_s,
             partition=partition,
+            based_on=current,
         )
 
-    def apply(self, decision: Decision) -> None:
-        """Moves the job to ``decision``'s plan (see [Note: replan]) and takes its partition
-        method; nothing moves if the job is on that plan already.
+    def apply(self, decision: Decision, *, keep_partition: bool = False) -> None:
+        """Moves the job to ``decision``'s plan (see [Note: replan]) and, unless
+        ``keep_partition`` (a rebalance), takes its partition method; nothing moves if the job
+        is on that plan already, or no longer on the plan the decision was made on (a recovery
+        came between).
 
         Raises:
             PlanError: a chosen free stage was taken by another job meanwhile.
-            PipesvcError: a stage failed while the layers moved (the job recovers from the
-                checkpoint written first).
+            PipesvcError: a stage failed while the layers moved: the job goes back to its old
+                plan, rebuilt from the checkpoint written first, on its next call.
         """
         group = self._group
-        group.config = dataclasses.replace(group.config, partition=decision.partition)
+        if group.plan != decision.based_on:
+            logger.warning(
+                "job %s: the plan changed since it was measured; not moving", group.job_id
+            )
+            return
+        if not keep_partition:
+            group.config = dataclasses.replace(group.config, partition=decision.partition)
         if decision.plan != group.plan:
             self._move(decision.plan)
         self._recovery.persist()
@@ -192,25 +213,36 @@ class Replanner:
         joining = [s.address for s in plan if s.address not in {o.address for o in old}]
         if joining and not registry.claim(joining, group.job_id):
             raise PlanError("free stages were taken by another job while replanning; try again")
-        leaving = [s for s in old if s.address not in kept]
-        for stage in leaving:
-            group.release(stage)
-        registry.unclaim([s.address for s in leaving])
-        for stage in plan:
-            registry.place(
-                stage.address,
-                rank=stage.rank,
-                start_layer=stage.start_layer,
-                end_layer=stage.end_layer,
-            )
         logger.warning(
             "job %s: moving to a new plan at step %d: %s",
             group.job_id,
             self._recovery.state.step,
             ", ".join(f"[{s.start_layer}, {s.end_layer}) on {s.address}" for s in plan),
         )
+        _place(registry, plan)
         group.plan = plan
-        self._recovery.rebuild(set())
+        try:
+            self._recovery.rebuild(set())
+        except BaseException:
+            # Back to the old plan: its stages still hold the job; the next call rebuilds them
+            # from the checkpoint (the replay target is set).
+            group.plan = old
+            _place(registry, old)
+            registry.unclaim(joining)
+            for address in joining:
+                group.release(PipelineStage(start_layer=0, end_layer=1, rank=0, address=address))
+            raise
+        leaving = [s for s in old if s.address not in kept]
+        for stage in leaving:
+            group.release(stage)
+        registry.unclaim([s.address for s in leaving])
+
+
+def _place(registry: StageRegistry, plan: list[PipelineStage]) -> None:
+    for stage in plan:
+        registry.place(
+            stage.address, rank=stage.rank, start_layer=stage.start_layer, end_layer=stage.end_layer
+        )
 
 
 def _measurements(
@@ -230,8 +262,9 @@ def _measurements(
             if stage.start_layer <= layer.index < stage.end_layer:
                 times[layer.index] = layer.forward_s + layer.backward_s
                 boundary[layer.index] = layer.output_bytes
-                flops += layer.flops
-                forward_s += layer.forward_s
+                if layer.flops > 0:  # a layer without counted operations says nothing of speed
+                    flops += layer.flops
+                    forward_s += layer.forward_s
         speeds.append(flops / forward_s if flops > 0 and forward_s > 0 else None)
     missing = [i for i in range(num_layers) if i not in times]
     if missing:

@@ -98,9 +98,10 @@ class StageRegistry:
                 self._changed.wait(left_s)
 
     def claim(self, addresses: list[str], job_id: str) -> bool:
-        """Marks the stages as serving ``job_id``; False (and no change) if one is taken."""
+        """Marks the stages as serving ``job_id``; False (and no change) if one is taken or
+        lost."""
         with self._lock:
-            if any(self._records[a].job_id for a in addresses):
+            if any(self._records[a].job_id or not self._records[a].alive for a in addresses):
                 return False
             for address in addresses:
                 self._records[address].job_id = job_id

@@ -53,12 +53,17 @@ def run_coordinator(
     logger.info("coordinator listening on %s, state in %s", address, state_dir)
     page = None
     if http_port is not None:
-        page = dashboard.serve(
-            lambda: cluster_view.snapshot(service.registry, service.jobs),
-            host,
-            http_port,
-            security.token,
-        )
+        try:
+            page = dashboard.serve(
+                lambda: cluster_view.snapshot(service.registry, service.jobs),
+                host.strip("[]"),
+                http_port,
+                security.token,
+            )
+        except OSError:
+            server.stop(grace=None)
+            service.shutdown()
+            raise
         logger.info("live page on http://%s:%d/", host, page.server_address[1])
     if address_file is not None:
         tmp = address_file.with_suffix(".tmp")
@@ -73,6 +78,7 @@ def run_coordinator(
     finally:
         if page is not None:
             page.shutdown()
+            page.server_close()
         health.enter_graceful_shutdown()
         service.shutdown()
         # Bounded: grpc's stop can hang after a stream whose request failed to deserialize.

@@ -189,6 +189,11 @@ def _check(costs: LayerCosts, candidates: Sequence[StageRate], num_stages: int) 
             f"num_stages must be between 1 and min(layers, candidate stages) = "
             f"{min(num_layers, len(candidates))}; got {num_stages}"
         )
+    if num_stages > MAX_EXACT_CANDIDATES:
+        raise InvalidArgumentError(
+            f"the throughput plan searches at most {MAX_EXACT_CANDIDATES} stages exactly; "
+            f"got num_stages {num_stages} (use the parameters or memory partition)"
+        )
     for index, work in enumerate(costs.work):
         if not (math.isfinite(work) and work >= 0):
             raise InvalidArgumentError(f"layer {index}'s work must be finite and >= 0; got {work}")

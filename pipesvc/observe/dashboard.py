@@ -10,6 +10,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import socket
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -55,10 +56,15 @@ def serve(snapshot: Snapshot, host: str, port: int, token: str | None) -> Thread
         def log_message(self, format: str, *args: Any) -> None:
             logger.debug("dashboard: " + format, *args)
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    server_class = _IPv6Server if ":" in host else ThreadingHTTPServer
+    server = server_class((host, port), Handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="dashboard", daemon=True).start()
     return server
+
+
+class _IPv6Server(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
 
 
 def _authorized(handler: BaseHTTPRequestHandler, query: str, token: str) -> bool:

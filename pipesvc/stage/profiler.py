@@ -14,8 +14,11 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 RECENT = 0.1
 """Weight of a new sample once a mean has 1 / RECENT samples."""
@@ -74,10 +77,17 @@ class StageProfiler:
             self._backward = _Mean()
             self._send_rate = _Mean()
 
-    def layer(self, index: int, seconds: float, output: torch.Tensor) -> None:
+    def layer(
+        self, index: int, seconds: float, output: torch.Tensor, wire: torch.dtype | None = None
+    ) -> None:
+        """A layer's forward time; its output's size as it would cross a link (in ``wire``,
+        the dtype floating-point tensors are sent in, when the job sets one)."""
+        size = output.element_size()
+        if wire is not None and output.is_floating_point():
+            size = torch.empty((), dtype=wire).element_size()
         with self._lock:
             self._forward.setdefault(index, _Mean()).add(seconds)
-            self._bytes[index] = output.numel() * output.element_size()
+            self._bytes[index] = output.numel() * size
 
     def needs_flops(self, index: int) -> bool:
         """Whether layer ``index``'s operations are still to be counted (once per plan: a
@@ -113,6 +123,31 @@ class StageProfiler:
                 for i, f in sorted(forward.items())
             ]
             return Profile(layers, self._backward.count, self._send_rate.value)
+
+
+class FlopCount(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Counts the floating-point operations of the ops run inside it with torch's own
+    formulas (``torch.utils.flop_counter``'s registry). A dispatch mode is active in its own
+    thread only; ``FlopCounterMode`` also tracks modules with process-wide hooks, which another
+    stage's thread in the same process would disturb."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.total = 0
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.total += int(formula(*args, **kwargs, out_val=out))
+        return out
 
 
 def calibrate(seconds: float, device: torch.device) -> float:

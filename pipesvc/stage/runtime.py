@@ -60,7 +60,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from pipesvc.core.config import JobConfig
 from pipesvc.core.loss import compute_loss
@@ -76,7 +75,7 @@ from pipesvc.models import (
     tied_parameters,
     uses_rng,
 )
-from pipesvc.stage.profiler import StageProfiler
+from pipesvc.stage.profiler import FlopCount, StageProfiler
 from pipesvc.storage.checkpoint import OPTIM_PREFIX, group_by_layer
 
 
@@ -276,7 +275,7 @@ class StageRuntime:
             if cache is not None and getattr(layer, "uses_cache", False):
                 kwargs["cache"] = cache
             counting = microbatch is not None and self.profiler.needs_flops(index)
-            counter = FlopCounterMode(display=False) if counting else contextlib.nullcontext()
+            counter = FlopCount() if counting else contextlib.nullcontext()
             started = time.perf_counter()
             try:
                 with counter:
@@ -291,9 +290,9 @@ class StageRuntime:
                     f"{x.dtype}: {exc}"
                 ) from exc
             if microbatch is not None:  # a training forward (see pipesvc.stage.profiler)
-                self.profiler.layer(index, time.perf_counter() - started, x)
-                if isinstance(counter, FlopCounterMode):
-                    self.profiler.counted(index, int(counter.get_total_flops()))
+                self.profiler.layer(index, time.perf_counter() - started, x, self._wire_dtype)
+                if isinstance(counter, FlopCount):
+                    self.profiler.counted(index, counter.total)
         return x
 
     def forward(

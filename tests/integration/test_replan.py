@@ -17,6 +17,13 @@ WEIGHT_TOL = {"rtol": 1e-4, "atol": 1e-5}
 NUM_MICROBATCHES = 4
 
 
+def _work(plan: list[pipesvc.PipelineStage], args: dict[str, int]) -> dict[str, int]:
+    """Each stage's share of the ``mlp``'s multiply-adds per row (its weights' sizes)."""
+    widths = [args["in_features"]] + [args["hidden_features"]] * (args["num_layers"] - 1)
+    sizes = [a * b for a, b in zip(widths, [*widths[1:], args["out_features"]], strict=True)]
+    return {s.address: sum(sizes[s.start_layer : s.end_layer]) for s in plan}
+
+
 def _check_weights(job: pipesvc.Job, reference: Reference) -> None:
     weights = job.state_dict()
     for key, value in reference.model.state_dict().items():
@@ -98,13 +105,13 @@ def test_throughput_moves_work_off_a_capped_stage() -> None:
             optimizer={"name": "sgd", "lr": 0.01},
         ) as job,
     ):
-        first = {s.address: s.end_layer - s.start_layer for s in job.plan}
+        first = _work(job.plan, args)
         slow = job.plan[1].address
         with cpu_capped(stage_info(slow).pid, 0.25):
             for step in range(PROBE_STEPS):
                 x = torch.randn(64, 256, generator=torch.Generator().manual_seed(step))
                 job.train_step(x, torch.zeros(64, 8))
-            after = {s.address: s.end_layer - s.start_layer for s in job.refresh().plan}
+            after = _work(job.refresh().plan, args)
         assert after.get(slow, 0) < first[slow], (first, after)
 
 
@@ -175,13 +182,13 @@ def test_rebalance_moves_work_off_a_stage_that_slows_down_while_training() -> No
         ) as job,
     ):
         x, y = torch.randn(64, 256), torch.zeros(64, 8)
-        first = {s.address: s.end_layer - s.start_layer for s in job.plan}
+        first = _work(job.plan, args)
         slow = job.plan[1].address
         for _ in range(REBALANCE_EVERY // 2):
             job.train_step(x, y)
         with cpu_capped(stage_info(slow).pid, 0.2):
             for _ in range(REBALANCE_EVERY // 2):
                 job.train_step(x, y)
-            after = {s.address: s.end_layer - s.start_layer for s in job.refresh().plan}
+            after = _work(job.refresh().plan, args)
         assert after[slow] < first[slow], (first, after)
         assert job.step == REBALANCE_EVERY
