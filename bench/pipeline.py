@@ -4,6 +4,8 @@ Two models, each split uniformly (``pipesvc.core.partition.uniform``: equal laye
 4 stages, 8 micro-batches, SGD (lr 1e-3), one torch thread per stage process:
 
 - mlp: 8 x (Linear(1024, 1024) + ReLU) (``bench-mlp``), batch 64, MSE loss.
+- act: 8 x (Linear(256, 256) + ReLU), batch 4096: 512 KiB of activations per micro-batch for
+  little compute (activation-heavy), MSE loss.
 - gpt: the built-in ``gpt`` (vocabulary 128, sequence length 128, embedding 128, 4 heads,
   6 blocks: 8 layers, embedding + 6 blocks + head, 1.2M parameters), batch 16 sequences of
   128 random tokens, cross-entropy over the flattened logits (mean), as pipesvc's
@@ -14,12 +16,14 @@ Two models, each split uniformly (``pipesvc.core.partition.uniform``: equal laye
   ``pipesvc.models.build`` and sliced to pipesvc's ranges.
 - pipesvc: ``LocalCluster(num_stages=N, threads_per_stage=1)``, i.e. a coordinator plus N stage
   processes; timed from the client (``job.train_step``), checkpoints off (``checkpoint_every=0``).
+  Between stages: shared memory, or with ``--frames`` the frames on the gRPC streams that
+  stages on different hosts use (``--shm-bytes 0``).
 - one process: the unsplit model on the whole batch, 1 and 2 threads.
 
 Both pipelines start from the same weights and batch, so their step-1 losses (the gpt table
 shows them) must agree; a mismatch would mean they do not compute the same thing.
 
-Usage: ``python bench/pipeline.py [--quick]``
+Usage: ``python bench/pipeline.py [--quick] [--frames] [--workloads mlp,gpt,act]``
 """
 
 from __future__ import annotations
