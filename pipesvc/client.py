@@ -249,6 +249,7 @@ class Job:
         self._client = client
         self.id: str = info.job_id
         self.config: JobConfig = config_from_proto(info.spec)
+        """As the coordinator has it (``replan`` changes the partition)."""
         self.num_layers: int = info.num_layers
         self.plan: list[PipelineStage] = []
         """Which stage holds which layers (as of the last reply about this job)."""
@@ -261,13 +262,15 @@ class Job:
         self._update(info)
 
     def _update(self, info: coordinator_pb2.JobInfo) -> None:
-        """Takes the plan, step and recovery count from a reply that carries the job.
+        """Takes the plan, step, recovery count and configuration from a reply that carries
+        the job.
 
         [Note: fresh handle] Every reply about a job (create, get, train_step, forward)
         carries its JobInfo, so a recovery during a call shows in ``plan`` and
         ``recoveries`` as soon as that call returns; ``refresh()`` is only needed to see
         what other clients did since.
         """
+        self.config = config_from_proto(info.spec)
         self.plan = [PipelineStage.from_proto(s) for s in info.plan]
         self.plan_epoch = info.plan_epoch
         self.step = info.step
@@ -605,6 +608,7 @@ class Job:
             coordinator_pb2.ReplanRequest(job_id=self.id, partition=partition),
         )
         self.plan = [PipelineStage.from_proto(s) for s in reply.plan]
+        self.refresh()  # the partition the job now plans with
         return Replan(
             plan=list(self.plan),
             moved=reply.moved,

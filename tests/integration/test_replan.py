@@ -59,6 +59,7 @@ def test_replanned_job_trains_like_one_process(client: pipesvc.Client, schedule:
             if step == 1:
                 moved = job.replan("parameters")
                 assert moved.moved and moved.plan == job.plan
+                assert job.config.partition == "parameters"
                 assert moved.current_s == [] and moved.predicted_s == []
                 plans.append([(s.start_layer, s.end_layer) for s in job.plan])
             if step == 3:
