@@ -24,13 +24,9 @@ Usage: ``python bench/uneven.py [--steps N]`` (needs root for the cgroup).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import re
 import sys
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -40,35 +36,11 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import pipesvc  # noqa: E402
 from pipesvc.coordinator.rebalance import PROBE_STEPS, REBALANCE_EVERY  # noqa: E402
-from pipesvc.v1 import stage_pb2, stage_pb2_grpc  # noqa: E402
+from tests.support.cpu_cap import cpu_capped  # noqa: E402
+from tests.support.faults import stage_pid  # noqa: E402
 
-CPU_ROOT = Path("/sys/fs/cgroup/cpu")
 ARGS = {"in_features": 1024, "hidden_features": 1024, "num_layers": 16, "out_features": 8}
 BATCH = 64
-
-
-@contextlib.contextmanager
-def capped(pid: int, share: float) -> Iterator[None]:
-    group = CPU_ROOT / f"pipesvc-bench-{uuid.uuid4().hex[:8]}"
-    group.mkdir()
-    try:
-        period = int((group / "cpu.cfs_period_us").read_text())
-        (group / "cpu.cfs_quota_us").write_text(str(int(period * share)))
-        (group / "cgroup.procs").write_text(str(pid))
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            for task in (group / "cgroup.procs").read_text().split():
-                (CPU_ROOT / "cgroup.procs").write_text(task)
-        os.rmdir(group)
-
-
-def stage_pid(address: str) -> int:
-    import grpc
-
-    with grpc.insecure_channel(address) as channel:
-        info = stage_pb2_grpc.StageServiceStub(channel).Info(stage_pb2.InfoRequest(), timeout=10)
-    return int(info.pid)
 
 
 def run(
@@ -115,7 +87,7 @@ def main() -> None:
         pid = stage_pid(slow)
         print(f"{'run':<26} {'layers':<14} {'steps/s':>8} {'x':>6}")
         rows = []
-        with capped(pid, 0.25):
+        with cpu_capped(pid, 0.25):
             rows.append(("parameters", *run(client, "parameters", 3, args.steps, slow)))
             rows.append(
                 (

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent import futures
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -18,10 +18,12 @@ from pipesvc.coordinator.job import JobDriver
 from pipesvc.coordinator.registry import StageRegistry
 from pipesvc.core.plan import PipelineStage
 from pipesvc.v1 import common_pb2, stage_pb2
+from pipesvc.v1.stage_pb2_grpc import StageServiceStub
 
 CALL_TIMEOUT_S = 1.0
 COMPUTE = ("forward", "backward")
 _INFO = stage_pb2.InfoRequest()
+_Resp = TypeVar("_Resp")
 
 
 def snapshot(registry: StageRegistry, jobs: Callable[[], list[JobDriver]]) -> dict[str, Any]:
@@ -41,9 +43,7 @@ def snapshot(registry: StageRegistry, jobs: Callable[[], list[JobDriver]]) -> di
         infos = dict(
             zip(
                 [r.address for r in records],
-                pool.map(
-                    lambda r: _ask(registry, r.address, "Info", stage_pb2.InfoRequest()), records
-                ),
+                pool.map(lambda r: _ask(registry, r.address, lambda s: s.Info, _INFO), records),
                 strict=True,
             )
         )
@@ -66,10 +66,16 @@ def snapshot(registry: StageRegistry, jobs: Callable[[], list[JobDriver]]) -> di
     return {"time": time.time(), "stages": stages, "jobs": views}
 
 
-def _ask(registry: StageRegistry, address: str, method: str, request: Any) -> Any:
-    """A unary call on a stage, or None if it does not answer in time."""
+def _ask(
+    registry: StageRegistry,
+    address: str,
+    method: Callable[[StageServiceStub], Callable[..., _Resp]],
+    request: Any,
+) -> _Resp | None:
+    """``method(stub)`` (``lambda stub: stub.Info``) on a stage, or None if it does not answer
+    in time."""
     try:
-        return getattr(registry.stub(address), method)(request, timeout=CALL_TIMEOUT_S)
+        return method(registry.stub(address))(request, timeout=CALL_TIMEOUT_S)
     except grpc.RpcError:
         return None
 
@@ -82,9 +88,13 @@ def _job_view(
 ) -> dict[str, Any]:
     plan: list[PipelineStage] = list(job.plan)
     last_run = common_pb2.GetTraceRequest(job_id=job.job_id, max_runs=1)
-    profile = stage_pb2.ProfileRequest(job_id=job.job_id)
-    traces = list(pool.map(lambda s: _ask(registry, s.address, "GetTrace", last_run), plan))
-    profiles = list(pool.map(lambda s: _ask(registry, s.address, "Profile", profile), plan))
+    rates = stage_pb2.ProfileRequest(job_id=job.job_id)
+    traces = list(
+        pool.map(lambda s: _ask(registry, s.address, lambda stub: stub.GetTrace, last_run), plan)
+    )
+    profiles = list(
+        pool.map(lambda s: _ask(registry, s.address, lambda stub: stub.Profile, rates), plan)
+    )
     events = [e for t in traces if t is not None for e in t.events]
     origin = min((e.start_unix_ns for e in events), default=0)
     run_end = max((e.end_unix_ns for e in events), default=0)

@@ -216,8 +216,7 @@ def first_plan(
             f"num_stages ({config.num_stages}) exceeds the free stages that can build "
             f"{config.model!r} ({len(free)} of {num_registered} registered)"
         )
-    chosen = free[: config.num_stages]
-    return _place(config, layers, _ranges(config, layers, chosen), chosen)
+    return plan_on(config, layers, free[: config.num_stages])
 
 
 def replan(

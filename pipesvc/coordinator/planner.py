@@ -162,8 +162,13 @@ def replan(
         job_id=job_id,
     )
     registry.claim([s.address for s in new_plan if records[s.address].job_id != job_id], job_id)
-    for stage in new_plan:
+    place(registry, new_plan)
+    return new_plan
+
+
+def place(registry: StageRegistry, plan: Sequence[PipelineStage]) -> None:
+    """Records each stage's place in ``plan`` in the registry."""
+    for stage in plan:
         registry.place(
             stage.address, rank=stage.rank, start_layer=stage.start_layer, end_layer=stage.end_layer
         )
-    return new_plan

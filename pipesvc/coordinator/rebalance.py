@@ -35,17 +35,15 @@ import statistics
 from concurrent import futures
 from dataclasses import dataclass
 
-import grpc
-
-from pipesvc.coordinator import placement
+from pipesvc.coordinator import placement, planner
 from pipesvc.coordinator.recovery import Recovery
-from pipesvc.coordinator.registry import StageRecord, StageRegistry
+from pipesvc.coordinator.registry import StageRecord
 from pipesvc.coordinator.stage_group import StageGroup
 from pipesvc.core import throughput
 from pipesvc.core.plan import PipelineStage
 from pipesvc.errors import FailedPreconditionError, PlanError
 from pipesvc.v1 import stage_pb2
-from pipesvc.wire.rpc_status import error_from_rpc
+from pipesvc.wire.transport import call
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +115,7 @@ class Replanner:
         records = {r.address: r for r in group.registry.all()}
         stages = [records[s.address] for s in group.plan]
         free = group.registry.free(group.config.model)
-        profiles = self._profile(stages, 0.0)
+        profiles = [] if free else self._profile(stages, 0.0)
         if free or any(not _operations(p) for p in profiles):
             stages += free
             profiles = self._profile(stages, CALIBRATE_S)
@@ -134,13 +132,8 @@ class Replanner:
             record = stages[index]
             job_id = group.job_id if index < len(group.plan) else ""
             request = stage_pb2.ProfileRequest(job_id=job_id, calibrate_s=calibrate_s)
-            try:
-                reply: stage_pb2.StageProfile = group.registry.stub(record.address).Profile(
-                    request, timeout=timeout_s
-                )
-            except grpc.RpcError as exc:
-                raise error_from_rpc(exc, where=f"stage {record.address}") from exc
-            return reply
+            stub = group.registry.stub(record.address)
+            return call(stub.Profile, request, timeout_s=timeout_s, where=f"stage {record.address}")
 
         with futures.ThreadPoolExecutor(max_workers=len(stages)) as pool:
             return list(pool.map(profile, range(len(stages))))
@@ -210,8 +203,8 @@ class Replanner:
         old = list(group.plan)
         self._recovery.checkpoint()  # commits the decided step first
         kept = {s.address for s in plan}
-        joining = [s.address for s in plan if s.address not in {o.address for o in old}]
-        if joining and not registry.claim(joining, group.job_id):
+        joining = [s for s in plan if s.address not in {o.address for o in old}]
+        if joining and not registry.claim([s.address for s in joining], group.job_id):
             raise PlanError("free stages were taken by another job while replanning; try again")
         logger.warning(
             "job %s: moving to a new plan at step %d: %s",
@@ -219,7 +212,7 @@ class Replanner:
             self._recovery.state.step,
             ", ".join(f"[{s.start_layer}, {s.end_layer}) on {s.address}" for s in plan),
         )
-        _place(registry, plan)
+        planner.place(registry, plan)
         group.plan = plan
         try:
             self._recovery.rebuild(set())
@@ -227,22 +220,15 @@ class Replanner:
             # Back to the old plan: its stages still hold the job; the next call rebuilds them
             # from the checkpoint (the replay target is set).
             group.plan = old
-            _place(registry, old)
-            registry.unclaim(joining)
-            for address in joining:
-                group.release(PipelineStage(start_layer=0, end_layer=1, rank=0, address=address))
+            planner.place(registry, old)
+            registry.unclaim([s.address for s in joining])
+            for stage in joining:
+                group.release(stage)
             raise
         leaving = [s for s in old if s.address not in kept]
         for stage in leaving:
             group.release(stage)
         registry.unclaim([s.address for s in leaving])
-
-
-def _place(registry: StageRegistry, plan: list[PipelineStage]) -> None:
-    for stage in plan:
-        registry.place(
-            stage.address, rank=stage.rank, start_layer=stage.start_layer, end_layer=stage.end_layer
-        )
 
 
 def _measurements(

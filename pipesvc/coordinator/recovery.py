@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -335,34 +335,27 @@ class Recovery:
         snapshot checkpoint] in stage/engine.py); it counts once durable, like a background
         write (see [Note: background checkpoint])."""
         self.finish_checkpoint(wait=True)  # one at a time, in step order
-        group = self.group
-        plan = list(group.plan)
-        record = self.record()
-        directory = self.storage.checkpoints.path(step)
-
-        def write() -> float:
-            started = time.monotonic()
-            writer = CheckpointWriter(directory)
-            try:
-                frames = group.stream_state(common_pb2.CHECKPOINT, snapshot_step=step, plan=plan)
-                for name, tensor in read_named_frames(frames):
-                    writer.add(name, tensor)
-            except BaseException:
-                writer.discard()
-                raise
-            self._finish_writer(writer, record, step)
-            return time.monotonic() - started
-
-        self._writing = (step, 0.0, self._pool.submit(write))
+        frames = self.group.stream_state(
+            common_pb2.CHECKPOINT, snapshot_step=step, plan=list(self.group.plan)
+        )  # drawn on the pool, from the plan of now
+        future = self._pool.submit(
+            self._write_checkpoint,
+            self.storage.checkpoints.path(step),
+            read_named_frames(frames),
+            self.record(),
+            step,
+        )
+        self._writing = (step, 0.0, future)
 
     def _write_checkpoint(
         self,
         directory: Path,
-        entries: list[tuple[str, torch.Tensor]],
+        entries: Iterable[tuple[str, torch.Tensor]],
         record: JobRecord,
         step: int,
     ) -> float:
-        """Writes a checkpoint read earlier (on the pool); returns the seconds it took."""
+        """Writes a checkpoint read earlier, or streaming in as ``entries`` are drawn (on the
+        pool); returns the seconds it took."""
         started = time.monotonic()
         writer = CheckpointWriter(directory)
         try:

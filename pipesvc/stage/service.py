@@ -13,7 +13,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import grpc
 import torch
@@ -54,6 +54,10 @@ _STATE_KINDS = {
     common_pb2.GRADIENTS: "gradients",
     common_pb2.CHECKPOINT: "checkpoint",
 }
+
+
+def _as_is(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def _carried(request: stage_pb2.RunStepRequest) -> Carried | None:
@@ -435,23 +439,38 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
             return
         with job.engine.run_lock:
             tensors = job.runtime.tensors(_STATE_KINDS[request.kind])
+
         # One tensor copied at a time (under the run lock, so never mid-commit), not the whole
         # state up front: a stage's peak while it is saved grows by one tensor, not by all of
         # its weights and optimizer state. The coordinator runs no step while it reads state.
-        fault = self._options.fault_kill if request.kind == common_pb2.CHECKPOINT else None
-        for index, (name, live) in enumerate(tensors.items()):
+        def copied(live: torch.Tensor) -> torch.Tensor:
+            with job.engine.run_lock:
+                return live.to("cpu", copy=True)
+
+        checkpoint = request.kind == common_pb2.CHECKPOINT
+        yield from self._state_frames(job, job.runtime.step, tensors, copied, checkpoint)
+
+    def _state_frames(
+        self,
+        job: Assignment,
+        step: int,
+        tensors: dict[str, torch.Tensor],
+        take: Callable[[torch.Tensor], torch.Tensor],
+        checkpoint: bool,
+    ) -> Iterator[common_pb2.TensorFrame]:
+        """Frames of ``tensors``, each as ``take`` gives it; a checkpoint's pass the
+        ``checkpoint`` fault point before each tensor."""
+        fault = self._options.fault_kill if checkpoint else None
+        for index, (name, tensor) in enumerate(tensors.items()):
             if fault is not None:
                 fault.check(
                     when="checkpoint",
-                    step=job.runtime.step,
+                    step=step,
                     rank=job.runtime.rank,
                     microbatch=index,
                     last_mb=len(tensors) - 1,
                 )
-            with job.engine.run_lock:
-                copied = live.to("cpu", copy=True)
-            yield from named_frames(name, copied)
-            del copied
+            yield from named_frames(name, take(tensor))
 
     def _stream_snapshot(
         self, job: Assignment, request: stage_pb2.GetStateRequest
@@ -466,17 +485,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
             raise FailedPreconditionError(
                 f"no snapshot of step {request.snapshot_step} on this stage (it holds {held})"
             )
-        fault = self._options.fault_kill
-        for index, (name, tensor) in enumerate(snapshot.tensors.items()):
-            if fault is not None:
-                fault.check(
-                    when="checkpoint",
-                    step=snapshot.step,
-                    rank=job.runtime.rank,
-                    microbatch=index,
-                    last_mb=len(snapshot.tensors) - 1,
-                )
-            yield from named_frames(name, tensor)
+        yield from self._state_frames(job, snapshot.step, snapshot.tensors, _as_is, True)
         job.engine.drop_snapshot(snapshot.step)
 
     @handle_errors
