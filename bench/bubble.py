@@ -3,16 +3,17 @@
 Model and job as ``bench/pipeline.py``'s mlp rows: 8 x (Linear(1024, 1024) + ReLU)
 (``bench-mlp``), batch 64 in m = 8 micro-batches, MSE, SGD (lr 1e-3), split uniformly over
 p = 2 or 4 stages, ``LocalCluster(num_stages=p, threads_per_stage=1)`` (a coordinator plus p
-stage processes), checkpoints off, GPipe and 1F1B. 3 warm-up steps, then 20 timed steps (5
+stage processes), checkpoints off, GPipe, 1F1B and zb-h1. 3 warm-up steps, then 20 timed steps (5
 with ``--quick``), each timed from the client; then ``job.timelines()`` fetches what the
 stages recorded.
 
 How busy and idle are defined:
 
 - Every stage timestamps each action of a run with ``time.time_ns()`` (one host, so one
-  clock): ``forward`` and ``backward`` of a micro-batch (compute; the last stage's forward
-  includes its loss), ``wait`` (blocked on an activation or a gradient from a neighbour) and
-  ``send`` (handing a tensor to the link that streams it to the neighbour).
+  clock): ``forward``, ``backward`` and (zb-h1) ``weight`` of a micro-batch (compute; the
+  last stage's forward includes its loss), ``wait`` (blocked on an activation or a gradient
+  from a neighbour) and ``send`` (handing a tensor to the link that streams it to the
+  neighbour).
 - The **step window** runs from the earliest start to the latest end of any event of that
   step on any stage (``pipesvc.observe.trace.busy_idle(timelines, step=s)``). It holds the stages'
   schedules only: the client's request, the coordinator's dispatch and the batch transfer
@@ -27,10 +28,13 @@ How busy and idle are defined:
   stage that gets the step's request late starts late).
 - A stage's **idle fraction** is its idle time summed over the timed steps divided by their
   windows summed; ``mean idle`` and ``max idle`` are over the stages.
-- The **ideal bubble** is ``(p - 1) / (m + p - 1)`` (``pipesvc.observe.trace.ideal_bubble``): the
-  idle fraction of every stage when each stage's forward and backward of a micro-batch take
-  the same time on every stage and communication is free (window ``(m + p - 1)(t_f + t_b)``,
-  busy ``m (t_f + t_b)``; GPipe and 1F1B alike). ``mean/ideal`` is mean idle over it.
+- The **ideal bubble** (``pipesvc.core.schedule.ideal_bubble``) is the idle share of the
+  schedule's dry run with every action one tick: ``(p - 1) / (m + p - 1)`` for GPipe and 1F1B
+  (the idle fraction of every stage when each stage's forward and backward of a micro-batch
+  take the same time on every stage and communication is free: window
+  ``(m + p - 1)(t_f + t_b)``, busy ``m (t_f + t_b)``), ``(p - 1) / (3m + p - 1)`` for zb-h1
+  (its input-gradient and weight-gradient passes each as long as the forward).
+  ``mean/ideal`` is mean idle over it.
 
 On 2 cores, 4 stages (5 processes, each with gRPC threads) oversubscribe the CPU: a stage
 that is descheduled in the middle of a forward still counts as busy, so contention stretches
@@ -51,12 +55,13 @@ from pathlib import Path
 import torch
 
 import pipesvc
-from pipesvc.observe.trace import StageTimeline, busy_idle, ideal_bubble
+from pipesvc.core.schedule import ideal_bubble as schedule_bubble
+from pipesvc.observe.trace import StageTimeline, busy_idle
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WIDTH, DEPTH, BATCH, NUM_MICROBATCHES, LR = 1024, 8, 64, 8, 1e-3
 WARMUP_STEPS = 3
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 STAGE_COUNTS = (2, 4)
 
 
@@ -186,7 +191,7 @@ def main() -> None:
     ]
     breakdown = [["schedule", "stages", "rank", "busy", "wait", "send", "gaps", "outside"]]
     for (num_stages, schedule), b in results.items():
-        ideal = ideal_bubble(num_stages, NUM_MICROBATCHES)
+        ideal = schedule_bubble(schedule, num_stages=num_stages, num_microbatches=NUM_MICROBATCHES)
         mean_idle = sum(b.idle_fraction) / num_stages
         summary.append(
             [

@@ -67,7 +67,7 @@ from pipesvc.observe.trace import StageTimeline  # noqa: E402
 BATCH, NUM_MICROBATCHES, LR = 64, 4, 1e-3
 WARMUP_STEPS = 5
 CHECKPOINT_EVERY = 10
-"""``create_job``'s default ``checkpoint_every``."""
+"""A fixed ``checkpoint_every`` (the default cadence is set by cost: bench/checkpoints.py)."""
 TINY = base.Workload("tiny", "bench-mlp", {"width": 32, "depth": 4}, "mse", 4)
 MLP = base.Workload("mlp", "mlp", {}, "mse", 4)
 WORKLOADS = {w.name: w for w in (TINY, MLP)}

@@ -15,7 +15,8 @@ Two models, each split uniformly (``pipesvc.core.partition.uniform``: equal laye
   stage (``init_method=tcp://127.0.0.1:PORT``), the stage's layers built with
   ``pipesvc.models.build`` and sliced to pipesvc's ranges.
 - pipesvc: ``LocalCluster(num_stages=N, threads_per_stage=1)``, i.e. a coordinator plus N stage
-  processes; timed from the client (``job.train_step``), checkpoints off (``checkpoint_every=0``).
+  processes; timed from the client (``job.train_step``), with default settings: checkpoints at
+  the default cadence (the first at step 10, then within 2% of the training time).
   Between stages: shared memory, or with ``--frames`` the frames on the gRPC streams that
   stages on different hosts use (``--shm-bytes 0``).
 - one process: the unsplit model on the whole batch, 1 and 2 threads.
@@ -271,7 +272,6 @@ def pipesvc_steps_per_s(
                     optimizer={"name": "sgd", "lr": LR},
                     loss=w.loss,
                     partition="uniform",
-                    checkpoint_every=0,
                 )
                 plan = [(s.start_layer, s.end_layer) for s in job.plan]
                 if plan != expected_plan:  # the torch side slices the model this way

@@ -117,7 +117,7 @@ class Client:
         partition: str = "parameters",
         rebalance: bool = False,
         clip_grad_norm: float | None = None,
-        checkpoint_every: int = 10,
+        checkpoint_every: int | None = None,
         input_shape: Sequence[int] | None = None,
         input_dtype: str = "float32",
         trainable: Sequence[str] | None = None,
@@ -259,6 +259,9 @@ class Job:
         """Committed steps."""
         self.recoveries: int = 0
         """Times the job recovered from a lost stage."""
+        self.checkpoint_step: int = 0
+        """Step of the newest durable checkpoint, the one recovery restores (a checkpoint
+        still streaming in the background shows once it is on disk)."""
         self._update(info)
 
     def _update(self, info: coordinator_pb2.JobInfo) -> None:
@@ -275,6 +278,7 @@ class Job:
         self.plan_epoch = info.plan_epoch
         self.step = info.step
         self.recoveries = info.recoveries
+        self.checkpoint_step = info.checkpoint_step
 
     def __repr__(self) -> str:
         ranges = ", ".join(f"[{s.start_layer}, {s.end_layer}) at {s.address}" for s in self.plan)

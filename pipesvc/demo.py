@@ -19,8 +19,9 @@ from tqdm import tqdm  # type: ignore[import-untyped]
 
 from pipesvc import models
 from pipesvc.client import Client, Job
+from pipesvc.core.schedule import ideal_bubble as schedule_bubble
 from pipesvc.local_cluster import LocalCluster
-from pipesvc.observe.trace import busy_idle, ideal_bubble
+from pipesvc.observe.trace import busy_idle
 from pipesvc.wire.security import Security
 
 SEQUENCE_LENGTH = 64
@@ -339,7 +340,9 @@ def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> dict[str, float]
         for rank, (b, i) in busy_idle(timelines, step=traced).items():
             busy[rank] = busy.get(rank, 0.0) + b
             idle[rank] = idle.get(rank, 0.0) + i
-    ideal = ideal_bubble(options.num_stages, options.num_microbatches)
+    ideal = schedule_bubble(
+        options.schedule, num_stages=options.num_stages, num_microbatches=options.num_microbatches
+    )
     print(
         "  bubble         "
         + ", ".join(

@@ -21,7 +21,7 @@ from pipesvc.v1 import common_pb2, stage_pb2
 from pipesvc.v1.stage_pb2_grpc import StageServiceStub
 
 CALL_TIMEOUT_S = 1.0
-COMPUTE = ("forward", "backward")
+COMPUTE = ("forward", "backward", "weight")
 _INFO = stage_pb2.InfoRequest()
 _Resp = TypeVar("_Resp")
 

@@ -338,7 +338,8 @@ class JobDriver:
             loss = self._resilient(attempt, f"step {target}")
             self.recovery.persist()
             self._metrics.inc("steps_committed_total")
-            self._metrics.observe("step_seconds", time.monotonic() - started)
+            took = time.monotonic() - started
+            self._metrics.observe("step_seconds", took)
             logger.info(
                 "job %s: step %d committed, loss %.6f",
                 self.job_id,
@@ -346,8 +347,10 @@ class JobDriver:
                 loss,
                 extra={"job": self.job_id, "step": state.step},
             )
-            every = self.config.checkpoint_every
-            if every and state.step % every == 0 and state.pending is not None:
+            cadence = self.recovery.cadence
+            cadence.step_took(took)
+            if cadence.due(state.step) and state.pending is not None:
+                cadence.asked(state.step)
                 # The run that carries this step's commit has the stages snapshot their state,
                 # which then streams to a checkpoint while later steps train (see [Note:
                 # snapshot checkpoint] in stage/engine.py); with no such run, the flush of the
@@ -579,6 +582,7 @@ class JobDriver:
             step=self.state.step,
             num_layers=len(self.layers),
             recoveries=self.state.recoveries,
+            checkpoint_step=max(self.state.checkpoint_step, 0),
         )
 
 

@@ -25,6 +25,7 @@ from pipesvc.coordinator.stage_calls import StageLostError, call_stage, health_o
 from pipesvc.coordinator.stage_group import StageGroup
 from pipesvc.coordinator.state_db import JobRecord, StateDB
 from pipesvc.coordinator.step_log import StepLog
+from pipesvc.core.cadence import CheckpointCadence
 from pipesvc.core.health import Health
 from pipesvc.core.microbatch import RunBatch
 from pipesvc.core.tensor_codec import named_frames, read_named_frames
@@ -94,6 +95,10 @@ class Recovery:
         self._pool = pool
         self._writing: tuple[int, float, futures.Future[float]] | None = None
         """A checkpoint being written in the background: (step, seconds reading it, write)."""
+        self.cadence = CheckpointCadence(
+            group.config.checkpoint_every, start_step=max(state.checkpoint_step, 0)
+        )
+        """Which steps get a periodic checkpoint (see [Note: checkpoint cadence])."""
 
     # -- durable state -------------------------------------------------------------------------
 
@@ -418,6 +423,7 @@ class Recovery:
     def _checkpointed(self, step: int, read_s: float, write_s: float, *, background: bool) -> None:
         """A checkpoint of ``step`` is durable: it becomes the one recovery restores."""
         self.state.checkpoint_step = step
+        self.cadence.checkpointed(step, read_s + write_s)
         self.persist()
         self.storage.log.prune(step)
         self.storage.checkpoints.prune()

@@ -1,4 +1,5 @@
-"""One step of a pipeline schedule: a forward or backward of one micro-batch on one stage."""
+"""One step of a pipeline schedule: a forward, backward or weight-gradient pass of one
+micro-batch on one stage."""
 
 from __future__ import annotations
 
@@ -10,22 +11,31 @@ from pipesvc.errors import InvalidArgumentError
 
 __all__ = ["Action", "ActionKind"]
 
-_ACTION_PATTERN = re.compile(r"([FB])(0|[1-9][0-9]*)")
+_ACTION_PATTERN = re.compile(r"([FBW])(0|[1-9][0-9]*)")
 
 
 class ActionKind(enum.Enum):
-    """What a stage does with one micro-batch."""
+    """What a stage does with one micro-batch.
+
+    [Note: split backward] A stage whose list holds ``W(mb)`` splits that micro-batch's
+    backward in two: ``B(mb)`` computes only the gradient of the stage's input and sends it
+    upstream, and ``W(mb)`` later computes the gradients of the stage's parameters from what
+    ``B`` left. Without ``W(mb)``, ``B(mb)`` does both. The micro-batch stays in flight (its
+    activations kept) until its last backward pass.
+    """
 
     FORWARD = "F"
     BACKWARD = "B"
+    WEIGHT = "W"
 
 
 @dataclass(frozen=True, slots=True, repr=False)
 class Action:
-    """One step of a stage's schedule; prints as ``"F0"`` / ``"B12"`` and parses back."""
+    """One step of a stage's schedule; prints as ``"F0"`` / ``"B12"`` / ``"W3"`` and parses
+    back."""
 
     kind: ActionKind
-    """Forward or backward."""
+    """Forward, backward, or the weight-gradient part of a split backward."""
     microbatch_index: int
     """Which micro-batch of the step, from 0."""
 
@@ -44,16 +54,16 @@ class Action:
 
     @classmethod
     def parse(cls, text: str) -> Action:
-        """Parses ``"F0"`` / ``"B12"`` (the output of ``str``) back into an action.
+        """Parses ``"F0"`` / ``"B12"`` / ``"W3"`` (the output of ``str``) back into an action.
 
         Raises:
-            InvalidArgumentError: If ``text`` is not ``F`` or ``B`` followed by a canonical
-                non-negative decimal number.
+            InvalidArgumentError: If ``text`` is not ``F``, ``B`` or ``W`` followed by a
+                canonical non-negative decimal number.
         """
         match = _ACTION_PATTERN.fullmatch(text) if isinstance(text, str) else None
         if match is None:
             raise InvalidArgumentError(
-                f"cannot parse action {text!r}; expected 'F' or 'B' and a micro-batch index, "
-                "e.g. 'F0' or 'B12'"
+                f"cannot parse action {text!r}; expected 'F', 'B' or 'W' and a micro-batch "
+                "index, e.g. 'F0', 'B12' or 'W3'"
             )
         return cls(ActionKind(match.group(1)), int(match.group(2)))

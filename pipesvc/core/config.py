@@ -67,9 +67,11 @@ class JobConfig:
     it is predicted enough faster (see [Note: replan] in ``pipesvc.coordinator.rebalance``)."""
     clip_grad_norm: float | None = None
     """Clip the global gradient norm over all stages to this value; None for no clipping."""
-    checkpoint_every: int = 10
-    """Checkpoint every this many steps (0: only at start and after loading state); recovery
-    replays the steps since the newest checkpoint from the coordinator's step log."""
+    checkpoint_every: int | None = None
+    """Checkpoint every this many steps (0: only at start and after loading state); None: as
+    often as keeps checkpoints within 2% of the training time, at least 10 steps apart (see
+    [Note: checkpoint cadence] in ``pipesvc.core.cadence``). Recovery replays the steps since
+    the newest checkpoint from the coordinator's step log."""
     input_shape: tuple[int, ...] | None = None
     """Shape of one micro-batch's input, batch dimension first (e.g. ``(8, 128)`` for 8
     sequences of 128 tokens). With it the planner counts the activations each stage keeps
@@ -102,13 +104,15 @@ class JobConfig:
             raise InvalidArgumentError(f"rebalance must be a bool; got {self.rebalance!r}")
         for name in ("seed", "num_stages", "num_microbatches", "checkpoint_every"):
             value = getattr(self, name)
+            if name == "checkpoint_every" and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool):
                 raise InvalidArgumentError(f"{name} must be an int; got {value!r}")
         if not 0 <= self.seed < 2**63:
             raise InvalidArgumentError(f"seed ({self.seed}) must be in [0, 2**63)")
         if not 1 <= self.num_stages <= 1024:
             raise InvalidArgumentError(f"num_stages ({self.num_stages}) must be in [1, 1024]")
-        if not 0 <= self.checkpoint_every < 2**31:
+        if self.checkpoint_every is not None and not 0 <= self.checkpoint_every < 2**31:
             raise InvalidArgumentError(
                 f"checkpoint_every ({self.checkpoint_every}) must be in [0, 2**31)"
             )

@@ -15,6 +15,7 @@ schedule keeps on one rank at once, :func:`max_in_flight_of` the same measured o
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ __all__ = [
     "format_grid",
     "forward_only_actions",
     "get_schedule",
+    "ideal_bubble",
     "max_in_flight",
     "max_in_flight_of",
     "register_schedule",
@@ -53,6 +55,10 @@ def _forward(index: int) -> Action:
 
 def _backward(index: int) -> Action:
     return Action(ActionKind.BACKWARD, index)
+
+
+def _weight(index: int) -> Action:
+    return Action(ActionKind.WEIGHT, index)
 
 
 def _check_num_microbatches(num_microbatches: int) -> None:
@@ -204,6 +210,62 @@ def one_f_one_b(*, rank: int, num_stages: int, num_microbatches: int) -> list[Ac
     return actions
 
 
+def _zero_bubble_in_flight(*, rank: int, num_stages: int, num_microbatches: int) -> int:
+    return min(num_microbatches, 2 * num_stages - rank - 1)
+
+
+@functools.lru_cache(maxsize=64)
+def _zero_bubble_lists(num_stages: int, num_microbatches: int) -> tuple[tuple[Action, ...], ...]:
+    """Every rank's zb-h1 list, built by running the pipeline in unit ticks (see zb_h1)."""
+    p, m = num_stages, num_microbatches
+    lists: list[list[Action]] = [[] for _ in range(p)]
+    forward_at: dict[tuple[int, int], int] = {}
+    backward_at: dict[tuple[int, int], int] = {}
+    forwards, backwards, weights = [0] * p, [0] * p, [0] * p
+    tick = 0
+    while any(len(actions) < 3 * m for actions in lists):
+        for r in range(p):
+            f, b = forwards[r], backwards[r]
+            if (
+                b < f
+                and forward_at[r, b] < tick
+                and (r == p - 1 or backward_at.get((r + 1, b), tick) < tick)
+            ):
+                backward_at[r, b] = tick
+                backwards[r] += 1
+                lists[r].append(_backward(b))
+            elif (
+                f < m
+                and f - b < p - r
+                and f - weights[r] < 2 * p - r - 1
+                and (r == 0 or forward_at.get((r - 1, f), tick) < tick)
+            ):
+                forward_at[r, f] = tick
+                forwards[r] += 1
+                lists[r].append(_forward(f))
+            elif weights[r] < b:
+                lists[r].append(_weight(weights[r]))
+                weights[r] += 1
+        tick += 1
+    return tuple(tuple(actions) for actions in lists)
+
+
+@register_schedule("zb-h1", in_flight=_zero_bubble_in_flight)
+def zb_h1(*, rank: int, num_stages: int, num_microbatches: int) -> list[Action]:
+    """Zero bubble, H1 shape (after Qi et al., "Zero Bubble Pipeline Parallelism", ICLR '24):
+    every backward is split (see [Note: split backward]): ``B`` sends the input's gradient
+    upstream at once, and the weight gradients ``W`` fill the waits. Built by running the
+    pipeline in unit ticks (F, B and W one tick each), each rank taking, in order of
+    preference, the backward whose gradient has arrived, a forward while fewer than
+    ``num_stages - rank`` micro-batches await their backward (1F1B's bound) and fewer than
+    ``2 * num_stages - rank - 1`` their weight gradient, else its oldest weight gradient.
+    A step then takes ``3 m + p - 1`` ticks against 1F1B's ``3 (m + p - 1)`` (its backward
+    two ticks): the bubble shrinks about threefold. A micro-batch waiting for ``W`` keeps its
+    activations here (the whole autograd graph), so a rank holds at most
+    ``2 * num_stages - rank - 1`` micro-batches, up to about twice 1F1B's."""
+    return list(_zero_bubble_lists(num_stages, num_microbatches)[rank])
+
+
 def forward_only_actions(num_microbatches: int) -> list[Action]:
     """Returns the actions of any stage for inference: ``F0 .. F(m-1)``.
 
@@ -215,14 +277,16 @@ def forward_only_actions(num_microbatches: int) -> list[Action]:
 
 
 def max_in_flight_of(actions: Sequence[Action]) -> int:
-    """Returns the most micro-batches in flight (forward run, backward not yet) over ``actions``."""
+    """Returns the most micro-batches in flight (forward run, last backward pass not yet: ``W``
+    where the list has one, else ``B``) over ``actions``."""
+    split = {a.microbatch_index for a in actions if a.kind is ActionKind.WEIGHT}
     in_flight: set[int] = set()
     most = 0
     for action in actions:
         if action.kind is ActionKind.FORWARD:
             in_flight.add(action.microbatch_index)
             most = max(most, len(in_flight))
-        else:
+        elif action.kind is ActionKind.WEIGHT or action.microbatch_index not in split:
             in_flight.discard(action.microbatch_index)
     return most
 
@@ -232,6 +296,8 @@ def _dependencies(action: Action, rank: int, num_stages: int) -> list[tuple[int,
     index = action.microbatch_index
     if action.kind is ActionKind.FORWARD:
         return [(rank - 1, action)] if rank > 0 else []
+    if action.kind is ActionKind.WEIGHT:
+        return [(rank, _backward(index))]
     needs = [(rank, _forward(index))]
     if rank < num_stages - 1:
         needs.append((rank + 1, action))
@@ -245,8 +311,9 @@ def simulate(
 
     Rules: stage ``r`` may run ``F(mb)`` once stage ``r-1`` ran ``F(mb)`` in an earlier tick;
     ``B(mb)`` once it ran its own ``F(mb)`` and (except on the last stage) stage ``r+1`` ran
-    ``B(mb)``, both in earlier ticks. Each stage runs its list strictly in order, at most one
-    action per tick, as early as it can. Idle slots are ``None``.
+    ``B(mb)``, both in earlier ticks; ``W(mb)`` once it ran its own ``B(mb)``. Each stage runs
+    its list strictly in order, at most one action per tick, as early as it can. Idle slots are
+    ``None``.
 
     Raises:
         InvalidArgumentError: If ``training`` is false and a stage has a backward action, or
@@ -257,7 +324,7 @@ def simulate(
     if not training:
         for rank, actions in enumerate(actions_per_stage):
             for action in actions:
-                if action.kind is ActionKind.BACKWARD:
+                if action.kind is not ActionKind.FORWARD:
                     raise InvalidArgumentError(
                         f"rank {rank}: backward action {action} in a forward-only schedule"
                     )
@@ -321,8 +388,9 @@ def validate(
     """Checks a whole schedule and returns its simulated grid.
 
     Every stage must run each ``F(mb)`` for ``mb`` in ``[0, num_microbatches)`` exactly once
-    and, when ``training``, each ``B(mb)`` exactly once and after ``F(mb)`` (or no backward at
-    all otherwise); then the schedule must simulate without deadlock (:func:`simulate`).
+    and, when ``training``, each ``B(mb)`` exactly once and after ``F(mb)``, and any ``W(mb)``
+    (see [Note: split backward]) at most once and after ``B(mb)`` (no backward at all
+    otherwise); then the schedule must simulate without deadlock (:func:`simulate`).
 
     Raises:
         InvalidArgumentError: Naming the stage and the problem: no stages, a missing, repeated
@@ -341,15 +409,18 @@ def validate(
                 )
             if action in seen:
                 raise InvalidArgumentError(f"rank {rank}: {action} appears more than once")
-            if action.kind is ActionKind.BACKWARD:
+            if action.kind is not ActionKind.FORWARD:
                 if not training:
                     raise InvalidArgumentError(
                         f"rank {rank}: backward action {action} in a forward-only schedule"
                     )
-                if _forward(action.microbatch_index) not in seen:
-                    raise InvalidArgumentError(
-                        f"rank {rank}: {action} comes before F{action.microbatch_index}"
-                    )
+                before = (
+                    _forward(action.microbatch_index)
+                    if action.kind is ActionKind.BACKWARD
+                    else _backward(action.microbatch_index)
+                )
+                if before not in seen:
+                    raise InvalidArgumentError(f"rank {rank}: {action} comes before {before}")
             seen.add(action)
         kinds = [ActionKind.FORWARD, ActionKind.BACKWARD] if training else [ActionKind.FORWARD]
         missing = [
@@ -387,6 +458,19 @@ def bubble_fraction(grid: Sequence[Sequence[Action | None]]) -> float:
         return 0.0
     idle = sum(1 for row in grid for slot in row if slot is None)
     return idle / total
+
+
+def ideal_bubble(name: str, *, num_stages: int, num_microbatches: int) -> float:
+    """The idle share of schedule ``name``'s dry run with every action one tick: its bubble
+    when forward, backward (and a split backward's two passes) cost the same on every stage
+    and links are free. ``(p - 1) / (m + p - 1)`` for GPipe and 1F1B, ``(p - 1) / (3m + p - 1)``
+    for zb-h1 once ``m >= p``.
+
+    Raises:
+        InvalidArgumentError: As :func:`stage_actions`.
+    """
+    actions = all_stage_actions(name, num_stages=num_stages, num_microbatches=num_microbatches)
+    return bubble_fraction(simulate(actions))
 
 
 def max_in_flight(name: str, *, rank: int, num_stages: int, num_microbatches: int) -> int:

@@ -32,11 +32,17 @@ __all__ = [
     "write_trace_files",
 ]
 
-EVENT_NAMES: tuple[str, ...] = ("forward", "backward", "wait", "send")
+EVENT_NAMES: tuple[str, ...] = ("forward", "backward", "weight", "wait", "send")
 """Event names a stage records; forward and backward are compute, the rest are not."""
 
-_COMPUTE = {"forward": "F", "backward": "B"}
-_COLOURS = {"forward": "#4c72b0", "backward": "#dd8452", "wait": "#d9d9d9", "send": "#7f7f7f"}
+_COMPUTE = {"forward": "F", "backward": "B", "weight": "W"}
+_COLOURS = {
+    "forward": "#4c72b0",
+    "backward": "#dd8452",
+    "weight": "#c44e52",
+    "wait": "#d9d9d9",
+    "send": "#7f7f7f",
+}
 BETWEEN_RUNS = "between steps: coordinator (commit, step log, next batch)"
 """What the shaded gaps of the PNG are: no stage runs a schedule there."""
 

@@ -300,6 +300,8 @@ class StepEngine:
         rec.begin(run_id, rt.step + 1 if training else 0, job_id=self._job_id, rank=rt.rank)
         losses: dict[int, float] = {}
         outputs: dict[int, torch.Tensor] = {}
+        split = {a.microbatch_index for a in actions if a.kind is ActionKind.WEIGHT}
+        last_mb = sum(a.kind is ActionKind.FORWARD for a in actions) - 1
         for action in actions:
             mb = action.microbatch_index
             if self._fault_kill is not None and training:
@@ -308,12 +310,18 @@ class StepEngine:
                     step=rt.step + 1,
                     rank=rt.rank,
                     microbatch=mb,
-                    last_mb=len(actions) // 2 - 1,
+                    last_mb=last_mb,
                 )
             if action.kind is ActionKind.FORWARD:
-                self._forward(run_id, mb, data, training, losses, outputs, generating)
-            else:
+                self._forward(
+                    run_id, mb, data, training, losses, outputs, generating, split=mb in split
+                )
+            elif action.kind is ActionKind.BACKWARD:
                 self._backward(run_id, mb)
+            else:
+                with rec.span("weight", mb):
+                    rt.backward_weight(mb)
+                self._metrics.set("microbatches_in_flight", rt.live)
         rec.end(training=training, generating=generating)
         return [losses[i] for i in sorted(losses)], [outputs[i] for i in sorted(outputs)]
 
@@ -326,6 +334,8 @@ class StepEngine:
         losses: dict[int, float],
         outputs: dict[int, torch.Tensor],
         generating: bool = False,
+        *,
+        split: bool = False,
     ) -> None:
         rt, rec = self.runtime, self.recorder
         cache, stacked = None, None
@@ -356,7 +366,7 @@ class StepEngine:
                 )
         with rec.span("forward", mb):
             side = data.side[mb] if data.side else None
-            y = rt.forward(mb, x, training=training, side=side, cache=cache)
+            y = rt.forward(mb, x, training=training, side=side, cache=cache, split_backward=split)
             if stacked is not None:
                 assert self.sessions is not None
                 refs = data.caches[mb]

@@ -16,7 +16,7 @@ from pipesvc.observe.metrics import NO_METRICS, Metrics
 from pipesvc.observe.trace import TraceEvent
 
 logger = logging.getLogger(__name__)
-COMPUTE = ("forward", "backward")
+COMPUTE = ("forward", "backward", "weight")
 
 
 class RunRecorder:

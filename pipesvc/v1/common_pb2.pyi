@@ -234,7 +234,8 @@ class JobSpec(_message.Message):
     """Global gradient-norm clip over all stages; absent for none."""
     checkpoint_every: _builtins.int
     """Take a checkpoint every this many committed steps (0: only when the job starts and after
-    its state is loaded). Recovery replays the steps since the last one.
+    its state is loaded); unset: as often as keeps checkpoints within a small share of the
+    training time. Recovery replays the steps since the last one.
     """
     input_dtype: _builtins.str
     """torch dtype name of that input ("float32" when empty)."""
@@ -269,7 +270,7 @@ class JobSpec(_message.Message):
         loss: _builtins.str = ...,
         partition: _builtins.str = ...,
         clip_grad_norm: _builtins.float | None = ...,
-        checkpoint_every: _builtins.int = ...,
+        checkpoint_every: _builtins.int | None = ...,
         input_shape: _abc.Iterable[_builtins.int] | None = ...,
         input_dtype: _builtins.str = ...,
         precision: _builtins.str = ...,
@@ -277,14 +278,18 @@ class JobSpec(_message.Message):
         rebalance: _builtins.bool = ...,
         wire_dtype: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_clip_grad_norm", b"_clip_grad_norm", "_wire_dtype", b"_wire_dtype", "clip_grad_norm", b"clip_grad_norm", "wire_dtype", b"wire_dtype"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_checkpoint_every", b"_checkpoint_every", "_clip_grad_norm", b"_clip_grad_norm", "_wire_dtype", b"_wire_dtype", "checkpoint_every", b"checkpoint_every", "clip_grad_norm", b"clip_grad_norm", "wire_dtype", b"wire_dtype"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_clip_grad_norm", b"_clip_grad_norm", "_wire_dtype", b"_wire_dtype", "checkpoint_every", b"checkpoint_every", "clip_grad_norm", b"clip_grad_norm", "input_dtype", b"input_dtype", "input_shape", b"input_shape", "loss", b"loss", "model", b"model", "model_args_json", b"model_args_json", "num_microbatches", b"num_microbatches", "num_stages", b"num_stages", "optimizer_json", b"optimizer_json", "partition", b"partition", "precision", b"precision", "rebalance", b"rebalance", "schedule", b"schedule", "seed", b"seed", "trainable", b"trainable", "wire_dtype", b"wire_dtype"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_checkpoint_every", b"_checkpoint_every", "_clip_grad_norm", b"_clip_grad_norm", "_wire_dtype", b"_wire_dtype", "checkpoint_every", b"checkpoint_every", "clip_grad_norm", b"clip_grad_norm", "input_dtype", b"input_dtype", "input_shape", b"input_shape", "loss", b"loss", "model", b"model", "model_args_json", b"model_args_json", "num_microbatches", b"num_microbatches", "num_stages", b"num_stages", "optimizer_json", b"optimizer_json", "partition", b"partition", "precision", b"precision", "rebalance", b"rebalance", "schedule", b"schedule", "seed", b"seed", "trainable", b"trainable", "wire_dtype", b"wire_dtype"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__checkpoint_every: _TypeAlias = _typing.Literal["checkpoint_every"]  # noqa: Y015
+    _WhichOneofArgType__checkpoint_every: _TypeAlias = _typing.Literal["_checkpoint_every", b"_checkpoint_every"]  # noqa: Y015
     _WhichOneofReturnType__clip_grad_norm: _TypeAlias = _typing.Literal["clip_grad_norm"]  # noqa: Y015
     _WhichOneofArgType__clip_grad_norm: _TypeAlias = _typing.Literal["_clip_grad_norm", b"_clip_grad_norm"]  # noqa: Y015
     _WhichOneofReturnType__wire_dtype: _TypeAlias = _typing.Literal["wire_dtype"]  # noqa: Y015
     _WhichOneofArgType__wire_dtype: _TypeAlias = _typing.Literal["_wire_dtype", b"_wire_dtype"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__checkpoint_every) -> _WhichOneofReturnType__checkpoint_every | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__clip_grad_norm) -> _WhichOneofReturnType__clip_grad_norm | None: ...
     @_typing.overload

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pipesvc.v1 import common_pb2 as pipesvc_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpipesvc/v1/coordinator.proto\x12\npipesvc.v1\x1a\x17pipesvc/v1/common.proto\"2\n\rReplanRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\t\"l\n\x0eReplanResponse\x12#\n\x04plan\x18\x01 \x03(\x0b\x32\x15.pipesvc.v1.PlanStage\x12\r\n\x05moved\x18\x02 \x01(\x08\x12\x11\n\tcurrent_s\x18\x03 \x03(\x01\x12\x13\n\x0bpredicted_s\x18\x04 \x03(\x01\"]\n\x14RegisterStageRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06models\x18\x04 \x03(\t\"\x17\n\x15RegisterStageResponse\"\x13\n\x11ListStagesRequest\"\xd9\x01\n\x0bStageStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06models\x18\x04 \x03(\t\x12\x0e\n\x06job_id\x18\x05 \x01(\t\x12\x13\n\x0bstart_layer\x18\x06 \x01(\r\x12\x11\n\tend_layer\x18\x07 \x01(\r\x12\x0c\n\x04rank\x18\x08 \x01(\r\x12\x0e\n\x06health\x18\t \x01(\t\x12\x11\n\trss_bytes\x18\n \x01(\x04\x12\x1a\n\x12microbatches_per_s\x18\x0b \x01(\x01\"=\n\x12ListStagesResponse\x12\'\n\x06stages\x18\x01 \x03(\x0b\x32\x17.pipesvc.v1.StageStatus\"P\n\x10\x43reateJobRequest\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.pipesvc.v1.JobSpec\x12\x19\n\x11wait_for_stages_s\x18\x02 \x01(\x01\"\xab\x01\n\x07JobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12!\n\x04spec\x18\x02 \x01(\x0b\x32\x13.pipesvc.v1.JobSpec\x12\x12\n\nplan_epoch\x18\x03 \x01(\x04\x12#\n\x04plan\x18\x04 \x03(\x0b\x32\x15.pipesvc.v1.PlanStage\x12\x0c\n\x04step\x18\x05 \x01(\x04\x12\x12\n\nnum_layers\x18\x06 \x01(\r\x12\x12\n\nrecoveries\x18\x07 \x01(\r\"\"\n\x0bModelExport\x12\x13\n\x0b\x65xport_json\x18\x01 \x01(\t\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x11\n\x0fListJobsRequest\"5\n\x10ListJobsResponse\x12!\n\x04jobs\x18\x01 \x03(\x0b\x32\x13.pipesvc.v1.JobInfo\"\xf5\x01\n\x10TrainStepRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\"\n\x06inputs\x18\x02 \x01(\x0b\x32\x12.pipesvc.v1.Tensor\x12#\n\x07targets\x18\x03 \x01(\x0b\x32\x12.pipesvc.v1.Tensor\x12\x41\n\x0bside_inputs\x18\x04 \x03(\x0b\x32,.pipesvc.v1.TrainStepRequest.SideInputsEntry\x1a\x45\n\x0fSideInputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.pipesvc.v1.Tensor:\x02\x38\x01\"Q\n\x11TrainStepResponse\x12\x0c\n\x04loss\x18\x01 \x01(\x01\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12 \n\x03job\x18\x03 \x01(\x0b\x32\x13.pipesvc.v1.JobInfo\"\xcc\x01\n\x0e\x46orwardRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\"\n\x06inputs\x18\x02 \x01(\x0b\x32\x12.pipesvc.v1.Tensor\x12?\n\x0bside_inputs\x18\x03 \x03(\x0b\x32*.pipesvc.v1.ForwardRequest.SideInputsEntry\x1a\x45\n\x0fSideInputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.pipesvc.v1.Tensor:\x02\x38\x01\"X\n\x0f\x46orwardResponse\x12#\n\x07outputs\x18\x01 \x01(\x0b\x32\x12.pipesvc.v1.Tensor\x12 \n\x03job\x18\x02 \x01(\x0b\x32\x13.pipesvc.v1.JobInfo\"I\n\x12GetJobStateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.pipesvc.v1.StateKind\"i\n\x13LoadJobStateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12&\n\x05\x66rame\x18\x02 \x01(\x0b\x32\x17.pipesvc.v1.TensorFrame\x12\x11\n\x04step\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_step\"+\n\x14LoadJobStateResponse\x12\x13\n\x0bnum_tensors\x18\x01 \x01(\r\"!\n\x0f\x43loseJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x12\n\x10\x43loseJobResponse\"2\n\x08JobTrace\x12&\n\x06stages\x18\x01 \x03(\x0b\x32\x16.pipesvc.v1.StageTrace\"\xa5\x02\n\x0fGenerateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12%\n\tinput_ids\x18\x02 \x01(\x0b\x32\x12.pipesvc.v1.Tensor\x12*\n\x0e\x61ttention_mask\x18\x03 \x01(\x0b\x32\x12.pipesvc.v1.Tensor\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x13\n\x0btemperature\x18\x05 \x01(\x01\x12\x12\n\x05top_k\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\x19\n\x0c\x65os_token_id\x18\t \x01(\x03H\x03\x88\x01\x01\x42\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x0f\n\r_eos_token_id\"6\n\x10GenerateResponse\x12\"\n\x06tokens\x18\x01 \x01(\x0b\x32\x12.pipesvc.v1.Tensor2\xf5\x07\n\x12\x43oordinatorService\x12T\n\rRegisterStage\x12 .pipesvc.v1.RegisterStageRequest\x1a!.pipesvc.v1.RegisterStageResponse\x12K\n\nListStages\x12\x1d.pipesvc.v1.ListStagesRequest\x1a\x1e.pipesvc.v1.ListStagesResponse\x12>\n\tCreateJob\x12\x1c.pipesvc.v1.CreateJobRequest\x1a\x13.pipesvc.v1.JobInfo\x12\x38\n\x06GetJob\x12\x19.pipesvc.v1.GetJobRequest\x1a\x13.pipesvc.v1.JobInfo\x12\x45\n\x08ListJobs\x12\x1b.pipesvc.v1.ListJobsRequest\x1a\x1c.pipesvc.v1.ListJobsResponse\x12H\n\tTrainStep\x12\x1c.pipesvc.v1.TrainStepRequest\x1a\x1d.pipesvc.v1.TrainStepResponse\x12\x42\n\x07\x46orward\x12\x1a.pipesvc.v1.ForwardRequest\x1a\x1b.pipesvc.v1.ForwardResponse\x12G\n\x08Generate\x12\x1b.pipesvc.v1.GenerateRequest\x1a\x1c.pipesvc.v1.GenerateResponse0\x01\x12\x45\n\x08GetState\x12\x1e.pipesvc.v1.GetJobStateRequest\x1a\x17.pipesvc.v1.TensorFrame0\x01\x12P\n\tLoadState\x12\x1f.pipesvc.v1.LoadJobStateRequest\x1a .pipesvc.v1.LoadJobStateResponse(\x01\x12\x45\n\x08\x43loseJob\x12\x1b.pipesvc.v1.CloseJobRequest\x1a\x1c.pipesvc.v1.CloseJobResponse\x12=\n\x08GetTrace\x12\x1b.pipesvc.v1.GetTraceRequest\x1a\x14.pipesvc.v1.JobTrace\x12\x44\n\x0eGetModelExport\x12\x19.pipesvc.v1.GetJobRequest\x1a\x17.pipesvc.v1.ModelExport\x12?\n\x06Replan\x12\x19.pipesvc.v1.ReplanRequest\x1a\x1a.pipesvc.v1.ReplanResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpipesvc/v1/coordinator.proto\x12\npipesvc.v1\x1a\x17pipesvc/v1/common.proto\"2\n\rReplanRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\tpartition\x18\x02 \x01(\t\"l\n\x0eReplanResponse\x12#\n\x04plan\x18\x01 \x03(\x0b\x32\x15.pipesvc.v1.PlanStage\x12\r\n\x05moved\x18\x02 \x01(\x08\x12\x11\n\tcurrent_s\x18\x03 \x03(\x01\x12\x13\n\x0bpredicted_s\x18\x04 \x03(\x01\"]\n\x14RegisterStageRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06models\x18\x04 \x03(\t\"\x17\n\x15RegisterStageResponse\"\x13\n\x11ListStagesRequest\"\xd9\x01\n\x0bStageStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06models\x18\x04 \x03(\t\x12\x0e\n\x06job_id\x18\x05 \x01(\t\x12\x13\n\x0bstart_layer\x18\x06 \x01(\r\x12\x11\n\tend_layer\x18\x07 \x01(\r\x12\x0c\n\x04rank\x18\x08 \x01(\r\x12\x0e\n\x06health\x18\t \x01(\t\x12\x11\n\trss_bytes\x18\n \x01(\x04\x12\x1a\n\x12microbatches_per_s\x18\x0b \x01(\x01\"=\n\x12ListStagesResponse\x12\'\n\x06stages\x18\x01 \x03(\x0b\x32\x17.pipesvc.v1.StageStatus\"P\n\x10\x43reateJobRequest\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.pipesvc.v1.JobSpec\x12\x19\n\x11wait_for_stages_s\x18\x02 \x01(\x01\"\xc4\x01\n\x07JobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12!\n\x04spec\x18\x02 \x01(\x0b\x32\x13.pipesvc.v1.JobSpec\x12\x12\n\nplan_epoch\x18\x03 \x01(\x04\x12#\n\x04plan\x18\x04 \x03(\x0b\x32\x15.pipesvc.v1.PlanStage\x12\x0c\n\x04step\x18\x05 \x01(\x04\x12\x12\n\nnum_layers\x18\x06 \x01(\r\x12\x12\n\nrecoveries\x18\x07 \x01(\r\x12\x17\n\x0f\x63heckpoint_step\x18\x08 \x01(\x04\"\"\n\x0bModelExport\x12\x13\n\x0b\x65xport_json\x18\x01 \x01(\t\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x11\n\x0fListJobsRequest\"5\n\x10ListJobsResponse\x12!\n\x04jobs\x18\x01 \x03(\x0b\x32\x13.pipesvc.v1.JobInfo\"\xf5\x01\n\x10TrainStepRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\"\n\x06inputs\x18\x02 \x01(\x0b\x32\x12.pipesvc.v1.Tensor\x12#\n\x07targets\x18\x03 \x01(\x0b\x32\x12.pipesvc.v1.Tensor\x12\x41\n\x0bside_inputs\x18\x04 \x03(\x0b\x32,.pipesvc.v1.TrainStepRequest.SideInputsEntry\x1a\x45\n\x0fSideInputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.pipesvc.v1.Tensor:\x02\x38\x01\"Q\n\x11TrainStepResponse\x12\x0c\n\x04loss\x18\x01 \x01(\x01\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12 \n\x03job\x18\x03 \x01(\x0b\x32\x13.pipesvc.v1.JobInfo\"\xcc\x01\n\x0e\x46orwardRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\"\n\x06inputs\x18\x02 \x01(\x0b\x32\x12.pipesvc.v1.Tensor\x12?\n\x0bside_inputs\x18\x03 \x03(\x0b\x32*.pipesvc.v1.ForwardRequest.SideInputsEntry\x1a\x45\n\x0fSideInputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.pipesvc.v1.Tensor:\x02\x38\x01\"X\n\x0f\x46orwardResponse\x12#\n\x07outputs\x18\x01 \x01(\x0b\x32\x12.pipesvc.v1.Tensor\x12 \n\x03job\x18\x02 \x01(\x0b\x32\x13.pipesvc.v1.JobInfo\"I\n\x12GetJobStateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.pipesvc.v1.StateKind\"i\n\x13LoadJobStateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12&\n\x05\x66rame\x18\x02 \x01(\x0b\x32\x17.pipesvc.v1.TensorFrame\x12\x11\n\x04step\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_step\"+\n\x14LoadJobStateResponse\x12\x13\n\x0bnum_tensors\x18\x01 \x01(\r\"!\n\x0f\x43loseJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x12\n\x10\x43loseJobResponse\"2\n\x08JobTrace\x12&\n\x06stages\x18\x01 \x03(\x0b\x32\x16.pipesvc.v1.StageTrace\"\xa5\x02\n\x0fGenerateRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12%\n\tinput_ids\x18\x02 \x01(\x0b\x32\x12.pipesvc.v1.Tensor\x12*\n\x0e\x61ttention_mask\x18\x03 \x01(\x0b\x32\x12.pipesvc.v1.Tensor\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x13\n\x0btemperature\x18\x05 \x01(\x01\x12\x12\n\x05top_k\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\x19\n\x0c\x65os_token_id\x18\t \x01(\x03H\x03\x88\x01\x01\x42\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x0f\n\r_eos_token_id\"6\n\x10GenerateResponse\x12\"\n\x06tokens\x18\x01 \x01(\x0b\x32\x12.pipesvc.v1.Tensor2\xf5\x07\n\x12\x43oordinatorService\x12T\n\rRegisterStage\x12 .pipesvc.v1.RegisterStageRequest\x1a!.pipesvc.v1.RegisterStageResponse\x12K\n\nListStages\x12\x1d.pipesvc.v1.ListStagesRequest\x1a\x1e.pipesvc.v1.ListStagesResponse\x12>\n\tCreateJob\x12\x1c.pipesvc.v1.CreateJobRequest\x1a\x13.pipesvc.v1.JobInfo\x12\x38\n\x06GetJob\x12\x19.pipesvc.v1.GetJobRequest\x1a\x13.pipesvc.v1.JobInfo\x12\x45\n\x08ListJobs\x12\x1b.pipesvc.v1.ListJobsRequest\x1a\x1c.pipesvc.v1.ListJobsResponse\x12H\n\tTrainStep\x12\x1c.pipesvc.v1.TrainStepRequest\x1a\x1d.pipesvc.v1.TrainStepResponse\x12\x42\n\x07\x46orward\x12\x1a.pipesvc.v1.ForwardRequest\x1a\x1b.pipesvc.v1.ForwardResponse\x12G\n\x08Generate\x12\x1b.pipesvc.v1.GenerateRequest\x1a\x1c.pipesvc.v1.GenerateResponse0\x01\x12\x45\n\x08GetState\x12\x1e.pipesvc.v1.GetJobStateRequest\x1a\x17.pipesvc.v1.TensorFrame0\x01\x12P\n\tLoadState\x12\x1f.pipesvc.v1.LoadJobStateRequest\x1a .pipesvc.v1.LoadJobStateResponse(\x01\x12\x45\n\x08\x43loseJob\x12\x1b.pipesvc.v1.CloseJobRequest\x1a\x1c.pipesvc.v1.CloseJobResponse\x12=\n\x08GetTrace\x12\x1b.pipesvc.v1.GetTraceRequest\x1a\x14.pipesvc.v1.JobTrace\x12\x44\n\x0eGetModelExport\x12\x19.pipesvc.v1.GetJobRequest\x1a\x17.pipesvc.v1.ModelExport\x12?\n\x06Replan\x12\x19.pipesvc.v1.ReplanRequest\x1a\x1a.pipesvc.v1.ReplanResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -53,43 +53,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CREATEJOBREQUEST']._serialized_start=655
   _globals['_CREATEJOBREQUEST']._serialized_end=735
   _globals['_JOBINFO']._serialized_start=738
-  _globals['_JOBINFO']._serialized_end=909
-  _globals['_MODELEXPORT']._serialized_start=911
-  _globals['_MODELEXPORT']._serialized_end=945
-  _globals['_GETJOBREQUEST']._serialized_start=947
-  _globals['_GETJOBREQUEST']._serialized_end=978
-  _globals['_LISTJOBSREQUEST']._serialized_start=980
-  _globals['_LISTJOBSREQUEST']._serialized_end=997
-  _globals['_LISTJOBSRESPONSE']._serialized_start=999
-  _globals['_LISTJOBSRESPONSE']._serialized_end=1052
-  _globals['_TRAINSTEPREQUEST']._serialized_start=1055
-  _globals['_TRAINSTEPREQUEST']._serialized_end=1300
-  _globals['_TRAINSTEPREQUEST_SIDEINPUTSENTRY']._serialized_start=1231
-  _globals['_TRAINSTEPREQUEST_SIDEINPUTSENTRY']._serialized_end=1300
-  _globals['_TRAINSTEPRESPONSE']._serialized_start=1302
-  _globals['_TRAINSTEPRESPONSE']._serialized_end=1383
-  _globals['_FORWARDREQUEST']._serialized_start=1386
-  _globals['_FORWARDREQUEST']._serialized_end=1590
-  _globals['_FORWARDREQUEST_SIDEINPUTSENTRY']._serialized_start=1231
-  _globals['_FORWARDREQUEST_SIDEINPUTSENTRY']._serialized_end=1300
-  _globals['_FORWARDRESPONSE']._serialized_start=1592
-  _globals['_FORWARDRESPONSE']._serialized_end=1680
-  _globals['_GETJOBSTATEREQUEST']._serialized_start=1682
-  _globals['_GETJOBSTATEREQUEST']._serialized_end=1755
-  _globals['_LOADJOBSTATEREQUEST']._serialized_start=1757
-  _globals['_LOADJOBSTATEREQUEST']._serialized_end=1862
-  _globals['_LOADJOBSTATERESPONSE']._serialized_start=1864
-  _globals['_LOADJOBSTATERESPONSE']._serialized_end=1907
-  _globals['_CLOSEJOBREQUEST']._serialized_start=1909
-  _globals['_CLOSEJOBREQUEST']._serialized_end=1942
-  _globals['_CLOSEJOBRESPONSE']._serialized_start=1944
-  _globals['_CLOSEJOBRESPONSE']._serialized_end=1962
-  _globals['_JOBTRACE']._serialized_start=1964
-  _globals['_JOBTRACE']._serialized_end=2014
-  _globals['_GENERATEREQUEST']._serialized_start=2017
-  _globals['_GENERATEREQUEST']._serialized_end=2310
-  _globals['_GENERATERESPONSE']._serialized_start=2312
-  _globals['_GENERATERESPONSE']._serialized_end=2366
-  _globals['_COORDINATORSERVICE']._serialized_start=2369
-  _globals['_COORDINATORSERVICE']._serialized_end=3382
+  _globals['_JOBINFO']._serialized_end=934
+  _globals['_MODELEXPORT']._serialized_start=936
+  _globals['_MODELEXPORT']._serialized_end=970
+  _globals['_GETJOBREQUEST']._serialized_start=972
+  _globals['_GETJOBREQUEST']._serialized_end=1003
+  _globals['_LISTJOBSREQUEST']._serialized_start=1005
+  _globals['_LISTJOBSREQUEST']._serialized_end=1022
+  _globals['_LISTJOBSRESPONSE']._serialized_start=1024
+  _globals['_LISTJOBSRESPONSE']._serialized_end=1077
+  _globals['_TRAINSTEPREQUEST']._serialized_start=1080
+  _globals['_TRAINSTEPREQUEST']._serialized_end=1325
+  _globals['_TRAINSTEPREQUEST_SIDEINPUTSENTRY']._serialized_start=1256
+  _globals['_TRAINSTEPREQUEST_SIDEINPUTSENTRY']._serialized_end=1325
+  _globals['_TRAINSTEPRESPONSE']._serialized_start=1327
+  _globals['_TRAINSTEPRESPONSE']._serialized_end=1408
+  _globals['_FORWARDREQUEST']._serialized_start=1411
+  _globals['_FORWARDREQUEST']._serialized_end=1615
+  _globals['_FORWARDREQUEST_SIDEINPUTSENTRY']._serialized_start=1256
+  _globals['_FORWARDREQUEST_SIDEINPUTSENTRY']._serialized_end=1325
+  _globals['_FORWARDRESPONSE']._serialized_start=1617
+  _globals['_FORWARDRESPONSE']._serialized_end=1705
+  _globals['_GETJOBSTATEREQUEST']._serialized_start=1707
+  _globals['_GETJOBSTATEREQUEST']._serialized_end=1780
+  _globals['_LOADJOBSTATEREQUEST']._serialized_start=1782
+  _globals['_LOADJOBSTATEREQUEST']._serialized_end=1887
+  _globals['_LOADJOBSTATERESPONSE']._serialized_start=1889
+  _globals['_LOADJOBSTATERESPONSE']._serialized_end=1932
+  _globals['_CLOSEJOBREQUEST']._serialized_start=1934
+  _globals['_CLOSEJOBREQUEST']._serialized_end=1967
+  _globals['_CLOSEJOBRESPONSE']._serialized_start=1969
+  _globals['_CLOSEJOBRESPONSE']._serialized_end=1987
+  _globals['_JOBTRACE']._serialized_start=1989
+  _globals['_JOBTRACE']._serialized_end=2039
+  _globals['_GENERATEREQUEST']._serialized_start=2042
+  _globals['_GENERATEREQUEST']._serialized_end=2335
+  _globals['_GENERATERESPONSE']._serialized_start=2337
+  _globals['_GENERATERESPONSE']._serialized_end=2391
+  _globals['_COORDINATORSERVICE']._serialized_start=2394
+  _globals['_COORDINATORSERVICE']._serialized_end=3407
 # @@protoc_insertion_point(module_scope)

@@ -280,6 +280,7 @@ class JobInfo(_message.Message):
     STEP_FIELD_NUMBER: _builtins.int
     NUM_LAYERS_FIELD_NUMBER: _builtins.int
     RECOVERIES_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_STEP_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job's identity, unique on this coordinator."""
     plan_epoch: _builtins.int
@@ -290,6 +291,8 @@ class JobInfo(_message.Message):
     """Layers in the model."""
     recoveries: _builtins.int
     """Times the job recovered from a lost stage or a failed step."""
+    checkpoint_step: _builtins.int
+    """Step of the newest durable checkpoint, the one recovery restores (0: the job's start)."""
     @_builtins.property
     def spec(self) -> _common_pb2.JobSpec:
         """The spec it was created with."""
@@ -308,10 +311,11 @@ class JobInfo(_message.Message):
         step: _builtins.int = ...,
         num_layers: _builtins.int = ...,
         recoveries: _builtins.int = ...,
+        checkpoint_step: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "num_layers", b"num_layers", "plan", b"plan", "plan_epoch", b"plan_epoch", "recoveries", b"recoveries", "spec", b"spec", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_step", b"checkpoint_step", "job_id", b"job_id", "num_layers", b"num_layers", "plan", b"plan", "plan_epoch", b"plan_epoch", "recoveries", b"recoveries", "spec", b"spec", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

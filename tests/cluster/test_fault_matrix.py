@@ -115,6 +115,10 @@ CASES = {
     "gpt-dropout-backward": Case(
         "backward:4:1", problem=GPT_DROPOUT, optimizer=dict(ADAMW), clip_grad_norm=1.0
     ),
+    # Split backward (zero bubble): killed among its input- and weight-gradient passes.
+    "gpt-dropout-zb-h1-backward": Case(
+        "backward:4:1", problem=GPT_DROPOUT, schedule="zb-h1", optimizer=dict(ADAMW)
+    ),
     # Killed while its state streams into the step-4 checkpoint.
     "cnn-checkpoint": Case("checkpoint:4:1", steps=7),
 }

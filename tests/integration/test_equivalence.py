@@ -24,7 +24,7 @@ OPTIMIZER_CYCLE = [
 CASES = [
     (model, schedule, num_stages)
     for model, schedule, num_stages in itertools.product(
-        sorted(PROBLEMS), ("gpipe", "1f1b"), (2, 3, 4)
+        sorted(PROBLEMS), ("gpipe", "1f1b", "zb-h1"), (2, 3, 4)
     )
 ]
 # Even, uneven (7 = 2+2+2+1) and uneven-the-other-way (9) batches over 4 micro-batches.

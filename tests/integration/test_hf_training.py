@@ -105,7 +105,7 @@ def reference_run(directory: Path) -> tuple[list[float], Any]:
     ("name", "schedule", "num_stages"),
     [("hf-llama", "1f1b", 3), ("hf-llama", "gpipe", 2), ("hf-neox", "gpipe", 3),
      ("hf-neox", "1f1b", 2), ("hf-qwen2", "gpipe", 3), ("hf-gemma", "1f1b", 2),
-     ("hf-phi", "1f1b", 3), ("hf-mistral", "gpipe", 2)],
+     ("hf-phi", "1f1b", 3), ("hf-mistral", "gpipe", 2), ("hf-llama", "zb-h1", 3)],
 )  # fmt: skip
 def test_training_equals_transformers_in_one_process(
     hf_client: pipesvc.Client, hf_dirs: dict[str, Path], name: str, schedule: str, num_stages: int
@@ -146,7 +146,7 @@ LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 @pytest.mark.parametrize(
     ("name", "schedule", "partition"),
     [("hf-llama", "1f1b", "parameters"), ("hf-llama", "gpipe", "parameters"),
-     ("hf-tiny", "1f1b", "uniform")],
+     ("hf-tiny", "1f1b", "uniform"), ("hf-tiny", "zb-h1", "uniform")],
 )  # fmt: skip
 def test_lora_training_equals_peft_in_one_process(
     hf_client: pipesvc.Client, hf_dirs: dict[str, Path], name: str, schedule: str, partition: str
@@ -288,7 +288,7 @@ def test_trainable_patterns_freeze_the_rest_like_one_process(
 
 @pytest.mark.parametrize(
     ("schedule", "num_stages", "clip"),
-    [("1f1b", 3, None), ("gpipe", 2, 0.5), ("1f1b", 1, 0.5)],
+    [("1f1b", 3, None), ("gpipe", 2, 0.5), ("1f1b", 1, 0.5), ("zb-h1", 1, None), ("zb-h1", 2, 0.5)],
 )
 def test_a_tied_embedding_and_head_train_as_one_parameter(
     hf_client: pipesvc.Client,

@@ -24,7 +24,7 @@ NUM_MICROBATCHES = 4
 BATCH_SIZES = (8, 7, 9)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 @pytest.mark.parametrize("num_stages", [2, 3])
 def test_dropout_training_matches_the_seeded_reference(
     client: pipesvc.Client, num_stages: int, schedule: str

@@ -184,6 +184,7 @@ def test_the_dict_and_wire_forms_are_unchanged() -> None:
         model_args={"vocab_size": 17},
         seed=3,
         clip_grad_norm=1.0,
+        checkpoint_every=10,
         input_shape=(8, 64),
         input_dtype="int64",
     )

@@ -42,7 +42,9 @@ def cyclic(*, rank: int, num_stages: int, num_microbatches: int) -> list[Action]
     runs B1 (which needs F1) before B0."""
     m = num_microbatches
     if rank < num_stages - 1:
-        return [Action(kind, i) for i in range(m) for kind in ActionKind]
+        return [
+            Action(kind, i) for i in range(m) for kind in (ActionKind.FORWARD, ActionKind.BACKWARD)
+        ]
     return lifo_gpipe(rank=rank, num_stages=num_stages, num_microbatches=m)
 
 
@@ -141,9 +143,10 @@ def test_model_registry_keeps_its_own_error_type_and_sorted_names() -> None:
 
 
 def test_builtin_names_and_lookups() -> None:
-    assert schedule.schedule_names() == ("gpipe", "1f1b")
+    assert schedule.schedule_names() == ("gpipe", "1f1b", "zb-h1")
     assert schedule.get_schedule("gpipe").actions is schedule.gpipe
     assert schedule.get_schedule("1f1b").actions is schedule.one_f_one_b
+    assert schedule.get_schedule("zb-h1").actions is schedule.zb_h1
     assert partition.partition_names() == ("uniform", "parameters", "memory", "throughput")
     assert partition.get_partition("parameters") is partition.balanced
 
@@ -152,8 +155,8 @@ def test_builtin_names_and_lookups() -> None:
 def test_unknown_schedule_names_the_value_and_the_known_names(name: Any) -> None:
     with pytest.raises(InvalidArgumentError) as info:
         schedule.get_schedule(name)
-    assert f"unknown schedule {name!r}; expected one of gpipe, 1f1b" == str(info.value)
-    with pytest.raises(InvalidArgumentError, match="expected one of gpipe, 1f1b"):
+    assert f"unknown schedule {name!r}; expected one of gpipe, 1f1b, zb-h1" == str(info.value)
+    with pytest.raises(InvalidArgumentError, match="expected one of gpipe, 1f1b, zb-h1"):
         JobConfig(model="mlp", schedule=name)
 
 
@@ -180,14 +183,14 @@ def test_bad_registrations_are_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="'uniform' is already registered"):
         partition.register_partition("uniform")(partition.balanced)
     schedule.register_schedule("gpipe")(schedule.gpipe)  # the same function again is fine
-    assert schedule.schedule_names() == ("gpipe", "1f1b")
+    assert schedule.schedule_names() == ("gpipe", "1f1b", "zb-h1")
 
 
 @pytest.mark.usefixtures("scratch_registries")
 def test_a_registered_schedule_is_valid_everywhere_and_simulated() -> None:
     schedule.register_schedule("lifo-gpipe")(lifo_gpipe)
     schedule.register_schedule("cyclic")(cyclic)
-    assert schedule.schedule_names() == ("gpipe", "1f1b", "lifo-gpipe", "cyclic")
+    assert schedule.schedule_names() == ("gpipe", "1f1b", "zb-h1", "lifo-gpipe", "cyclic")
     assert JobConfig(model="mlp", schedule="lifo-gpipe").schedule == "lifo-gpipe"
     assert JobConfig(model="mlp", schedule="cyclic").schedule == "cyclic"
     demo = build_parser().parse_args(["demo", "--schedule", "lifo-gpipe"])

@@ -10,6 +10,7 @@ from pipesvc.core.schedule import (
     bubble_fraction,
     format_grid,
     forward_only_actions,
+    ideal_bubble,
     max_in_flight,
     max_in_flight_of,
     schedule_names,
@@ -33,7 +34,7 @@ def plan(schedule: str, num_stages: int, num_microbatches: int) -> list[list[Act
     ]
 
 
-@pytest.mark.parametrize("text", ["F0", "B0", "F7", "B12", "F1234"])
+@pytest.mark.parametrize("text", ["F0", "B0", "F7", "B12", "F1234", "W0", "W3"])
 def test_action_round_trip(text: str) -> None:
     action = Action.parse(text)
     assert str(action) == text
@@ -45,6 +46,7 @@ def test_action_fields() -> None:
     assert Action.parse("B12") == Action(ActionKind.BACKWARD, 12)
     assert Action.parse("F3").kind is ActionKind.FORWARD
     assert Action.parse("F3").microbatch_index == 3
+    assert Action.parse("W3") == Action(ActionKind.WEIGHT, 3)
 
 
 @pytest.mark.parametrize(
@@ -74,7 +76,8 @@ def test_gpipe_and_1f1b_lists() -> None:
 def earliest_ticks(actions_per_stage: list[list[Action]]) -> dict[tuple[int, Action], int]:
     """The oracle for the simulator, computed another way: each action's tick as a longest
     path, ``tick = 1 + max(tick of the previous action of its rank, ticks of what it needs)``
-    (a forward needs rank - 1's forward; a backward its own forward and rank + 1's backward),
+    (a forward needs rank - 1's forward; a backward its own forward and rank + 1's backward; a
+    weight gradient its own backward),
     resolved by recursion rather than by stepping a clock."""
     num_stages = len(actions_per_stage)
     position = {(r, a): i for r, row in enumerate(actions_per_stage) for i, a in enumerate(row)}
@@ -87,6 +90,8 @@ def earliest_ticks(actions_per_stage: list[list[Action]]) -> dict[tuple[int, Act
             i = action.microbatch_index
             if action.kind is ActionKind.FORWARD:
                 needs = [(rank - 1, action)] if rank > 0 else []
+            elif action.kind is ActionKind.WEIGHT:
+                needs = [(rank, Action(ActionKind.BACKWARD, i))]
             else:
                 needs = [(rank, Action(ActionKind.FORWARD, i))]
                 needs += [(rank + 1, action)] if rank < num_stages - 1 else []
@@ -135,18 +140,74 @@ def test_schedules_validate_without_deadlock(
     expected = oracle_grid(actions)
     assert validate(actions, num_microbatches) == expected
     assert simulate(actions) == expected
+    p, m = num_stages, num_microbatches
     for rank, row in enumerate(expected):
         assert [a for a in row if a is not None] == actions[rank]
         in_flight = max_in_flight_of(actions[rank])
         if schedule == "1f1b":
-            assert in_flight == min(num_stages - rank, num_microbatches)
+            assert in_flight == min(p - rank, m)
+        elif schedule == "zb-h1":
+            assert in_flight <= min(2 * p - rank - 1, m)
+            assert awaiting_backward(actions[rank]) <= min(p - rank, m)  # 1F1B's bound
         else:
-            assert in_flight == num_microbatches
-    # Both schedules finish in 2(m + p - 1) ticks when every action takes one.
-    assert len(expected[0]) == 2 * (num_microbatches + num_stages - 1)
+            assert in_flight == m
+    if schedule == "zb-h1":
+        # Three unit actions per micro-batch (F, B, W) against 1F1B's F and a two-tick B:
+        # the bubble is p - 1 ticks, a third of 1F1B's, once there are p micro-batches.
+        ticks = len(expected[0])
+        assert ticks == 3 * m + p - 1 if m >= p else ticks <= 3 * (m + p - 1)
+    else:
+        # Both finish in 2(m + p - 1) ticks when every action takes one.
+        assert len(expected[0]) == 2 * (m + p - 1)
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+def awaiting_backward(actions: list[Action]) -> int:
+    """The most micro-batches forwarded and not yet through ``B``."""
+    forwarded = backed = most = 0
+    for action in actions:
+        forwarded += action.kind is ActionKind.FORWARD
+        backed += action.kind is ActionKind.BACKWARD
+        most = max(most, forwarded - backed)
+    return most
+
+
+def test_zb_h1_lists_and_bubble() -> None:
+    """Every backward split, W filling the waits: p=4, m=8 takes 3m + p - 1 = 27 ticks, a
+    bubble of 3 / 27 per stage against 1F1B's 9 / 33 (its B two ticks)."""
+    actions = plan("zb-h1", 4, 8)
+    for row in actions:
+        assert sorted(str(a) for a in row if a.kind is ActionKind.WEIGHT) == sorted(
+            f"W{i}" for i in range(8)
+        )
+    assert actions[3][:6] == parse_all("F0 B0 F1 B1 F2 B2")
+    assert actions[0][:4] == parse_all("F0 F1 F2 F3")
+    grid = simulate(actions)
+    assert len(grid[0]) == 27
+    assert bubble_fraction(grid) == pytest.approx(3 / 27)
+    assert ideal_bubble("zb-h1", num_stages=4, num_microbatches=8) == pytest.approx(3 / 27)
+    for name in ("gpipe", "1f1b"):
+        assert ideal_bubble(name, num_stages=4, num_microbatches=8) == pytest.approx(3 / 11)
+
+
+@pytest.mark.parametrize(
+    ("stages", "match"),
+    [
+        ([["F0", "W0", "B0"]], r"rank 0: W0 comes before B0"),
+        ([["F0", "B0", "W0", "W0"]], r"rank 0: W0 appears more than once"),
+        ([["W0"]], r"rank 0: W0 comes before B0"),
+    ],
+)
+def test_validate_weight_errors(stages: list[list[str]], match: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=match):
+        validate([[Action.parse(t) for t in row] for row in stages], 1)
+
+
+def test_weight_pass_in_a_forward_only_schedule_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="backward action W0 in a forward-only"):
+        validate([parse_all("F0 W0")], 1, training=False)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_bubble_fraction_p4_m8(schedule: str) -> None:
     """Both schedules take 2 * (m + p - 1) = 22 unit ticks for p=4, m=8.
 
@@ -218,7 +279,7 @@ def test_validate_errors(stages: list[list[str]], match: str) -> None:
 
 
 def test_stage_actions_argument_errors() -> None:
-    with pytest.raises(InvalidArgumentError, match=r"'zb'.*gpipe, 1f1b"):
+    with pytest.raises(InvalidArgumentError, match=r"'zb'.*gpipe, 1f1b, zb-h1"):
         stage_actions("zb", rank=0, num_stages=2, num_microbatches=2)
     with pytest.raises(InvalidArgumentError, match=r"rank \(2\) must be in \[0, 2\)"):
         stage_actions("1f1b", rank=2, num_stages=2, num_microbatches=2)
