@@ -9,10 +9,10 @@ fails. Every case runs past at least two periodic checkpoints, and the stages ne
 killed one must still be the same processes at the end (a fault must not take a healthy
 neighbour down with it).
 
-The cases cover both schedules, more micro-batches than a link's send queue holds, activations
-of several MiB per micro-batch on the shared-memory path and on frames, Adam with clipping, the
-``gpt`` with dropout, a model with parameter-free layers (the ``cnn``'s Flatten), and faults in
-forward, backward, commit and during a checkpoint.
+The cases cover every schedule (zb-h1's split backward included), more micro-batches than a
+link's send queue holds, activations of several MiB per micro-batch on the shared-memory path
+and on frames, Adam with clipping, the ``gpt`` with dropout, a model with parameter-free layers
+(the ``cnn``'s Flatten), and faults in forward, backward, commit and during a checkpoint.
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ def test_cases_cover_the_matrix() -> None:
     """The matrix keeps the dimensions the module docstring promises."""
     cases = CASES.values()
     assert {c.fault.split(":")[0] for c in cases} == {"forward", "backward", "commit", "checkpoint"}
-    assert {c.schedule for c in cases} == {"gpipe", "1f1b"}
+    assert {c.schedule for c in cases} == {"gpipe", "1f1b", "zb-h1"}
     assert {c.shm for c in cases} == {True, False}
     assert any(c.num_microbatches > SEND_QUEUE_ITEMS for c in cases)
     assert any(c.problem.model == "cnn" for c in cases)  # Flatten has no parameters

@@ -10,6 +10,7 @@ import torch
 import pipesvc
 from pipesvc import models
 from pipesvc.core.limits import MAX_MICROBATCHES
+from pipesvc.core.schedule import max_in_flight
 from tests.integration.conftest import NUM_STAGES
 from tests.support.reference import PROBLEMS, Reference
 from tests.support.stage_probe import stage_info
@@ -59,8 +60,9 @@ def test_each_stage_holds_only_its_layers(client: pipesvc.Client) -> None:
         assert stage_info(stage.address).job_id == ""
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
 def test_schedule_bounds_live_activations(client: pipesvc.Client, schedule: str) -> None:
+    """Each stage held as many micro-batches' activations at once as its schedule says."""
     num_microbatches = 8
     with _mlp_job(
         client, num_stages=NUM_STAGES, num_microbatches=num_microbatches, schedule=schedule
@@ -69,9 +71,16 @@ def test_schedule_bounds_live_activations(client: pipesvc.Client, schedule: str)
         job.train_step(x, y)
         for stage in job.plan:
             live = stage_info(stage.address).max_live_activations
+            expected = max_in_flight(
+                schedule,
+                rank=stage.rank,
+                num_stages=NUM_STAGES,
+                num_microbatches=num_microbatches,
+            )
+            assert live == expected
             if schedule == "1f1b":
                 assert live == min(NUM_STAGES - stage.rank, num_microbatches)
-            else:
+            elif schedule == "gpipe":
                 assert live == num_microbatches
 
 
