@@ -76,23 +76,8 @@ from pipesvc.models import (
     uses_rng,
 )
 from pipesvc.stage.profiler import FlopCount, StageProfiler
+from pipesvc.stage.weight_grads import DeferWeightGrads, WeightGradStore
 from pipesvc.storage.checkpoint import OPTIM_PREFIX, group_by_layer
-
-
-@dataclass(frozen=True, slots=True)
-class _Piece:
-    """One layer of a micro-batch whose backward is split: its input (a leaf cut from the
-    previous layer's graph), its output (the loss, on the last layer of the last stage) and
-    its trainable parameters."""
-
-    input: torch.Tensor
-    output: torch.Tensor
-    params: list[torch.nn.Parameter]
-
-
-_WeightWork = list[tuple[torch.Tensor, torch.Tensor | None, list[torch.nn.Parameter]]]
-"""What ``W`` of a split backward computes from: each layer's output, its gradient, and the
-parameters to accumulate into."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -184,10 +169,9 @@ class StageRuntime:
         self.profiler = StageProfiler()
         self._saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # Micro-batches whose backward is split (see [Note: split backward] in core/action.py):
-        # each layer's (input, output, trainable parameters), the graph cut between layers.
-        self._pieces: dict[int, list[_Piece]] = {}
-        # ... and once B ran: each layer's output with its gradient, for W; B's seconds.
-        self._weight_work: dict[int, tuple[_WeightWork, float]] = {}
+        # the weight gradients their B leaves for W, and B's seconds once it ran.
+        self._deferred: dict[int, WeightGradStore] = {}
+        self._backward_s: dict[int, float] = {}
         # Gradient buffers zeroed for this run, with their version after zeroing (see Note).
         self._zeroed: list[tuple[torch.nn.Parameter, torch.Tensor, int]] = []
         # A training run began and is not committed: its gradients replace the last step's.
@@ -231,8 +215,8 @@ class StageRuntime:
     def begin_run(self, training: bool) -> None:
         """Starts a run; a training run clears the previous step's gradients."""
         self._saved.clear()
-        self._pieces.clear()
-        self._weight_work.clear()
+        self._deferred.clear()
+        self._backward_s.clear()
         self.max_live = 0
         if training:
             self._training_run = True
@@ -277,13 +261,17 @@ class StageRuntime:
         microbatch: int | None,
         side: Mapping[str, torch.Tensor],
         cache: Any = None,
-        pieces: list[_Piece] | None = None,
+        deferred: WeightGradStore | None = None,
     ) -> torch.Tensor:
         """Runs the layers (see [Note: precision]); in training, stochastic ones run seeded.
-        With ``pieces`` (a split backward), the graph is cut between layers and each layer's
-        input, output and trainable parameters are appended to it."""
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast):
-            return self._apply_layers(x, microbatch, side, cache, pieces)
+        With ``deferred`` (a split backward), the linear layers' backward leaves their weight
+        gradients there (see pipesvc.stage.weight_grads)."""
+        defer = DeferWeightGrads(deferred) if deferred is not None else contextlib.nullcontext()
+        with (
+            torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast),
+            defer,
+        ):
+            return self._apply_layers(x, microbatch, side, cache)
 
     def _apply_layers(
         self,
@@ -291,13 +279,9 @@ class StageRuntime:
         microbatch: int | None,
         side: Mapping[str, torch.Tensor],
         cache: Any,
-        pieces: list[_Piece] | None = None,
     ) -> torch.Tensor:
         seed, step = self.config.seed, self.step + 1
-        for position, (index, layer, seeded) in enumerate(self._layers):
-            if pieces is not None and position and x.requires_grad:
-                x = x.detach().requires_grad_(True)  # the cut: this layer's own graph
-            layer_input = x
+        for index, layer, seeded in self._layers:
             # A layer names the side inputs it reads (``side_inputs``, see [Note: side inputs])
             # and whether it reads and extends a generation cache (``uses_cache``).
             wanted = getattr(layer, "side_inputs", ())
@@ -323,9 +307,6 @@ class StageRuntime:
                 self.profiler.layer(index, time.perf_counter() - started, x, self._wire_dtype)
                 if isinstance(counter, FlopCount):
                     self.profiler.counted(index, counter.total)
-            if pieces is not None:
-                trained = [p for p in layer.parameters() if p.requires_grad]
-                pieces.append(_Piece(layer_input, x, trained))
         return x
 
     def forward(
@@ -370,10 +351,10 @@ class StageRuntime:
                     "a floating-point tensor is needed for its gradient"
                 )
             x = x.detach().requires_grad_(True)
-        pieces: list[_Piece] | None = [] if split_backward else None
-        y = self._apply(x, microbatch, side, pieces=pieces)
-        if pieces is not None:
-            self._pieces[microbatch] = pieces
+        deferred = WeightGradStore() if split_backward else None
+        y = self._apply(x, microbatch, side, deferred=deferred)
+        if deferred is not None:
+            self._deferred[microbatch] = deferred
         self._saved[microbatch] = (x, y)
         self.max_live = max(self.max_live, len(self._saved))
         return y if self.is_last else self._to_wire(y)
@@ -384,10 +365,6 @@ class StageRuntime:
         logits = y.float() if y.is_floating_point() else y
         loss = compute_loss(self.config.loss, logits, target.to(self.device)) * weight
         self._saved[microbatch] = (x, loss)
-        pieces = self._pieces.get(microbatch)
-        if pieces:  # the loss is the last layer's output now
-            last = pieces[-1]
-            pieces[-1] = _Piece(last.input, loss, last.params)
         return loss
 
     def backward(self, microbatch: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
@@ -399,68 +376,48 @@ class StageRuntime:
             FailedPreconditionError: no forward is pending for this micro-batch.
             InvalidArgumentError: the gradient does not match the output's shape.
         """
-        if microbatch not in self._saved or microbatch in self._weight_work:
+        if microbatch not in self._saved or microbatch in self._backward_s:
             raise FailedPreconditionError(f"backward of micro-batch {microbatch} before forward")
-        split = microbatch in self._pieces
+        split = microbatch in self._deferred
+        # A split backward's micro-batch stays in flight until its W.
         x, y = self._saved[microbatch] if split else self._saved.pop(microbatch)
+        started = time.perf_counter()
+        if split:
+            self._backward_s[microbatch] = 0.0
         if not y.requires_grad:
             # Nothing before this point trains (a first stage whose layers are all frozen, as
             # the embedding under LoRA): there is no gradient to compute or send.
-            if split:
-                self._weight_work[microbatch] = ([], 0.0)
             return None if self.is_first else torch.zeros_like(x)
-        started = time.perf_counter()
-        if grad_output is not None:
+        if grad_output is None:
+            torch.autograd.backward(y)
+        else:
             if grad_output.shape != y.shape:
                 raise InvalidArgumentError(
                     f"gradient of shape {list(grad_output.shape)} for an output of shape "
                     f"{list(y.shape)}"
                 )
-            grad_output = grad_output.to(device=self.device, dtype=y.dtype)
+            torch.autograd.backward(y, grad_output.to(device=self.device, dtype=y.dtype))
         if split:
-            grad_input = self._backward_input(microbatch, grad_output, started)
-            return None if self.is_first or grad_input is None else self._to_wire(grad_input)
-        torch.autograd.backward(y, grad_output)
-        self.profiler.backward(time.perf_counter() - started)
+            self._backward_s[microbatch] = time.perf_counter() - started
+        else:
+            self.profiler.backward(time.perf_counter() - started)
         return None if self.is_first or x.grad is None else self._to_wire(x.grad)
 
-    def _backward_input(
-        self, microbatch: int, grad: torch.Tensor | None, started: float
-    ) -> torch.Tensor | None:
-        """``B`` of a split backward: the gradient of each layer's input, layer by layer from
-        the last, each graph kept for ``W``; returns the stage input's (None if it has none)."""
-        work: _WeightWork = []
-        for piece in reversed(self._pieces[microbatch]):
-            if not piece.output.requires_grad:
-                break  # nothing before this point trains
-            work.append((piece.output, grad, piece.params))
-            if not piece.input.requires_grad:
-                grad = None
-                break
-            (found,) = torch.autograd.grad(
-                piece.output, piece.input, grad, retain_graph=True, allow_unused=True
-            )
-            grad = found if found is not None else torch.zeros_like(piece.input)
-        self._weight_work[microbatch] = (work, time.perf_counter() - started)
-        return grad
-
     def backward_weight(self, microbatch: int) -> None:
-        """``W`` of a split backward: accumulates the gradients of this stage's parameters from
-        what ``B`` left, layer by layer; the micro-batch's activations are then dropped.
+        """``W`` of a split backward: adds the weight gradients its ``B`` left to the
+        parameters' gradients; the micro-batch is then done.
 
         Raises:
             FailedPreconditionError: ``B`` of this micro-batch has not run.
         """
-        if microbatch not in self._weight_work:
+        if microbatch not in self._backward_s:
             raise FailedPreconditionError(
                 f"weight gradient of micro-batch {microbatch} before its backward"
             )
-        work, seconds = self._weight_work.pop(microbatch)
-        del self._saved[microbatch], self._pieces[microbatch]
+        seconds = self._backward_s.pop(microbatch)
+        del self._saved[microbatch]
         started = time.perf_counter()
-        for output, grad, params in work:
-            if params:
-                torch.autograd.backward(output, grad, inputs=params)
+        self._deferred.pop(microbatch).apply()
         self.profiler.backward(seconds + time.perf_counter() - started)
 
     def grad_norm_sq(self) -> float:
@@ -540,8 +497,8 @@ class StageRuntime:
         weights and optimizer are untouched (see [Note: gradients of the last committed step]).
         """
         self._saved.clear()
-        self._pieces.clear()
-        self._weight_work.clear()
+        self._deferred.clear()
+        self._backward_s.clear()
         if self._training_run:
             self._training_run = False
             self._zeroed = []
