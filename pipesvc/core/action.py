@@ -18,10 +18,11 @@ class ActionKind(enum.Enum):
     """What a stage does with one micro-batch.
 
     [Note: split backward] A stage whose list holds ``W(mb)`` splits that micro-batch's
-    backward in two: ``B(mb)`` computes only the gradient of the stage's input and sends it
-    upstream, and ``W(mb)`` later computes the gradients of the stage's parameters from what
-    ``B`` left. Without ``W(mb)``, ``B(mb)`` does both. The micro-batch stays in flight (its
-    activations kept) until its last backward pass.
+    backward in two: ``B(mb)`` computes the gradient of the stage's input (and of the
+    parameters outside matrix products) and sends it upstream, and ``W(mb)`` later computes the
+    linear layers' weight gradients from the inputs and output gradients ``B`` recorded (see
+    ``pipesvc.stage.weight_grads``). Without ``W(mb)``, ``B(mb)`` does both. The micro-batch
+    counts as in flight until its last backward pass.
     """
 
     FORWARD = "F"

@@ -260,9 +260,10 @@ def zb_h1(*, rank: int, num_stages: int, num_microbatches: int) -> list[Action]:
     ``num_stages - rank`` micro-batches await their backward (1F1B's bound) and fewer than
     ``2 * num_stages - rank - 1`` their weight gradient, else its oldest weight gradient.
     A step then takes ``3 m + p - 1`` ticks against 1F1B's ``3 (m + p - 1)`` (its backward
-    two ticks): the bubble shrinks about threefold. A micro-batch waiting for ``W`` keeps its
-    activations here (the whole autograd graph), so a rank holds at most
-    ``2 * num_stages - rank - 1`` micro-batches, up to about twice 1F1B's."""
+    two ticks): the bubble shrinks about threefold. A micro-batch waiting for ``W`` still
+    holds its linear layers' inputs and output gradients, so it counts as in flight: at most
+    ``2 * num_stages - rank - 1`` on a rank (what its memory estimate charges), up to about
+    twice 1F1B's."""
     return list(_zero_bubble_lists(num_stages, num_microbatches)[rank])
 
 
