@@ -17,11 +17,11 @@ import grpc
 from pipesvc.coordinator.job import JobDriver
 from pipesvc.coordinator.registry import StageRegistry
 from pipesvc.core.plan import PipelineStage
+from pipesvc.observe.trace import COMPUTE_EVENTS
 from pipesvc.v1 import common_pb2, stage_pb2
 from pipesvc.v1.stage_pb2_grpc import StageServiceStub
 
 CALL_TIMEOUT_S = 1.0
-COMPUTE = ("forward", "backward", "weight")
 _INFO = stage_pb2.InfoRequest()
 _Resp = TypeVar("_Resp")
 
@@ -118,7 +118,7 @@ def _job_view(
         }
         mine = list(trace.events) if trace is not None else []
         if mine:
-            busy = sum(e.end_unix_ns - e.start_unix_ns for e in mine if e.name in COMPUTE)
+            busy = sum(e.end_unix_ns - e.start_unix_ns for e in mine if e.name in COMPUTE_EVENTS)
             wait = sum(e.end_unix_ns - e.start_unix_ns for e in mine if e.name == "wait")
             window = run_end - origin
             row.update(

@@ -104,7 +104,7 @@ class JobConfig:
             raise InvalidArgumentError(f"rebalance must be a bool; got {self.rebalance!r}")
         for name in ("seed", "num_stages", "num_microbatches", "checkpoint_every"):
             value = getattr(self, name)
-            if name == "checkpoint_every" and value is None:
+            if value is None and name == "checkpoint_every":  # the cost-set cadence
                 continue
             if not isinstance(value, int) or isinstance(value, bool):
                 raise InvalidArgumentError(f"{name} must be an int; got {value!r}")

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 __all__ = [
+    "COMPUTE_EVENTS",
     "EVENT_NAMES",
     "StageTimeline",
     "TraceEvent",
@@ -33,9 +34,11 @@ __all__ = [
 ]
 
 EVENT_NAMES: tuple[str, ...] = ("forward", "backward", "weight", "wait", "send")
-"""Event names a stage records; forward and backward are compute, the rest are not."""
+"""Event names a stage records; forward, backward and weight are compute, the rest are not."""
 
 _COMPUTE = {"forward": "F", "backward": "B", "weight": "W"}
+COMPUTE_EVENTS: tuple[str, ...] = tuple(_COMPUTE)
+"""The event names that are compute (a stage is busy during them)."""
 _COLOURS = {
     "forward": "#4c72b0",
     "backward": "#dd8452",

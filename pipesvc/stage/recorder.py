@@ -13,10 +13,9 @@ import time
 from collections.abc import Iterator
 
 from pipesvc.observe.metrics import NO_METRICS, Metrics
-from pipesvc.observe.trace import TraceEvent
+from pipesvc.observe.trace import COMPUTE_EVENTS, TraceEvent
 
 logger = logging.getLogger(__name__)
-COMPUTE = ("forward", "backward", "weight")
 
 
 class RunRecorder:
@@ -71,7 +70,7 @@ class RunRecorder:
                     seconds * 1e3,
                     extra={**self._context, "microbatch": microbatch},
                 )
-            if name in COMPUTE:
+            if name in COMPUTE_EVENTS:
                 self._busy_ns += end - start
                 self._computed += 1
                 self._metrics.observe("action_seconds", seconds, action=name)
