@@ -186,6 +186,8 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         limits=_limits(args),
         metrics=_metrics(args),
         http_port=args.http_port,
+        store_host=args.store_host,
+        store_port=args.store_port,
     )
     return 0
 
@@ -447,6 +449,20 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="serve the live page (stages, plans, step times, the last step's timeline) on "
         "this port, on the --listen host (0: any free port)",
+    )
+    p.add_argument(
+        "--store-port",
+        type=int,
+        default=0,
+        help="port of the key-value store where the stages of a job with replicas "
+        "(data_parallel > 1) form their gradient groups (default: any free port, opened "
+        "when the first such job starts)",
+    )
+    p.add_argument(
+        "--store-host",
+        default="",
+        help="host the stages dial for that store (default: the host of the coordinator "
+        "address each stage registered with)",
     )
     _add_security_flags(p)
     _add_limit_flags(p)

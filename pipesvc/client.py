@@ -123,6 +123,8 @@ class Client:
         trainable: Sequence[str] | None = None,
         wire_dtype: str | None = None,
         precision: str = "fp32",
+        data_parallel: int = 1,
+        min_replicas: int | None = None,
         resume_from: str | Path | None = None,
         wait_for_stages_s: float = 0.0,
     ) -> Job:
@@ -160,6 +162,8 @@ class Client:
             trainable=tuple(trainable) if trainable is not None else None,
             wire_dtype=wire_dtype,
             precision=precision,
+            data_parallel=data_parallel,
+            min_replicas=min_replicas,
         )
         manifest = read_manifest(resume_from) if resume_from is not None else None
         if manifest is not None and resume_from is not None:
@@ -281,7 +285,11 @@ class Job:
         self.checkpoint_step = info.checkpoint_step
 
     def __repr__(self) -> str:
-        ranges = ", ".join(f"[{s.start_layer}, {s.end_layer}) at {s.address}" for s in self.plan)
+        ranges = ", ".join(
+            f"[{s.start_layer}, {s.end_layer}) at {s.address}"
+            + (f" (replica {s.replica})" if self.config.data_parallel > 1 else "")
+            for s in self.plan
+        )
         return (
             f"Job(id={self.id!r}, model={self.config.model!r}, step={self.step}, "
             f"schedule={self.config.schedule!r}, num_microbatches={self.config.num_microbatches}, "

@@ -58,6 +58,7 @@ from pipesvc.coordinator.rebalance import (
 )
 from pipesvc.coordinator.recovery import FINAL_ERRORS, JobStorage, Recovery
 from pipesvc.coordinator.registry import StageRegistry
+from pipesvc.coordinator.replicas import Rendezvous, RunReplies
 from pipesvc.coordinator.serving import JobGeneration
 from pipesvc.coordinator.stage_calls import Deadlines, StageLostError
 from pipesvc.coordinator.stage_group import StageGroup
@@ -109,6 +110,7 @@ class JobDriver:
         state: JobState | None = None,
         needs_reconcile: bool = False,
         metrics: Metrics = NO_METRICS,
+        rendezvous: Rendezvous | None = None,
     ) -> None:
         self._metrics = metrics
         self.job_id = job_id
@@ -124,6 +126,7 @@ class JobDriver:
             registry=registry,
             deadlines=deadlines,
             pool=self._pool,
+            rendezvous=rendezvous,
         )
         self.state = state or JobState()
         self.recovery = Recovery(
@@ -182,6 +185,7 @@ class JobDriver:
         deadlines: Deadlines,
         storage: JobStorage,
         metrics: Metrics = NO_METRICS,
+        rendezvous: Rendezvous | None = None,
     ) -> JobDriver:
         """A job read back after a coordinator restart; it reconciles with its stages first."""
         layers = list(stage_pb2.DescribeResponse.FromString(record.layers).layers)
@@ -198,13 +202,12 @@ class JobDriver:
             state=JobState.from_record(record),
             needs_reconcile=True,
             metrics=metrics,
+            rendezvous=rendezvous,
         )
 
     # -- calls ---------------------------------------------------------------------------------
 
-    def _run(
-        self, mode: stage_pb2.RunMode.ValueType, batch: RunBatch
-    ) -> tuple[int, list[stage_pb2.RunStepResponse]]:
+    def _run(self, mode: stage_pb2.RunMode.ValueType, batch: RunBatch) -> tuple[int, RunReplies]:
         """One run phase on every stage under a new run id, carrying the pending commit (see
         [Note: deferred commit]); aborted everywhere if it fails.
 
@@ -214,6 +217,9 @@ class JobDriver:
         reported as the run's fault.
         """
         state = self.state
+        if state.pending is not None and not all(self.group.shares(mode, len(batch.inputs))):
+            # A replica sits this run out, so it cannot carry the commit: flushed first.
+            self.recovery.flush()
         carried = state.pending
         try:
             return self._run_once(mode, batch, carried)
@@ -240,7 +246,7 @@ class JobDriver:
 
     def _run_once(
         self, mode: stage_pb2.RunMode.ValueType, batch: RunBatch, carried: PendingCommit | None
-    ) -> tuple[int, list[stage_pb2.RunStepResponse]]:
+    ) -> tuple[int, RunReplies]:
         state = self.state
         state.run_id += 1
         run_id = state.run_id
@@ -277,11 +283,11 @@ class JobDriver:
         finally:
             if logged is not None:
                 logged.result()
-        loss = float(sum(replies[-1].losses))
+        loss = float(sum(replies.losses))
         self._last_loss = (state.step + 1, loss)
         grad_scale = None
         if self.config.clip_grad_norm is not None:
-            total = math.sqrt(sum(r.grad_norm_sq for r in replies))
+            total = math.sqrt(replies.grad_norm_sq)
             grad_scale = min(1.0, self.config.clip_grad_norm / (total + 1e-6))
         # Every stage holds the step prepared and its batch is in the step log: it is decided.
         # Its commit goes with the next run, or is flushed (see [Note: deferred commit]).
@@ -323,7 +329,7 @@ class JobDriver:
             )
         side = dict(side or {})
         microbatch.check_side(inputs, side)
-        batch = RunBatch.split(inputs, targets, side, self.config.num_microbatches)
+        batch = RunBatch.split(inputs, targets, side, self.config.step_microbatches)
         state = self.state
         with self._lock:
             started = time.monotonic()
@@ -369,6 +375,11 @@ class JobDriver:
             ResourceExhaustedError: the method's plan does not fit the stages' memory.
         """
         get_partition(partition)  # an unknown name raises before the job is touched
+        if self.config.data_parallel > 1:
+            raise FailedPreconditionError(
+                f"job {self.job_id} has {self.config.data_parallel} replicas: re-planning a "
+                "replicated job is not supported"
+            )
         with self._lock:
             self._resilient(lambda: None, "replan")  # a pending recovery or reconcile first
             decision = self.replanner.choose(partition)
@@ -418,11 +429,16 @@ class JobDriver:
             raise InvalidArgumentError(f"inputs of shape {list(inputs.shape)} have no batch")
         side = dict(side or {})
         microbatch.check_side(inputs, side)
-        m = min(self.config.num_microbatches, inputs.shape[0])
-        batch = RunBatch.split(inputs, None, side, m)
         with self._lock:
-            replies = self._resilient(lambda: self._run(stage_pb2.INFER, batch)[1], "forward")
-        return torch.cat([decode(t) for t in replies[-1].outputs], dim=0)
+
+            def attempt() -> RunReplies:
+                # Micro-batches for every replica of the plan at the time (one may be dropped).
+                m = self.config.num_microbatches * len(self.group.pipelines)
+                batch = RunBatch.split(inputs, None, side, min(m, inputs.shape[0]))
+                return self._run(stage_pb2.INFER, batch)[1]
+
+            replies = self._resilient(attempt, "forward")
+        return torch.cat([decode(t) for t in replies.outputs], dim=0)
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -593,6 +609,7 @@ def create_job(
     deadlines: Deadlines,
     storage: JobStorage,
     metrics: Metrics = NO_METRICS,
+    rendezvous: Rendezvous | None = None,
 ) -> JobDriver:
     """Plans ``config`` onto free stages and assigns each its layers.
 
@@ -616,6 +633,7 @@ def create_job(
         deadlines=deadlines,
         storage=storage,
         metrics=metrics,
+        rendezvous=rendezvous,
     )
     try:
         driver.group.assign()

@@ -11,6 +11,7 @@ fields below (the registry's ``StageRecord`` is one).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Mapping, Sequence
@@ -20,7 +21,7 @@ from pipesvc.core import partition, schedule, throughput
 from pipesvc.core.config import JobConfig
 from pipesvc.core.health import Health
 from pipesvc.core.optim import NO_OPTIMIZER
-from pipesvc.core.plan import PipelineStage, check_plan
+from pipesvc.core.plan import PipelineStage, check_plan, replicas_of
 from pipesvc.errors import PlanError, ResourceExhaustedError
 from pipesvc.v1 import stage_pb2
 
@@ -85,6 +86,12 @@ def memory_estimate(
     if precision == "bf16":
         state //= 2
     return state + in_flight * activations
+
+
+def _trainable_bytes(layer: stage_pb2.LayerDescription) -> int:
+    if layer.HasField("trainable_bytes"):
+        return int(layer.trainable_bytes)
+    return int(layer.parameter_bytes)
 
 
 def _in_flight(config: JobConfig, num_stages: int) -> list[int]:
@@ -211,12 +218,99 @@ def first_plan(
     """
     partition.partition("uniform", [0] * len(layers), config.num_stages)  # checks the counts
     check_schedule(config.schedule, config.num_stages, config.num_microbatches)
-    if config.num_stages > len(free):
-        raise PlanError(
-            f"num_stages ({config.num_stages}) exceeds the free stages that can build "
-            f"{config.model!r} ({len(free)} of {num_registered} registered)"
+    if config.total_stages > len(free):
+        wanted = (
+            f"num_stages x data_parallel ({config.num_stages} x {config.data_parallel})"
+            if config.data_parallel > 1
+            else f"num_stages ({config.num_stages})"
         )
-    return plan_on(config, layers, free[: config.num_stages])
+        raise PlanError(
+            f"{wanted} exceeds the free stages that can build {config.model!r} ({len(free)} of "
+            f"{num_registered} registered)"
+        )
+    if config.data_parallel == 1:
+        return plan_on(config, layers, free[: config.num_stages])
+    slots = replica_layout(config, layers, free[: config.total_stages])
+    return replicated_plan(config, layers, slots)
+
+
+def replicated_plan(
+    config: JobConfig,
+    layers: Sequence[stage_pb2.LayerDescription],
+    slots: Sequence[Sequence[Stage]],
+) -> list[PipelineStage]:
+    """The job's partition method over each replica's stages (``slots[replica][rank]``), cut
+    the same way in every replica: a rank's share must fit the smallest of its stages.
+
+    Raises:
+        ResourceExhaustedError: a stage's share does not fit its memory.
+    """
+    smallest = [min(column, key=lambda s: s.memory_bytes) for column in zip(*slots, strict=True)]
+    ranges = _ranges(config, layers, smallest)
+    plan = []
+    for replica, stages in enumerate(slots):
+        for stage in _place(config, layers, ranges, stages):
+            plan.append(dataclasses.replace(stage, replica=replica))
+    check_plan(plan, len(layers))
+    return plan
+
+
+def host_of(address: str) -> str:
+    """The host part of ``host:port``."""
+    return address.rpartition(":")[0].strip("[]")
+
+
+def replica_layout(
+    config: JobConfig,
+    layers: Sequence[stage_pb2.LayerDescription],
+    stages: Sequence[Stage],
+) -> list[list[Stage]]:
+    """Which of ``stages`` (``num_stages x data_parallel`` of them, in registration order)
+    holds each (replica, rank): ``slots[replica][rank]``.
+
+    [Note: replica placement] Two layouts are weighed by the bytes a step sends between hosts
+    (a host is the address's host part). Stages are first ordered by host, hosts in the order
+    their first stage registered. "Pipelines together" fills replica 0's ranks, then replica
+    1's, ...: neighbours in a pipeline share hosts, and each step's activations and their
+    gradients (``2 x`` the boundary layers' activation bytes per micro-batch, when the job
+    gave an input shape) stay on a host where they can. "Ranks together" fills rank 0 of every
+    replica, then rank 1, ...: the replicas of a rank share hosts, and the gradient sum (about
+    ``2 x`` the rank's trainable bytes per step for a ring all-reduce) stays on a host. The
+    layout whose cross-host bytes are fewer wins; a tie (one host, or nothing known) keeps
+    pipelines together, which on one host is plain registration order.
+    """
+    replicas, ranks = config.data_parallel, config.num_stages
+    first_seen: dict[str, int] = {}
+    for index, stage in enumerate(stages):
+        first_seen.setdefault(host_of(stage.address), index)
+    ordered = sorted(stages, key=lambda s: first_seen[host_of(s.address)])
+    together = [list(ordered[r * ranks : (r + 1) * ranks]) for r in range(replicas)]
+    by_rank = [[ordered[k * replicas + r] for k in range(ranks)] for r in range(replicas)]
+    if len(first_seen) == 1:
+        return together
+    ranges = partition.partition("uniform", [0] * len(layers), ranks)
+    if config.partition == "parameters":
+        ranges = partition.partition(
+            "parameters", [int(layer.num_parameters) for layer in layers], ranks
+        )
+    boundary = [
+        2 * config.num_microbatches * int(layers[end - 1].activation_bytes)
+        for _, end in ranges[:-1]
+    ]
+    grads = [2 * sum(_trainable_bytes(layers[i]) for i in range(a, b)) for a, b in ranges]
+
+    def cross_host_bytes(slots: list[list[Stage]]) -> int:
+        total = 0
+        for pipeline in slots:
+            for k, sent in enumerate(boundary):
+                if host_of(pipeline[k].address) != host_of(pipeline[k + 1].address):
+                    total += sent
+        for k, size in enumerate(grads):
+            if len({host_of(pipeline[k].address) for pipeline in slots}) > 1:
+                total += size
+        return total
+
+    return by_rank if cross_host_bytes(by_rank) < cross_host_bytes(together) else together
 
 
 def replan(
@@ -243,6 +337,8 @@ def replan(
     spares = [
         c for c in candidates if c.address not in lost and health[c.address] == Health.SERVING
     ]
+    if len(replicas_of(plan)) > 1:
+        return _replan_replicas(config, layers, plan, lost, spares, stages, job_id)
     if len(spares) >= len(plan) - len(survivors):
         replacements = iter(spares)
         chosen = [s.address if s.address not in lost else next(replacements).address for s in plan]
@@ -258,3 +354,54 @@ def replan(
             "job %s: no spare for every lost stage; re-partitioning over %d stages", job_id, count
         )
     return _place(config, layers, ranges, [stages[a] for a in chosen])
+
+
+def _replan_replicas(
+    config: JobConfig,
+    layers: Sequence[stage_pb2.LayerDescription],
+    plan: Sequence[PipelineStage],
+    lost: set[str],
+    spares: Sequence[Stage],
+    stages: Mapping[str, Stage],
+    job_id: str,
+) -> list[PipelineStage]:
+    """A replicated plan without the ``lost`` stages (see [Note: replicas]): each replaced by
+    a spare in its place, replica by replica while the spares last; the replicas left with a
+    lost stage are dropped if ``min_replicas`` allows. The cuts never change.
+
+    Raises:
+        PlanError: too few spares, and dropping would go below ``min_replicas``.
+        ResourceExhaustedError: a spare's memory cannot hold its share.
+    """
+    spare = list(spares)
+    kept: list[list[Stage]] = []
+    dropped = []
+    for pipeline in replicas_of(plan):
+        missing = [s for s in pipeline if s.address in lost]
+        if len(missing) > len(spare):
+            dropped.append(pipeline[0].replica)
+            continue
+        kept.append(
+            [stages[s.address] if s.address not in lost else spare.pop(0) for s in pipeline]
+        )
+    floor = config.data_parallel if config.min_replicas is None else config.min_replicas
+    if dropped and len(kept) < floor:
+        raise PlanError(
+            f"job {job_id}: stages {', '.join(sorted(lost))} are lost and no spare is free for "
+            f"replicas {dropped}; {len(kept)} replicas would be left, below min_replicas "
+            f"({floor})"
+        )
+    if dropped:
+        logger.warning(
+            "job %s: no spare for every lost stage; dropping replicas %s (%d left)",
+            job_id,
+            dropped,
+            len(kept),
+        )
+    ranges = [(s.start_layer, s.end_layer) for s in replicas_of(plan)[0]]
+    new_plan = []
+    for replica, slots in enumerate(kept):
+        for stage in _place(config, layers, ranges, slots):
+            new_plan.append(dataclasses.replace(stage, replica=replica))
+    check_plan(new_plan, len(layers))
+    return new_plan

@@ -32,7 +32,7 @@ def wait_for_stages(
     wait_for_stages_s: float,
     call_remaining_s: float | None = None,
 ) -> None:
-    """Waits, up to ``wait_for_stages_s``, until ``config.num_stages`` free stages can build
+    """Waits, up to ``wait_for_stages_s``, until ``config.total_stages`` free stages can build
     the model: for a job created while its stages are still starting and registering. The
     wait takes at most half of what is left of the caller's deadline (``call_remaining_s``),
     so planning still has time, and at most :data:`MAX_WAIT_FOR_STAGES_S`. Returning does not
@@ -49,12 +49,12 @@ def wait_for_stages(
     timeout_s = min(wait_for_stages_s, limit_s)
     if timeout_s <= 0:
         return
-    free = registry.wait_free(config.model, config.num_stages, timeout_s)
-    if free < config.num_stages:
+    free = registry.wait_free(config.model, config.total_stages, timeout_s)
+    if free < config.total_stages:
         logger.info(
             "waited %.1f s for %d free stages that can build %r; %d are free",
             timeout_s,
-            config.num_stages,
+            config.total_stages,
             config.model,
             free,
         )

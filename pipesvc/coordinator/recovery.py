@@ -245,6 +245,7 @@ class Recovery:
     def rebuild(self, without: set[str]) -> None:
         """New plan without ``without``; assign, restore the checkpoint, replay the log."""
         group, state = self.group, self.state
+        old = list(group.plan)
         if without:
             candidates = planner.spare_candidates(group.registry, group.config, without)
             health = health_of(
@@ -260,6 +261,12 @@ class Recovery:
                 candidates=candidates,
                 health=health,
             )
+        # Survivors the new plan leaves out (the rest of a dropped replica) go back to the pool.
+        kept = {s.address for s in group.plan}
+        left_out = [s for s in old if s.address not in without and s.address not in kept]
+        for stage in left_out:
+            group.release(stage)
+        group.registry.unclaim([s.address for s in left_out])
         group.epoch += 1
         # A recovery interrupted mid-replay keeps its target: the steps committed before it
         # (a decided step whose commit was pending among them; the new assignment drops it).
@@ -269,7 +276,7 @@ class Recovery:
         group.assign()
         self.restore()
         self.persist()
-        m = group.config.num_microbatches
+        m = group.config.step_microbatches
         for step in range(state.step + 1, target + 1):
             logged = self.storage.log.read(step)
             self._replay(RunBatch.split(logged.inputs, logged.targets, logged.side, m))
@@ -341,7 +348,7 @@ class Recovery:
         write (see [Note: background checkpoint])."""
         self.finish_checkpoint(wait=True)  # one at a time, in step order
         frames = self.group.stream_state(
-            common_pb2.CHECKPOINT, snapshot_step=step, plan=list(self.group.plan)
+            common_pb2.CHECKPOINT, snapshot_step=step, plan=list(self.group.primary)
         )  # drawn on the pool, from the plan of now
         future = self._pool.submit(
             self._write_checkpoint,

@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 
 from pipesvc.coordinator import cluster_view
+from pipesvc.coordinator.replicas import Rendezvous
 from pipesvc.coordinator.service import CoordinatorService
 from pipesvc.coordinator.stage_calls import Deadlines
 from pipesvc.core.limits import Limits
@@ -30,18 +31,24 @@ def run_coordinator(
     limits: Limits | None = None,
     metrics: Metrics | None = None,
     http_port: int | None = None,
+    store_host: str = "",
+    store_port: int = 0,
 ) -> None:
     """Serves the coordinator until ``stop`` is set.
 
     ``address_file``, when given, receives the bound ``host:port`` once the server is up (so a
     parent that asked for port 0 learns the real one). ``http_port``: also serve the live page
     (``pipesvc.observe.dashboard``) there, on the listen host (0: any free port).
+    ``store_host``/``store_port``: where the stages of jobs with replicas reach the gradient
+    groups' store (see [Note: replicas]); by default the host they registered with and a free
+    port.
     """
     host, _ = split_address(listen)
     state_dir.mkdir(parents=True, exist_ok=True)
     security = security or Security()
     limits = limits or Limits()
-    service = CoordinatorService(state_dir, deadlines, security, limits, metrics)
+    rendezvous = Rendezvous(host=store_host, port=store_port, bind=host.strip("[]"))
+    service = CoordinatorService(state_dir, deadlines, security, limits, metrics, rendezvous)
     service.open()
     server, port, health = create_server(
         listen,

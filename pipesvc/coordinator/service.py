@@ -16,6 +16,7 @@ from pipesvc.coordinator import planner
 from pipesvc.coordinator.job import JobDriver, create_job
 from pipesvc.coordinator.recovery import JobStorage
 from pipesvc.coordinator.registry import StageRecord, StageRegistry
+from pipesvc.coordinator.replicas import Rendezvous
 from pipesvc.coordinator.stage_calls import Deadlines, call_stage
 from pipesvc.coordinator.state_db import StateDB
 from pipesvc.core.config import config_from_proto
@@ -67,8 +68,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
         security: Security | None = None,
         limits: Limits | None = None,
         metrics: Metrics | None = None,
+        rendezvous: Rendezvous | None = None,
     ) -> None:
         self.state_dir = state_dir
+        self.rendezvous = rendezvous or Rendezvous()
+        """The store gradient groups of jobs with replicas meet at (see [Note: replicas])."""
         self._metrics = metrics or NO_METRICS
         self._security = security or Security()
         self._limits = limits or Limits()
@@ -90,7 +94,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
             self.registry.mark_lost(address)  # until it registers again
         for row in self._db.open_jobs():
             job = JobDriver.from_record(
-                row, self.registry, self._deadlines, self._storage(row.job_id), self._metrics
+                row,
+                self.registry,
+                self._deadlines,
+                self._storage(row.job_id),
+                self._metrics,
+                self.rendezvous,
             )
             self._jobs[row.job_id] = job
             self.registry.claim([s.address for s in job.plan], job.job_id)
@@ -193,7 +202,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
         planner.wait_for_stages(self.registry, config, request.wait_for_stages_s, remaining)
         job_id = uuid.uuid4().hex[:12]
         job = create_job(
-            job_id, config, self.registry, self._deadlines, self._storage(job_id), self._metrics
+            job_id,
+            config,
+            self.registry,
+            self._deadlines,
+            self._storage(job_id),
+            self._metrics,
+            self.rendezvous,
         )
         with self._lock:
             self._jobs[job_id] = job
@@ -368,5 +383,6 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
         for job in jobs:
             job.wait_idle()
         self.registry.close()
+        self.rendezvous.close()
         if self._db is not None:
             self._db.close()

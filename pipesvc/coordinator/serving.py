@@ -12,6 +12,7 @@ import torch
 
 from pipesvc.coordinator.batcher import StepBatcher
 from pipesvc.coordinator.generation import MAX_NEW_TOKENS, ModelSupport, Session, plan_step
+from pipesvc.coordinator.replicas import RunReplies
 from pipesvc.coordinator.stage_calls import call_stage
 from pipesvc.coordinator.stage_group import StageGroup
 from pipesvc.core.config import JobConfig
@@ -26,10 +27,8 @@ logger = logging.getLogger(__name__)
 
 Resilient = Callable[[Callable[[], Any], str], Any]
 """Runs an attempt under the job's lock, recovering from lost stages and retrying."""
-RunPhase = Callable[
-    [stage_pb2.RunMode.ValueType, RunBatch], tuple[int, list[stage_pb2.RunStepResponse]]
-]
-"""One run on every stage of the job (carrying its pending commit)."""
+RunPhase = Callable[[stage_pb2.RunMode.ValueType, RunBatch], tuple[int, RunReplies]]
+"""One run on the job's stages (carrying its pending commit)."""
 
 
 class JobGeneration:
@@ -126,7 +125,7 @@ class JobGeneration:
                 session.invalidate()
             run = plan_step(sessions, epoch, fuse=fuse)
             _, replies = self._run(stage_pb2.GENERATE, run.batch)
-        outputs = [decode(t) for t in replies[-1].outputs]
+        outputs = [decode(t) for t in replies.outputs]
         return [(logits, epoch) for logits in run.logits(outputs)]
 
     def _model_support(self) -> ModelSupport:

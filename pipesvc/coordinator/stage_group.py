@@ -8,6 +8,7 @@ from concurrent import futures
 from typing import Any, TypeVar
 
 from pipesvc.coordinator.registry import StageRegistry
+from pipesvc.coordinator.replicas import Rendezvous, RunReplies
 from pipesvc.coordinator.stage_calls import (
     Deadlines,
     UnaryMethod,
@@ -23,9 +24,9 @@ from pipesvc.core.config import JobConfig, config_to_proto
 from pipesvc.core.health import Health
 from pipesvc.core.loss import loss_units
 from pipesvc.core.microbatch import RunBatch
-from pipesvc.core.plan import PipelineStage
+from pipesvc.core.plan import PipelineStage, replicas_of
 from pipesvc.core.tensor_codec import encode
-from pipesvc.errors import PipesvcError
+from pipesvc.errors import FailedPreconditionError, PipesvcError
 from pipesvc.v1 import common_pb2, stage_pb2
 
 _Req = TypeVar("_Req")
@@ -49,6 +50,7 @@ class StageGroup:
         registry: StageRegistry,
         deadlines: Deadlines,
         pool: futures.ThreadPoolExecutor,
+        rendezvous: Rendezvous | None = None,
     ) -> None:
         self.job_id = job_id
         self.config = config
@@ -58,6 +60,21 @@ class StageGroup:
         self.registry = registry
         self.deadlines = deadlines
         self._pool = pool
+        self.rendezvous = rendezvous
+        """Where the gradient groups of a job with replicas meet (see [Note: replicas])."""
+        self.generation = 0
+        """Bumped by every abort: a later run's gradient groups are new (see [Note: gradient
+        group] in ``pipesvc.stage.replica_group``)."""
+
+    @property
+    def pipelines(self) -> list[list[PipelineStage]]:
+        """The plan's replicas, each a pipeline in rank order (one without replicas)."""
+        return replicas_of(self.plan)
+
+    @property
+    def primary(self) -> list[PipelineStage]:
+        """Replica 0's pipeline: the one checkpoints, state reads and generation use."""
+        return self.pipelines[0]
 
     @property
     def addresses(self) -> list[str]:
@@ -65,8 +82,14 @@ class StageGroup:
         return [s.address for s in self.plan]
 
     def describe(self) -> str:
-        """The plan as log lines show it: each stage's layer range and address."""
-        return ", ".join(f"[{s.start_layer},{s.end_layer})@{s.address}" for s in self.plan)
+        """The plan as log lines show it: each stage's layer range and address (and replica,
+        with replicas)."""
+        pipelines = self.pipelines
+        return "; ".join(
+            (f"replica {p[0].replica}: " if len(pipelines) > 1 else "")
+            + ", ".join(f"[{s.start_layer},{s.end_layer})@{s.address}" for s in p)
+            for p in pipelines
+        )
 
     def plan_protos(self) -> list[common_pb2.PlanStage]:
         """The plan on the wire."""
@@ -97,11 +120,12 @@ class StageGroup:
         *,
         what: str,
         commit: stage_pb2.CarriedCommit | None = None,
-    ) -> list[stage_pb2.RunStepResponse]:
-        """One pipelined run on every stage under the health watchdog: the micro-batch
-        inputs go to the first stage, the targets (none for inference) to the last, the side
-        inputs to every stage; every stage first applies the carried ``commit`` (see
-        [Note: deferred commit]).
+    ) -> RunReplies:
+        """One pipelined run on every stage under the health watchdog: each replica runs its
+        share of the micro-batches (see [Note: replicas]; generation runs on replica 0), the
+        inputs going to its first stage, the targets (none for inference) to its last, the
+        side inputs to all its stages; every stage of the plan first applies the carried
+        ``commit`` (see [Note: deferred commit]).
 
         Raises:
             StageLostError: the watchdog declared a stage lost (the caller aborts the run).
@@ -110,14 +134,15 @@ class StageGroup:
         inputs, targets = batch.inputs, batch.targets
         units = [loss_units(self.config.loss, t) for t in targets]
         weights = microbatch.loss_weights(units) if targets else []
-        last = len(self.plan) - 1
+        pipelines = self.pipelines
+        shares = self.shares(mode, len(inputs))
+        group = self._replica_group() if mode == stage_pb2.TRAIN and len(pipelines) > 1 else None
         encoded_inputs = [encode(t) for t in inputs]
         encoded_targets = [encode(t) for t in targets]
         encoded_side = [
             stage_pb2.SideInputs(tensors={n: encode(t) for n, t in side.items()})
             for side in batch.side
         ]
-
         caches = [
             stage_pb2.MicrobatchCaches(
                 refs=[
@@ -133,33 +158,79 @@ class StageGroup:
             )
             for refs in batch.caches
         ]
+        # Only replica 0 keeps a snapshot: checkpoints read it alone.
+        others_commit = commit
+        if commit is not None and commit.snapshot:
+            others_commit = stage_pb2.CarriedCommit()
+            others_commit.CopyFrom(commit)
+            others_commit.snapshot = False
+        share_of = {p[0].replica: share for p, share in zip(pipelines, shares, strict=True)}
+        last = len(pipelines[0]) - 1
 
         def request(stage: PipelineStage) -> stage_pb2.RunStepRequest:
+            share = share_of[stage.replica]
+            part = slice(share.start, share.stop)
+            is_last = stage.rank == last
             return stage_pb2.RunStepRequest(
                 job_id=self.job_id,
                 plan_epoch=self.epoch,
                 run_id=run_id,
                 mode=mode,
-                num_microbatches=len(inputs),
-                inputs=encoded_inputs if stage.rank == 0 else [],
-                targets=encoded_targets if stage.rank == last else [],
-                loss_weights=weights if stage.rank == last and targets else [],
-                commit=commit,
-                side_inputs=encoded_side,
-                caches=caches,
+                num_microbatches=len(share),
+                inputs=encoded_inputs[part] if stage.rank == 0 else [],
+                targets=encoded_targets[part] if is_last else [],
+                loss_weights=weights[part] if is_last and targets else [],
+                commit=commit if stage.replica == 0 else others_commit,
+                side_inputs=encoded_side[part],
+                caches=caches[part],
                 greedy=batch.greedy,
+                microbatch_offset=share.start,
+                replicas=group,
             )
 
+        # A replica with no share (a batch smaller than the replicas, or generation) sits the
+        # run out; a carried commit must reach every stage, so the caller flushed it first.
+        taking_part = [p for p, share in zip(pipelines, shares, strict=True) if len(share)]
+        assert commit is None or len(taking_part) == len(pipelines), "flush the commit first"
+        stages = [s for p in taking_part for s in p]
         deadlines = self.deadlines
-        return self.call_all(
-            lambda stub: stub.RunStep, request, deadlines.step_s, deadlines=deadlines, what=what
+        replies = call_all(
+            self.registry,
+            stages,
+            lambda stub, s: (stub.RunStep, request(s)),
+            deadlines.step_s,
+            deadlines=deadlines,
+            what=what,
         )
+        by_replica: list[list[stage_pb2.RunStepResponse]] = []
+        index = 0
+        for pipeline in taking_part:
+            by_replica.append(replies[index : index + len(pipeline)])
+            index += len(pipeline)
+        return RunReplies(by_replica=by_replica)
+
+    def shares(self, mode: stage_pb2.RunMode.ValueType, count: int) -> list[range]:
+        """Which of a run's ``count`` micro-batches each replica runs (see [Note: replicas]):
+        contiguous shares, or everything on replica 0 for generation (its caches live there)."""
+        replicas = len(self.pipelines)
+        if mode == stage_pb2.GENERATE:
+            return [range(count)] + [range(0)] * (replicas - 1)
+        return microbatch.replica_shares(count, replicas)
+
+    def _replica_group(self) -> stage_pb2.ReplicaGroup:
+        if self.rendezvous is None:
+            raise FailedPreconditionError(
+                f"job {self.job_id} has {len(self.pipelines)} replicas but this coordinator "
+                "serves no gradient-group store"
+            )
+        return self.rendezvous.spec(self.generation)
 
     def abort(self, run_id: int, *, lost: Collection[str] = ()) -> None:
         """Aborts run ``run_id`` on every stage at once (best effort on each: it may be dead),
         except the ``lost`` addresses: a stage the watchdog found stopped would only make the
         abort wait for its deadline before recovery could start."""
         request = stage_pb2.AbortRequest(job_id=self.job_id, plan_epoch=self.epoch, run_id=run_id)
+        self.generation += 1
 
         def abort_one(stage: PipelineStage) -> None:
             try:
@@ -194,9 +265,10 @@ class StageGroup:
     def assign(self) -> None:
         """Gives every stage its place in the plan under the current epoch."""
         spec = config_to_proto(self.config)
-        plan = self.plan
+        pipelines = {p[0].replica: p for p in self.pipelines}
 
         def assign(stage: PipelineStage) -> stage_pb2.AssignRequest:
+            plan = pipelines[stage.replica]
             downstream = plan[stage.rank + 1].address if stage.rank + 1 < len(plan) else ""
             return stage_pb2.AssignRequest(
                 job_id=self.job_id,
@@ -206,6 +278,7 @@ class StageGroup:
                 num_stages=len(plan),
                 downstream_address=downstream,
                 plan=[entry.to_proto() for entry in plan],
+                num_replicas=len(pipelines),
             )
 
         self.call_all(lambda stub: stub.Assign, assign, self.deadlines.control_s)
@@ -217,13 +290,13 @@ class StageGroup:
         snapshot_step: int | None = None,
         plan: Sequence[PipelineStage] | None = None,
     ) -> Iterator[common_pb2.TensorFrame]:
-        """Every stage's tensors of ``kind`` (of ``plan``, by default the current one) in layer
-        order, frame by frame, each stream under the health watchdog; with ``snapshot_step``,
-        the snapshots the stages took after that step's commit."""
+        """Every stage's tensors of ``kind`` (of ``plan``, by default the current one's first
+        replica) in layer order, frame by frame, each stream under the health watchdog; with
+        ``snapshot_step``, the snapshots the stages took after that step's commit."""
         request = stage_pb2.GetStateRequest(job_id=self.job_id, kind=kind)
         if snapshot_step is not None:
             request.snapshot_step = snapshot_step
-        for stage in list(self.plan if plan is None else plan):
+        for stage in list(self.primary if plan is None else plan):
             yield from stream_stage(
                 self.registry,
                 stage,

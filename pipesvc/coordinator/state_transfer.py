@@ -70,26 +70,30 @@ def load_into_stages(
         InvalidArgumentError: unknown or missing keys, or a shape or dtype mismatch.
     """
     expected = {f"{layer.index}.{t.name}" for layer in layers for t in layer.tensors}
-    queues = {s.rank: queue.Queue[Any](maxsize=FRAMES_IN_FLIGHT) for s in plan}
+    # One stream per stage, by its index in the plan (with replicas, several stages hold
+    # each layer, and every one of them gets its tensors).
+    queues = {i: queue.Queue[Any](maxsize=FRAMES_IN_FLIGHT) for i in range(len(plan))}
 
-    def feed(rank: int) -> Iterator[stage_pb2.LoadStateRequest]:
-        while (frame := queues[rank].get()) is not None:
+    def feed(index: int) -> Iterator[stage_pb2.LoadStateRequest]:
+        while (frame := queues[index].get()) is not None:
             yield stage_pb2.LoadStateRequest(job_id=job_id, frame=frame)
 
-    def load(stage: PipelineStage) -> stage_pb2.LoadStateResponse:
-        return call_stage(registry, stage, lambda stub: stub.LoadState, feed(stage.rank), timeout_s)
+    def load(index: int) -> stage_pb2.LoadStateResponse:
+        return call_stage(
+            registry, plan[index], lambda stub: stub.LoadState, feed(index), timeout_s
+        )
 
-    calls = {s.rank: pool.submit(load, s) for s in plan}
+    calls = {i: pool.submit(load, i) for i in range(len(plan))}
 
-    def put(rank: int, item: common_pb2.TensorFrame | None) -> None:
+    def put(index: int, item: common_pb2.TensorFrame | None) -> None:
         # A stage that refused the stream stops reading: never block on its queue.
-        while not calls[rank].done():
+        while not calls[index].done():
             try:
-                queues[rank].put(item, timeout=0.2)
+                queues[index].put(item, timeout=0.2)
                 return
             except queue.Full:
                 continue
-        error = calls[rank].exception()
+        error = calls[index].exception()
         if item is not None and error is not None:
             raise error
 
@@ -100,8 +104,8 @@ def load_into_stages(
     except PipesvcError as exc:
         failure = exc
     finally:
-        for rank in queues:
-            put(rank, None)
+        for index in queues:
+            put(index, None)
     futures.wait(calls.values())
     failure = failure or next((c.exception() for c in calls.values() if c.exception()), None)
     missing = sorted(expected - seen)
@@ -140,7 +144,7 @@ def _route(
     put: Callable[[int, common_pb2.TensorFrame], None],
     seen: set[str],
 ) -> None:
-    current: tuple[str, int] | None = None
+    current: tuple[str, list[int]] | None = None
     for frame in frames:
         if frame.frame_index == 0:
             layer, shape = _describe_key(frame.name, layers)
@@ -152,8 +156,9 @@ def _route(
             if frame.name in seen:
                 raise InvalidArgumentError(f"state key {frame.name!r} sent twice")
             seen.add(frame.name)
-            stage = next(s for s in plan if s.start_layer <= layer < s.end_layer)
-            current = (frame.name, stage.rank)
+            holders = [i for i, s in enumerate(plan) if s.start_layer <= layer < s.end_layer]
+            current = (frame.name, holders)
         if current is None or current[0] != frame.name:
             raise InvalidArgumentError(f"frame {frame.frame_index} of {frame.name!r} alone")
-        put(current[1], frame)
+        for index in current[1]:
+            put(index, frame)

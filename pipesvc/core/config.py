@@ -23,6 +23,8 @@ _MODEL_NAME = re.compile(r"[a-z][a-z0-9_-]{0,63}")
 
 
 MAX_TRAINABLE_PATTERNS = 256
+MAX_REPLICAS = 64
+"""Most replicas a job's pipeline may have."""
 PRECISIONS = ("fp32", "bf16-mixed", "bf16")
 """How a job's layers compute and store numbers (``JobConfig.precision``)."""
 WIRE_DTYPES = ("bfloat16", "float16")
@@ -88,6 +90,16 @@ class JobConfig:
     Halves the bytes on the wire; the result equals one process with the same casts at the
     stage boundaries (see [Note: wire dtype] in ``pipesvc.stage.runtime``). None: the compute
     dtype (bfloat16 under the bf16 precisions, which only ``bfloat16`` or None may name)."""
+    data_parallel: int = 1
+    """Replicas of the pipeline (data parallel): ``num_stages * data_parallel`` stages train,
+    each replica its share of every batch, and each stage's gradients are summed with the
+    stages of the same rank in the other replicas before the commit (see [Note: replicas] in
+    ``pipesvc.coordinator.replicas``). ``num_microbatches`` is per replica: a step is cut into
+    ``num_microbatches * data_parallel`` micro-batches."""
+    min_replicas: int | None = None
+    """When a stage is lost and no spare can replace it, the job drops the replicas that lost
+    stages down to this many, and the survivors share the whole batch; None: no replica is
+    ever dropped (``data_parallel``)."""
     precision: str = "fp32"
     """``fp32``; ``bf16-mixed`` (float32 weights and optimizer state, layers under bfloat16
     autocast, bfloat16 between stages); or ``bf16`` (weights, gradients and optimizer state in
@@ -102,9 +114,16 @@ class JobConfig:
         check_model_args(self.model_args)
         if not isinstance(self.rebalance, bool):
             raise InvalidArgumentError(f"rebalance must be a bool; got {self.rebalance!r}")
-        for name in ("seed", "num_stages", "num_microbatches", "checkpoint_every"):
+        for name in (
+            "seed",
+            "num_stages",
+            "num_microbatches",
+            "checkpoint_every",
+            "data_parallel",
+            "min_replicas",
+        ):
             value = getattr(self, name)
-            if value is None and name == "checkpoint_every":  # the cost-set cadence
+            if value is None and name in ("checkpoint_every", "min_replicas"):  # defaults
                 continue
             if not isinstance(value, int) or isinstance(value, bool):
                 raise InvalidArgumentError(f"{name} must be an int; got {value!r}")
@@ -112,6 +131,7 @@ class JobConfig:
             raise InvalidArgumentError(f"seed ({self.seed}) must be in [0, 2**63)")
         if not 1 <= self.num_stages <= 1024:
             raise InvalidArgumentError(f"num_stages ({self.num_stages}) must be in [1, 1024]")
+        self._check_replicas()
         if self.checkpoint_every is not None and not 0 <= self.checkpoint_every < 2**31:
             raise InvalidArgumentError(
                 f"checkpoint_every ({self.checkpoint_every}) must be in [0, 2**31)"
@@ -159,6 +179,38 @@ class JobConfig:
         ):
             raise InvalidArgumentError(
                 f"clip_grad_norm ({self.clip_grad_norm!r}) must be a positive finite number"
+            )
+
+    @property
+    def step_microbatches(self) -> int:
+        """Micro-batches a training step is cut into: ``num_microbatches`` per replica."""
+        return self.num_microbatches * self.data_parallel
+
+    @property
+    def total_stages(self) -> int:
+        """Stages the job takes: ``num_stages`` per replica."""
+        return self.num_stages * self.data_parallel
+
+    def _check_replicas(self) -> None:
+        if not 1 <= self.data_parallel <= MAX_REPLICAS:
+            raise InvalidArgumentError(
+                f"data_parallel ({self.data_parallel}) must be in [1, {MAX_REPLICAS}]"
+            )
+        if self.num_stages * self.data_parallel > 1024:
+            raise InvalidArgumentError(
+                f"num_stages x data_parallel ({self.num_stages} x {self.data_parallel}) must be "
+                "at most 1024 stages"
+            )
+        if self.min_replicas is not None and not 1 <= self.min_replicas <= self.data_parallel:
+            raise InvalidArgumentError(
+                f"min_replicas ({self.min_replicas}) must be in [1, data_parallel "
+                f"({self.data_parallel})] or None"
+            )
+        if self.data_parallel > 1 and (self.partition == "throughput" or self.rebalance):
+            raise InvalidArgumentError(
+                f"partition {self.partition!r} with rebalance={self.rebalance} and "
+                f"data_parallel ({self.data_parallel}): re-planning a replicated job is not "
+                "supported; use partition 'parameters', 'uniform' or 'memory' without rebalance"
             )
 
     def _check_input(self) -> None:
@@ -209,7 +261,7 @@ def parse_json_object(text: str, field_name: str) -> dict[str, Any]:
 
 _JSON_ON_THE_WIRE = ("model_args", "optimizer")
 """Mapping fields the wire carries as JSON text, in ``<name>_json``."""
-_EMPTY_ON_THE_WIRE_MEANS_DEFAULT = ("input_dtype", "precision")
+_EMPTY_ON_THE_WIRE_MEANS_DEFAULT = ("input_dtype", "precision", "data_parallel")
 """Fields added to the wire after the first clients: an older client's spec leaves them empty."""
 
 

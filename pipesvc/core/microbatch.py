@@ -127,3 +127,16 @@ class RunBatch:
             if parts
             else [],
         )
+
+
+def replica_shares(num_microbatches: int, num_replicas: int) -> list[range]:
+    """Which of a step's ``num_microbatches`` micro-batches each of ``num_replicas`` replicas
+    runs: contiguous ranges in replica order, sizes differing by at most one (the first are
+    the larger); a replica gets an empty range when there are fewer micro-batches."""
+    base, extra = divmod(num_microbatches, num_replicas)
+    shares, start = [], 0
+    for replica in range(num_replicas):
+        size = base + (1 if replica < extra else 0)
+        shares.append(range(start, start + size))
+        start += size
+    return shares

@@ -22,6 +22,8 @@ class PipelineStage:
     """Position in the pipeline; 0 holds the first layers."""
     address: str = ""
     """host:port of the stage server."""
+    replica: int = 0
+    """Which replica of the pipeline this stage belongs to (see [Note: replicas]); 0 without."""
 
     @property
     def num_layers(self) -> int:
@@ -39,6 +41,7 @@ class PipelineStage:
             end_layer=self.end_layer,
             rank=self.rank,
             address=self.address,
+            replica=self.replica,
         )
 
     @classmethod
@@ -49,6 +52,7 @@ class PipelineStage:
             end_layer=message.end_layer,
             rank=message.rank,
             address=message.address,
+            replica=message.replica,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -58,6 +62,7 @@ class PipelineStage:
             "end_layer": self.end_layer,
             "rank": self.rank,
             "address": self.address,
+            "replica": self.replica,
         }
 
     @classmethod
@@ -79,7 +84,7 @@ class PipelineStage:
             stage = cls(**values)
         except TypeError as exc:
             raise InvalidArgumentError(f"plan stage {dict(values)!r}: {exc}") from exc
-        for name in ("start_layer", "end_layer", "rank"):
+        for name in ("start_layer", "end_layer", "rank", "replica"):
             value = getattr(stage, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise InvalidArgumentError(f"plan stage {name} ({value!r}) must be an int")
@@ -102,12 +107,42 @@ def plan_from_dicts(values: Sequence[Mapping[str, Any]]) -> list[PipelineStage]:
     return [PipelineStage.from_dict(entry) for entry in values]
 
 
+def replicas_of(plan: Sequence[PipelineStage]) -> list[list[PipelineStage]]:
+    """The plan's pipelines, one per replica in replica order, each in rank order (a plan is
+    listed by replica, then rank)."""
+    found: dict[int, list[PipelineStage]] = {}
+    for stage in plan:
+        found.setdefault(stage.replica, []).append(stage)
+    return [found[r] for r in sorted(found)]
+
+
 def check_plan(plan: Sequence[PipelineStage], num_layers: int) -> None:
-    """Checks that ``plan`` covers ``[0, num_layers)`` exactly once with ranks 0..n-1 in order.
+    """Checks that every replica of ``plan`` (listed in replica order, 0..R-1) covers
+    ``[0, num_layers)`` exactly once with ranks 0..n-1 in order, with the same cuts, on
+    distinct stage servers.
 
     Raises:
-        InvalidArgumentError: a gap, overlap, empty stage or rank out of order.
+        InvalidArgumentError: a gap, overlap, empty stage, rank or replica out of order,
+            replicas cut differently, or a server twice.
     """
+    pipelines = replicas_of(plan)
+    if [s.replica for s in plan] != [s.replica for p in pipelines for s in p] or [
+        p[0].replica for p in pipelines
+    ] != list(range(len(pipelines))):
+        raise InvalidArgumentError(
+            f"plan replicas {[s.replica for s in plan]} must be listed in order from 0"
+        )
+    for pipeline in pipelines:
+        _check_pipeline(pipeline, num_layers)
+    cuts = [[(s.start_layer, s.end_layer) for s in p] for p in pipelines]
+    if any(c != cuts[0] for c in cuts):
+        raise InvalidArgumentError(f"replicas are cut differently: {cuts}")
+    addresses = [s.address for s in plan]
+    if len(pipelines) > 1 and len(set(addresses)) != len(addresses):
+        raise InvalidArgumentError(f"a stage server appears twice in the plan: {addresses}")
+
+
+def _check_pipeline(plan: Sequence[PipelineStage], num_layers: int) -> None:
     expected_start = 0
     for position, stage in enumerate(plan):
         if stage.rank != position:

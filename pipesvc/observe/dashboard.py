@@ -108,7 +108,7 @@ PAGE = """<!doctype html>
 const COLORS = ["#3366cc", "#dc3912", "#ff9900", "#109618", "#990099", "#0099c6", "#dd4477",
                 "#66aa00", "#b82e2e", "#316395"];
 const SPANS = {forward: "#3366cc", backward: "#109618", weight: "#dc3912", wait: "#dddddd",
-               send: "#ff9900"};
+               send: "#ff9900", reduce: "#990099"};
 const query = window.location.search;
 const fmt = (v, digits) => v === null || v === undefined ? "-" : v.toFixed(digits);
 function el(tag, attrs, text) {

@@ -33,8 +33,9 @@ __all__ = [
     "write_trace_files",
 ]
 
-EVENT_NAMES: tuple[str, ...] = ("forward", "backward", "weight", "wait", "send")
-"""Event names a stage records; forward, backward and weight are compute, the rest are not."""
+EVENT_NAMES: tuple[str, ...] = ("forward", "backward", "weight", "wait", "send", "reduce")
+"""Event names a stage records; forward, backward and weight are compute, the rest are not
+(``reduce`` is the gradient sum with the other replicas, see [Note: gradient group])."""
 
 _COMPUTE = {"forward": "F", "backward": "B", "weight": "W"}
 COMPUTE_EVENTS: tuple[str, ...] = tuple(_COMPUTE)
@@ -45,6 +46,7 @@ _COLOURS = {
     "weight": "#c44e52",
     "wait": "#d9d9d9",
     "send": "#7f7f7f",
+    "reduce": "#8172b3",
 }
 BETWEEN_RUNS = "between steps: coordinator (commit, step log, next batch)"
 """What the shaded gaps of the PNG are: no stage runs a schedule there."""

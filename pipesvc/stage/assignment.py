@@ -13,6 +13,7 @@ from pipesvc.stage.links import DownstreamLink, UpstreamLink
 from pipesvc.stage.mailbox import Mailbox, MailKey
 from pipesvc.stage.options import StageOptions
 from pipesvc.stage.recorder import RunRecorder
+from pipesvc.stage.replica_group import ReplicaGroup
 from pipesvc.stage.runtime import StageRuntime
 from pipesvc.stage.sessions import SessionCaches
 from pipesvc.stage.tied_link import TiedLink
@@ -31,6 +32,7 @@ class Assignment:
         options: StageOptions,
         dial: Callable[[str], grpc.Channel],
         tied: TiedLink | None = None,
+        replicas: ReplicaGroup | None = None,
     ) -> None:
         self.job_id = job_id
         self.epoch = epoch
@@ -54,6 +56,7 @@ class Assignment:
             metrics=options.metrics,
             fault_kill=options.fault_kill,
             tied=tied,
+            replicas=replicas,
             sessions=SessionCaches(
                 runtime.features.new_cache,
                 budget_bytes=options.kv_budget_bytes,
@@ -91,6 +94,8 @@ class Assignment:
         self.upstream.send(key, tensor)
 
     def close(self) -> None:
+        if self.engine.replicas is not None:
+            self.engine.replicas.close()
         if self.downstream is not None:
             self.downstream.close()
         if self.upstream is not None:

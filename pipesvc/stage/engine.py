@@ -39,12 +39,13 @@ import torch
 
 from pipesvc.core.microbatch import MicrobatchCaches
 from pipesvc.core.schedule import Action, ActionKind, forward_only_actions, stage_actions
-from pipesvc.errors import FailedPreconditionError
+from pipesvc.errors import FailedPreconditionError, InvalidArgumentError
 from pipesvc.observe.metrics import NO_METRICS, Metrics
 from pipesvc.stage import fused_cache
 from pipesvc.stage.faults import FaultKill
 from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
 from pipesvc.stage.recorder import RunRecorder
+from pipesvc.stage.replica_group import GroupSpec, ReplicaGroup
 from pipesvc.stage.runtime import StageRuntime
 from pipesvc.stage.sessions import SessionCaches
 
@@ -115,6 +116,11 @@ class RunInputs:
     greedy: bool = False
     """Generation: the last stage returns each row's most likely next token (int64), not its
     next-token logits."""
+    microbatch_offset: int = 0
+    """The step-wide index of the run's first micro-batch (a replica's share starts after the
+    shares before it); training randomness is drawn per step-wide index."""
+    replicas: GroupSpec | None = None
+    """Training with replicas: where this stage's gradient group meets."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +150,7 @@ class StepEngine:
         fault_kill: FaultKill | None = None,
         tied: TiedSwap | None = None,
         sessions: SessionCaches | None = None,
+        replicas: ReplicaGroup | None = None,
     ) -> None:
         self.runtime = runtime
         self.mailbox = mailbox
@@ -162,6 +169,8 @@ class StepEngine:
         self._metrics = metrics
         self._fault_kill = fault_kill
         self._tied = tied
+        self.replicas = replicas
+        """The gradient group with the other replicas' stages of this rank, if any."""
         self.sessions = sessions
         """The generation caches of this stage's layers, per session."""
         self.snapshot: Snapshot | None = None
@@ -217,7 +226,7 @@ class StepEngine:
                 )
             else:
                 actions = forward_only_actions(num_microbatches)
-            rt.begin_run(training)
+            rt.begin_run(training, microbatch_offset=data.microbatch_offset)
             sessions = sorted({ref.session for refs in data.caches for ref in refs})
             if self.sessions is not None and sessions:
                 self.sessions.expire()
@@ -227,6 +236,8 @@ class StepEngine:
                 )
                 if training and rt.ties:
                     self._share_tied(run_id)
+                if training and self.replicas is not None:
+                    self._sum_replicas(run_id, data.replicas)
                 if self.sessions is not None and sessions:
                     try:
                         self.sessions.settle(sessions)
@@ -238,6 +249,8 @@ class StepEngine:
                 self.mailbox.abort(run_id)
                 if self._tied is not None:
                     self._tied.abort(run_id)
+                if self.replicas is not None:
+                    self.replicas.abort(run_id)
                 if self.sessions is not None:
                     for session in sessions:  # its parts may now disagree: it starts again
                         self.sessions.release(session)
@@ -285,6 +298,17 @@ class StepEngine:
                 )
             theirs = self._tied.swap(run_id, partials)
         rt.settle_ties(theirs)
+
+    def _sum_replicas(self, run_id: int, spec: GroupSpec | None) -> None:
+        """Sums every gradient with the other replicas' (see [Note: gradient group])."""
+        assert self.replicas is not None
+        if spec is None:
+            raise InvalidArgumentError(
+                f"training run {run_id} of a job with {self.replicas.num_replicas} replicas "
+                "names no gradient group"
+            )
+        with self.recorder.span("reduce", 0):
+            self.replicas.reduce(run_id, spec, self.runtime.settled_parameters())
 
     def _execute(
         self,
@@ -463,6 +487,8 @@ class StepEngine:
         self.mailbox.abort(run_id)
         if self._tied is not None:
             self._tied.abort(run_id)
+        if self.replicas is not None:
+            self.replicas.abort(run_id)
         with self.run_lock:
             self.last_run_id = max(self.last_run_id, run_id)
             if self.pending_commit is not None and run_id > self.pending_commit:

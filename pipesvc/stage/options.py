@@ -19,6 +19,9 @@ class StageOptions:
 
     address: str
     """host:port that neighbours and the coordinator dial."""
+    coordinator_host: str = ""
+    """Host of the coordinator this stage registered with: where a gradient group of a job
+    with replicas meets, unless the coordinator names another host."""
     device: torch.device
     """Where layers live and compute runs."""
     memory_bytes: int

@@ -176,6 +176,8 @@ class StageRuntime:
         self._zeroed: list[tuple[torch.nn.Parameter, torch.Tensor, int]] = []
         # A training run began and is not committed: its gradients replace the last step's.
         self._training_run = False
+        self._microbatch_offset = 0
+        """The step-wide index of this run's first micro-batch (see ``begin_run``)."""
 
     def _freeze_all_but(self, patterns: tuple[str, ...], ties: StageTies) -> None:
         """Only parameters whose name (the model's own, as ``Job.state_dict()`` shows it)
@@ -212,8 +214,10 @@ class StageRuntime:
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.module.parameters())
 
-    def begin_run(self, training: bool) -> None:
-        """Starts a run; a training run clears the previous step's gradients."""
+    def begin_run(self, training: bool, *, microbatch_offset: int = 0) -> None:
+        """Starts a run; a training run clears the previous step's gradients. Its micro-batch
+        ``i`` is micro-batch ``microbatch_offset + i`` of the step (a replica's share)."""
+        self._microbatch_offset = microbatch_offset
         self._saved.clear()
         self._deferred.clear()
         self._backward_s.clear()
@@ -294,7 +298,8 @@ class StageRuntime:
             try:
                 with counter:
                     if seeded and microbatch is not None:
-                        with layer_rng(seed, step, microbatch, index, self.device):
+                        mb = self._microbatch_offset + microbatch
+                        with layer_rng(seed, step, mb, index, self.device):
                             x = layer(x, **kwargs)
                     else:
                         x = layer(x, **kwargs)
@@ -419,6 +424,12 @@ class StageRuntime:
         started = time.perf_counter()
         self._deferred.pop(microbatch).apply()
         self.profiler.backward(seconds + time.perf_counter() - started)
+
+    def settled_parameters(self) -> list[nn.Parameter]:
+        """After a training run's last backward: the parameters that train, each with its
+        gradient of the run or none if no backward reached it."""
+        self._settle_grads()
+        return [p for p in self.module.parameters() if p.requires_grad]
 
     def grad_norm_sq(self) -> float:
         """Sum over parameters of the squared gradient norm (for global clipping); a tied

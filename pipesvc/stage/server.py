@@ -185,6 +185,7 @@ def run_stage(
     )
     address = advertise or f"{host}:{port}"
     options.address = address
+    options.coordinator_host = split_address(coordinator)[0]
     logger.info(
         "stage listening on %s:%d, advertised as %s, device %s",
         host,

@@ -37,11 +37,12 @@ from pipesvc.stage.frame_wire import OutFrame
 from pipesvc.stage.links import UpstreamLink
 from pipesvc.stage.options import StageOptions
 from pipesvc.stage.profiler import calibrate
+from pipesvc.stage.replica_group import GroupSpec, ReplicaGroup
 from pipesvc.stage.runtime import StageRuntime
 from pipesvc.stage.tied_link import TiedLink
 from pipesvc.v1 import common_pb2, stage_pb2, stage_pb2_grpc
 from pipesvc.wire.rpc_status import abort_with, handle_errors
-from pipesvc.wire.transport import open_channel
+from pipesvc.wire.transport import open_channel, split_address
 
 __all__ = ["StageOptions", "StageService"]
 
@@ -232,6 +233,22 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
                 limits=self._codec,
                 timeout_s=self._options.recv_timeout_s,
             )
+        replicas = None
+        if request.num_replicas > 1:
+            if not stage.replica < request.num_replicas:
+                raise InvalidArgumentError(
+                    f"replica ({stage.replica}) must be below num_replicas ({request.num_replicas})"
+                )
+            replicas = ReplicaGroup(
+                job_id=request.job_id,
+                epoch=request.plan_epoch,
+                rank=stage.rank,
+                replica=stage.replica,
+                num_replicas=request.num_replicas,
+                own_host=split_address(self._options.address)[0],
+                coordinator_host=self._options.coordinator_host,
+                timeout_s=self._options.recv_timeout_s,
+            )
         assignment = Assignment(
             job_id=request.job_id,
             epoch=request.plan_epoch,
@@ -240,6 +257,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
             options=self._options,
             dial=self._dial,
             tied=tied,
+            replicas=replicas,
         )
         with self._lock:
             previous, self._job = self._job, assignment
@@ -355,6 +373,14 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
                 side=side,
                 caches=caches,
                 greedy=generating and request.greedy,
+                microbatch_offset=request.microbatch_offset,
+                replicas=GroupSpec(
+                    store_host=request.replicas.store_host,
+                    store_port=request.replicas.store_port,
+                    generation=request.replicas.generation,
+                )
+                if request.HasField("replicas")
+                else None,
             ),
             commit=_carried(request),
             generating=generating,

@@ -212,6 +212,8 @@ class JobSpec(_message.Message):
     TRAINABLE_FIELD_NUMBER: _builtins.int
     REBALANCE_FIELD_NUMBER: _builtins.int
     WIRE_DTYPE_FIELD_NUMBER: _builtins.int
+    DATA_PARALLEL_FIELD_NUMBER: _builtins.int
+    MIN_REPLICAS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """A registered model name, e.g. "gpt"."""
     model_args_json: _builtins.str
@@ -247,6 +249,14 @@ class JobSpec(_message.Message):
     """"bfloat16" or "float16": the dtype activations and gradients cross links in; unset: the
     compute dtype.
     """
+    data_parallel: _builtins.int
+    """Replicas of the pipeline (data parallel): the batch is shared out over them and each
+    stage's gradients are summed over its replicas before the commit; 0 on the wire means 1.
+    """
+    min_replicas: _builtins.int
+    """After a lost stage with no spare, the job drops replicas down to this many rather than
+    fail; unset: data_parallel (a replica is never dropped).
+    """
     @_builtins.property
     def input_shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Shape of one micro-batch's input (batch dimension first), for the memory estimate of
@@ -277,21 +287,27 @@ class JobSpec(_message.Message):
         trainable: _abc.Iterable[_builtins.str] | None = ...,
         rebalance: _builtins.bool = ...,
         wire_dtype: _builtins.str | None = ...,
+        data_parallel: _builtins.int = ...,
+        min_replicas: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_checkpoint_every", b"_checkpoint_every", "_clip_grad_norm", b"_clip_grad_norm", "_wire_dtype", b"_wire_dtype", "checkpoint_every", b"checkpoint_every", "clip_grad_norm", b"clip_grad_norm", "wire_dtype", b"wire_dtype"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_checkpoint_every", b"_checkpoint_every", "_clip_grad_norm", b"_clip_grad_norm", "_min_replicas", b"_min_replicas", "_wire_dtype", b"_wire_dtype", "checkpoint_every", b"checkpoint_every", "clip_grad_norm", b"clip_grad_norm", "min_replicas", b"min_replicas", "wire_dtype", b"wire_dtype"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_checkpoint_every", b"_checkpoint_every", "_clip_grad_norm", b"_clip_grad_norm", "_wire_dtype", b"_wire_dtype", "checkpoint_every", b"checkpoint_every", "clip_grad_norm", b"clip_grad_norm", "input_dtype", b"input_dtype", "input_shape", b"input_shape", "loss", b"loss", "model", b"model", "model_args_json", b"model_args_json", "num_microbatches", b"num_microbatches", "num_stages", b"num_stages", "optimizer_json", b"optimizer_json", "partition", b"partition", "precision", b"precision", "rebalance", b"rebalance", "schedule", b"schedule", "seed", b"seed", "trainable", b"trainable", "wire_dtype", b"wire_dtype"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_checkpoint_every", b"_checkpoint_every", "_clip_grad_norm", b"_clip_grad_norm", "_min_replicas", b"_min_replicas", "_wire_dtype", b"_wire_dtype", "checkpoint_every", b"checkpoint_every", "clip_grad_norm", b"clip_grad_norm", "data_parallel", b"data_parallel", "input_dtype", b"input_dtype", "input_shape", b"input_shape", "loss", b"loss", "min_replicas", b"min_replicas", "model", b"model", "model_args_json", b"model_args_json", "num_microbatches", b"num_microbatches", "num_stages", b"num_stages", "optimizer_json", b"optimizer_json", "partition", b"partition", "precision", b"precision", "rebalance", b"rebalance", "schedule", b"schedule", "seed", b"seed", "trainable", b"trainable", "wire_dtype", b"wire_dtype"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__checkpoint_every: _TypeAlias = _typing.Literal["checkpoint_every"]  # noqa: Y015
     _WhichOneofArgType__checkpoint_every: _TypeAlias = _typing.Literal["_checkpoint_every", b"_checkpoint_every"]  # noqa: Y015
     _WhichOneofReturnType__clip_grad_norm: _TypeAlias = _typing.Literal["clip_grad_norm"]  # noqa: Y015
     _WhichOneofArgType__clip_grad_norm: _TypeAlias = _typing.Literal["_clip_grad_norm", b"_clip_grad_norm"]  # noqa: Y015
+    _WhichOneofReturnType__min_replicas: _TypeAlias = _typing.Literal["min_replicas"]  # noqa: Y015
+    _WhichOneofArgType__min_replicas: _TypeAlias = _typing.Literal["_min_replicas", b"_min_replicas"]  # noqa: Y015
     _WhichOneofReturnType__wire_dtype: _TypeAlias = _typing.Literal["wire_dtype"]  # noqa: Y015
     _WhichOneofArgType__wire_dtype: _TypeAlias = _typing.Literal["_wire_dtype", b"_wire_dtype"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__checkpoint_every) -> _WhichOneofReturnType__checkpoint_every | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__clip_grad_norm) -> _WhichOneofReturnType__clip_grad_norm | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__min_replicas) -> _WhichOneofReturnType__min_replicas | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__wire_dtype) -> _WhichOneofReturnType__wire_dtype | None: ...
 
@@ -307,6 +323,7 @@ class PlanStage(_message.Message):
     END_LAYER_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
     ADDRESS_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
     start_layer: _builtins.int
     """First layer held."""
     end_layer: _builtins.int
@@ -315,6 +332,8 @@ class PlanStage(_message.Message):
     """0 for the first stage, in layer order."""
     address: _builtins.str
     """host:port of the stage server."""
+    replica: _builtins.int
+    """Which replica of the pipeline the stage belongs to (data parallel); 0 without replicas."""
     def __init__(
         self,
         *,
@@ -322,10 +341,11 @@ class PlanStage(_message.Message):
         end_layer: _builtins.int = ...,
         rank: _builtins.int = ...,
         address: _builtins.str = ...,
+        replica: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "end_layer", b"end_layer", "rank", b"rank", "start_layer", b"start_layer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "end_layer", b"end_layer", "rank", b"rank", "replica", b"replica", "start_layer", b"start_layer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

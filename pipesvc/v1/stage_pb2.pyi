@@ -355,6 +355,7 @@ class AssignRequest(_message.Message):
     NUM_STAGES_FIELD_NUMBER: _builtins.int
     DOWNSTREAM_ADDRESS_FIELD_NUMBER: _builtins.int
     PLAN_FIELD_NUMBER: _builtins.int
+    NUM_REPLICAS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job's identity."""
     plan_epoch: _builtins.int
@@ -363,6 +364,10 @@ class AssignRequest(_message.Message):
     """Stages in the plan."""
     downstream_address: _builtins.str
     """host:port of rank + 1; empty on the last stage."""
+    num_replicas: _builtins.int
+    """Replicas of the pipeline; more than 1: the stage sums its gradients with the stages of
+    the same rank in the other replicas (RunStepRequest.replicas says where they meet).
+    """
     @_builtins.property
     def spec(self) -> _common_pb2.JobSpec:
         """The job's spec (model, seed, optimizer, loss, schedule)."""
@@ -373,8 +378,8 @@ class AssignRequest(_message.Message):
 
     @_builtins.property
     def plan(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.PlanStage]:
-        """Every stage of the plan, with its address (a stage holding a tied parameter swaps its
-        gradient with the stage holding the other copy).
+        """Every stage of this stage's pipeline (its replica's stages), with its address (a stage
+        holding a tied parameter swaps its gradient with the stage holding the other copy).
         """
 
     def __init__(
@@ -387,10 +392,11 @@ class AssignRequest(_message.Message):
         num_stages: _builtins.int = ...,
         downstream_address: _builtins.str = ...,
         plan: _abc.Iterable[_common_pb2.PlanStage] | None = ...,
+        num_replicas: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec", "stage", b"stage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["downstream_address", b"downstream_address", "job_id", b"job_id", "num_stages", b"num_stages", "plan", b"plan", "plan_epoch", b"plan_epoch", "spec", b"spec", "stage", b"stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["downstream_address", b"downstream_address", "job_id", b"job_id", "num_replicas", b"num_replicas", "num_stages", b"num_stages", "plan", b"plan", "plan_epoch", b"plan_epoch", "spec", b"spec", "stage", b"stage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -436,6 +442,8 @@ class RunStepRequest(_message.Message):
     SIDE_INPUTS_FIELD_NUMBER: _builtins.int
     CACHES_FIELD_NUMBER: _builtins.int
     GREEDY_FIELD_NUMBER: _builtins.int
+    MICROBATCH_OFFSET_FIELD_NUMBER: _builtins.int
+    REPLICAS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     plan_epoch: _builtins.int
@@ -449,6 +457,11 @@ class RunStepRequest(_message.Message):
     greedy: _builtins.bool
     """GENERATE: the last stage returns each row's most likely next token (int64 [rows] per
     micro-batch) instead of its next-token logits (every session of the run is greedy).
+    """
+    microbatch_offset: _builtins.int
+    """The index in the whole step of this run's first micro-batch (a replica's share of a step
+    starts after the shares of the replicas before it): training randomness is drawn per
+    step-wide micro-batch index.
     """
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Tensor]:
@@ -481,6 +494,10 @@ class RunStepRequest(_message.Message):
         without caches (the whole sequence is computed again).
         """
 
+    @_builtins.property
+    def replicas(self) -> Global___ReplicaGroup:
+        """TRAIN with replicas: where this stage's gradient group meets."""
+
     def __init__(
         self,
         *,
@@ -496,14 +513,52 @@ class RunStepRequest(_message.Message):
         side_inputs: _abc.Iterable[Global___SideInputs] | None = ...,
         caches: _abc.Iterable[Global___MicrobatchCaches] | None = ...,
         greedy: _builtins.bool = ...,
+        microbatch_offset: _builtins.int = ...,
+        replicas: Global___ReplicaGroup | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "replicas", b"replicas"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["caches", b"caches", "commit", b"commit", "greedy", b"greedy", "inputs", b"inputs", "job_id", b"job_id", "loss_weights", b"loss_weights", "mode", b"mode", "num_microbatches", b"num_microbatches", "plan_epoch", b"plan_epoch", "run_id", b"run_id", "side_inputs", b"side_inputs", "targets", b"targets"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["caches", b"caches", "commit", b"commit", "greedy", b"greedy", "inputs", b"inputs", "job_id", b"job_id", "loss_weights", b"loss_weights", "microbatch_offset", b"microbatch_offset", "mode", b"mode", "num_microbatches", b"num_microbatches", "plan_epoch", b"plan_epoch", "replicas", b"replicas", "run_id", b"run_id", "side_inputs", b"side_inputs", "targets", b"targets"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RunStepRequest: _TypeAlias = RunStepRequest  # noqa: Y015
+
+@_typing.final
+class ReplicaGroup(_message.Message):
+    """The rendezvous of one gradient group: the stages of one rank across a job's replicas. A
+    stage forms the group on the first run that names it, and keeps it while runs name the same
+    one; the coordinator names a new generation after an aborted training run, so a collective
+    left behind by that run never meets one of a later run.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STORE_HOST_FIELD_NUMBER: _builtins.int
+    STORE_PORT_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    store_host: _builtins.str
+    """host of the coordinator's key-value store; empty: the host of the coordinator address the
+    stage registered with.
+    """
+    store_port: _builtins.int
+    """Its port."""
+    generation: _builtins.int
+    """Bumped by the coordinator after every aborted training run of a plan epoch."""
+    def __init__(
+        self,
+        *,
+        store_host: _builtins.str = ...,
+        store_port: _builtins.int = ...,
+        generation: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "store_host", b"store_host", "store_port", b"store_port"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicaGroup: _TypeAlias = ReplicaGroup  # noqa: Y015
 
 @_typing.final
 class MicrobatchCaches(_message.Message):

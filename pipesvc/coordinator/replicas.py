@@ -1,0 +1,113 @@
+"""Replicas of a job's pipeline (data parallel x pipeline): the key-value store their gradient
+groups meet at, and how a step's replies read across replicas.
+
+[Note: replicas] A job with ``data_parallel=R`` runs R copies of its ``num_stages``-stage
+pipeline on ``R x num_stages`` stages, cut the same way; the plan lists every stage with its
+``replica`` (replica-major, each replica in rank order). A training step is cut into
+``R x num_microbatches`` micro-batches, weighted over the whole batch (see [Note: uneven
+micro-batches]); replica ``r`` runs a contiguous share of them (``replica_shares``), and each
+stage draws training randomness by the micro-batch's index in the whole step, so every replica
+computes exactly the terms one process would. Before a stage replies to the run, it sums its
+gradients with the stages of the same rank in the other replicas: a gloo all-reduce over a
+process group of the job, plan epoch, generation and rank (see [Note: gradient group] in
+``pipesvc.stage.replica_group``). The sum of weighted terms is the whole batch's gradient, so
+no division follows. The global norm for clipping is read from replica 0 alone (after the sum
+every replica holds the same gradients). The commit, the abort and the deferred commit go to
+all ``R x num_stages`` stages as one (see [Note: commit]): all or none.
+
+Checkpoints, state reads and generation use replica 0; state loads and recovery restores go to
+every replica. A lost stage is replaced by a spare in its place; with none, a job whose
+``min_replicas`` allows it drops the replicas that lost stages, and the survivors share the
+same ``R x num_microbatches`` micro-batches, so the step's terms do not change. Either way the
+plan gets a new epoch, so the groups are formed afresh.
+
+The store is a ``torch.distributed.TCPStore`` served by the coordinator process on
+``store_port`` (0: a free port, chosen when the first job with replicas needs it); stages
+reach it at ``store_host``, or by default at the host of the coordinator address they
+registered with. It carries only the groups' rendezvous keys; like the gloo links it has no
+token or TLS, so it belongs on the cluster's own network (see docs/deploy.md).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from torch import distributed
+
+from pipesvc.errors import StageUnavailableError
+from pipesvc.v1 import common_pb2, stage_pb2
+
+logger = logging.getLogger(__name__)
+
+_c10d: Any = distributed  # TCPStore is not in torch's public stubs
+
+
+class Rendezvous:
+    """The coordinator's key-value store for gradient groups, started on first use."""
+
+    def __init__(self, *, host: str = "", port: int = 0, bind: str = "0.0.0.0") -> None:
+        self._host, self._port, self._bind = host, port, bind
+        self._store: Any = None
+        self._lock = threading.Lock()
+
+    def spec(self, generation: int) -> stage_pb2.ReplicaGroup:
+        """Where a run's gradient groups meet (the store is started if it is not yet).
+
+        Raises:
+            StageUnavailableError: the store could not listen on its port.
+        """
+        with self._lock:
+            if self._store is None:
+                try:
+                    self._store = _c10d.TCPStore(
+                        self._bind,
+                        self._port,
+                        is_master=True,
+                        wait_for_workers=False,
+                        timeout=datetime.timedelta(seconds=300),
+                    )
+                except RuntimeError as exc:
+                    raise StageUnavailableError(
+                        f"the gradient-group store could not listen on {self._bind}:"
+                        f"{self._port}: {str(exc).splitlines()[0]}"
+                    ) from exc
+                logger.info("gradient-group store listening on port %d", self._store.port)
+            port = int(self._store.port)
+        return stage_pb2.ReplicaGroup(store_host=self._host, store_port=port, generation=generation)
+
+    def close(self) -> None:
+        """Stops the store (the coordinator is stopping)."""
+        with self._lock:
+            self._store = None
+
+
+@dataclass(frozen=True, slots=True)
+class RunReplies:
+    """The replies of one run: of every stage that took part, in plan order, and per replica."""
+
+    by_replica: list[list[stage_pb2.RunStepResponse]]
+    """Each replica that took part: its stages' replies in rank order."""
+
+    @property
+    def all(self) -> list[stage_pb2.RunStepResponse]:
+        return [r for replies in self.by_replica for r in replies]
+
+    @property
+    def losses(self) -> list[float]:
+        """Each micro-batch's weighted loss, in the step's order (training)."""
+        return [loss for replies in self.by_replica for loss in replies[-1].losses]
+
+    @property
+    def outputs(self) -> list[common_pb2.Tensor]:
+        """Each micro-batch's output, in the batch's order (inference and generation)."""
+        return [t for replies in self.by_replica for t in replies[-1].outputs]
+
+    @property
+    def grad_norm_sq(self) -> float:
+        """The squared global gradient norm, from the first replica (after the gradient sum
+        every replica holds the same gradients)."""
+        return sum(r.grad_norm_sq for r in self.by_replica[0])
