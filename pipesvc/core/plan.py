@@ -125,6 +125,9 @@ def check_plan(plan: Sequence[PipelineStage], num_layers: int) -> None:
         InvalidArgumentError: a gap, overlap, empty stage, rank or replica out of order,
             replicas cut differently, or a server twice.
     """
+    if not plan:
+        _check_pipeline(plan, num_layers)
+        return
     pipelines = replicas_of(plan)
     if [s.replica for s in plan] != [s.replica for p in pipelines for s in p] or [
         p[0].replica for p in pipelines

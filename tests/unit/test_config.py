@@ -134,8 +134,10 @@ NON_DEFAULT: dict[str, Any] = {
     "input_dtype": "bfloat16",
     "precision": "bf16-mixed",
     "trainable": ("*.mlp.*", "lm_head.*"),
-    "rebalance": True,
+    "rebalance": False,  # a replicated job cannot re-plan: see the test below
     "wire_dtype": "bfloat16",
+    "data_parallel": 3,
+    "min_replicas": 2,
 }
 """A value for every JobConfig field, none of them the default."""
 
@@ -145,12 +147,14 @@ def test_every_field_survives_the_dict_and_the_wire() -> None:
     assert sorted(NON_DEFAULT) == sorted(names), "give every JobConfig field a value above"
     config = JobConfig(**NON_DEFAULT)
     defaults = JobConfig(model="mlp")
-    assert [n for n in names if getattr(config, n) == getattr(defaults, n)] == []
-    as_dict = config_to_dict(config)
-    assert list(as_dict) == names
-    assert config_from_dict(json.loads(json.dumps(as_dict))) == config
-    wire = common_pb2.JobSpec.FromString(config_to_proto(config).SerializeToString())
-    assert config_from_proto(wire) == config
+    assert [n for n in names if getattr(config, n) == getattr(defaults, n)] == ["rebalance"]
+    rebalancing = {**NON_DEFAULT, "rebalance": True, "data_parallel": 1, "min_replicas": None}
+    for each in (config, JobConfig(**rebalancing)):
+        as_dict = config_to_dict(each)
+        assert list(as_dict) == names
+        assert config_from_dict(json.loads(json.dumps(as_dict))) == each
+        wire = common_pb2.JobSpec.FromString(config_to_proto(each).SerializeToString())
+        assert config_from_proto(wire) == each
 
 
 def test_every_field_has_its_place_in_the_wire_job_spec() -> None:
@@ -193,6 +197,8 @@ def test_the_dict_and_wire_forms_are_unchanged() -> None:
         "precision": "fp32",
         "rebalance": False,
         "wire_dtype": None,
+        "data_parallel": 1,
+        "min_replicas": None,
     }  # fields added since
     assert config_to_dict(config) == {**saved_row, **newer}
     old_defaults = {**saved_row, "clip_grad_norm": None, "input_shape": None}
@@ -212,12 +218,20 @@ def test_the_dict_and_wire_forms_are_unchanged() -> None:
         input_shape=[8, 64],
         input_dtype="int64",
         precision="fp32",
+        data_parallel=1,
     )
     assert config_to_proto(config) == spec
     assert config_from_proto(spec) == config
     older_client = common_pb2.JobSpec()
     older_client.CopyFrom(spec)
-    for name in ("clip_grad_norm", "input_shape", "input_dtype", "precision", "trainable"):
+    for name in (
+        "clip_grad_norm",
+        "input_shape",
+        "input_dtype",
+        "precision",
+        "trainable",
+        "data_parallel",
+    ):
         older_client.ClearField(name)
     loaded = config_from_proto(older_client)
     assert loaded == dataclasses.replace(

@@ -19,7 +19,13 @@ def _record(state: JobState) -> tuple[int, JobState]:
         job_id="job-1", config=JobConfig(model="mlp"), layers=LAYERS, plan=PLAN, epoch=4
     )
     assert config_from_dict(record.spec) == JobConfig(model="mlp")
-    assert record.plan[1] == {"start_layer": 1, "end_layer": 3, "rank": 1, "address": "127.0.0.1:2"}
+    assert record.plan[1] == {
+        "start_layer": 1,
+        "end_layer": 3,
+        "rank": 1,
+        "address": "127.0.0.1:2",
+        "replica": 0,
+    }
     assert list(stage_pb2.DescribeResponse.FromString(record.layers).layers) == LAYERS
     assert record.epoch == 4
     return record.step, JobState.from_record(record)

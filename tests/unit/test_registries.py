@@ -260,20 +260,22 @@ def test_the_readme_names_every_registered_schedule_and_partition() -> None:
 
 
 def test_plan_entry_conversions_round_trip() -> None:
-    stage = PipelineStage(start_layer=2, end_layer=5, rank=1, address="127.0.0.1:7001")
+    stage = PipelineStage(start_layer=2, end_layer=5, rank=1, address="127.0.0.1:7001", replica=3)
     message = stage.to_proto()
-    assert (message.start_layer, message.end_layer, message.rank, message.address) == (
-        2,
-        5,
-        1,
-        "127.0.0.1:7001",
-    )
+    assert (
+        message.start_layer,
+        message.end_layer,
+        message.rank,
+        message.address,
+        message.replica,
+    ) == (2, 5, 1, "127.0.0.1:7001", 3)
     assert PipelineStage.from_proto(message) == stage
     assert stage.to_dict() == {
         "start_layer": 2,
         "end_layer": 5,
         "rank": 1,
         "address": "127.0.0.1:7001",
+        "replica": 3,
     }
     assert PipelineStage.from_dict(stage.to_dict()) == stage
     plan = [PipelineStage(start_layer=0, end_layer=2, rank=0), stage]
