@@ -515,10 +515,16 @@ class Job:
             self._client._stub.GetTrace,
             common_pb2.GetTraceRequest(job_id=self.id, max_runs=max_runs),
         )
+        replicated = any(stage.replica for stage in reply.stages)
+        # With replicas, one lane per stage in plan order, each labelled with its replica.
         return [
             StageTimeline(
-                rank=stage.rank,
-                address=stage.address,
+                rank=lane if replicated else stage.rank,
+                address=(
+                    f"{stage.address} replica {stage.replica} rank {stage.rank}"
+                    if replicated
+                    else stage.address
+                ),
                 events=tuple(
                     TraceEvent(
                         run_id=e.run_id,
@@ -531,7 +537,7 @@ class Job:
                     for e in stage.events
                 ),
             )
-            for stage in reply.stages
+            for lane, stage in enumerate(reply.stages)
         ]
 
     def trace(self, path: str | Path, max_runs: int = 5) -> tuple[Path, Path]:

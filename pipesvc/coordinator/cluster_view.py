@@ -103,6 +103,7 @@ def _job_view(
     for stage, trace, profile in zip(plan, traces, profiles, strict=True):
         row: dict[str, Any] = {
             "rank": stage.rank,
+            "replica": stage.replica,
             "address": stage.address,
             "layers": [stage.start_layer, stage.end_layer],
             "rss_mb": (
@@ -131,6 +132,7 @@ def _job_view(
             timeline += [
                 {
                     "rank": stage.rank,
+                    "replica": stage.replica,
                     "name": e.name,
                     "microbatch": e.microbatch,
                     "start_ms": (e.start_unix_ns - origin) / 1e6,

@@ -586,6 +586,8 @@ class JobDriver:
             replies = self.group.call_all(
                 lambda stub: stub.GetTrace, lambda s: request, self.group.deadlines.control_s
             )
+            for stage, reply in zip(self.group.plan, replies, strict=True):
+                reply.replica = stage.replica
         return coordinator_pb2.JobTrace(stages=replies)
 
     def info(self) -> coordinator_pb2.JobInfo:

@@ -139,20 +139,25 @@ function render(data) {
   for (const job of data.jobs) {
     jobs.appendChild(el("h2", {}, "job " + job.id + ": " + job.model + ", step " + job.step +
       ", partition " + job.partition));
-    const bar = el("div", {class: "bar", "data-job": job.id});
-    for (const s of job.stages) {
-      const part = el("div", {title: s.address},
-        "rank " + s.rank + " [" + s.layers[0] + ", " + s.layers[1] + ") " + s.address);
-      part.style.width = (100 * (s.layers[1] - s.layers[0]) / job.num_layers) + "%";
-      part.style.background = COLORS[s.rank % COLORS.length];
-      bar.appendChild(part);
+    // A job with replicas (data parallel) gets one bar per replica.
+    const replicas = [...new Set(job.stages.map(s => s.replica))];
+    const who = s => (replicas.length > 1 ? "replica " + s.replica + " " : "") + "rank " + s.rank;
+    for (const r of replicas) {
+      const bar = el("div", {class: "bar", "data-job": job.id});
+      for (const s of job.stages.filter(s => s.replica === r)) {
+        const part = el("div", {title: s.address},
+          who(s) + " [" + s.layers[0] + ", " + s.layers[1] + ") " + s.address);
+        part.style.width = (100 * (s.layers[1] - s.layers[0]) / job.num_layers) + "%";
+        part.style.background = COLORS[s.rank % COLORS.length];
+        bar.appendChild(part);
+      }
+      jobs.appendChild(bar);
     }
-    jobs.appendChild(bar);
     const table = el("table");
     row(table, ["rank", "stage", "step ms", "busy ms", "wait ms", "idle ms", "RSS MiB",
                 "send MB/s"], true);
     for (const s of job.stages) {
-      row(table, [s.rank, s.address, fmt(s.step_ms, 1), fmt(s.busy_ms, 1), fmt(s.wait_ms, 1),
+      row(table, [who(s), s.address, fmt(s.step_ms, 1), fmt(s.busy_ms, 1), fmt(s.wait_ms, 1),
                   fmt(s.idle_ms, 1), fmt(s.rss_mb, 0), fmt(s.send_mb_s, 0)]);
     }
     jobs.appendChild(table);
@@ -164,8 +169,8 @@ function render(data) {
     }
     jobs.appendChild(legend);
     for (const s of job.stages) {
-      const lane = el("div", {class: "lane", title: "rank " + s.rank});
-      for (const e of job.timeline.filter(e => e.rank === s.rank)) {
+      const lane = el("div", {class: "lane", title: who(s)});
+      for (const e of job.timeline.filter(e => e.rank === s.rank && e.replica === s.replica)) {
         const span = el("span", {title: e.name + " " + e.microbatch});
         span.style.left = (100 * e.start_ms / Math.max(job.run_ms, 1e-9)) + "%";
         span.style.width = Math.max(0.2, 100 * (e.end_ms - e.start_ms) /

@@ -427,10 +427,13 @@ class StageTrace(_message.Message):
     RANK_FIELD_NUMBER: _builtins.int
     ADDRESS_FIELD_NUMBER: _builtins.int
     EVENTS_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
     rank: _builtins.int
     """Rank in the plan."""
     address: _builtins.str
     """host:port of the stage."""
+    replica: _builtins.int
+    """Replica of the pipeline (set by the coordinator for a job with replicas)."""
     @_builtins.property
     def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___TraceEvent]:
         """Events, oldest first."""
@@ -441,10 +444,11 @@ class StageTrace(_message.Message):
         rank: _builtins.int = ...,
         address: _builtins.str = ...,
         events: _abc.Iterable[Global___TraceEvent] | None = ...,
+        replica: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "events", b"events", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "events", b"events", "rank", b"rank", "replica", b"replica"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -207,3 +208,22 @@ def test_bad_replica_options_are_refused(
             model=problem.model, model_args=problem.model_args, loss=problem.loss, **args
         )  # type: ignore[arg-type]
     assert [(s.address, s.job_id) for s in client.stages()] == before
+
+
+def test_the_trace_shows_every_replica_and_its_gradient_sum(
+    client: pipesvc.Client, tmp_path: Path
+) -> None:
+    problem = PROBLEMS["mlp"]
+    with _create(client, problem, replicas=2, stages=2) as job:
+        for step in range(2):
+            job.train_step(*problem.batch(8, seed=step))
+        timelines = job.timelines(max_runs=1)
+        assert [t.rank for t in timelines] == [0, 1, 2, 3]
+        assert [t.address.rsplit(" ", 4)[1:] for t in timelines] == [
+            ["replica", str(r), "rank", str(k)] for r in range(2) for k in range(2)
+        ]
+        for timeline in timelines:
+            names = {e.name for e in timeline.events}
+            assert {"forward", "backward", "reduce"} <= names, timeline.address
+        json_path, png_path = job.trace(tmp_path / "trace")
+        assert json_path.stat().st_size > 0 and png_path.stat().st_size > 0
