@@ -15,6 +15,12 @@ Two models, each split uniformly (``pipesvc.core.partition.uniform``: equal laye
   stage (``init_method=tcp://127.0.0.1:PORT``), the stage's layers built with
   ``pipesvc.models.build`` and sliced to pipesvc's ranges. pipesvc's ``zb-h1`` rows compare
   with torch's 1F1B (torch's zero-bubble schedules hold two stages per rank).
+- data parallel x pipeline ("2x2" rows): pipesvc ``data_parallel=2`` over 2-stage pipelines
+  on 4 stage processes (8 micro-batches per replica); torch: 2 replicas of the same
+  ``PipelineStage`` pipeline in one 4-process gloo world (a process group per pipeline), each
+  on its half of the batch, and an all-reduce written here (one flat buffer per stage over a
+  group of its replicas, then / 2) before ``opt.step()``: torch's DDP does not wrap a
+  pipelining stage on CPU, so this is the composition a user would write.
 - pipesvc: ``LocalCluster(num_stages=N, threads_per_stage=1)``, i.e. a coordinator plus N stage
   processes; timed from the client (``job.train_step``), with default settings: checkpoints at
   the default cadence (the first at step 10, then within 2% of the training time).
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import multiprocessing as mp
 import os
 import socket
@@ -60,6 +67,8 @@ TORCH_SCHEDULE = {"gpipe": "gpipe", "1f1b": "1f1b", "zb-h1": "1f1b"}
 """What each pipesvc schedule is compared with: torch has no single-stage-per-rank zero-bubble
 schedule (its zero-bubble ones hold two stages per rank), so zb-h1 rows repeat its 1F1B."""
 STAGE_COUNTS = (2, 4)
+REPLICATED = {4: (2, 2)}
+"""Cluster size -> (stages, replicas) of the data-parallel rows run on it."""
 Queue = Any  # multiprocessing.Queue
 
 
@@ -184,6 +193,83 @@ def _torch_stage(
         q.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
+def _torch_replicated_stage(
+    q: Queue,
+    workload: str,
+    rank: int,
+    world: int,
+    address: str,
+    schedule: str,
+    num_steps: int,
+    num_stages: int,
+) -> None:
+    """One stage of ``world // num_stages`` replicas of a torch pipeline, with its gradients
+    averaged over its replicas by an all-reduce before each optimizer step."""
+    try:
+        import torch.distributed as dist
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://{address}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=120),
+        )
+        replicas = world // num_stages
+        replica, index = divmod(rank, num_stages)
+        # Every rank creates every group, in the same order (torch requires it).
+        pipelines = [
+            dist.new_group([r * num_stages + k for k in range(num_stages)]) for r in range(replicas)
+        ]
+        columns = [
+            dist.new_group([r * num_stages + k for r in range(replicas)]) for k in range(num_stages)
+        ]
+        w = WORKLOADS[workload]
+        start, end = uniform(w.num_layers, num_stages)[index]
+        submodule = _model(w)[start:end]
+        stage = PipelineStage(
+            submodule, index, num_stages, torch.device("cpu"), group=pipelines[replica]
+        )
+        schedule_cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+        pipe = schedule_cls(stage, n_microbatches=NUM_MICROBATCHES, loss_fn=_loss_fn(w))
+        opt = torch.optim.SGD(submodule.parameters(), lr=LR)
+        x, y = (t.chunk(replicas)[replica].contiguous() for t in _batch(w))
+        params = [p for p in submodule.parameters() if p.requires_grad]
+        first_losses: list[float] = []
+
+        def step() -> None:
+            opt.zero_grad()
+            if index == 0:
+                pipe.step(x)
+            elif index == num_stages - 1:
+                losses: list[torch.Tensor] = []
+                pipe.step(target=y, losses=losses)
+                if not first_losses:
+                    first_losses.append(sum(v.item() for v in losses) / len(losses))
+            else:
+                pipe.step()
+            grads = [p.grad for p in params if p.grad is not None]
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=columns[index])
+            flat /= replicas
+            for grad, summed in zip(
+                grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True
+            ):
+                grad.copy_(summed)
+            opt.step()
+
+        seconds = _time_steps(step, num_steps, dist.barrier)
+        dist.destroy_process_group()
+        if rank == 0:
+            q.put(("seconds", seconds))
+        if index == num_stages - 1:
+            q.put((f"loss{replica}", first_losses[0]))
+    except Exception as exc:
+        q.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
 def _free_address() -> str:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -231,6 +317,28 @@ def torch_pipelining(
     return num_steps / result["seconds"], result["loss"]
 
 
+def torch_replicated(
+    w: Workload, schedule: str, num_stages: int, replicas: int, num_steps: int
+) -> tuple[float, float] | str:
+    """(steps/s, step-1 loss) of ``replicas`` torch pipelines with an all-reduce, or why it
+    failed."""
+    address = _free_address()
+    world = num_stages * replicas
+    targets = [
+        (
+            _torch_replicated_stage,
+            (w.name, r, world, address, schedule, num_steps, num_stages),
+        )
+        for r in range(world)
+    ]
+    expect = ("seconds", *(f"loss{r}" for r in range(replicas)))
+    result = _run_children(targets, expect=expect)
+    if isinstance(result, str):
+        return result
+    loss = sum(result[f"loss{r}"] for r in range(replicas)) / replicas
+    return num_steps / result["seconds"], loss
+
+
 def one_process(w: Workload, num_threads: int, num_steps: int) -> float:
     """Steps/s of the unsplit model in a fresh process."""
     result = _run_children([(_one_process, (w.name, num_threads, num_steps))])
@@ -250,10 +358,14 @@ def _time_job(
 
 def pipesvc_steps_per_s(
     num_stages: int, steps: dict[str, int], frames: bool = False
-) -> dict[tuple[str, str], tuple[float, float]]:
-    """``{(workload, schedule): (steps/s, step-1 loss)}`` on one fresh local cluster of
-    ``num_stages`` stages, timing ``steps[workload]`` steps of each job; ``frames``: shared
-    memory off, tensors as frames on the gRPC streams, as between hosts."""
+) -> dict[tuple[str, str, int], tuple[float, float]]:
+    """``{(workload, schedule, replicas): (steps/s, step-1 loss)}`` on one fresh local cluster
+    of ``num_stages`` stages, timing ``steps[workload]`` steps of each job: one pipeline over
+    every stage, and (``REPLICATED``) replicas of a shorter one; ``frames``: shared memory off,
+    tensors as frames on the gRPC streams, as between hosts."""
+    layouts = [(num_stages, 1)]
+    if num_stages in REPLICATED:
+        layouts.append(REPLICATED[num_stages])
     results = {}
     with pipesvc.LocalCluster(
         num_stages=num_stages,
@@ -265,12 +377,12 @@ def pipesvc_steps_per_s(
         for name, num_steps in steps.items():
             w = WORKLOADS[name]
             x, y = _batch(w)
-            expected_plan = uniform(w.num_layers, num_stages)
-            for schedule in SCHEDULES:
+            for (stages, replicas), schedule in itertools.product(layouts, SCHEDULES):
                 job = client.create_job(
                     model=w.model,
                     model_args=w.model_args,
-                    num_stages=num_stages,
+                    num_stages=stages,
+                    data_parallel=replicas,
                     num_microbatches=NUM_MICROBATCHES,
                     schedule=schedule,
                     optimizer={"name": "sgd", "lr": LR},
@@ -278,9 +390,10 @@ def pipesvc_steps_per_s(
                     partition="uniform",
                 )
                 plan = [(s.start_layer, s.end_layer) for s in job.plan]
+                expected_plan = uniform(w.num_layers, stages) * replicas
                 if plan != expected_plan:  # the torch side slices the model this way
                     raise RuntimeError(f"pipesvc planned {plan}, torch uses {expected_plan}")
-                results[name, schedule] = _time_job(job, x, y, num_steps)
+                results[name, schedule, replicas] = _time_job(job, x, y, num_steps)
                 job.close()
         client.close()
     return results
@@ -326,24 +439,28 @@ def main() -> None:
     }
     for num_stages in STAGE_COUNTS:
         ours = pipesvc_steps_per_s(num_stages, steps, args.frames)
+        layouts = [(num_stages, 1)] + ([REPLICATED[num_stages]] if num_stages in REPLICATED else [])
         for name, num_steps in steps.items():
-            measured: dict[str, tuple[float, float] | str] = {}
-            for schedule in SCHEDULES:
-                rate, loss = ours[name, schedule]
+            measured: dict[tuple[str, int], tuple[float, float] | str] = {}
+            for (stages, replicas), schedule in itertools.product(layouts, SCHEDULES):
+                rate, loss = ours[name, schedule, replicas]
                 against = TORCH_SCHEDULE[schedule]
-                if against not in measured:
-                    measured[against] = torch_pipelining(
-                        WORKLOADS[name], against, num_stages, num_steps
+                if (against, replicas) not in measured:
+                    measured[against, replicas] = (
+                        torch_pipelining(WORKLOADS[name], against, stages, num_steps)
+                        if replicas == 1
+                        else torch_replicated(WORKLOADS[name], against, stages, replicas, num_steps)
                     )
-                theirs = measured[against]
+                theirs = measured[against, replicas]
+                shape = f"{replicas}x{stages}" if replicas > 1 else str(stages)
                 if isinstance(theirs, str):
-                    errors[f"{name}, {schedule} x {num_stages}"] = theirs
+                    errors[f"{name}, {schedule} x {shape}"] = theirs
                     cells = ["failed", "n/a"]
                     their_loss = "n/a"
                 else:
                     cells = [f"{theirs[0]:.2f}", f"{rate / theirs[0]:.2f}"]
                     their_loss = f"{theirs[1]:.5f}"
-                row = [schedule, str(num_stages), cells[0], f"{rate:.2f}", cells[1]]
+                row = [schedule, shape, cells[0], f"{rate:.2f}", cells[1]]
                 row.append(f"{rate / single[name, 2]:.2f}")
                 if name == "gpt":
                     row += [their_loss, f"{loss:.5f}"]
