@@ -15,7 +15,13 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 PREFIX = f"psvc{os.getpid() % 10000}"
 HUB = f"{PREFIX}-hub"
-HOSTS = {"coord": "10.77.0.1", "s0": "10.77.0.10", "s1": "10.77.0.11", "s2": "10.77.0.12"}
+HOSTS = {
+    "coord": "10.77.0.1",
+    "s0": "10.77.0.10",
+    "s1": "10.77.0.11",
+    "s2": "10.77.0.12",
+    "s3": "10.77.0.13",
+}
 TOKEN = "multi-host-test-token"
 
 
@@ -196,11 +202,83 @@ def test_stage_host_link_down_mid_training(hosts: dict[str, str], tmp_path: Path
         assert summary["shm"] == {a: [False, False] for a in summary["plan_after"]}
         print(f"\nmulti-host: link down detected and recovered in {summary['recovered_s']} s")
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        _stop(procs)
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_replicas_sum_their_gradients_across_hosts(hosts: dict[str, str], tmp_path: Path) -> None:
+    """A 2 x 2 replicated job with every stage on its own host: each stage's gloo links bind
+    its own address, and the gradient groups meet at the store on the coordinator's host (the
+    host each stage registered with)."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    auth = ["--token-file", str(token_file)]
+    coordinator = f"{HOSTS['coord']}:7070"
+    procs = [
+        _spawn(
+            hosts["coord"],
+            ["coordinator", "--listen", coordinator, "--state-dir", str(tmp_path / "state"), *auth],
+            tmp_path / "coord.log",
+        )
+    ]
+    try:
+        stage_hosts = ("s0", "s1", "s2", "s3")
+        for count, host in enumerate(stage_hosts, start=1):
+            procs.append(
+                _spawn(
+                    hosts[host],
+                    [
+                        "stage",
+                        "--coordinator",
+                        coordinator,
+                        "--listen",
+                        f"{HOSTS[host]}:50051",
+                        "--threads",
+                        "1",
+                        *auth,
+                    ],
+                    tmp_path / f"{host}.log",
+                )
+            )
+            _registered(hosts["coord"], coordinator, count)
+        result = subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                hosts["coord"],
+                sys.executable,
+                "-m",
+                "tests.support.multihost_scenario",
+                "replicas",
+                coordinator,
+                TOKEN,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            check=False,
+        )
+        logs = "\n".join(p.read_text()[-1500:] for p in sorted(tmp_path.glob("*.log")))
+        assert result.returncode == 0, result.stdout + result.stderr + logs
+        summary = json.loads(result.stdout.strip().splitlines()[-1])
+        assert summary["plan"] == [
+            [r, k, f"{HOSTS[stage_hosts[2 * r + k]]}:50051"] for r in range(2) for k in range(2)
+        ]
+        for ours, theirs in summary["losses"]:
+            assert abs(ours - theirs) <= 1e-5 * abs(theirs) + 1e-6, summary["losses"]
+        assert summary["max_weight_error"] < 1e-5, summary
+    finally:
+        _stop(procs)

@@ -1,7 +1,9 @@
 """Runs inside the coordinator's network namespace. ``wait COORDINATOR TOKEN COUNT``: waits
 until COUNT stages are registered and serving, then prints their addresses in registration
-order as JSON. Otherwise: trains, takes a stage host's link down, trains on, and checks the
-weights against one process; prints a JSON summary."""
+order as JSON. ``replicas COORDINATOR TOKEN``: trains a job of 2 replicas x 2 stages (one stage
+per host) against one process on the whole batch; prints a JSON summary. Otherwise: trains,
+takes a stage host's link down, trains on, and checks the weights against one process; prints
+a JSON summary."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from pipesvc.v1 import stage_pb2, stage_pb2_grpc
 from pipesvc.wire.security import Security
 from pipesvc.wire.transport import open_channel
 from tests.support.faults import Run
+from tests.support.reference import PROBLEMS, Reference
 
 
 def _shm_flags(address: str, token: str) -> list[bool]:
@@ -75,8 +78,46 @@ def main(coordinator: str, token: str, down_netns: str, down_link: str) -> None:
     )
 
 
+def replicas(coordinator: str, token: str) -> None:
+    client = pipesvc.connect(coordinator, token=token, timeout_s=120)
+    problem = PROBLEMS["gpt"]
+    optimizer = {"name": "adamw", "lr": 1e-2}
+    reference = Reference(problem, seed=4, optimizer=optimizer, clip_grad_norm=1.0)
+    job = client.create_job(
+        model=problem.model,
+        model_args=problem.model_args,
+        seed=4,
+        num_stages=2,
+        data_parallel=2,
+        num_microbatches=2,
+        optimizer=optimizer,
+        loss=problem.loss,
+        clip_grad_norm=1.0,
+    )
+    losses = []
+    for step in range(4):
+        x, y = problem.batch(9, seed=step)
+        losses.append((job.train_step(x, y), reference.step(x, y)))
+    weights = job.state_dict()
+    worst = max(
+        float((weights[key] - value).abs().max())
+        for key, value in reference.model.state_dict().items()
+    )
+    print(
+        json.dumps(
+            {
+                "plan": [[s.replica, s.rank, s.address] for s in job.plan],
+                "losses": losses,
+                "max_weight_error": worst,
+            }
+        )
+    )
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "wait":
         wait_for_stages(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    elif sys.argv[1] == "replicas":
+        replicas(sys.argv[2], sys.argv[3])
     else:
         main(*sys.argv[1:5])
