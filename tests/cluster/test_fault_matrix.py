@@ -5,14 +5,15 @@ stage SIGKILLs itself once, at a chosen phase of a chosen step; a spare takes it
 same job is then trained again on the same cluster (the fault has fired, so it does not fire
 again) and both runs must agree to 1e-6 in every loss and every weight: the computation is the
 same, so a recovery that lost, repeated or reordered a step, or replayed dropout differently,
-fails. Every case runs past at least two periodic checkpoints, and the stages next to the
-killed one must still be the same processes at the end (a fault must not take a healthy
-neighbour down with it).
+fails. Every case runs past at least two periodic checkpoints, and every stage but the killed
+one must still be the same process at the end (a fault must not take a healthy neighbour, or
+a replica's stage, down with it).
 
 The cases cover every schedule (zb-h1's split backward included), more micro-batches than a
 link's send queue holds, activations of several MiB per micro-batch on the shared-memory path
 and on frames, Adam with clipping, the ``gpt`` with dropout, a model with parameter-free layers
-(the ``cnn``'s Flatten), and faults in forward, backward, commit and during a checkpoint.
+(the ``cnn``'s Flatten), faults in forward, backward, commit and during a checkpoint, and
+replicated jobs (data parallel x pipeline) at the same sizes.
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ class Case:
     clip_grad_norm: float | None = None
     shm: bool = True
     partition: str = "parameters"
+    data_parallel: int = 1
+    """Replicas; the fault flag is on every stage, so the first stage of its rank to reach
+    the point dies (in whichever replica)."""
 
     @property
     def rank(self) -> int:
@@ -121,6 +125,28 @@ CASES = {
     ),
     # Killed while its state streams into the step-4 checkpoint.
     "cnn-checkpoint": Case("checkpoint:4:1", steps=7),
+    # Replicas (data parallel): MiB-sized activations and gradient sums, split backward.
+    "big-replicas-zb-h1-backward": Case(
+        "backward:3:1",
+        problem=BIG_CNN,
+        schedule="zb-h1",
+        batch_size=256,
+        steps=5,
+        partition="uniform",
+        data_parallel=2,
+    ),
+    # Replicas with more micro-batches per replica than a send queue holds, killed at commit.
+    "mlp-replicas-queue-commit": Case(
+        "commit:3:0",
+        problem=PROBLEMS["mlp"],
+        schedule="gpipe",
+        num_microbatches=SEND_QUEUE_ITEMS + 4,
+        batch_size=4 * (SEND_QUEUE_ITEMS + 4),
+        steps=5,
+        optimizer=dict(ADAMW),
+        clip_grad_norm=0.5,
+        data_parallel=2,
+    ),
 }
 
 
@@ -137,6 +163,7 @@ def _create(client: pipesvc.Client, case: Case) -> pipesvc.Job:
         model_args=case.problem.model_args,
         seed=5,
         num_stages=case.num_stages,
+        data_parallel=case.data_parallel,
         num_microbatches=case.num_microbatches,
         schedule=case.schedule,
         loss=case.problem.loss,
@@ -172,20 +199,21 @@ def test_fault_costs_nothing(name: str, tmp_path: Path) -> None:
         stage_args += ["--shm-bytes", "0"]
     with (
         pipesvc.LocalCluster(
-            num_stages=case.num_stages + 1, threads_per_stage=1, stage_args=stage_args
+            num_stages=case.num_stages * case.data_parallel + 1,
+            threads_per_stage=1,
+            stage_args=stage_args,
         ) as cluster,
         cluster.connect() as client,
     ):
         job = _create(client, case)
-        pids = {s.rank: stage_pid(s.address) for s in job.plan}
-        neighbours = {r: pids[r] for r in (case.rank - 1, case.rank + 1) if r in pids}
+        pids = {(s.replica, s.rank): stage_pid(s.address) for s in job.plan}
         faulty = _train(job, case)
         assert marker.exists(), "the fault never fired"
         assert faulty.recoveries == 1
-        assert not _alive(pids[case.rank]), "the stage that should have died is alive"
-        for rank, pid in neighbours.items():
-            assert _alive(pid), f"neighbour rank {rank} (pid {pid}) died with the faulty stage"
-        assert pid_set(job) >= set(neighbours.values())
+        dead = [where for where, pid in pids.items() if not _alive(pid)]
+        assert [rank for _, rank in dead] == [case.rank], f"dead stages (replica, rank): {dead}"
+        survivors = {pid for where, pid in pids.items() if where not in dead}
+        assert pid_set(job) >= survivors, "a healthy stage died with the faulty one"
         job.close()
 
         clean_job = _create(client, case)
@@ -218,3 +246,4 @@ def test_cases_cover_the_matrix() -> None:
     assert any(c.optimizer["name"] == "adamw" and c.clip_grad_norm for c in cases)
     assert any(c.problem.model_args.get("dropout", 0) > 0 for c in cases)
     assert all(c.steps >= 2 * c.checkpoint_every + 1 for c in cases)
+    assert {c.data_parallel for c in cases} == {1, 2}
