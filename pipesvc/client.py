@@ -123,6 +123,7 @@ class Client:
         trainable: Sequence[str] | None = None,
         wire_dtype: str | None = None,
         precision: str = "fp32",
+        virtual_stages: int = 1,
         data_parallel: int = 1,
         min_replicas: int | None = None,
         resume_from: str | Path | None = None,
@@ -162,6 +163,7 @@ class Client:
             trainable=tuple(trainable) if trainable is not None else None,
             wire_dtype=wire_dtype,
             precision=precision,
+            virtual_stages=virtual_stages,
             data_parallel=data_parallel,
             min_replicas=min_replicas,
         )
@@ -288,6 +290,7 @@ class Job:
         ranges = ", ".join(
             f"[{s.start_layer}, {s.end_layer}) at {s.address}"
             + (f" (replica {s.replica})" if self.config.data_parallel > 1 else "")
+            + (f" (chunk {s.chunk})" if self.config.virtual_stages > 1 else "")
             for s in self.plan
         )
         return (

@@ -13,7 +13,7 @@ from pipesvc.core.limits import MAX_MICROBATCHES
 from pipesvc.core.loss import check_loss
 from pipesvc.core.optim import DEFAULT_OPTIMIZER, check_optimizer
 from pipesvc.core.partition import get_partition
-from pipesvc.core.schedule import get_schedule
+from pipesvc.core.schedule import check_virtual_stages, get_schedule
 from pipesvc.errors import InvalidArgumentError
 from pipesvc.models import check_model_args
 from pipesvc.models.registry import INPUT_DTYPES, MAX_INPUT_DIMS
@@ -25,6 +25,8 @@ _MODEL_NAME = re.compile(r"[a-z][a-z0-9_-]{0,63}")
 MAX_TRAINABLE_PATTERNS = 256
 MAX_REPLICAS = 64
 """Most replicas a job's pipeline may have."""
+MAX_VIRTUAL_STAGES = 16
+"""Most layer ranges one stage may hold."""
 PRECISIONS = ("fp32", "bf16-mixed", "bf16")
 """How a job's layers compute and store numbers (``JobConfig.precision``)."""
 WIRE_DTYPES = ("bfloat16", "float16")
@@ -90,6 +92,12 @@ class JobConfig:
     Halves the bytes on the wire; the result equals one process with the same casts at the
     stage boundaries (see [Note: wire dtype] in ``pipesvc.stage.runtime``). None: the compute
     dtype (bfloat16 under the bf16 precisions, which only ``bfloat16`` or None may name)."""
+    virtual_stages: int = 1
+    """Layer ranges each stage holds (see [Note: virtual stages] in
+    ``pipesvc.core.schedule``): the model is cut into ``num_stages * virtual_stages`` ranges
+    and stage ``r`` holds ranges ``r, r + num_stages, ...``; needs a schedule that interleaves
+    (``interleaved-1f1b``). More than 1 shrinks the bubble about that many times, for that many
+    times the sends between stages."""
     data_parallel: int = 1
     """Replicas of the pipeline (data parallel): ``num_stages * data_parallel`` stages train,
     each replica its share of every batch, and each stage's gradients are summed with the
@@ -121,6 +129,7 @@ class JobConfig:
             "checkpoint_every",
             "data_parallel",
             "min_replicas",
+            "virtual_stages",
         ):
             value = getattr(self, name)
             if value is None and name in ("checkpoint_every", "min_replicas"):  # defaults
@@ -141,6 +150,7 @@ class JobConfig:
                 f"num_microbatches ({self.num_microbatches}) must be in [1, {MAX_MICROBATCHES}]"
             )
         get_schedule(self.schedule)
+        self._check_virtual_stages()
         get_partition(self.partition)
         check_loss(self.loss)
         if not isinstance(self.optimizer, Mapping):
@@ -190,6 +200,31 @@ class JobConfig:
     def total_stages(self) -> int:
         """Stages the job takes: ``num_stages`` per replica."""
         return self.num_stages * self.data_parallel
+
+    def _check_virtual_stages(self) -> None:
+        check_virtual_stages(self.schedule, self.virtual_stages)
+        if self.virtual_stages == 1:
+            return
+        if self.virtual_stages > MAX_VIRTUAL_STAGES:
+            raise InvalidArgumentError(
+                f"virtual_stages ({self.virtual_stages}) must be at most {MAX_VIRTUAL_STAGES}"
+            )
+        if self.num_stages < 2:
+            raise InvalidArgumentError(
+                f"virtual_stages ({self.virtual_stages}) needs num_stages >= 2 (the chunks of "
+                f"one stage feed each other through the next stage); got {self.num_stages}"
+            )
+        if self.num_microbatches * self.virtual_stages > MAX_MICROBATCHES:
+            raise InvalidArgumentError(
+                f"num_microbatches x virtual_stages ({self.num_microbatches} x "
+                f"{self.virtual_stages}) must be at most {MAX_MICROBATCHES}"
+            )
+        if self.partition not in ("parameters", "uniform") or self.rebalance:
+            raise InvalidArgumentError(
+                f"partition {self.partition!r} (rebalance={self.rebalance}) with virtual_stages "
+                f"({self.virtual_stages}): interleaved plans are cut by 'parameters' or "
+                "'uniform', without rebalance"
+            )
 
     def _check_replicas(self) -> None:
         if not 1 <= self.data_parallel <= MAX_REPLICAS:
@@ -261,7 +296,7 @@ def parse_json_object(text: str, field_name: str) -> dict[str, Any]:
 
 _JSON_ON_THE_WIRE = ("model_args", "optimizer")
 """Mapping fields the wire carries as JSON text, in ``<name>_json``."""
-_EMPTY_ON_THE_WIRE_MEANS_DEFAULT = ("input_dtype", "precision", "data_parallel")
+_EMPTY_ON_THE_WIRE_MEANS_DEFAULT = ("input_dtype", "precision", "data_parallel", "virtual_stages")
 """Fields added to the wire after the first clients: an older client's spec leaves them empty."""
 
 

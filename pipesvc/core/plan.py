@@ -24,6 +24,9 @@ class PipelineStage:
     """host:port of the stage server."""
     replica: int = 0
     """Which replica of the pipeline this stage belongs to (see [Note: replicas]); 0 without."""
+    chunk: int = 0
+    """Which of the server's layer ranges this is (see [Note: virtual stages]); 0 when it
+    holds one. A plan lists every range; the server's first (chunk 0) stands for it."""
 
     @property
     def num_layers(self) -> int:
@@ -42,6 +45,7 @@ class PipelineStage:
             rank=self.rank,
             address=self.address,
             replica=self.replica,
+            chunk=self.chunk,
         )
 
     @classmethod
@@ -53,6 +57,7 @@ class PipelineStage:
             rank=message.rank,
             address=message.address,
             replica=message.replica,
+            chunk=message.chunk,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -63,6 +68,7 @@ class PipelineStage:
             "rank": self.rank,
             "address": self.address,
             "replica": self.replica,
+            "chunk": self.chunk,
         }
 
     @classmethod
@@ -84,7 +90,7 @@ class PipelineStage:
             stage = cls(**values)
         except TypeError as exc:
             raise InvalidArgumentError(f"plan stage {dict(values)!r}: {exc}") from exc
-        for name in ("start_layer", "end_layer", "rank", "replica"):
+        for name in ("start_layer", "end_layer", "rank", "replica", "chunk"):
             value = getattr(stage, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise InvalidArgumentError(f"plan stage {name} ({value!r}) must be an int")
@@ -140,16 +146,30 @@ def check_plan(plan: Sequence[PipelineStage], num_layers: int) -> None:
     cuts = [[(s.start_layer, s.end_layer) for s in p] for p in pipelines]
     if any(c != cuts[0] for c in cuts):
         raise InvalidArgumentError(f"replicas are cut differently: {cuts}")
-    addresses = [s.address for s in plan]
+    addresses = [s.address for s in servers_of(plan)]
     if len(pipelines) > 1 and len(set(addresses)) != len(addresses):
         raise InvalidArgumentError(f"a stage server appears twice in the plan: {addresses}")
 
 
+def servers_of(plan: Sequence[PipelineStage]) -> list[PipelineStage]:
+    """One entry per stage server of the plan (its chunk 0), in plan order."""
+    return [s for s in plan if s.chunk == 0]
+
+
 def _check_pipeline(plan: Sequence[PipelineStage], num_layers: int) -> None:
+    servers = max(1, len(servers_of(plan)))
     expected_start = 0
     for position, stage in enumerate(plan):
-        if stage.rank != position:
-            raise InvalidArgumentError(f"plan stage {position} has rank {stage.rank}")
+        if stage.rank != position % servers or stage.chunk != position // servers:
+            raise InvalidArgumentError(
+                f"plan stage {position} has rank {stage.rank} and chunk {stage.chunk}; "
+                f"expected rank {position % servers} and chunk {position // servers}"
+            )
+        if stage.address != plan[stage.rank].address:
+            raise InvalidArgumentError(
+                f"plan stage {position} (rank {stage.rank}, chunk {stage.chunk}) is on "
+                f"{stage.address!r}, its rank's chunk 0 on {plan[stage.rank].address!r}"
+            )
         if stage.start_layer != expected_start or stage.end_layer <= stage.start_layer:
             raise InvalidArgumentError(
                 f"plan stage {position} holds [{stage.start_layer}, {stage.end_layer}); "

@@ -11,6 +11,13 @@ goes in a module every process imports (as the built-in ones here).
 [Note: micro-batches in flight] A micro-batch is *in flight* on a stage from its forward until
 its backward: the stage keeps its activations for that long. :func:`max_in_flight` is the most a
 schedule keeps on one rank at once, :func:`max_in_flight_of` the same measured on an action list.
+
+[Note: virtual stages] With ``virtual_stages=V`` the model is cut into ``num_stages * V``
+ranges and stage ``r`` holds ranges ``r, r + P, r + 2P, ...``: its *chunks* 0..V-1. An action
+names its chunk (``F3@1``). Virtual stage ``v = chunk * P + rank`` feeds ``v + 1``, so the last
+stage's chunk ``c`` feeds the first stage's chunk ``c + 1``: activations go round the stages V
+times. A schedule registered with ``virtual=True`` takes ``virtual_stages``; the others hold
+one chunk. A micro-batch's chunk in flight keeps only that chunk's activations.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import functools
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from pipesvc.core.action import Action, ActionKind
 from pipesvc.errors import InternalError, InvalidArgumentError
@@ -32,6 +39,7 @@ __all__ = [
     "Schedule",
     "all_stage_actions",
     "bubble_fraction",
+    "check_virtual_stages",
     "format_grid",
     "forward_only_actions",
     "get_schedule",
@@ -61,6 +69,10 @@ def _weight(index: int) -> Action:
     return Action(ActionKind.WEIGHT, index)
 
 
+def _num_chunks(actions_per_stage: Sequence[Sequence[Action]]) -> int:
+    return 1 + max((a.chunk for actions in actions_per_stage for a in actions), default=0)
+
+
 def _check_num_microbatches(num_microbatches: int) -> None:
     if (
         isinstance(num_microbatches, bool)
@@ -74,6 +86,15 @@ class StageActionsFn(Protocol):
     """A schedule: the training actions of stage ``rank`` of ``num_stages``."""
 
     def __call__(self, *, rank: int, num_stages: int, num_microbatches: int) -> list[Action]: ...
+
+
+class VirtualActionsFn(Protocol):
+    """A schedule over virtual stages: the training actions of stage ``rank`` of
+    ``num_stages``, each holding ``virtual_stages`` chunks (see [Note: virtual stages])."""
+
+    def __call__(
+        self, *, rank: int, num_stages: int, num_microbatches: int, virtual_stages: int
+    ) -> list[Action]: ...
 
 
 class InFlightFn(Protocol):
@@ -95,6 +116,8 @@ class Schedule:
     in_flight: InFlightFn | None = None
     """Closed form of the most micro-batches in flight on a rank, or None to measure it on the
     action list (the closed form keeps planning fast at thousands of micro-batches)."""
+    virtual: bool = False
+    """The action function takes ``virtual_stages`` (a ``VirtualActionsFn``)."""
 
 
 _SCHEDULES: Registry[Schedule] = Registry(
@@ -103,12 +126,13 @@ _SCHEDULES: Registry[Schedule] = Registry(
 
 
 def register_schedule(
-    name: str, *, in_flight: InFlightFn | None = None
+    name: str, *, in_flight: InFlightFn | None = None, virtual: bool = False
 ) -> Callable[[_ActionsT], _ActionsT]:
     """Returns a decorator that registers a schedule's action function under ``name``.
 
     ``in_flight``, if given, must equal :func:`max_in_flight_of` of the function's lists (a
-    unit test checks this for every registered schedule).
+    unit test checks this for every registered schedule). ``virtual``: the function is a
+    ``VirtualActionsFn`` (see [Note: virtual stages]).
 
     Raises:
         InvalidArgumentError: ``name`` does not match :data:`SCHEDULE_NAME_PATTERN`, or is
@@ -117,7 +141,7 @@ def register_schedule(
     _SCHEDULES.check_name(name)
 
     def decorator(actions: _ActionsT) -> _ActionsT:
-        _SCHEDULES.register(name, Schedule(name, actions, in_flight))
+        _SCHEDULES.register(name, Schedule(name, actions, in_flight, virtual))
         return actions
 
     return decorator
@@ -145,27 +169,64 @@ def _check_stage(rank: int, num_stages: int, num_microbatches: int) -> None:
     _check_num_microbatches(num_microbatches)
 
 
+def check_virtual_stages(schedule: str, virtual_stages: int) -> None:
+    """Checks that ``schedule`` can run ``virtual_stages`` chunks per stage.
+
+    Raises:
+        InvalidArgumentError: ``virtual_stages`` is below 1, or above 1 for a schedule that
+            holds one chunk per stage.
+    """
+    if (
+        isinstance(virtual_stages, bool)
+        or not isinstance(virtual_stages, int)
+        or virtual_stages < 1
+    ):
+        raise InvalidArgumentError(f"virtual_stages ({virtual_stages!r}) must be at least 1")
+    if virtual_stages > 1 and not get_schedule(schedule).virtual:
+        virtual = [n for n in schedule_names() if get_schedule(n).virtual]
+        raise InvalidArgumentError(
+            f"schedule {schedule!r} holds one layer range per stage; virtual_stages "
+            f"({virtual_stages}) needs one of {virtual}"
+        )
+
+
 def stage_actions(
-    schedule: str, *, rank: int, num_stages: int, num_microbatches: int
+    schedule: str,
+    *,
+    rank: int,
+    num_stages: int,
+    num_microbatches: int,
+    virtual_stages: int = 1,
 ) -> list[Action]:
     """Returns the training actions of one stage under the named schedule.
 
     Raises:
         InvalidArgumentError: If ``schedule`` is not registered, ``num_stages`` or
-            ``num_microbatches`` is below 1, or ``rank`` is outside ``[0, num_stages)``.
+            ``num_microbatches`` is below 1, ``rank`` is outside ``[0, num_stages)``, or
+            ``virtual_stages`` does not suit the schedule.
         InternalError: The registered function returned something other than a list of
             actions.
     """
     found = get_schedule(schedule)
     _check_stage(rank, num_stages, num_microbatches)
-    actions = found.actions(rank=rank, num_stages=num_stages, num_microbatches=num_microbatches)
+    check_virtual_stages(schedule, virtual_stages)
+    if found.virtual:
+        virtual_fn: Any = found.actions
+        actions = virtual_fn(
+            rank=rank,
+            num_stages=num_stages,
+            num_microbatches=num_microbatches,
+            virtual_stages=virtual_stages,
+        )
+    else:
+        actions = found.actions(rank=rank, num_stages=num_stages, num_microbatches=num_microbatches)
     if not isinstance(actions, list) or not all(isinstance(a, Action) for a in actions):
         raise InternalError(f"schedule {schedule!r} must return a list of Action")
     return actions
 
 
 def all_stage_actions(
-    schedule: str, *, num_stages: int, num_microbatches: int
+    schedule: str, *, num_stages: int, num_microbatches: int, virtual_stages: int = 1
 ) -> list[list[Action]]:
     """Returns every stage's training actions, in rank order (the input of :func:`validate`).
 
@@ -175,7 +236,13 @@ def all_stage_actions(
     get_schedule(schedule)
     _check_stage(0, num_stages, num_microbatches)
     return [
-        stage_actions(schedule, rank=rank, num_stages=num_stages, num_microbatches=num_microbatches)
+        stage_actions(
+            schedule,
+            rank=rank,
+            num_stages=num_stages,
+            num_microbatches=num_microbatches,
+            virtual_stages=virtual_stages,
+        )
         for rank in range(num_stages)
     ]
 
@@ -267,41 +334,135 @@ def zb_h1(*, rank: int, num_stages: int, num_microbatches: int) -> list[Action]:
     return list(_zero_bubble_lists(num_stages, num_microbatches)[rank])
 
 
-def forward_only_actions(num_microbatches: int) -> list[Action]:
-    """Returns the actions of any stage for inference: ``F0 .. F(m-1)``.
+def _interleaved_order(num_stages: int, num_microbatches: int, chunks: list[int]) -> list[Action]:
+    """Forwards (or, with ``chunks`` reversed, backwards) in the interleaved order: the
+    micro-batches in groups of ``num_stages``, each group through every chunk in turn."""
+    p, m = num_stages, num_microbatches
+    order = []
+    for start in range(0, m, p):
+        group = range(start, min(start + p, m))
+        order += [Action(ActionKind.FORWARD, mb, c) for c in chunks for mb in group]
+    return order
+
+
+def _interleaved_warmup(rank: int, num_stages: int, virtual_stages: int) -> int:
+    """Megatron's warm-up forwards on ``rank``: ``2 (P - r - 1) + (V - 1) P`` chunks, or
+    1F1B's ``P - r - 1`` with one chunk."""
+    if virtual_stages == 1:
+        return num_stages - rank - 1
+    return 2 * (num_stages - rank - 1) + (virtual_stages - 1) * num_stages
+
+
+def _interleaved_in_flight(*, rank: int, num_stages: int, num_microbatches: int) -> int:
+    return min(num_microbatches, num_stages - rank)
+
+
+@functools.lru_cache(maxsize=64)
+def _interleaved_lists(
+    num_stages: int, num_microbatches: int, virtual_stages: int
+) -> tuple[tuple[Action, ...], ...]:
+    """Every rank's interleaved-1f1b list, built by running the pipeline in unit ticks (see
+    interleaved_1f1b)."""
+    p, m, v = num_stages, num_microbatches, virtual_stages
+    total = m * v
+    forwards = _interleaved_order(p, m, list(range(v)))
+    backwards = [
+        Action(ActionKind.BACKWARD, a.microbatch_index, a.chunk)
+        for a in _interleaved_order(p, m, list(reversed(range(v))))
+    ]
+    lists: list[list[Action]] = [[] for _ in range(p)]
+    done: dict[tuple[int, Action], int] = {}
+    f_next, b_next = [0] * p, [0] * p
+    caps = [min(total, _interleaved_warmup(r, p, v) + 1) for r in range(p)]
+    tick = 0
+    while any(b < total for b in b_next):
+        for r in range(p):
+            if f_next[r] < total and f_next[r] - b_next[r] < caps[r]:
+                action = forwards[f_next[r]]
+                if all(done.get(need, tick) < tick for need in _dependencies(action, r, p, v)):
+                    done[r, action] = tick
+                    f_next[r] += 1
+                    lists[r].append(action)
+                    continue
+            if b_next[r] < total:
+                action = backwards[b_next[r]]
+                if all(done.get(need, tick) < tick for need in _dependencies(action, r, p, v)):
+                    done[r, action] = tick
+                    b_next[r] += 1
+                    lists[r].append(action)
+        tick += 1
+        if tick > 4 * total * p + 16:  # the greedy always progresses; a guard, not a path
+            raise InternalError(f"interleaved schedule p={p} m={m} v={v} did not finish")
+    return tuple(tuple(actions) for actions in lists)
+
+
+@register_schedule("interleaved-1f1b", in_flight=_interleaved_in_flight, virtual=True)
+def interleaved_1f1b(
+    *, rank: int, num_stages: int, num_microbatches: int, virtual_stages: int = 1
+) -> list[Action]:
+    """Interleaved 1F1B (after Narayanan et al., "Efficient Large-Scale Language Model
+    Training on GPU Clusters Using Megatron-LM", SC '21): each stage holds ``virtual_stages``
+    chunks (see [Note: virtual stages]); forwards take the micro-batches in groups of
+    ``num_stages`` through chunk 0, then chunk 1, ...; backwards the same groups through the
+    chunks in reverse. Built by running the pipeline in unit ticks (each chunk's F or B one
+    tick, a V-th of a whole stage's), each rank taking its next backward once its gradient
+    has arrived, else its next forward while fewer than ``2 (P - r - 1) + (V - 1) P + 1``
+    chunks of micro-batches await their backward (Megatron's warm-up). The fill and drain
+    take about ``2 (P - 1)`` ticks against ``2 V m`` of work, so the bubble shrinks about V
+    times against 1F1B; each stage sends V times as many (smaller) activations. With one
+    chunk it is 1F1B."""
+    return list(_interleaved_lists(num_stages, num_microbatches, virtual_stages)[rank])
+
+
+def forward_only_actions(num_microbatches: int, chunks: int = 1) -> list[Action]:
+    """Returns the actions of any stage for inference: ``F0 .. F(m-1)`` of chunk 0, then of
+    chunk 1, ... (``chunks`` per stage, see [Note: virtual stages]).
 
     Raises:
         InvalidArgumentError: If ``num_microbatches`` is below 1.
     """
     _check_num_microbatches(num_microbatches)
-    return [_forward(i) for i in range(num_microbatches)]
+    return [
+        Action(ActionKind.FORWARD, i, c) for c in range(chunks) for i in range(num_microbatches)
+    ]
 
 
 def max_in_flight_of(actions: Sequence[Action]) -> int:
     """Returns the most micro-batches in flight (forward run, last backward pass not yet: ``W``
-    where the list has one, else ``B``) over ``actions``."""
-    split = {a.microbatch_index for a in actions if a.kind is ActionKind.WEIGHT}
-    in_flight: set[int] = set()
+    where the list has one, else ``B``) over ``actions``; with chunks, each micro-batch's
+    chunk counts apart (see [Note: virtual stages])."""
+    split = {(a.microbatch_index, a.chunk) for a in actions if a.kind is ActionKind.WEIGHT}
+    in_flight: set[tuple[int, int]] = set()
     most = 0
     for action in actions:
+        key = (action.microbatch_index, action.chunk)
         if action.kind is ActionKind.FORWARD:
-            in_flight.add(action.microbatch_index)
+            in_flight.add(key)
             most = max(most, len(in_flight))
-        elif action.kind is ActionKind.WEIGHT or action.microbatch_index not in split:
-            in_flight.discard(action.microbatch_index)
+        elif action.kind is ActionKind.WEIGHT or key not in split:
+            in_flight.discard(key)
     return most
 
 
-def _dependencies(action: Action, rank: int, num_stages: int) -> list[tuple[int, Action]]:
-    """Returns the ``(rank, action)`` pairs that must finish in an earlier tick than ``action``."""
-    index = action.microbatch_index
+def _dependencies(
+    action: Action, rank: int, num_stages: int, num_chunks: int = 1
+) -> list[tuple[int, Action]]:
+    """Returns the ``(rank, action)`` pairs that must finish in an earlier tick than ``action``
+    (virtual stage ``chunk * num_stages + rank`` follows the one before it, see [Note:
+    virtual stages])."""
+    index, chunk = action.microbatch_index, action.chunk
+    virtual = chunk * num_stages + rank
     if action.kind is ActionKind.FORWARD:
-        return [(rank - 1, action)] if rank > 0 else []
+        if virtual == 0:
+            return []
+        before = virtual - 1
+        return [(before % num_stages, Action(ActionKind.FORWARD, index, before // num_stages))]
     if action.kind is ActionKind.WEIGHT:
-        return [(rank, _backward(index))]
-    needs = [(rank, _forward(index))]
-    if rank < num_stages - 1:
-        needs.append((rank + 1, action))
+        return [(rank, Action(ActionKind.BACKWARD, index, chunk))]
+    needs = [(rank, Action(ActionKind.FORWARD, index, chunk))]
+    if virtual < num_stages * num_chunks - 1:
+        after = virtual + 1
+        needs.append((after % num_stages, Action(ActionKind.BACKWARD, index, after // num_stages)))
     return needs
 
 
@@ -322,6 +483,7 @@ def simulate(
             waits for and shows the grid so far.
     """
     num_stages = len(actions_per_stage)
+    num_chunks = _num_chunks(actions_per_stage)
     if not training:
         for rank, actions in enumerate(actions_per_stage):
             for action in actions:
@@ -339,7 +501,7 @@ def simulate(
             slot: Action | None = None
             if positions[rank] < len(actions):
                 action = actions[positions[rank]]
-                needs = _dependencies(action, rank, num_stages)
+                needs = _dependencies(action, rank, num_stages, num_chunks)
                 if all(finished_at.get(need, tick) < tick for need in needs):
                     finished_at.setdefault((rank, action), tick)
                     positions[rank] += 1
@@ -361,13 +523,14 @@ def _deadlock_message(
 ) -> str:
     """Describes what each stuck stage waits for, followed by the grid so far."""
     num_stages = len(actions_per_stage)
+    num_chunks = _num_chunks(actions_per_stage)
     lines = [f"schedule deadlocks at tick {len(grid[0]) if grid else 0}:"]
     for rank, actions in enumerate(actions_per_stage):
         if positions[rank] >= len(actions):
             continue
         action = actions[positions[rank]]
         waits = []
-        for need_rank, need in _dependencies(action, rank, num_stages):
+        for need_rank, need in _dependencies(action, rank, num_stages, num_chunks):
             done = need in actions_per_stage[need_rank][: positions[need_rank]]
             if done:
                 continue
@@ -400,6 +563,7 @@ def validate(
     _check_num_microbatches(num_microbatches)
     if not actions_per_stage:
         raise InvalidArgumentError("a schedule needs at least one stage; got none")
+    num_chunks = _num_chunks(actions_per_stage)
     for rank, actions in enumerate(actions_per_stage):
         seen: set[Action] = set()
         for action in actions:
@@ -415,20 +579,23 @@ def validate(
                     raise InvalidArgumentError(
                         f"rank {rank}: backward action {action} in a forward-only schedule"
                     )
-                before = (
-                    _forward(action.microbatch_index)
+                before = Action(
+                    ActionKind.FORWARD
                     if action.kind is ActionKind.BACKWARD
-                    else _backward(action.microbatch_index)
+                    else ActionKind.BACKWARD,
+                    action.microbatch_index,
+                    action.chunk,
                 )
                 if before not in seen:
                     raise InvalidArgumentError(f"rank {rank}: {action} comes before {before}")
             seen.add(action)
         kinds = [ActionKind.FORWARD, ActionKind.BACKWARD] if training else [ActionKind.FORWARD]
         missing = [
-            str(Action(kind, i))
+            str(Action(kind, i, c))
             for kind in kinds
+            for c in range(num_chunks)
             for i in range(num_microbatches)
-            if Action(kind, i) not in seen
+            if Action(kind, i, c) not in seen
         ]
         if missing:
             raise InvalidArgumentError(f"rank {rank}: missing {' '.join(missing)}")
@@ -461,31 +628,47 @@ def bubble_fraction(grid: Sequence[Sequence[Action | None]]) -> float:
     return idle / total
 
 
-def ideal_bubble(name: str, *, num_stages: int, num_microbatches: int) -> float:
+def ideal_bubble(
+    name: str, *, num_stages: int, num_microbatches: int, virtual_stages: int = 1
+) -> float:
     """The idle share of schedule ``name``'s dry run with every action one tick: its bubble
     when forward, backward (and a split backward's two passes) cost the same on every stage
-    and links are free. ``(p - 1) / (m + p - 1)`` for GPipe and 1F1B, ``(p - 1) / (3m + p - 1)``
-    for zb-h1 once ``m >= p``.
+    and links are free (a chunk's passes a V-th of a stage's). ``(p - 1) / (m + p - 1)`` for
+    GPipe and 1F1B, ``(p - 1) / (3m + p - 1)`` for zb-h1 once ``m >= p``.
 
     Raises:
         InvalidArgumentError: As :func:`stage_actions`.
     """
-    actions = all_stage_actions(name, num_stages=num_stages, num_microbatches=num_microbatches)
+    actions = all_stage_actions(
+        name,
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        virtual_stages=virtual_stages,
+    )
     return bubble_fraction(simulate(actions))
 
 
-def max_in_flight(name: str, *, rank: int, num_stages: int, num_microbatches: int) -> int:
+def max_in_flight(
+    name: str, *, rank: int, num_stages: int, num_microbatches: int, virtual_stages: int = 1
+) -> int:
     """Returns the most micro-batches in flight at once on ``rank`` under schedule ``name``:
     the activations that rank keeps (``num_microbatches`` with GPipe, ``num_stages - rank``
-    with 1F1B, capped at ``num_microbatches``).
+    with 1F1B, capped at ``num_microbatches``); with chunks, micro-batch chunks (see [Note:
+    virtual stages]).
 
     Raises:
         InvalidArgumentError: As :func:`stage_actions`.
     """
     found = get_schedule(name)
     _check_stage(rank, num_stages, num_microbatches)
-    if found.in_flight is not None:
+    if found.in_flight is not None and virtual_stages == 1:
         return found.in_flight(rank=rank, num_stages=num_stages, num_microbatches=num_microbatches)
     return max_in_flight_of(
-        stage_actions(name, rank=rank, num_stages=num_stages, num_microbatches=num_microbatches)
+        stage_actions(
+            name,
+            rank=rank,
+            num_stages=num_stages,
+            num_microbatches=num_microbatches,
+            virtual_stages=virtual_stages,
+        )
     )

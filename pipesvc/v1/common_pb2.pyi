@@ -214,6 +214,7 @@ class JobSpec(_message.Message):
     WIRE_DTYPE_FIELD_NUMBER: _builtins.int
     DATA_PARALLEL_FIELD_NUMBER: _builtins.int
     MIN_REPLICAS_FIELD_NUMBER: _builtins.int
+    VIRTUAL_STAGES_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """A registered model name, e.g. "gpt"."""
     model_args_json: _builtins.str
@@ -257,6 +258,8 @@ class JobSpec(_message.Message):
     """After a lost stage with no spare, the job drops replicas down to this many rather than
     fail; unset: data_parallel (a replica is never dropped).
     """
+    virtual_stages: _builtins.int
+    """Layer ranges each stage holds (interleaved schedules); 0 on the wire means 1."""
     @_builtins.property
     def input_shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Shape of one micro-batch's input (batch dimension first), for the memory estimate of
@@ -289,10 +292,11 @@ class JobSpec(_message.Message):
         wire_dtype: _builtins.str | None = ...,
         data_parallel: _builtins.int = ...,
         min_replicas: _builtins.int | None = ...,
+        virtual_stages: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_checkpoint_every", b"_checkpoint_every", "_clip_grad_norm", b"_clip_grad_norm", "_min_replicas", b"_min_replicas", "_wire_dtype", b"_wire_dtype", "checkpoint_every", b"checkpoint_every", "clip_grad_norm", b"clip_grad_norm", "min_replicas", b"min_replicas", "wire_dtype", b"wire_dtype"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_checkpoint_every", b"_checkpoint_every", "_clip_grad_norm", b"_clip_grad_norm", "_min_replicas", b"_min_replicas", "_wire_dtype", b"_wire_dtype", "checkpoint_every", b"checkpoint_every", "clip_grad_norm", b"clip_grad_norm", "data_parallel", b"data_parallel", "input_dtype", b"input_dtype", "input_shape", b"input_shape", "loss", b"loss", "min_replicas", b"min_replicas", "model", b"model", "model_args_json", b"model_args_json", "num_microbatches", b"num_microbatches", "num_stages", b"num_stages", "optimizer_json", b"optimizer_json", "partition", b"partition", "precision", b"precision", "rebalance", b"rebalance", "schedule", b"schedule", "seed", b"seed", "trainable", b"trainable", "wire_dtype", b"wire_dtype"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_checkpoint_every", b"_checkpoint_every", "_clip_grad_norm", b"_clip_grad_norm", "_min_replicas", b"_min_replicas", "_wire_dtype", b"_wire_dtype", "checkpoint_every", b"checkpoint_every", "clip_grad_norm", b"clip_grad_norm", "data_parallel", b"data_parallel", "input_dtype", b"input_dtype", "input_shape", b"input_shape", "loss", b"loss", "min_replicas", b"min_replicas", "model", b"model", "model_args_json", b"model_args_json", "num_microbatches", b"num_microbatches", "num_stages", b"num_stages", "optimizer_json", b"optimizer_json", "partition", b"partition", "precision", b"precision", "rebalance", b"rebalance", "schedule", b"schedule", "seed", b"seed", "trainable", b"trainable", "virtual_stages", b"virtual_stages", "wire_dtype", b"wire_dtype"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__checkpoint_every: _TypeAlias = _typing.Literal["checkpoint_every"]  # noqa: Y015
     _WhichOneofArgType__checkpoint_every: _TypeAlias = _typing.Literal["_checkpoint_every", b"_checkpoint_every"]  # noqa: Y015
@@ -324,6 +328,7 @@ class PlanStage(_message.Message):
     RANK_FIELD_NUMBER: _builtins.int
     ADDRESS_FIELD_NUMBER: _builtins.int
     REPLICA_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
     start_layer: _builtins.int
     """First layer held."""
     end_layer: _builtins.int
@@ -334,6 +339,8 @@ class PlanStage(_message.Message):
     """host:port of the stage server."""
     replica: _builtins.int
     """Which replica of the pipeline the stage belongs to (data parallel); 0 without replicas."""
+    chunk: _builtins.int
+    """Which of the stage's layer ranges this is (virtual stages); 0 when it holds one."""
     def __init__(
         self,
         *,
@@ -342,10 +349,11 @@ class PlanStage(_message.Message):
         rank: _builtins.int = ...,
         address: _builtins.str = ...,
         replica: _builtins.int = ...,
+        chunk: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "end_layer", b"end_layer", "rank", b"rank", "replica", b"replica", "start_layer", b"start_layer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "chunk", b"chunk", "end_layer", b"end_layer", "rank", b"rank", "replica", b"replica", "start_layer", b"start_layer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -138,6 +138,7 @@ NON_DEFAULT: dict[str, Any] = {
     "wire_dtype": "bfloat16",
     "data_parallel": 3,
     "min_replicas": 2,
+    "virtual_stages": 1,  # needs an interleaving schedule: see the test below
 }
 """A value for every JobConfig field, none of them the default."""
 
@@ -147,9 +148,18 @@ def test_every_field_survives_the_dict_and_the_wire() -> None:
     assert sorted(NON_DEFAULT) == sorted(names), "give every JobConfig field a value above"
     config = JobConfig(**NON_DEFAULT)
     defaults = JobConfig(model="mlp")
-    assert [n for n in names if getattr(config, n) == getattr(defaults, n)] == ["rebalance"]
+    assert [n for n in names if getattr(config, n) == getattr(defaults, n)] == [
+        "rebalance",
+        "virtual_stages",
+    ]
     rebalancing = {**NON_DEFAULT, "rebalance": True, "data_parallel": 1, "min_replicas": None}
-    for each in (config, JobConfig(**rebalancing)):
+    interleaved = {
+        **NON_DEFAULT,
+        "schedule": "interleaved-1f1b",
+        "virtual_stages": 3,
+        "partition": "uniform",
+    }
+    for each in (config, JobConfig(**rebalancing), JobConfig(**interleaved)):
         as_dict = config_to_dict(each)
         assert list(as_dict) == names
         assert config_from_dict(json.loads(json.dumps(as_dict))) == each
@@ -199,6 +209,7 @@ def test_the_dict_and_wire_forms_are_unchanged() -> None:
         "wire_dtype": None,
         "data_parallel": 1,
         "min_replicas": None,
+        "virtual_stages": 1,
     }  # fields added since
     assert config_to_dict(config) == {**saved_row, **newer}
     old_defaults = {**saved_row, "clip_grad_norm": None, "input_shape": None}
@@ -219,6 +230,7 @@ def test_the_dict_and_wire_forms_are_unchanged() -> None:
         input_dtype="int64",
         precision="fp32",
         data_parallel=1,
+        virtual_stages=1,
     )
     assert config_to_proto(config) == spec
     assert config_from_proto(spec) == config
@@ -231,6 +243,7 @@ def test_the_dict_and_wire_forms_are_unchanged() -> None:
         "precision",
         "trainable",
         "data_parallel",
+        "virtual_stages",
     ):
         older_client.ClearField(name)
     loaded = config_from_proto(older_client)

@@ -25,6 +25,7 @@ def _record(state: JobState) -> tuple[int, JobState]:
         "rank": 1,
         "address": "127.0.0.1:2",
         "replica": 0,
+        "chunk": 0,
     }
     assert list(stage_pb2.DescribeResponse.FromString(record.layers).layers) == LAYERS
     assert record.epoch == 4

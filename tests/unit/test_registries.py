@@ -143,10 +143,11 @@ def test_model_registry_keeps_its_own_error_type_and_sorted_names() -> None:
 
 
 def test_builtin_names_and_lookups() -> None:
-    assert schedule.schedule_names() == ("gpipe", "1f1b", "zb-h1")
+    assert schedule.schedule_names() == ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")
     assert schedule.get_schedule("gpipe").actions is schedule.gpipe
     assert schedule.get_schedule("1f1b").actions is schedule.one_f_one_b
     assert schedule.get_schedule("zb-h1").actions is schedule.zb_h1
+    assert schedule.get_schedule("interleaved-1f1b").actions is schedule.interleaved_1f1b
     assert partition.partition_names() == ("uniform", "parameters", "memory", "throughput")
     assert partition.get_partition("parameters") is partition.balanced
 
@@ -155,8 +156,8 @@ def test_builtin_names_and_lookups() -> None:
 def test_unknown_schedule_names_the_value_and_the_known_names(name: Any) -> None:
     with pytest.raises(InvalidArgumentError) as info:
         schedule.get_schedule(name)
-    assert f"unknown schedule {name!r}; expected one of gpipe, 1f1b, zb-h1" == str(info.value)
-    with pytest.raises(InvalidArgumentError, match="expected one of gpipe, 1f1b, zb-h1"):
+    assert f"unknown schedule {name!r}; expected one of gpipe, 1f1b, zb-h1, interleaved-1f1b" == str(info.value)
+    with pytest.raises(InvalidArgumentError, match="expected one of gpipe, 1f1b, zb-h1, interleaved-1f1b"):
         JobConfig(model="mlp", schedule=name)
 
 
@@ -183,14 +184,14 @@ def test_bad_registrations_are_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="'uniform' is already registered"):
         partition.register_partition("uniform")(partition.balanced)
     schedule.register_schedule("gpipe")(schedule.gpipe)  # the same function again is fine
-    assert schedule.schedule_names() == ("gpipe", "1f1b", "zb-h1")
+    assert schedule.schedule_names() == ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")
 
 
 @pytest.mark.usefixtures("scratch_registries")
 def test_a_registered_schedule_is_valid_everywhere_and_simulated() -> None:
     schedule.register_schedule("lifo-gpipe")(lifo_gpipe)
     schedule.register_schedule("cyclic")(cyclic)
-    assert schedule.schedule_names() == ("gpipe", "1f1b", "zb-h1", "lifo-gpipe", "cyclic")
+    assert schedule.schedule_names() == ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "lifo-gpipe", "cyclic")
     assert JobConfig(model="mlp", schedule="lifo-gpipe").schedule == "lifo-gpipe"
     assert JobConfig(model="mlp", schedule="cyclic").schedule == "cyclic"
     demo = build_parser().parse_args(["demo", "--schedule", "lifo-gpipe"])
@@ -276,6 +277,7 @@ def test_plan_entry_conversions_round_trip() -> None:
         "rank": 1,
         "address": "127.0.0.1:7001",
         "replica": 3,
+        "chunk": 0,
     }
     assert PipelineStage.from_dict(stage.to_dict()) == stage
     plan = [PipelineStage(start_layer=0, end_layer=2, rank=0), stage]

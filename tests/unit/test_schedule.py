@@ -7,6 +7,7 @@ import pytest
 from pipesvc.core.schedule import (
     Action,
     ActionKind,
+    all_stage_actions,
     bubble_fraction,
     format_grid,
     forward_only_actions,
@@ -144,7 +145,7 @@ def test_schedules_validate_without_deadlock(
     for rank, row in enumerate(expected):
         assert [a for a in row if a is not None] == actions[rank]
         in_flight = max_in_flight_of(actions[rank])
-        if schedule == "1f1b":
+        if schedule in ("1f1b", "interleaved-1f1b"):  # interleaved with one chunk: 1F1B
             assert in_flight == min(p - rank, m)
         elif schedule == "zb-h1":
             assert in_flight <= min(2 * p - rank - 1, m)
@@ -303,3 +304,69 @@ def test_max_in_flight_is_what_the_schedule_keeps(
         assert max_in_flight(
             schedule, rank=rank, num_stages=num_stages, num_microbatches=num_microbatches
         ) == max_in_flight_of(actions)
+
+
+@pytest.mark.parametrize("num_stages", range(2, 6))
+@pytest.mark.parametrize("virtual_stages", (2, 3))
+@pytest.mark.parametrize("num_microbatches", range(1, 13))
+def test_interleaved_runs_every_chunk_without_deadlock(
+    num_stages: int, virtual_stages: int, num_microbatches: int
+) -> None:
+    """Every rank runs F and B of every (micro-batch, chunk) once, the dry run finishes (the
+    wrap from the last stage's chunk c to the first stage's chunk c + 1 included), and a rank
+    keeps at most Megatron's warm-up plus one chunks of activations."""
+    p, v, m = num_stages, virtual_stages, num_microbatches
+    actions = all_stage_actions(
+        "interleaved-1f1b", num_stages=p, num_microbatches=m, virtual_stages=v
+    )
+    grid = validate(actions, m)
+    for rank, row in enumerate(grid):
+        assert [a for a in row if a is not None] == actions[rank]
+        assert {(a.microbatch_index, a.chunk) for a in actions[rank]} == {
+            (i, c) for i in range(m) for c in range(v)
+        }
+        cap = min(v * m, 2 * (p - rank - 1) + (v - 1) * p + 1)
+        assert max_in_flight_of(actions[rank]) <= cap
+        assert max_in_flight(
+            "interleaved-1f1b", rank=rank, num_stages=p, num_microbatches=m, virtual_stages=v
+        ) == max_in_flight_of(actions[rank])
+    ideal = ideal_bubble("interleaved-1f1b", num_stages=p, num_microbatches=m, virtual_stages=v)
+    one_f_one_b = ideal_bubble("1f1b", num_stages=p, num_microbatches=m)
+    assert ideal <= one_f_one_b
+    if m % p == 0:  # Megatron's case: the bubble is V times smaller in time
+        assert ideal == pytest.approx((p - 1) / (v * m + p - 1))
+
+
+def test_a_chunk_waits_for_the_wrap_from_the_last_stage() -> None:
+    """The first stage's chunk 1 needs the last stage's chunk 0: a list that runs it first
+    deadlocks, and the message names the wait."""
+    lists = all_stage_actions(
+        "interleaved-1f1b", num_stages=2, num_microbatches=2, virtual_stages=2
+    )
+    first = [Action.parse("F0@1"), *[a for a in lists[0] if str(a) != "F0@1"]]
+    with pytest.raises(
+        InvalidArgumentError, match=r"rank 0 waits to run F0@1, which needs rank 1's F0"
+    ):
+        validate([first, lists[1]], 2)
+
+
+def test_virtual_stages_need_an_interleaving_schedule() -> None:
+    with pytest.raises(
+        InvalidArgumentError, match=r"virtual_stages \(2\) needs one of \['interleaved-1f1b'\]"
+    ):
+        stage_actions("1f1b", rank=0, num_stages=2, num_microbatches=4, virtual_stages=2)
+    with pytest.raises(InvalidArgumentError, match=r"virtual_stages \(0\) must be at least 1"):
+        stage_actions(
+            "interleaved-1f1b", rank=0, num_stages=2, num_microbatches=4, virtual_stages=0
+        )
+
+
+def test_chunked_actions_print_and_parse_back() -> None:
+    for text in ("F0", "B12@1", "W3@2"):
+        assert str(Action.parse(text)) == text
+    for bad in ("F0@0", "F0@", "F0@01"):
+        with pytest.raises(InvalidArgumentError):
+            Action.parse(bad)
+    assert forward_only_actions(2, chunks=2) == [
+        Action.parse(t) for t in ("F0", "F1", "F0@1", "F1@1")
+    ]
