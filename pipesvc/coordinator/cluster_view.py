@@ -86,7 +86,7 @@ def _job_view(
     infos: dict[str, Any],
     pool: futures.ThreadPoolExecutor,
 ) -> dict[str, Any]:
-    plan: list[PipelineStage] = list(job.plan)
+    plan: list[PipelineStage] = list(job.group.servers)
     last_run = common_pb2.GetTraceRequest(job_id=job.job_id, max_runs=1)
     rates = stage_pb2.ProfileRequest(job_id=job.job_id)
     traces = list(

@@ -375,10 +375,11 @@ class JobDriver:
             ResourceExhaustedError: the method's plan does not fit the stages' memory.
         """
         get_partition(partition)  # an unknown name raises before the job is touched
-        if self.config.data_parallel > 1:
+        if self.config.data_parallel > 1 or self.config.virtual_stages > 1:
             raise FailedPreconditionError(
-                f"job {self.job_id} has {self.config.data_parallel} replicas: re-planning a "
-                "replicated job is not supported"
+                f"job {self.job_id} has {self.config.data_parallel} replicas and "
+                f"{self.config.virtual_stages} layer ranges per stage: re-planning a replicated "
+                "or interleaved job is not supported"
             )
         with self._lock:
             self._resilient(lambda: None, "replan")  # a pending recovery or reconcile first
@@ -523,7 +524,7 @@ class JobDriver:
                 except PipesvcError as exc:
                     logger.warning("job %s: the last checkpoint failed: %s", self.job_id, exc)
             self.state.closed = True
-            for stage in self.group.plan:
+            for stage in self.group.servers:
                 self.group.release(stage)
             self.group.registry.release(self.job_id)
             self.recovery.persist()
@@ -586,7 +587,7 @@ class JobDriver:
             replies = self.group.call_all(
                 lambda stub: stub.GetTrace, lambda s: request, self.group.deadlines.control_s
             )
-            for stage, reply in zip(self.group.plan, replies, strict=True):
+            for stage, reply in zip(self.group.servers, replies, strict=True):
                 reply.replica = stage.replica
         return coordinator_pb2.JobTrace(stages=replies)
 
@@ -622,10 +623,7 @@ def create_job(
     """
     layers = planner.describe(registry, config, deadlines.control_s)
     plan = planner.first_plan(registry, config, layers, job_id)
-    for stage in plan:
-        registry.place(
-            stage.address, rank=stage.rank, start_layer=stage.start_layer, end_layer=stage.end_layer
-        )
+    planner.place(registry, plan)
     driver = JobDriver(
         job_id=job_id,
         config=config,

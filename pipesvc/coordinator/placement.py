@@ -21,8 +21,8 @@ from pipesvc.core import partition, schedule, throughput
 from pipesvc.core.config import JobConfig
 from pipesvc.core.health import Health
 from pipesvc.core.optim import NO_OPTIMIZER
-from pipesvc.core.plan import PipelineStage, check_plan, replicas_of
-from pipesvc.errors import PlanError, ResourceExhaustedError
+from pipesvc.core.plan import PipelineStage, check_plan, replicas_of, servers_of
+from pipesvc.errors import InvalidArgumentError, PlanError, ResourceExhaustedError
 from pipesvc.v1 import stage_pb2
 
 logger = logging.getLogger(__name__)
@@ -44,16 +44,23 @@ class Stage(Protocol):
     def memory_bytes(self) -> int: ...
 
 
-def check_schedule(name: str, num_stages: int, num_microbatches: int) -> None:
+def check_schedule(
+    name: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1
+) -> None:
     """Dry-runs the job's schedule on every stage: order and deadlock freedom.
 
     Raises:
         InvalidArgumentError: the schedule would deadlock or is malformed.
     """
-    if num_stages * num_microbatches > MAX_SIMULATED_ACTIONS:
+    if num_stages * num_microbatches * virtual_stages > MAX_SIMULATED_ACTIONS:
         return
     schedule.validate(
-        schedule.all_stage_actions(name, num_stages=num_stages, num_microbatches=num_microbatches),
+        schedule.all_stage_actions(
+            name,
+            num_stages=num_stages,
+            num_microbatches=num_microbatches,
+            virtual_stages=virtual_stages,
+        ),
         num_microbatches,
     )
 
@@ -95,12 +102,19 @@ def _trainable_bytes(layer: stage_pb2.LayerDescription) -> int:
 
 
 def _in_flight(config: JobConfig, num_stages: int) -> list[int]:
+    """Micro-batches in flight per rank; with chunks, a micro-batch's chunks in flight over
+    the chunks (each keeps a V-th of the stage's activations), rounded up."""
+    v = config.virtual_stages
     return [
-        schedule.max_in_flight(
-            config.schedule,
-            rank=rank,
-            num_stages=num_stages,
-            num_microbatches=config.num_microbatches,
+        -(
+            -schedule.max_in_flight(
+                config.schedule,
+                rank=rank,
+                num_stages=num_stages,
+                num_microbatches=config.num_microbatches,
+                virtual_stages=v,
+            )
+            // v
         )
         for rank in range(num_stages)
     ]
@@ -125,7 +139,7 @@ def _ranges(
             copies=_in_flight(config, len(stages)),
         )
     costs = [int(layer.num_parameters) for layer in layers]
-    return partition.partition(config.partition, costs, len(stages))
+    return partition.partition(config.partition, costs, len(stages) * config.virtual_stages)
 
 
 def _place(
@@ -134,26 +148,42 @@ def _place(
     ranges: Sequence[tuple[int, int]],
     stages: Sequence[Stage],
 ) -> list[PipelineStage]:
-    plan = []
-    in_flight = _in_flight(config, len(stages))
-    for rank, ((start, end), stage) in enumerate(zip(ranges, stages, strict=True)):
-        optimizer = str(config.optimizer.get("name"))
-        need = memory_estimate(
-            layers, start, end, optimizer, in_flight[rank], precision=config.precision
+    """Ranges in layer order onto ``stages`` in rank order: range ``i`` on rank ``i % P`` as
+    its chunk ``i // P`` (one chunk per stage unless the job has virtual stages)."""
+    count = len(stages)
+    if len(ranges) != count * config.virtual_stages:
+        raise PlanError(
+            f"{len(ranges)} layer ranges for {count} stages x {config.virtual_stages} chunks"
+        )
+    in_flight = _in_flight(config, count)
+    optimizer = str(config.optimizer.get("name"))
+    for rank, stage in enumerate(stages):
+        held = ranges[rank::count]
+        need = sum(
+            memory_estimate(layers, a, b, optimizer, in_flight[rank], precision=config.precision)
+            for a, b in held
         )
         if need > stage.memory_bytes:
-            held = (
+            flight = (
                 f" (with {in_flight[rank]} micro-batches of activations in flight)"
                 if config.input_shape
                 else ""
             )
+            what = ", ".join(f"[{a}, {b})" for a, b in held)
             raise ResourceExhaustedError(
-                f"stage {stage.address} would hold layers [{start}, {end}) needing about "
-                f"{need / 2**20:.0f} MiB{held}; it has {stage.memory_bytes / 2**20:.0f} MiB"
+                f"stage {stage.address} would hold layers {what} needing about "
+                f"{need / 2**20:.0f} MiB{flight}; it has {stage.memory_bytes / 2**20:.0f} MiB"
             )
-        plan.append(
-            PipelineStage(start_layer=start, end_layer=end, rank=rank, address=stage.address)
+    plan = [
+        PipelineStage(
+            start_layer=start,
+            end_layer=end,
+            rank=i % count,
+            address=stages[i % count].address,
+            chunk=i // count,
         )
+        for i, (start, end) in enumerate(ranges)
+    ]
     check_plan(plan, len(layers))
     return plan
 
@@ -216,8 +246,16 @@ def first_plan(
         PlanError: fewer free stages than ``num_stages``.
         ResourceExhaustedError: a stage's share does not fit its memory.
     """
-    partition.partition("uniform", [0] * len(layers), config.num_stages)  # checks the counts
-    check_schedule(config.schedule, config.num_stages, config.num_microbatches)
+    ranges = config.num_stages * config.virtual_stages
+    if config.virtual_stages > 1 and ranges > len(layers):
+        raise InvalidArgumentError(
+            f"num_stages x virtual_stages ({config.num_stages} x {config.virtual_stages}) "
+            f"exceeds num_layers ({len(layers)}); every layer range needs at least one layer"
+        )
+    partition.partition("uniform", [0] * len(layers), ranges)  # checks the counts
+    check_schedule(
+        config.schedule, config.num_stages, config.num_microbatches, config.virtual_stages
+    )
     if config.total_stages > len(free):
         wanted = (
             f"num_stages x data_parallel ({config.num_stages} x {config.data_parallel})"
@@ -339,15 +377,18 @@ def replan(
     ]
     if len(replicas_of(plan)) > 1:
         return _replan_replicas(config, layers, plan, lost, spares, stages, job_id)
-    if len(spares) >= len(plan) - len(survivors):
+    servers = servers_of(plan)
+    if len(spares) >= len([s for s in servers if s.address in lost]):
         replacements = iter(spares)
-        chosen = [s.address if s.address not in lost else next(replacements).address for s in plan]
+        chosen = [
+            s.address if s.address not in lost else next(replacements).address for s in servers
+        ]
         ranges = [(s.start_layer, s.end_layer) for s in plan]
     else:
-        chosen = [s.address for s in survivors] + [c.address for c in spares]
+        chosen = [s.address for s in servers_of(survivors)] + [c.address for c in spares]
         if not chosen:
             raise PlanError(f"job {job_id}: every stage is lost and no spare is registered")
-        count = min(len(chosen), len(layers))
+        count = min(len(chosen), len(layers) // config.virtual_stages)
         chosen = chosen[:count]
         ranges = _ranges(config, layers, [stages[a] for a in chosen])
         logger.warning(
@@ -377,13 +418,12 @@ def _replan_replicas(
     kept: list[list[Stage]] = []
     dropped = []
     for pipeline in replicas_of(plan):
-        missing = [s for s in pipeline if s.address in lost]
+        servers = servers_of(pipeline)
+        missing = [s for s in servers if s.address in lost]
         if len(missing) > len(spare):
             dropped.append(pipeline[0].replica)
             continue
-        kept.append(
-            [stages[s.address] if s.address not in lost else spare.pop(0) for s in pipeline]
-        )
+        kept.append([stages[s.address] if s.address not in lost else spare.pop(0) for s in servers])
     floor = config.data_parallel if config.min_replicas is None else config.min_replicas
     if dropped and len(kept) < floor:
         raise PlanError(

@@ -16,7 +16,7 @@ from pipesvc.coordinator.registry import StageRecord, StageRegistry
 from pipesvc.coordinator.stage_calls import call_stage
 from pipesvc.core.config import JobConfig
 from pipesvc.core.health import Health
-from pipesvc.core.plan import PipelineStage
+from pipesvc.core.plan import PipelineStage, servers_of
 from pipesvc.errors import InvalidArgumentError, PlanError, UnknownModelError
 from pipesvc.v1 import stage_pb2
 
@@ -167,8 +167,8 @@ def replan(
 
 
 def place(registry: StageRegistry, plan: Sequence[PipelineStage]) -> None:
-    """Records each stage's place in ``plan`` in the registry."""
-    for stage in plan:
+    """Records each stage's place in ``plan`` in the registry (its first range)."""
+    for stage in servers_of(plan):
         registry.place(
             stage.address, rank=stage.rank, start_layer=stage.start_layer, end_layer=stage.end_layer
         )

@@ -28,6 +28,7 @@ from pipesvc.coordinator.step_log import StepLog
 from pipesvc.core.cadence import CheckpointCadence
 from pipesvc.core.health import Health
 from pipesvc.core.microbatch import RunBatch
+from pipesvc.core.plan import servers_of
 from pipesvc.core.tensor_codec import named_frames, read_named_frames
 from pipesvc.errors import (
     InternalError,
@@ -157,7 +158,7 @@ class Recovery:
         try:
             commit_all(
                 group.registry,
-                group.plan,
+                group.servers,
                 pending.request(group.job_id, group.epoch),
                 step=pending.step,
                 deadlines=group.deadlines,
@@ -236,7 +237,7 @@ class Recovery:
             ", ".join(sorted(leaving)),
         )
         self.checkpoint()
-        old = list(self.group.plan)
+        old = list(self.group.servers)
         self.rebuild(leaving)
         for stage in old:
             if stage.address in leaving:
@@ -263,7 +264,9 @@ class Recovery:
             )
         # Survivors the new plan leaves out (the rest of a dropped replica) go back to the pool.
         kept = {s.address for s in group.plan}
-        left_out = [s for s in old if s.address not in without and s.address not in kept]
+        left_out = [
+            s for s in servers_of(old) if s.address not in without and s.address not in kept
+        ]
         for stage in left_out:
             group.release(stage)
         group.registry.unclaim([s.address for s in left_out])
@@ -475,7 +478,7 @@ class Recovery:
             for i in infos
         )
         behind = (
-            [(s, i) for s, i in zip(group.plan, infos, strict=True) if i.step < state.step]
+            [(s, i) for s, i in zip(group.servers, infos, strict=True) if i.step < state.step]
             if consistent
             else []
         )
@@ -504,7 +507,7 @@ class Recovery:
                 consistent = False
         if consistent:
             registry.claim(addresses, group.job_id)
-            for stage in group.plan:
+            for stage in group.servers:
                 registry.place(
                     stage.address,
                     rank=stage.rank,

@@ -151,7 +151,7 @@ class JobGeneration:
         """Drops the session's caches on every stage of the plan (best effort: a stage that
         is gone or busy drops them when they expire)."""
         request = stage_pb2.ReleaseSessionRequest(job_id=self._job_id, session=session.id)
-        for stage in list(self._group.plan):
+        for stage in list(self._group.servers):
             try:
                 call_stage(
                     self._group.registry,

@@ -24,7 +24,7 @@ from pipesvc.core.config import JobConfig, config_to_proto
 from pipesvc.core.health import Health
 from pipesvc.core.loss import loss_units
 from pipesvc.core.microbatch import RunBatch
-from pipesvc.core.plan import PipelineStage, replicas_of
+from pipesvc.core.plan import PipelineStage, replicas_of, servers_of
 from pipesvc.core.tensor_codec import encode
 from pipesvc.errors import FailedPreconditionError, PipesvcError
 from pipesvc.v1 import common_pb2, stage_pb2
@@ -73,13 +73,19 @@ class StageGroup:
 
     @property
     def primary(self) -> list[PipelineStage]:
-        """Replica 0's pipeline: the one checkpoints, state reads and generation use."""
-        return self.pipelines[0]
+        """Replica 0's stage servers: the ones checkpoints, state reads and generation use."""
+        return servers_of(self.pipelines[0])
+
+    @property
+    def servers(self) -> list[PipelineStage]:
+        """One entry per stage server (its chunk 0; see [Note: virtual stages]), plan order:
+        what every call to the stages goes to."""
+        return servers_of(self.plan)
 
     @property
     def addresses(self) -> list[str]:
-        """The plan's stage addresses, in rank order."""
-        return [s.address for s in self.plan]
+        """The plan's stage addresses, in rank order (each server once)."""
+        return [s.address for s in self.servers]
 
     def describe(self) -> str:
         """The plan as log lines show it: each stage's layer range and address (and replica,
@@ -87,7 +93,11 @@ class StageGroup:
         pipelines = self.pipelines
         return "; ".join(
             (f"replica {p[0].replica}: " if len(pipelines) > 1 else "")
-            + ", ".join(f"[{s.start_layer},{s.end_layer})@{s.address}" for s in p)
+            + ", ".join(
+                f"[{s.start_layer},{s.end_layer})@{s.address}"
+                + (f" chunk {s.chunk}" if s.chunk else "")
+                for s in p
+            )
             for p in pipelines
         )
 
@@ -106,10 +116,11 @@ class StageGroup:
         timeout_s: float,
         **kw: Any,
     ) -> list[_Resp]:
-        """``method`` (``lambda stub: stub.Info``) on every stage at once, with ``make(stage)``
-        as its request (see ``stage_calls.call_all`` for ``kw``); the replies in rank order."""
+        """``method`` (``lambda stub: stub.Info``) on every stage server at once, with
+        ``make(stage)`` as its request (see ``stage_calls.call_all`` for ``kw``); the replies
+        in the order of ``servers``."""
         return call_all(
-            self.registry, self.plan, lambda stub, s: (method(stub), make(s)), timeout_s, **kw
+            self.registry, self.servers, lambda stub, s: (method(stub), make(s)), timeout_s, **kw
         )
 
     def run_step(
@@ -134,7 +145,13 @@ class StageGroup:
         inputs, targets = batch.inputs, batch.targets
         units = [loss_units(self.config.loss, t) for t in targets]
         weights = microbatch.loss_weights(units) if targets else []
-        pipelines = self.pipelines
+        if mode == stage_pb2.GENERATE and self.config.virtual_stages > 1:
+            raise FailedPreconditionError(
+                f"job {self.job_id} holds {self.config.virtual_stages} layer ranges per stage: "
+                "generation through virtual stages is not supported; create the job without "
+                "virtual_stages to generate"
+            )
+        pipelines = [servers_of(p) for p in self.pipelines]
         shares = self.shares(mode, len(inputs))
         group = self._replica_group() if mode == stage_pb2.TRAIN and len(pipelines) > 1 else None
         encoded_inputs = [encode(t) for t in inputs]
@@ -246,7 +263,7 @@ class StageGroup:
                     exc,
                 )
 
-        alive = [s for s in self.plan if s.address not in lost]
+        alive = [s for s in self.servers if s.address not in lost]
         list(self._pool.map(abort_one, alive))
 
     def release(self, stage: PipelineStage) -> None:
@@ -269,13 +286,17 @@ class StageGroup:
 
         def assign(stage: PipelineStage) -> stage_pb2.AssignRequest:
             plan = pipelines[stage.replica]
-            downstream = plan[stage.rank + 1].address if stage.rank + 1 < len(plan) else ""
+            ring = servers_of(plan)
+            if self.config.virtual_stages > 1:  # the last stage feeds the first one's chunks
+                downstream = ring[(stage.rank + 1) % len(ring)].address
+            else:
+                downstream = ring[stage.rank + 1].address if stage.rank + 1 < len(ring) else ""
             return stage_pb2.AssignRequest(
                 job_id=self.job_id,
                 plan_epoch=self.epoch,
                 spec=spec,
                 stage=stage.to_proto(),
-                num_stages=len(plan),
+                num_stages=len(ring),
                 downstream_address=downstream,
                 plan=[entry.to_proto() for entry in plan],
                 num_replicas=len(pipelines),

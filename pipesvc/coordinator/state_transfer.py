@@ -15,7 +15,7 @@ import grpc
 
 from pipesvc.coordinator.registry import StageRegistry
 from pipesvc.coordinator.stage_calls import StageStub, call_all, call_stage
-from pipesvc.core.plan import PipelineStage
+from pipesvc.core.plan import PipelineStage, servers_of
 from pipesvc.errors import InvalidArgumentError, PipesvcError
 from pipesvc.storage.checkpoint import OPTIM_PREFIX, layer_of
 from pipesvc.v1 import common_pb2, stage_pb2
@@ -70,8 +70,12 @@ def load_into_stages(
         InvalidArgumentError: unknown or missing keys, or a shape or dtype mismatch.
     """
     expected = {f"{layer.index}.{t.name}" for layer in layers for t in layer.tensors}
-    # One stream per stage, by its index in the plan (with replicas, several stages hold
-    # each layer, and every one of them gets its tensors).
+    # One stream per stage server, by its index among the plan's servers (with replicas,
+    # several servers hold each layer, and every one of them gets its tensors; with virtual
+    # stages, one server holds several ranges).
+    entries = list(plan)
+    plan = servers_of(entries)
+    index_of = {s.address: i for i, s in enumerate(plan)}
     queues = {i: queue.Queue[Any](maxsize=FRAMES_IN_FLIGHT) for i in range(len(plan))}
 
     def feed(index: int) -> Iterator[stage_pb2.LoadStateRequest]:
@@ -100,7 +104,7 @@ def load_into_stages(
     seen: set[str] = set()
     failure: BaseException | None = None
     try:
-        _route(frames, plan, layers, put, seen)
+        _route(frames, entries, index_of, layers, put, seen)
     except PipesvcError as exc:
         failure = exc
     finally:
@@ -140,6 +144,7 @@ def load_into_stages(
 def _route(
     frames: Iterable[common_pb2.TensorFrame],
     plan: Sequence[PipelineStage],
+    index_of: dict[str, int],
     layers: Sequence[stage_pb2.LayerDescription],
     put: Callable[[int, common_pb2.TensorFrame], None],
     seen: set[str],
@@ -156,7 +161,7 @@ def _route(
             if frame.name in seen:
                 raise InvalidArgumentError(f"state key {frame.name!r} sent twice")
             seen.add(frame.name)
-            holders = [i for i, s in enumerate(plan) if s.start_layer <= layer < s.end_layer]
+            holders = [index_of[s.address] for s in plan if s.start_layer <= layer < s.end_layer]
             current = (frame.name, holders)
         if current is None or current[0] != frame.name:
             raise InvalidArgumentError(f"frame {frame.frame_index} of {frame.name!r} alone")

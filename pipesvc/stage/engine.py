@@ -124,6 +124,24 @@ class RunInputs:
 
 
 @dataclass(frozen=True, slots=True)
+class _Place:
+    """Where an action is: its micro-batch, its chunk, and the run's micro-batch count.
+
+    [Note: chunk mail] On the links a tensor for chunk ``c`` of micro-batch ``i`` travels as
+    micro-batch ``c * count + i`` of the run (``wire``), so the frames, shared memory and the
+    mailbox need no notion of chunks; with one chunk it is ``i``.
+    """
+
+    microbatch: int
+    chunk: int
+    count: int
+
+    def wire(self, chunk: int) -> int:
+        """The micro-batch index this micro-batch's tensor for ``chunk`` travels as."""
+        return chunk * self.count + self.microbatch
+
+
+@dataclass(frozen=True, slots=True)
 class _Cohort:
     """A fused run's parts, their stacked cache, and the caches cut from it."""
 
@@ -223,9 +241,10 @@ class StepEngine:
                     rank=rt.rank,
                     num_stages=rt.num_stages,
                     num_microbatches=num_microbatches,
+                    virtual_stages=len(rt.chunks),
                 )
             else:
-                actions = forward_only_actions(num_microbatches)
+                actions = forward_only_actions(num_microbatches, len(rt.chunks))
             rt.begin_run(training, microbatch_offset=data.microbatch_offset)
             sessions = sorted({ref.session for refs in data.caches for ref in refs})
             if self.sessions is not None and sessions:
@@ -324,10 +343,11 @@ class StepEngine:
         rec.begin(run_id, rt.step + 1 if training else 0, job_id=self._job_id, rank=rt.rank)
         losses: dict[int, float] = {}
         outputs: dict[int, torch.Tensor] = {}
-        split = {a.microbatch_index for a in actions if a.kind is ActionKind.WEIGHT}
+        split = {(a.microbatch_index, a.chunk) for a in actions if a.kind is ActionKind.WEIGHT}
         last_mb = sum(a.kind is ActionKind.FORWARD for a in actions) - 1
+        count = sum(a.kind is ActionKind.FORWARD and a.chunk == 0 for a in actions)
         for action in actions:
-            mb = action.microbatch_index
+            mb, chunk = action.microbatch_index, action.chunk
             if self._fault_kill is not None and training:
                 self._fault_kill.check(
                     when="forward" if action.kind is ActionKind.FORWARD else "backward",
@@ -336,15 +356,17 @@ class StepEngine:
                     microbatch=mb,
                     last_mb=last_mb,
                 )
+            at = _Place(mb, chunk, count)
             if action.kind is ActionKind.FORWARD:
+                split_here = (mb, chunk) in split
                 self._forward(
-                    run_id, mb, data, training, losses, outputs, generating, split=mb in split
+                    run_id, at, data, training, losses, outputs, generating, split=split_here
                 )
             elif action.kind is ActionKind.BACKWARD:
-                self._backward(run_id, mb)
+                self._backward(run_id, at)
             else:
                 with rec.span("weight", mb):
-                    rt.backward_weight(mb)
+                    rt.backward_weight(mb, chunk)
                 self._metrics.set("microbatches_in_flight", rt.live)
         rec.end(training=training, generating=generating)
         return [losses[i] for i in sorted(losses)], [outputs[i] for i in sorted(outputs)]
@@ -352,7 +374,7 @@ class StepEngine:
     def _forward(
         self,
         run_id: int,
-        mb: int,
+        at: _Place,
         data: RunInputs,
         training: bool,
         losses: dict[int, float],
@@ -362,6 +384,7 @@ class StepEngine:
         split: bool = False,
     ) -> None:
         rt, rec = self.runtime, self.recorder
+        mb, chunk = at.microbatch, at.chunk
         cache, stacked = None, None
         if data.caches:
             assert self.sessions is not None  # checked when the run began
@@ -379,18 +402,26 @@ class StepEngine:
                     layout, parts, [ref.rows for ref in refs], [ref.positions for ref in refs]
                 )
                 cache = stacked.cache
-        if rt.is_first:
+        if rt.first_virtual(chunk):
             x = data.inputs[mb]
         else:
             with rec.span("wait", mb):
                 x = self.mailbox.get(
-                    MailKey(run_id, ACTIVATION, mb),
+                    MailKey(run_id, ACTIVATION, at.wire(chunk)),
                     self._recv_timeout_s,
-                    f" from rank {rt.rank - 1}",
+                    f" from rank {(rt.rank - 1) % rt.num_stages}",
                 )
         with rec.span("forward", mb):
             side = data.side[mb] if data.side else None
-            y = rt.forward(mb, x, training=training, side=side, cache=cache, split_backward=split)
+            y = rt.forward(
+                mb,
+                x,
+                training=training,
+                side=side,
+                cache=cache,
+                split_backward=split,
+                chunk=chunk,
+            )
             if stacked is not None:
                 assert self.sessions is not None
                 refs = data.caches[mb]
@@ -401,14 +432,17 @@ class StepEngine:
                     _Cohort(tuple((r.session, r.part) for r in refs), stacked, cut),
                     (r.session for r in refs),
                 )
-            if rt.is_last and training:
+            last = rt.last_virtual(chunk)
+            if last and training:
                 loss = rt.loss(mb, data.targets[mb], data.loss_weights[mb])
                 losses[mb] = float(loss.detach())  # float() of a tensor needing grad warns
         self._metrics.set("microbatches_in_flight", rt.live)
-        if not rt.is_last:
+        if not last:
+            # The next virtual stage: this chunk on the next rank, or the next chunk on rank 0.
+            after = chunk + 1 if rt.rank == rt.num_stages - 1 else chunk
             with rec.span("send", mb):
                 started = time.perf_counter()
-                self._send_activation(MailKey(run_id, ACTIVATION, mb), y)
+                self._send_activation(MailKey(run_id, ACTIVATION, at.wire(after)), y)
                 if training:
                     rt.profiler.sent(y.numel() * y.element_size(), time.perf_counter() - started)
         elif generating and data.greedy:
@@ -434,22 +468,26 @@ class StepEngine:
             return None
         return cohort.stacked.grown([r.positions for r in refs])
 
-    def _backward(self, run_id: int, mb: int) -> None:
+    def _backward(self, run_id: int, at: _Place) -> None:
         rt, rec = self.runtime, self.recorder
+        mb, chunk = at.microbatch, at.chunk
         grad = None
-        if not rt.is_last:
+        if not rt.last_virtual(chunk):
             with rec.span("wait", mb):
                 grad = self.mailbox.get(
-                    MailKey(run_id, GRADIENT, mb),
+                    MailKey(run_id, GRADIENT, at.wire(chunk)),
                     self._recv_timeout_s,
-                    f" from rank {rt.rank + 1} ({self._downstream_address})",
+                    f" from rank {(rt.rank + 1) % rt.num_stages} ({self._downstream_address})",
                 )
         with rec.span("backward", mb):
-            grad_input = rt.backward(mb, grad)
+            grad_input = rt.backward(mb, grad, chunk)
         self._metrics.set("microbatches_in_flight", rt.live)
         if grad_input is not None:
+            # The virtual stage before: this chunk on the rank before, or the chunk before on
+            # the last rank.
+            before = chunk - 1 if rt.rank == 0 else chunk
             with rec.span("send", mb):
-                self._send_gradient(MailKey(run_id, GRADIENT, mb), grad_input)
+                self._send_gradient(MailKey(run_id, GRADIENT, at.wire(before)), grad_input)
 
     def commit(self, run_id: int, grad_scale: float | None) -> int:
         """Applies the pending run's optimizer step; returns the step count.

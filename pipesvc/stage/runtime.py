@@ -102,6 +102,7 @@ class StageRuntime:
         num_stages: int,
         device: torch.device,
         ties: StageTies | None = None,
+        chunks: list[tuple[int, int]] | None = None,
     ) -> None:
         self.config = config
         self.start_layer = start_layer
@@ -109,14 +110,30 @@ class StageRuntime:
         self.rank = rank
         self.num_stages = num_stages
         self.device = device
-        layers = build_layers(
-            config.model,
-            config.model_args,
-            seed=config.seed,
-            start_layer=start_layer,
-            end_layer=end_layer,
-            device=device,
-        )
+        self.chunks = chunks or [(start_layer, end_layer)]
+        """The layer ranges this stage holds, chunk 0 first (see [Note: virtual stages])."""
+        if self.chunks[0] != (start_layer, end_layer):
+            raise InvalidArgumentError(
+                f"chunk 0 holds layers {list(self.chunks[0])}; expected [{start_layer}, "
+                f"{end_layer})"
+            )
+        if len(self.chunks) > 1 and ties is not None and ties.local:
+            raise InvalidArgumentError(
+                f"model {config.model!r} ties parameters across stages: virtual stages "
+                "(several layer ranges per stage) do not support tied parameters"
+            )
+        layers: list[nn.Module] = []
+        indices: list[int] = []
+        for a, b in self.chunks:
+            layers += build_layers(
+                config.model,
+                config.model_args,
+                seed=config.seed,
+                start_layer=a,
+                end_layer=b,
+                device=device,
+            )
+            indices += range(a, b)
         if config.precision == "bf16":
             for layer in layers:
                 layer.to(torch.bfloat16)
@@ -125,11 +142,21 @@ class StageRuntime:
         self._wire_dtype: torch.dtype | None = getattr(torch, wire) if wire else None
         self._compute_dtype = torch.bfloat16 if config.precision == "bf16" else torch.float32
         # Keys "{global layer}.{param}" match build(...).state_dict() (DESIGN section 4).
-        self.module = nn.ModuleDict({str(start_layer + i): layer for i, layer in enumerate(layers)})
+        self.module = nn.ModuleDict(
+            {str(index): layer for index, layer in zip(indices, layers, strict=True)}
+        )
         if config.num_microbatches > 1:
-            _refuse_batch_statistics(start_layer, layers, config.num_microbatches)
+            for (a, b), offset in zip(self.chunks, _offsets(self.chunks), strict=True):
+                chunk_layers = layers[offset : offset + b - a]
+                _refuse_batch_statistics(a, chunk_layers, config.num_microbatches)
         # (global index, layer, whether its training call is seeded), fixed at build time.
-        self._layers = [(start_layer + i, layer, uses_rng(layer)) for i, layer in enumerate(layers)]
+        self._layers = [
+            (index, layer, uses_rng(layer)) for index, layer in zip(indices, layers, strict=True)
+        ]
+        self._chunk_layers = [
+            self._layers[offset : offset + b - a]
+            for (a, b), offset in zip(self.chunks, _offsets(self.chunks), strict=True)
+        ]
         self._training = True  # modules are built in training mode
         ties = ties or StageTies()
         if not trains(config.optimizer):  # an inference job: no gradients, no state
@@ -259,6 +286,19 @@ class StageRuntime:
             return t
         return t.detach().to(self._wire_dtype)
 
+    def first_virtual(self, chunk: int) -> bool:
+        """Whether ``chunk`` here is the model's first virtual stage (it takes the inputs)."""
+        return self.rank == 0 and chunk == 0
+
+    def last_virtual(self, chunk: int) -> bool:
+        """Whether ``chunk`` here is the model's last virtual stage (it computes the loss)."""
+        return self.rank == self.num_stages - 1 and chunk == len(self.chunks) - 1
+
+    @staticmethod
+    def _key(microbatch: int, chunk: int) -> int:
+        """Where a micro-batch's chunk keeps its activations (one key per pair)."""
+        return chunk * _CHUNK_STRIDE + microbatch
+
     def _apply(
         self,
         x: torch.Tensor,
@@ -266,6 +306,7 @@ class StageRuntime:
         side: Mapping[str, torch.Tensor],
         cache: Any = None,
         deferred: WeightGradStore | None = None,
+        chunk: int = 0,
     ) -> torch.Tensor:
         """Runs the layers (see [Note: precision]); in training, stochastic ones run seeded.
         With ``deferred`` (a split backward), the linear layers' backward leaves their weight
@@ -275,7 +316,7 @@ class StageRuntime:
             torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast),
             defer,
         ):
-            return self._apply_layers(x, microbatch, side, cache)
+            return self._apply_layers(x, microbatch, side, cache, chunk)
 
     def _apply_layers(
         self,
@@ -283,9 +324,10 @@ class StageRuntime:
         microbatch: int | None,
         side: Mapping[str, torch.Tensor],
         cache: Any,
+        chunk: int = 0,
     ) -> torch.Tensor:
         seed, step = self.config.seed, self.step + 1
-        for index, layer, seeded in self._layers:
+        for index, layer, seeded in self._chunk_layers[chunk]:
             # A layer names the side inputs it reads (``side_inputs``, see [Note: side inputs])
             # and whether it reads and extends a generation cache (``uses_cache``).
             wanted = getattr(layer, "side_inputs", ())
@@ -323,11 +365,12 @@ class StageRuntime:
         side: Mapping[str, torch.Tensor] | None = None,
         cache: Any = None,
         split_backward: bool = False,
+        chunk: int = 0,
     ) -> torch.Tensor:
-        """Runs this stage's layers on ``x`` (with the micro-batch's ``side`` inputs, and in
-        generation its key/value ``cache``); in training keeps what backward needs, for a
-        backward in two passes with ``split_backward`` (see [Note: split backward] in
-        ``pipesvc.core.action``).
+        """Runs this stage's layers of ``chunk`` on ``x`` (with the micro-batch's ``side``
+        inputs, and in generation its key/value ``cache``); in training keeps what backward
+        needs, for a backward in two passes with ``split_backward`` (see [Note: split
+        backward] in ``pipesvc.core.action``).
 
         Raises:
             InvalidArgumentError: a side input the model does not read, or a layer failed.
@@ -345,54 +388,64 @@ class StageRuntime:
         ):
             x = x.to(self._compute_dtype)  # see [Note: wire dtype]
         self._set_mode(training)
+        last = self.last_virtual(chunk)
         if not training:
             with torch.no_grad():
-                out = self._apply(x, None, side, cache)
-            return out if self.is_last else self._to_wire(out)
-        if not self.is_first:
+                out = self._apply(x, None, side, cache, chunk=chunk)
+            return out if last else self._to_wire(out)
+        if not self.first_virtual(chunk):
             if not x.is_floating_point():
                 raise InvalidArgumentError(
-                    f"activation into layer {self.start_layer} has dtype {x.dtype}; "
+                    f"activation into layer {self.chunks[chunk][0]} has dtype {x.dtype}; "
                     "a floating-point tensor is needed for its gradient"
                 )
             x = x.detach().requires_grad_(True)
         deferred = WeightGradStore() if split_backward else None
-        y = self._apply(x, microbatch, side, deferred=deferred)
+        y = self._apply(x, microbatch, side, deferred=deferred, chunk=chunk)
+        key = self._key(microbatch, chunk)
         if deferred is not None:
-            self._deferred[microbatch] = deferred
-        self._saved[microbatch] = (x, y)
+            self._deferred[key] = deferred
+        self._saved[key] = (x, y)
         self.max_live = max(self.max_live, len(self._saved))
-        return y if self.is_last else self._to_wire(y)
+        return y if last else self._to_wire(y)
 
     def loss(self, microbatch: int, target: torch.Tensor, weight: float) -> torch.Tensor:
         """Last stage: the weighted loss of micro-batch ``microbatch``, kept for backward."""
-        x, y = self._saved[microbatch]
+        key = self._key(microbatch, len(self.chunks) - 1)
+        x, y = self._saved[key]
         logits = y.float() if y.is_floating_point() else y
         loss = compute_loss(self.config.loss, logits, target.to(self.device)) * weight
-        self._saved[microbatch] = (x, loss)
+        self._saved[key] = (x, loss)
         return loss
 
-    def backward(self, microbatch: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
-        """Backpropagates micro-batch ``microbatch``; returns the input's gradient (rank > 0).
+    def backward(
+        self, microbatch: int, grad_output: torch.Tensor | None, chunk: int = 0
+    ) -> torch.Tensor | None:
+        """Backpropagates micro-batch ``microbatch`` through ``chunk``; returns the input's
+        gradient (except on the first virtual stage).
 
-        On the last stage ``grad_output`` is None and the saved loss is the root.
+        On the last virtual stage ``grad_output`` is None and the saved loss is the root.
 
         Raises:
             FailedPreconditionError: no forward is pending for this micro-batch.
             InvalidArgumentError: the gradient does not match the output's shape.
         """
-        if microbatch not in self._saved or microbatch in self._backward_s:
-            raise FailedPreconditionError(f"backward of micro-batch {microbatch} before forward")
-        split = microbatch in self._deferred
+        key = self._key(microbatch, chunk)
+        if key not in self._saved or key in self._backward_s:
+            raise FailedPreconditionError(
+                f"backward of micro-batch {microbatch} (chunk {chunk}) before forward"
+            )
+        split = key in self._deferred
+        first = self.first_virtual(chunk)
         # A split backward's micro-batch stays in flight until its W.
-        x, y = self._saved[microbatch] if split else self._saved.pop(microbatch)
+        x, y = self._saved[key] if split else self._saved.pop(key)
         started = time.perf_counter()
         if split:
-            self._backward_s[microbatch] = 0.0
+            self._backward_s[key] = 0.0
         if not y.requires_grad:
             # Nothing before this point trains (a first stage whose layers are all frozen, as
             # the embedding under LoRA): there is no gradient to compute or send.
-            return None if self.is_first else torch.zeros_like(x)
+            return None if first else torch.zeros_like(x)
         if grad_output is None:
             torch.autograd.backward(y)
         else:
@@ -403,26 +456,27 @@ class StageRuntime:
                 )
             torch.autograd.backward(y, grad_output.to(device=self.device, dtype=y.dtype))
         if split:
-            self._backward_s[microbatch] = time.perf_counter() - started
+            self._backward_s[key] = time.perf_counter() - started
         else:
             self.profiler.backward(time.perf_counter() - started)
-        return None if self.is_first or x.grad is None else self._to_wire(x.grad)
+        return None if first or x.grad is None else self._to_wire(x.grad)
 
-    def backward_weight(self, microbatch: int) -> None:
+    def backward_weight(self, microbatch: int, chunk: int = 0) -> None:
         """``W`` of a split backward: adds the weight gradients its ``B`` left to the
         parameters' gradients; the micro-batch is then done.
 
         Raises:
             FailedPreconditionError: ``B`` of this micro-batch has not run.
         """
-        if microbatch not in self._backward_s:
+        key = self._key(microbatch, chunk)
+        if key not in self._backward_s:
             raise FailedPreconditionError(
                 f"weight gradient of micro-batch {microbatch} before its backward"
             )
-        seconds = self._backward_s.pop(microbatch)
-        del self._saved[microbatch]
+        seconds = self._backward_s.pop(key)
+        del self._saved[key]
         started = time.perf_counter()
-        self._deferred.pop(microbatch).apply()
+        self._deferred.pop(key).apply()
         self.profiler.backward(seconds + time.perf_counter() - started)
 
     def settled_parameters(self) -> list[nn.Parameter]:
@@ -598,6 +652,20 @@ class StageRuntime:
                 self.optimizer.state[param] = slots
         if step is not None:
             self.step = step
+
+
+_CHUNK_STRIDE = 1 << 20
+"""Keys of a micro-batch's chunks in flight: ``chunk * _CHUNK_STRIDE + microbatch`` (more
+micro-batches than this are refused long before)."""
+
+
+def _offsets(chunks: list[tuple[int, int]]) -> list[int]:
+    """Where each chunk's layers start in the stage's list of layers."""
+    offsets, total = [], 0
+    for a, b in chunks:
+        offsets.append(total)
+        total += b - a
+    return offsets
 
 
 def _refuse_batch_statistics(

@@ -70,6 +70,36 @@ def _carried(request: stage_pb2.RunStepRequest) -> Carried | None:
     return Carried(run_id=carried.run_id, grad_scale=scale, snapshot=carried.snapshot)
 
 
+def _chunk_ranges(request: stage_pb2.AssignRequest) -> list[tuple[int, int]]:
+    """This stage's layer ranges, chunk 0 first (see [Note: virtual stages]): its own entry,
+    then those of its rank in the plan an Assign carries.
+
+    Raises:
+        InvalidArgumentError: the plan's entries of this rank are not chunks 0, 1, ... in
+            layer order, or chunk 0 is not the stage's own range.
+    """
+    stage = request.stage
+    mine = sorted((p for p in request.plan if p.rank == stage.rank), key=lambda p: p.chunk)
+    if not mine:
+        return [(stage.start_layer, stage.end_layer)]
+    ranges = [(p.start_layer, p.end_layer) for p in mine]
+    if [p.chunk for p in mine] != list(range(len(mine))) or ranges[0] != (
+        stage.start_layer,
+        stage.end_layer,
+    ):
+        raise InvalidArgumentError(
+            f"the plan gives rank {stage.rank} chunks {[p.chunk for p in mine]} with layers "
+            f"{ranges}; expected chunks 0, 1, ... starting with [{stage.start_layer}, "
+            f"{stage.end_layer})"
+        )
+    if len(ranges) != request.spec.virtual_stages and request.spec.virtual_stages > 1:
+        raise InvalidArgumentError(
+            f"the plan gives rank {stage.rank} {len(ranges)} layer ranges; the job has "
+            f"virtual_stages {request.spec.virtual_stages}"
+        )
+    return ranges
+
+
 def _plan_ranges(request: stage_pb2.AssignRequest) -> list[tuple[int, int]]:
     """Each rank's layer range from the plan an Assign carries (for tied parameters).
 
@@ -194,11 +224,13 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
             raise InvalidArgumentError(
                 f"rank ({stage.rank}) must be below num_stages ({request.num_stages})"
             )
-        is_last = stage.rank == request.num_stages - 1
+        chunks = _chunk_ranges(request)
+        is_last = stage.rank == request.num_stages - 1 and len(chunks) == 1
         if is_last == bool(request.downstream_address):
             raise InvalidArgumentError(
                 f"rank {stage.rank} of {request.num_stages} got downstream address "
-                f"{request.downstream_address!r}; only the last stage has none"
+                f"{request.downstream_address!r}; only the last stage has none (and none "
+                "when the stages hold several layer ranges each)"
             )
         with self._lock:
             if self._job is not None and self._job.job_id != request.job_id:
@@ -215,6 +247,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
             num_stages=request.num_stages,
             device=self._options.device,
             ties=ties,
+            chunks=chunks,
         )
         tied = None
         if runtime.ties.peers:
