@@ -444,7 +444,17 @@ class JobDriver:
     # -- generation ------------------------------------------------------------------------------
 
     def _generate_steps(self, attempt: Callable[[], Any], what: str) -> Any:
-        """A generation run: under the job's lock, recovering from lost stages like any run."""
+        """A generation run: under the job's lock, recovering from lost stages like any run.
+
+        Raises:
+            FailedPreconditionError: the job's stages hold several layer ranges each.
+        """
+        if self.config.virtual_stages > 1:
+            raise FailedPreconditionError(
+                f"job {self.job_id} holds {self.config.virtual_stages} layer ranges per stage: "
+                "generation through virtual stages is not supported; create the job without "
+                "virtual_stages to generate"
+            )
         with self._lock:
             return self._resilient(attempt, what)
 

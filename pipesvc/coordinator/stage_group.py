@@ -145,12 +145,7 @@ class StageGroup:
         inputs, targets = batch.inputs, batch.targets
         units = [loss_units(self.config.loss, t) for t in targets]
         weights = microbatch.loss_weights(units) if targets else []
-        if mode == stage_pb2.GENERATE and self.config.virtual_stages > 1:
-            raise FailedPreconditionError(
-                f"job {self.job_id} holds {self.config.virtual_stages} layer ranges per stage: "
-                "generation through virtual stages is not supported; create the job without "
-                "virtual_stages to generate"
-            )
+        assert mode != stage_pb2.GENERATE or self.config.virtual_stages == 1  # refused before
         pipelines = [servers_of(p) for p in self.pipelines]
         shares = self.shares(mode, len(inputs))
         group = self._replica_group() if mode == stage_pb2.TRAIN and len(pipelines) > 1 else None
