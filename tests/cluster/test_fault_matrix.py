@@ -13,7 +13,8 @@ The cases cover every schedule (zb-h1's split backward included), more micro-bat
 link's send queue holds, activations of several MiB per micro-batch on the shared-memory path
 and on frames, Adam with clipping, the ``gpt`` with dropout, a model with parameter-free layers
 (the ``cnn``'s Flatten), faults in forward, backward, commit and during a checkpoint, and
-replicated jobs (data parallel x pipeline) at the same sizes.
+replicated jobs (data parallel x pipeline) and stages holding several layer ranges
+(``interleaved-1f1b``) at the same sizes.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ class Case:
     clip_grad_norm: float | None = None
     shm: bool = True
     partition: str = "parameters"
+    virtual_stages: int = 1
+    """Layer ranges per stage (``interleaved-1f1b``)."""
     data_parallel: int = 1
     """Replicas; the fault flag is on every stage, so the first stage of its rank to reach
     the point dies (in whichever replica)."""
@@ -135,6 +138,17 @@ CASES = {
         partition="uniform",
         data_parallel=2,
     ),
+    # Virtual stages: the killed stage's chunks all move to the spare, the ring re-forms.
+    "mlp-interleaved-forward": Case(
+        "forward:3:1",
+        problem=PROBLEMS["mlp"],
+        schedule="interleaved-1f1b",
+        virtual_stages=2,
+        num_microbatches=SEND_QUEUE_ITEMS + 4,
+        batch_size=2 * (SEND_QUEUE_ITEMS + 4),
+        steps=5,
+        partition="uniform",
+    ),
     # Replicas with more micro-batches per replica than a send queue holds, killed at commit.
     "mlp-replicas-queue-commit": Case(
         "commit:3:0",
@@ -164,6 +178,7 @@ def _create(client: pipesvc.Client, case: Case) -> pipesvc.Job:
         seed=5,
         num_stages=case.num_stages,
         data_parallel=case.data_parallel,
+        virtual_stages=case.virtual_stages,
         num_microbatches=case.num_microbatches,
         schedule=case.schedule,
         loss=case.problem.loss,
@@ -206,7 +221,7 @@ def test_fault_costs_nothing(name: str, tmp_path: Path) -> None:
         cluster.connect() as client,
     ):
         job = _create(client, case)
-        pids = {(s.replica, s.rank): stage_pid(s.address) for s in job.plan}
+        pids = {(s.replica, s.rank): stage_pid(s.address) for s in job.plan if s.chunk == 0}
         faulty = _train(job, case)
         assert marker.exists(), "the fault never fired"
         assert faulty.recoveries == 1
@@ -239,7 +254,7 @@ def test_cases_cover_the_matrix() -> None:
     """The matrix keeps the dimensions the module docstring promises."""
     cases = CASES.values()
     assert {c.fault.split(":")[0] for c in cases} == {"forward", "backward", "commit", "checkpoint"}
-    assert {c.schedule for c in cases} == {"gpipe", "1f1b", "zb-h1"}
+    assert {c.schedule for c in cases} == {"gpipe", "1f1b", "zb-h1", "interleaved-1f1b"}
     assert {c.shm for c in cases} == {True, False}
     assert any(c.num_microbatches > SEND_QUEUE_ITEMS for c in cases)
     assert any(c.problem.model == "cnn" for c in cases)  # Flatten has no parameters
