@@ -3,9 +3,10 @@
 Model and job as ``bench/pipeline.py``'s mlp rows: 8 x (Linear(1024, 1024) + ReLU)
 (``bench-mlp``), batch 64 in m = 8 micro-batches, MSE, SGD (lr 1e-3), split uniformly over
 p = 2 or 4 stages, ``LocalCluster(num_stages=p, threads_per_stage=1)`` (a coordinator plus p
-stage processes), checkpoints off, GPipe, 1F1B and zb-h1. 3 warm-up steps, then 20 timed steps (5
-with ``--quick``), each timed from the client; then ``job.timelines()`` fetches what the
-stages recorded.
+stage processes), checkpoints off, GPipe, 1F1B, zb-h1 and interleaved-1f1b with 2 layer
+ranges per stage (``virtual_stages=2``: 2p ranges of 8 / 2p layers). 3 warm-up steps, then 20
+timed steps (5 with ``--quick``), each timed from the client; then ``job.timelines()`` fetches
+what the stages recorded.
 
 How busy and idle are defined:
 
@@ -33,7 +34,9 @@ How busy and idle are defined:
   (the idle fraction of every stage when each stage's forward and backward of a micro-batch
   take the same time on every stage and communication is free: window
   ``(m + p - 1)(t_f + t_b)``, busy ``m (t_f + t_b)``), ``(p - 1) / (3m + p - 1)`` for zb-h1
-  (its input-gradient and weight-gradient passes each as long as the forward).
+  (its input-gradient and weight-gradient passes each as long as the forward),
+  ``(p - 1) / (V m + p - 1)`` for interleaved-1f1b (each chunk's passes a V-th of the
+  stage's).
   ``mean/ideal`` is mean idle over it.
 
 On 2 cores, 4 stages (5 processes, each with gRPC threads) oversubscribe the CPU: a stage
@@ -61,7 +64,9 @@ from pipesvc.observe.trace import StageTimeline, busy_idle
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WIDTH, DEPTH, BATCH, NUM_MICROBATCHES, LR = 1024, 8, 64, 8, 1e-3
 WARMUP_STEPS = 3
-SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")
+VIRTUAL_STAGES = {"interleaved-1f1b": 2}
+"""Layer ranges per stage of the schedules that interleave (the rest hold one)."""
 STAGE_COUNTS = (2, 4)
 
 
@@ -132,6 +137,7 @@ def measure(num_stages: int, num_steps: int) -> dict[str, Bubble]:
                 model="bench-mlp",
                 model_args={"width": WIDTH, "depth": DEPTH},
                 num_stages=num_stages,
+                virtual_stages=VIRTUAL_STAGES.get(schedule, 1),
                 num_microbatches=NUM_MICROBATCHES,
                 schedule=schedule,
                 optimizer={"name": "sgd", "lr": LR},
@@ -191,7 +197,12 @@ def main() -> None:
     ]
     breakdown = [["schedule", "stages", "rank", "busy", "wait", "send", "gaps", "outside"]]
     for (num_stages, schedule), b in results.items():
-        ideal = schedule_bubble(schedule, num_stages=num_stages, num_microbatches=NUM_MICROBATCHES)
+        ideal = schedule_bubble(
+            schedule,
+            num_stages=num_stages,
+            num_microbatches=NUM_MICROBATCHES,
+            virtual_stages=VIRTUAL_STAGES.get(schedule, 1),
+        )
         mean_idle = sum(b.idle_fraction) / num_stages
         summary.append(
             [
