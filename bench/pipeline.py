@@ -14,7 +14,9 @@ Two models, each split uniformly (``pipesvc.core.partition.uniform``: equal laye
 - torch: ``PipelineStage`` + ``ScheduleGPipe`` / ``Schedule1F1B`` over gloo, one process per
   stage (``init_method=tcp://127.0.0.1:PORT``), the stage's layers built with
   ``pipesvc.models.build`` and sliced to pipesvc's ranges. pipesvc's ``zb-h1`` rows compare
-  with torch's 1F1B (torch's zero-bubble schedules hold two stages per rank).
+  with torch's 1F1B (torch's zero-bubble schedules hold two stages per rank); its
+  ``interleaved-1f1b`` rows (``virtual_stages=2``) with torch's ``ScheduleInterleaved1F1B``
+  over two ``PipelineStage`` per rank, cut into the same ranges.
 - data parallel x pipeline ("2x2" rows): pipesvc ``data_parallel=2`` over 2-stage pipelines
   on 4 stage processes (8 micro-batches per replica); torch: 2 replicas of the same
   ``PipelineStage`` pipeline in one 4-process gloo world (a process group per pipeline), each
@@ -62,8 +64,15 @@ WIDTH, DEPTH, BATCH, NUM_MICROBATCHES, LR = 1024, 8, 64, 8, 1e-3
 GPT_ARGS = {"vocab_size": 128, "block_size": 128, "embed_dim": 128, "num_heads": 4, "num_blocks": 6}
 GPT_BATCH, SEQ_LEN = 16, 128
 WARMUP_STEPS = 3
-SCHEDULES = ("gpipe", "1f1b", "zb-h1")
-TORCH_SCHEDULE = {"gpipe": "gpipe", "1f1b": "1f1b", "zb-h1": "1f1b"}
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")
+TORCH_SCHEDULE = {
+    "gpipe": "gpipe",
+    "1f1b": "1f1b",
+    "zb-h1": "1f1b",
+    "interleaved-1f1b": "interleaved",
+}
+VIRTUAL_STAGES = 2
+"""Layer ranges per stage in the interleaved rows (pipesvc and torch alike)."""
 """What each pipesvc schedule is compared with: torch has no single-stage-per-rank zero-bubble
 schedule (its zero-bubble ones hold two stages per rank), so zb-h1 rows repeat its 1F1B."""
 STAGE_COUNTS = (2, 4)
@@ -150,7 +159,12 @@ def _torch_stage(
 ) -> None:
     try:
         import torch.distributed as dist
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
 
         torch.set_num_threads(1)
         dist.init_process_group(
@@ -161,12 +175,27 @@ def _torch_stage(
             timeout=timedelta(seconds=120),
         )
         w = WORKLOADS[workload]
-        start, end = uniform(w.num_layers, world)[rank]
-        submodule = _model(w)[start:end]
-        stage = PipelineStage(submodule, rank, world, torch.device("cpu"))
-        schedule_cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-        pipe = schedule_cls(stage, n_microbatches=NUM_MICROBATCHES, loss_fn=_loss_fn(w))
-        opt = torch.optim.SGD(submodule.parameters(), lr=LR)
+        model = _model(w)
+        if schedule == "interleaved":  # this rank's chunks: virtual stages r, r + P, ...
+            cuts = uniform(w.num_layers, world * VIRTUAL_STAGES)
+            indices = range(rank, world * VIRTUAL_STAGES, world)
+            modules = [model[cuts[i][0] : cuts[i][1]] for i in indices]
+            stages = [
+                PipelineStage(m, i, world * VIRTUAL_STAGES, torch.device("cpu"))
+                for m, i in zip(modules, indices, strict=True)
+            ]
+            pipe: Any = ScheduleInterleaved1F1B(
+                stages, n_microbatches=NUM_MICROBATCHES, loss_fn=_loss_fn(w)
+            )
+            params = [p for m in modules for p in m.parameters()]
+        else:
+            start, end = uniform(w.num_layers, world)[rank]
+            submodule = model[start:end]
+            stage = PipelineStage(submodule, rank, world, torch.device("cpu"))
+            schedule_cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+            pipe = schedule_cls(stage, n_microbatches=NUM_MICROBATCHES, loss_fn=_loss_fn(w))
+            params = list(submodule.parameters())
+        opt = torch.optim.SGD(params, lr=LR)
         x, y = _batch(w)
         first_losses: list[float] = []
 
@@ -377,11 +406,13 @@ def pipesvc_steps_per_s(
         for name, num_steps in steps.items():
             w = WORKLOADS[name]
             x, y = _batch(w)
-            for (stages, replicas), schedule in itertools.product(layouts, SCHEDULES):
+            for stages, replicas, schedule in _rows(layouts):
+                virtual = VIRTUAL_STAGES if schedule == "interleaved-1f1b" else 1
                 job = client.create_job(
                     model=w.model,
                     model_args=w.model_args,
                     num_stages=stages,
+                    virtual_stages=virtual,
                     data_parallel=replicas,
                     num_microbatches=NUM_MICROBATCHES,
                     schedule=schedule,
@@ -390,13 +421,23 @@ def pipesvc_steps_per_s(
                     partition="uniform",
                 )
                 plan = [(s.start_layer, s.end_layer) for s in job.plan]
-                expected_plan = uniform(w.num_layers, stages) * replicas
+                expected_plan = uniform(w.num_layers, stages * virtual) * replicas
                 if plan != expected_plan:  # the torch side slices the model this way
                     raise RuntimeError(f"pipesvc planned {plan}, torch uses {expected_plan}")
                 results[name, schedule, replicas] = _time_job(job, x, y, num_steps)
                 job.close()
         client.close()
     return results
+
+
+def _rows(layouts: list[tuple[int, int]]) -> list[tuple[int, int, str]]:
+    """(stages, replicas, schedule) of each row: every schedule on one pipeline; the
+    replicated rows without interleaving (its torch baseline is not built here)."""
+    return [
+        (stages, replicas, schedule)
+        for (stages, replicas), schedule in itertools.product(layouts, SCHEDULES)
+        if replicas == 1 or schedule != "interleaved-1f1b"
+    ]
 
 
 def _print_table(rows: list[list[str]]) -> None:
@@ -442,7 +483,7 @@ def main() -> None:
         layouts = [(num_stages, 1)] + ([REPLICATED[num_stages]] if num_stages in REPLICATED else [])
         for name, num_steps in steps.items():
             measured: dict[tuple[str, int], tuple[float, float] | str] = {}
-            for (stages, replicas), schedule in itertools.product(layouts, SCHEDULES):
+            for stages, replicas, schedule in _rows(layouts):
                 rate, loss = ours[name, schedule, replicas]
                 against = TORCH_SCHEDULE[schedule]
                 if (against, replicas) not in measured:
