@@ -154,6 +154,22 @@ def _one_process(q: Queue, workload: str, num_threads: int, num_steps: int) -> N
     q.put(("seconds", _time_steps(step, num_steps)))
 
 
+def _pipe_step(
+    pipe: Any, index: int, num_stages: int, x: torch.Tensor, y: torch.Tensor, first: list[float]
+) -> None:
+    """One ``pipe.step`` of pipeline stage ``index``: the first feeds the inputs, the last the
+    targets (and keeps the first step's mean loss: equal micro-batches, so the batch mean)."""
+    if index == 0:
+        pipe.step(x)
+    elif index == num_stages - 1:
+        losses: list[torch.Tensor] = []
+        pipe.step(target=y, losses=losses)
+        if not first:
+            first.append(sum(v.item() for v in losses) / len(losses))
+    else:
+        pipe.step()
+
+
 def _torch_stage(
     q: Queue, workload: str, rank: int, world: int, address: str, schedule: str, num_steps: int
 ) -> None:
@@ -201,15 +217,7 @@ def _torch_stage(
 
         def step() -> None:
             opt.zero_grad()
-            if rank == 0:
-                pipe.step(x)
-            elif rank == world - 1:
-                losses: list[torch.Tensor] = []
-                pipe.step(target=y, losses=losses)
-                if not first_losses:  # equal micro-batches: their mean is the batch mean
-                    first_losses.append(sum(v.item() for v in losses) / len(losses))
-            else:
-                pipe.step()
+            _pipe_step(pipe, rank, world, x, y, first_losses)
             opt.step()
 
         seconds = _time_steps(step, num_steps, dist.barrier)
@@ -270,15 +278,7 @@ def _torch_replicated_stage(
 
         def step() -> None:
             opt.zero_grad()
-            if index == 0:
-                pipe.step(x)
-            elif index == num_stages - 1:
-                losses: list[torch.Tensor] = []
-                pipe.step(target=y, losses=losses)
-                if not first_losses:
-                    first_losses.append(sum(v.item() for v in losses) / len(losses))
-            else:
-                pipe.step()
+            _pipe_step(pipe, index, num_stages, x, y, first_losses)
             grads = [p.grad for p in params if p.grad is not None]
             flat = torch._utils._flatten_dense_tensors(grads)
             dist.all_reduce(flat, group=columns[index])

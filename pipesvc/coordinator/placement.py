@@ -284,11 +284,21 @@ def replicated_plan(
         ResourceExhaustedError: a stage's share does not fit its memory.
     """
     smallest = [min(column, key=lambda s: s.memory_bytes) for column in zip(*slots, strict=True)]
-    ranges = _ranges(config, layers, smallest)
-    plan = []
-    for replica, stages in enumerate(slots):
-        for stage in _place(config, layers, ranges, stages):
-            plan.append(dataclasses.replace(stage, replica=replica))
+    return _place_replicas(config, layers, _ranges(config, layers, smallest), slots)
+
+
+def _place_replicas(
+    config: JobConfig,
+    layers: Sequence[stage_pb2.LayerDescription],
+    ranges: Sequence[tuple[int, int]],
+    slots: Sequence[Sequence[Stage]],
+) -> list[PipelineStage]:
+    """``ranges`` on each replica's stages (``slots[replica][rank]``), replica by replica."""
+    plan = [
+        dataclasses.replace(stage, replica=replica)
+        for replica, stages in enumerate(slots)
+        for stage in _place(config, layers, ranges, stages)
+    ]
     check_plan(plan, len(layers))
     return plan
 
@@ -439,9 +449,4 @@ def _replan_replicas(
             len(kept),
         )
     ranges = [(s.start_layer, s.end_layer) for s in replicas_of(plan)[0]]
-    new_plan = []
-    for replica, slots in enumerate(kept):
-        for stage in _place(config, layers, ranges, slots):
-            new_plan.append(dataclasses.replace(stage, replica=replica))
-    check_plan(new_plan, len(layers))
-    return new_plan
+    return _place_replicas(config, layers, ranges, kept)

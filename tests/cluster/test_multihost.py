@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -137,65 +138,70 @@ def _registered(coord_ns: str, coordinator: str, count: int) -> list[str]:
     return addresses
 
 
-def test_stage_host_link_down_mid_training(hosts: dict[str, str], tmp_path: Path) -> None:
+COORDINATOR = f"{HOSTS['coord']}:7070"
+
+
+def _start(
+    hosts: dict[str, str], tmp_path: Path, stage_hosts: tuple[str, ...]
+) -> list[subprocess.Popen[bytes]]:
+    """The coordinator, then each stage host's stage, each registered before the next starts
+    (so they register in this order); returns the processes."""
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     auth = ["--token-file", str(token_file)]
-    coordinator = f"{HOSTS['coord']}:7070"
+    state = str(tmp_path / "state")
     procs = [
         _spawn(
             hosts["coord"],
-            ["coordinator", "--listen", coordinator, "--state-dir", str(tmp_path / "state"), *auth],
+            ["coordinator", "--listen", COORDINATOR, "--state-dir", state, *auth],
             tmp_path / "coord.log",
         )
     ]
     try:
-        # Each stage is registered before the next starts, so s2 registers last (the spare)
-        # and the job is created only once all three are there.
-        for count, host in enumerate(("s0", "s1", "s2"), start=1):
-            procs.append(
-                _spawn(
-                    hosts[host],
-                    [
-                        "stage",
-                        "--coordinator",
-                        coordinator,
-                        "--listen",
-                        f"{HOSTS[host]}:50051",
-                        "--threads",
-                        "1",
-                        *auth,
-                    ],
-                    tmp_path / f"{host}.log",
-                )
-            )
-            registered = _registered(hosts["coord"], coordinator, count)
-            assert registered[-1] == f"{HOSTS[host]}:50051", registered
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        result = subprocess.run(
-            [
-                "ip",
-                "netns",
-                "exec",
-                hosts["coord"],
-                sys.executable,
-                "-m",
-                "tests.support.multihost_scenario",
-                coordinator,
-                TOKEN,
-                hosts["s1"],
-                f"{PREFIX}s1",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=240,
-            cwd=REPO,
-            env=env,
-            check=False,
-        )
-        logs = "\n".join(p.read_text()[-1500:] for p in sorted(tmp_path.glob("*.log")))
-        assert result.returncode == 0, result.stdout + result.stderr + logs
-        summary = json.loads(result.stdout.strip().splitlines()[-1])
+        for count, host in enumerate(stage_hosts, start=1):
+            address = f"{HOSTS[host]}:50051"
+            args = ["stage", "--coordinator", COORDINATOR, "--listen", address, "--threads", "1"]
+            procs.append(_spawn(hosts[host], [*args, *auth], tmp_path / f"{host}.log"))
+            registered = _registered(hosts["coord"], COORDINATOR, count)
+            assert registered[-1] == address, registered
+    except BaseException:
+        _stop(procs)
+        raise
+    return procs
+
+
+def _scenario(hosts: dict[str, str], tmp_path: Path, *args: str) -> dict[str, Any]:
+    """Runs ``tests.support.multihost_scenario`` with ``args`` in the coordinator's host;
+    returns the JSON summary it prints."""
+    result = subprocess.run(
+        [
+            "ip",
+            "netns",
+            "exec",
+            hosts["coord"],
+            sys.executable,
+            "-m",
+            "tests.support.multihost_scenario",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        check=False,
+    )
+    logs = "\n".join(p.read_text()[-1500:] for p in sorted(tmp_path.glob("*.log")))
+    assert result.returncode == 0, result.stdout + result.stderr + logs
+    summary: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
+    return summary
+
+
+def test_stage_host_link_down_mid_training(hosts: dict[str, str], tmp_path: Path) -> None:
+    # s2 registers last: the spare; the job is created once all three are there.
+    procs = _start(hosts, tmp_path, ("s0", "s1", "s2"))
+    try:
+        summary = _scenario(hosts, tmp_path, COORDINATOR, TOKEN, hosts["s1"], f"{PREFIX}s1")
         assert summary["plan_before"] == [f"{HOSTS['s0']}:50051", f"{HOSTS['s1']}:50051"]
         assert summary["plan_after"] == [f"{HOSTS['s0']}:50051", f"{HOSTS['s2']}:50051"]
         assert summary["recoveries"] == 1
@@ -220,60 +226,10 @@ def test_replicas_sum_their_gradients_across_hosts(hosts: dict[str, str], tmp_pa
     """A 2 x 2 replicated job with every stage on its own host: each stage's gloo links bind
     its own address, and the gradient groups meet at the store on the coordinator's host (the
     host each stage registered with)."""
-    token_file = tmp_path / "token"
-    token_file.write_text(TOKEN)
-    auth = ["--token-file", str(token_file)]
-    coordinator = f"{HOSTS['coord']}:7070"
-    procs = [
-        _spawn(
-            hosts["coord"],
-            ["coordinator", "--listen", coordinator, "--state-dir", str(tmp_path / "state"), *auth],
-            tmp_path / "coord.log",
-        )
-    ]
+    stage_hosts = ("s0", "s1", "s2", "s3")
+    procs = _start(hosts, tmp_path, stage_hosts)
     try:
-        stage_hosts = ("s0", "s1", "s2", "s3")
-        for count, host in enumerate(stage_hosts, start=1):
-            procs.append(
-                _spawn(
-                    hosts[host],
-                    [
-                        "stage",
-                        "--coordinator",
-                        coordinator,
-                        "--listen",
-                        f"{HOSTS[host]}:50051",
-                        "--threads",
-                        "1",
-                        *auth,
-                    ],
-                    tmp_path / f"{host}.log",
-                )
-            )
-            _registered(hosts["coord"], coordinator, count)
-        result = subprocess.run(
-            [
-                "ip",
-                "netns",
-                "exec",
-                hosts["coord"],
-                sys.executable,
-                "-m",
-                "tests.support.multihost_scenario",
-                "replicas",
-                coordinator,
-                TOKEN,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=240,
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-            check=False,
-        )
-        logs = "\n".join(p.read_text()[-1500:] for p in sorted(tmp_path.glob("*.log")))
-        assert result.returncode == 0, result.stdout + result.stderr + logs
-        summary = json.loads(result.stdout.strip().splitlines()[-1])
+        summary = _scenario(hosts, tmp_path, "replicas", COORDINATOR, TOKEN)
         assert summary["plan"] == [
             [r, k, f"{HOSTS[stage_hosts[2 * r + k]]}:50051"] for r in range(2) for k in range(2)
         ]
