@@ -1,11 +1,11 @@
 """Virtual stages (``schedule="interleaved-1f1b"``, ``virtual_stages=V``): every stage holds V
 layer ranges, activations go round the stages V times, and training still equals the whole
-model in one process (see [Note: virtual stages] in pipesvc.core.schedule)."""
+model in one process (see [Note: virtual stages] in pipesvc.core.schedule). On the shared
+four-stage cluster (``client`` in conftest.py)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,15 +41,6 @@ CASES = [
 ]
 MODELS = {"mlp": MLP12, "gpt": GPT6, "cnn": CNN}
 BATCH_SIZES = (8, 9, 7)  # even and uneven micro-batches
-
-
-@pytest.fixture(scope="module")
-def client() -> Iterator[pipesvc.Client]:
-    with (
-        pipesvc.LocalCluster(num_stages=4, threads_per_stage=1) as cluster,
-        pipesvc.connect(cluster.address, timeout_s=120) as connected,
-    ):
-        yield connected
 
 
 def _create(
