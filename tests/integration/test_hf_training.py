@@ -61,7 +61,7 @@ def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def hf_client(hf_dirs: dict[str, Path]) -> Iterator[pipesvc.Client]:
     with (
-        pipesvc.LocalCluster(num_stages=3, threads_per_stage=1, hf_models=hf_dirs) as cluster,
+        pipesvc.LocalCluster(num_stages=4, threads_per_stage=1, hf_models=hf_dirs) as cluster,
         pipesvc.connect(cluster.address, timeout_s=120) as client,
     ):
         yield client
@@ -287,8 +287,15 @@ def test_trainable_patterns_freeze_the_rest_like_one_process(
 
 
 @pytest.mark.parametrize(
-    ("schedule", "num_stages", "clip"),
-    [("1f1b", 3, None), ("gpipe", 2, 0.5), ("1f1b", 1, 0.5), ("zb-h1", 1, None), ("zb-h1", 2, 0.5)],
+    ("schedule", "num_stages", "clip", "replicas"),
+    [
+        ("1f1b", 3, None, 1),
+        ("gpipe", 2, 0.5, 1),
+        ("1f1b", 1, 0.5, 1),
+        ("zb-h1", 1, None, 1),
+        ("zb-h1", 2, 0.5, 1),
+        ("1f1b", 2, 0.5, 2),  # each replica swaps its tied gradients, then the replicas sum
+    ],
 )
 def test_a_tied_embedding_and_head_train_as_one_parameter(
     hf_client: pipesvc.Client,
@@ -296,6 +303,7 @@ def test_a_tied_embedding_and_head_train_as_one_parameter(
     schedule: str,
     num_stages: int,
     clip: float | None,
+    replicas: int,
     tmp_path: Path,
 ) -> None:
     # GPT-2 uses its token embedding as the LM head. Over 2 or 3 stages the embedding (first
@@ -309,6 +317,7 @@ def test_a_tied_embedding_and_head_train_as_one_parameter(
         optimizer=OPTIMIZER,
         schedule=schedule,
         num_stages=num_stages,
+        data_parallel=replicas,
         num_microbatches=3,
         clip_grad_norm=clip,
         checkpoint_every=2,
