@@ -9,13 +9,17 @@ and re-form its group after a recovery.
 [Note: gradient group] A stage forms its group on the first training run that names it
 (``RunStepRequest.replicas``) and keeps it while runs name the same store and generation.
 Forming waits for every member, so it runs on a helper thread while the run thread waits for
-it or for the run's abort. The all-reduce is posted from the run thread on flat copies of the
-gradients (one buffer per bucket), and the run thread polls it, so an abort returns at once;
-the reduced sums are copied back into the gradients only by a run that completed. A
-collective of an aborted run may still be pending on some member; the coordinator names a new
-generation after every aborted training run, so it can never meet a collective of a later
-run. A dropped group is torn down on a daemon thread (tearing gloo down waits for its pending
-work).
+it or for the run's abort. Before each sum the members *meet* at the store (each adds
+itself to the run's key; the last sets "all"; each polls for it, waking on an abort), and
+only then post the all-reduce, from the run thread, on flat copies of the gradients (one
+buffer per bucket), polling it too. So a run that fails or is aborted on one replica never
+leaves a collective posted on another, and an abort returns at once: a gloo collective that
+is never matched holds its thread, with the GIL, until the group's timeout when it is dropped
+or waited on. Only a member that hangs inside a sum leaves one pending; it is parked (kept
+alive) and the group dropped. The reduced sums are copied back into the gradients only by a
+run that completed. The coordinator names a new generation after every aborted training run,
+so a later run's group is always a fresh one. A dropped group is torn down on a daemon
+thread.
 
 Parameters that got no gradient are sent as zeros with a flag; after the sum a parameter that
 no replica used keeps no gradient, as in one process.
@@ -42,6 +46,8 @@ BUCKET_BYTES = 64 << 20
 """Most bytes of gradients in one all-reduce buffer (a bucket is one flat copy)."""
 _c10d: Any = distributed  # its store and gloo classes are not in torch's public stubs
 POLL_S = 0.0005
+MEET_POLL_MAX_S = 0.01
+"""The longest pause between two looks at the store while waiting for the other replicas."""
 """How often the run thread looks whether the all-reduce is done (or the run aborted)."""
 
 
@@ -77,6 +83,8 @@ class ReplicaGroup:
         self._spec: GroupSpec | None = None
         self._group: Any = None  # _c10d.ProcessGroupGloo once formed
         self._store: Any = None
+        self._meeting: Any = None  # where the group's members meet before each sum
+        self._met: str | None = None  # the key of the group's last meeting
         self._aborted: dict[int, threading.Event] = {}
         self._lock = threading.Lock()
         self.formed = 0
@@ -103,36 +111,69 @@ class ReplicaGroup:
         """
         aborted = self._abort_event(run_id)
         group = self._group_for(spec, aborted)
+        self._meet(run_id, aborted)
         flags = torch.tensor([0.0 if p.grad is None else 1.0 for p in params])
         buckets = _buckets(params)
         flats = [_flatten(bucket) for bucket in buckets]
+        works: list[Any] = []
         try:
-            works = [group.allreduce([flags])] + [group.allreduce([flat]) for flat in flats]
-            deadline = time.monotonic() + self._timeout.total_seconds()
-            while not all(w.is_completed() for w in works):
-                if aborted.wait(POLL_S):
-                    raise StepAbortedError(f"run {run_id} was aborted during the gradient sum")
-                if time.monotonic() > deadline:
-                    raise StageUnavailableError(
-                        f"the gradient sum of run {run_id} with the other replicas did not "
-                        f"finish in {self._timeout.total_seconds():.0f} s"
-                    )
-            for work in works:
-                work.wait()  # raises what failed
-        except RuntimeError as exc:
+            works = [group.allreduce([tensor]) for tensor in (flags, *flats)]
+            self._wait(run_id, works, aborted)
+        except (RuntimeError, StepAbortedError, StageUnavailableError) as exc:
+            # A collective still pending is waited out on a daemon thread: a gloo work
+            # destroyed before it completes blocks its thread until the group's timeout.
+            _park(works)
+            works = []
             self._drop()
-            raise StageUnavailableError(
-                f"the gradient sum of run {run_id} with the other replicas failed: "
-                f"{str(exc).splitlines()[0]}"
-            ) from exc
-        except StepAbortedError:
-            self._drop()
+            if isinstance(exc, RuntimeError):
+                raise StageUnavailableError(
+                    f"the gradient sum of run {run_id} with the other replicas failed: "
+                    f"{str(exc).splitlines()[0]}"
+                ) from exc
             raise
         for bucket, flat in zip(buckets, flats, strict=True):
             _unflatten_into(bucket, flat)
         for p, used in zip(params, flags.tolist(), strict=True):
             if not used:
                 p.grad = None
+
+    def _meet(self, run_id: int, aborted: threading.Event) -> None:
+        """Waits until every member of the group reached run ``run_id``'s sum, so that no
+        member posts a collective that another will never match (see [Note: gradient
+        group]); the last to arrive deletes the keys of the group's previous meeting, which
+        every member has passed."""
+        store = self._meeting
+        here, everyone = f"{run_id}", f"{run_id}/all"
+        if store.add(here, 1) == self.num_replicas:
+            store.set(everyone, "1")
+            if self._met is not None:
+                store.delete_key(self._met)
+                store.delete_key(f"{self._met}/all")
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        pause = POLL_S
+        while not store.check([everyone]):
+            if aborted.wait(pause):
+                raise StepAbortedError(f"run {run_id} was aborted before its gradient sum")
+            if time.monotonic() > deadline:
+                raise StageUnavailableError(
+                    f"the other replicas of rank {self._rank} did not reach the gradient sum "
+                    f"of run {run_id} in {self._timeout.total_seconds():.0f} s"
+                )
+            pause = min(2 * pause, MEET_POLL_MAX_S)
+        self._met = here
+
+    def _wait(self, run_id: int, works: list[Any], aborted: threading.Event) -> None:
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        while not all(w.is_completed() for w in works):
+            if aborted.wait(POLL_S):
+                raise StepAbortedError(f"run {run_id} was aborted during the gradient sum")
+            if time.monotonic() > deadline:
+                raise StageUnavailableError(
+                    f"the gradient sum of run {run_id} with the other replicas did not "
+                    f"finish in {self._timeout.total_seconds():.0f} s"
+                )
+        for work in works:
+            work.wait()  # raises what failed
 
     def _group_for(self, spec: GroupSpec, aborted: threading.Event) -> Any:
         if spec == self._spec and self._group is not None:
@@ -157,6 +198,8 @@ class ReplicaGroup:
         assert forming.value is not None
         store, group = forming.value
         self._spec, self._store, self._group = spec, store, group
+        self._meeting = _c10d.PrefixStore(f"{prefix}/meet", store)
+        self._met = None
         self.formed += 1
         logger.info(
             "job %s: gradient group of rank %d formed (replica %d of %d, generation %d)",
@@ -203,6 +246,21 @@ def _teardown(group: Any, store: Any) -> None:
         held.clear()
 
     threading.Thread(target=run, name="replica-group-teardown", daemon=True).start()
+
+
+_PARKED: list[Any] = []
+"""Collectives of failed sums still pending (see ``_park``)."""
+_PARKED_LOCK = threading.Lock()
+
+
+def _park(works: list[Any]) -> None:
+    """Keeps ``works`` alive: a gloo work dropped, waited on or even asked whether it is done
+    while it runs can hold its thread, and the GIL, until the group's timeout. After the
+    meeting (``ReplicaGroup._meet``) a sum is left pending only when a member hangs inside
+    it, so what is kept here is rare; it is kept for the life of the process."""
+    if works:
+        with _PARKED_LOCK:
+            _PARKED.extend(works)
 
 
 class _Forming:

@@ -10,6 +10,7 @@ from concurrent import futures
 
 import pytest
 import torch
+from torch import distributed
 
 from pipesvc.coordinator.replicas import Rendezvous
 from pipesvc.errors import StageUnavailableError, StepAbortedError
@@ -64,6 +65,13 @@ def test_three_replicas_sum_their_gradients(store_port: int) -> None:
             torch.testing.assert_close(some.grad, torch.ones(4, dtype=torch.bfloat16))
             assert unused.grad is None, "no replica used it: no gradient, as in one process"
     assert [m.formed for m in members] == [1, 1, 1]
+    # Each meeting's keys are deleted once every member has passed the next one.
+    meetings = distributed.PrefixStore(
+        "pipesvc/sum/1/0/rank0/meet",
+        distributed.TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False),
+    )
+    assert not meetings.check(["1"]) and not meetings.check(["1/all"])
+    assert meetings.check(["2/all"])
     newer = GroupSpec(store_host="", store_port=store_port, generation=1)
     _together(3, lambda r: members[r].reduce(3, newer, _params(r)))
     assert [m.formed for m in members] == [2, 2, 2]
