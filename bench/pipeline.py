@@ -170,6 +170,20 @@ def _pipe_step(
         pipe.step()
 
 
+def _join_gloo(address: str, rank: int, world: int) -> None:
+    """One torch thread, and this process in the gloo world at ``address``."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{address}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=120),
+    )
+
+
 def _torch_stage(
     q: Queue, workload: str, rank: int, world: int, address: str, schedule: str, num_steps: int
 ) -> None:
@@ -182,14 +196,7 @@ def _torch_stage(
             ScheduleInterleaved1F1B,
         )
 
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://{address}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=120),
-        )
+        _join_gloo(address, rank, world)
         w = WORKLOADS[workload]
         model = _model(w)
         if schedule == "interleaved":  # this rank's chunks: virtual stages r, r + P, ...
@@ -246,14 +253,7 @@ def _torch_replicated_stage(
         import torch.distributed as dist
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://{address}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=120),
-        )
+        _join_gloo(address, rank, world)
         replicas = world // num_stages
         replica, index = divmod(rank, num_stages)
         # Every rank creates every group, in the same order (torch requires it).

@@ -336,11 +336,8 @@ def replica_layout(
     by_rank = [[ordered[k * replicas + r] for k in range(ranks)] for r in range(replicas)]
     if len(first_seen) == 1:
         return together
-    ranges = partition.partition("uniform", [0] * len(layers), ranks)
-    if config.partition == "parameters":
-        ranges = partition.partition(
-            "parameters", [int(layer.num_parameters) for layer in layers], ranks
-        )
+    method = "parameters" if config.partition == "parameters" else "uniform"
+    ranges = partition.partition(method, [int(layer.num_parameters) for layer in layers], ranks)
     boundary = [
         2 * config.num_microbatches * int(layers[end - 1].activation_bytes)
         for _, end in ranges[:-1]

@@ -93,10 +93,6 @@ class RunReplies:
     """Each replica that took part: its stages' replies in rank order."""
 
     @property
-    def all(self) -> list[stage_pb2.RunStepResponse]:
-        return [r for replies in self.by_replica for r in replies]
-
-    @property
     def losses(self) -> list[float]:
         """Each micro-batch's weighted loss, in the step's order (training)."""
         return [loss for replies in self.by_replica for loss in replies[-1].losses]

@@ -120,8 +120,7 @@ class ReplicaGroup:
             works = [group.allreduce([tensor]) for tensor in (flags, *flats)]
             self._wait(run_id, works, aborted)
         except (RuntimeError, StepAbortedError, StageUnavailableError) as exc:
-            # A collective still pending is waited out on a daemon thread: a gloo work
-            # destroyed before it completes blocks its thread until the group's timeout.
+            # A collective still pending is kept alive (see _park), never dropped here.
             _park(works)
             works = []
             self._drop()
@@ -149,31 +148,51 @@ class ReplicaGroup:
             if self._met is not None:
                 store.delete_key(self._met)
                 store.delete_key(f"{self._met}/all")
-        deadline = time.monotonic() + self._timeout.total_seconds()
-        pause = POLL_S
-        while not store.check([everyone]):
-            if aborted.wait(pause):
-                raise StepAbortedError(f"run {run_id} was aborted before its gradient sum")
-            if time.monotonic() > deadline:
-                raise StageUnavailableError(
-                    f"the other replicas of rank {self._rank} did not reach the gradient sum "
-                    f"of run {run_id} in {self._timeout.total_seconds():.0f} s"
-                )
-            pause = min(2 * pause, MEET_POLL_MAX_S)
+        self._poll(
+            lambda: bool(store.check([everyone])),
+            aborted,
+            longest_pause_s=MEET_POLL_MAX_S,
+            aborted_what=f"run {run_id} was aborted before its gradient sum",
+            late_what=f"the other replicas of rank {self._rank} did not reach the gradient sum "
+            f"of run {run_id}",
+        )
         self._met = here
 
     def _wait(self, run_id: int, works: list[Any], aborted: threading.Event) -> None:
-        deadline = time.monotonic() + self._timeout.total_seconds()
-        while not all(w.is_completed() for w in works):
-            if aborted.wait(POLL_S):
-                raise StepAbortedError(f"run {run_id} was aborted during the gradient sum")
-            if time.monotonic() > deadline:
-                raise StageUnavailableError(
-                    f"the gradient sum of run {run_id} with the other replicas did not "
-                    f"finish in {self._timeout.total_seconds():.0f} s"
-                )
+        self._poll(
+            lambda: all(w.is_completed() for w in works),
+            aborted,
+            longest_pause_s=POLL_S,
+            aborted_what=f"run {run_id} was aborted during the gradient sum",
+            late_what=f"the gradient sum of run {run_id} with the other replicas did not finish",
+        )
         for work in works:
             work.wait()  # raises what failed
+
+    def _poll(
+        self,
+        ready: Callable[[], bool],
+        aborted: threading.Event,
+        *,
+        longest_pause_s: float,
+        aborted_what: str,
+        late_what: str,
+    ) -> None:
+        """Waits until ``ready()``, looking again after pauses that double from ``POLL_S`` up
+        to ``longest_pause_s``.
+
+        Raises:
+            StepAbortedError: ``aborted`` was set (``aborted_what``).
+            StageUnavailableError: the group's timeout passed (``late_what``).
+        """
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        pause = POLL_S
+        while not ready():
+            if aborted.wait(pause):
+                raise StepAbortedError(aborted_what)
+            if time.monotonic() > deadline:
+                raise StageUnavailableError(f"{late_what} in {self._timeout.total_seconds():.0f} s")
+            pause = min(2 * pause, longest_pause_s)
 
     def _group_for(self, spec: GroupSpec, aborted: threading.Event) -> Any:
         if spec == self._spec and self._group is not None:

@@ -122,10 +122,11 @@ class StageRuntime:
                 f"model {config.model!r} ties parameters across stages: virtual stages "
                 "(several layer ranges per stage) do not support tied parameters"
             )
-        layers: list[nn.Module] = []
-        indices: list[int] = []
+        # Per chunk: (global index, layer, whether its training call is seeded), fixed at build
+        # time.
+        self._chunk_layers: list[list[tuple[int, nn.Module, bool]]] = []
         for a, b in self.chunks:
-            layers += build_layers(
+            built = build_layers(
                 config.model,
                 config.model_args,
                 seed=config.seed,
@@ -133,30 +134,21 @@ class StageRuntime:
                 end_layer=b,
                 device=device,
             )
-            indices += range(a, b)
-        if config.precision == "bf16":
-            for layer in layers:
-                layer.to(torch.bfloat16)
+            if config.num_microbatches > 1:
+                _refuse_batch_statistics(a, built, config.num_microbatches)
+            if config.precision == "bf16":
+                for layer in built:
+                    layer.to(torch.bfloat16)
+            self._chunk_layers.append(
+                [(a + i, layer, uses_rng(layer)) for i, layer in enumerate(built)]
+            )
+        self._layers = [entry for chunk in self._chunk_layers for entry in chunk]
         self._autocast = config.precision == "bf16-mixed"
         wire = config.wire_dtype or ("bfloat16" if config.precision != "fp32" else None)
         self._wire_dtype: torch.dtype | None = getattr(torch, wire) if wire else None
         self._compute_dtype = torch.bfloat16 if config.precision == "bf16" else torch.float32
         # Keys "{global layer}.{param}" match build(...).state_dict() (DESIGN section 4).
-        self.module = nn.ModuleDict(
-            {str(index): layer for index, layer in zip(indices, layers, strict=True)}
-        )
-        if config.num_microbatches > 1:
-            for (a, b), offset in zip(self.chunks, _offsets(self.chunks), strict=True):
-                chunk_layers = layers[offset : offset + b - a]
-                _refuse_batch_statistics(a, chunk_layers, config.num_microbatches)
-        # (global index, layer, whether its training call is seeded), fixed at build time.
-        self._layers = [
-            (index, layer, uses_rng(layer)) for index, layer in zip(indices, layers, strict=True)
-        ]
-        self._chunk_layers = [
-            self._layers[offset : offset + b - a]
-            for (a, b), offset in zip(self.chunks, _offsets(self.chunks), strict=True)
-        ]
+        self.module = nn.ModuleDict({str(index): layer for index, layer, _ in self._layers})
         self._training = True  # modules are built in training mode
         ties = ties or StageTies()
         if not trains(config.optimizer):  # an inference job: no gradients, no state
@@ -657,15 +649,6 @@ class StageRuntime:
 _CHUNK_STRIDE = 1 << 20
 """Keys of a micro-batch's chunks in flight: ``chunk * _CHUNK_STRIDE + microbatch`` (more
 micro-batches than this are refused long before)."""
-
-
-def _offsets(chunks: list[tuple[int, int]]) -> list[int]:
-    """Where each chunk's layers start in the stage's list of layers."""
-    offsets, total = [], 0
-    for a, b in chunks:
-        offsets.append(total)
-        total += b - a
-    return offsets
 
 
 def _refuse_batch_statistics(
