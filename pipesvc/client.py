@@ -471,18 +471,29 @@ class Job:
         return self._own_keys(self._read_state(common_pb2.GRADIENTS))
 
     def save_pretrained(
-        self, directory: str | Path, *, merged: bool = False, max_shard_size: str = "5GB"
+        self,
+        directory: str | Path,
+        *,
+        merged: bool = False,
+        max_shard_size: str = "5GB",
+        dtype: str | torch.dtype | None = None,
     ) -> None:
         """Writes a Hugging Face model's job as a directory ``transformers`` loads with
         ``AutoModelForCausalLM.from_pretrained`` (see [Note: Hugging Face export]). With LoRA
         it writes peft's adapter directory (``PeftModel.from_pretrained`` on the original
         model), or with ``merged=True`` the model with the adapters merged in.
 
+        ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"`` or the torch dtype): what the
+        weights are written in; by default the dtype the original checkpoint is stored in,
+        whatever the job's precision. Adapters are written as trained unless it is given.
+
         Raises:
             FailedPreconditionError: the job's model is not a Hugging Face model (use ``save``).
-            InvalidArgumentError: a bad ``max_shard_size``.
+            InvalidArgumentError: a bad ``max_shard_size`` or ``dtype``.
         """
         from pipesvc.models.hf_export import (
+            DTYPES,
+            dtype_name,
             merge_adapters,
             split_adapters,
             write_adapter,
@@ -496,9 +507,12 @@ class Job:
                 "save it with job.save(path)"
             )
         shard_bytes = parse_bytes(max_shard_size)
+        chosen = dtype_name(dtype) if dtype is not None else None
         state, lora = self.state_dict(), export.get("lora")
         if lora and not merged:
             _, adapters = split_adapters(state)
+            if chosen is not None:
+                adapters = {k: v.to(DTYPES[chosen]) for k, v in adapters.items()}
             write_adapter(adapters, lora, directory, base_model=str(export.get("source", "")))
             return
         if lora:
@@ -510,6 +524,8 @@ class Job:
             embed_key=export["embed_key"],
             head_key=export["head_key"],
             max_shard_bytes=shard_bytes,
+            # stages of an older release send no "dtype": then the config's is the default
+            dtype=chosen or export.get("dtype"),
         )
 
     def timelines(self, max_runs: int = 0) -> list[StageTimeline]:

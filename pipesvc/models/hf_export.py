@@ -2,8 +2,10 @@
 
 [Note: Hugging Face export] ``write_model`` writes ``config.json`` and the weights as
 safetensors (one ``model.safetensors``, or shards of at most ``max_shard_bytes`` with
-``model.safetensors.index.json``), the layout ``from_pretrained`` reads. Tensors keep the
-dtype named by the config (``torch_dtype``/``dtype``; float32 when it names none). A config
+``model.safetensors.index.json``), the layout ``from_pretrained`` reads. Tensors are written
+in the dtype the model was stored in (see [Note: stored dtype] in ``hf_checkpoint.py``;
+bfloat16 for a bfloat16 checkpoint although the job trained float32 weights), or the one the
+caller names, and the config's ``dtype`` says which. A config
 that ties the embedding and the head is kept tied only if the two trained copies are still
 equal; otherwise it is written untied with both tensors, so the loaded model computes what the
 job computed. The directory is written beside its final name and renamed into place, so a
@@ -35,9 +37,29 @@ ADAPTER_NAME = "default"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _config_dtype(config: Mapping[str, Any]) -> torch.dtype:
-    name = config.get("torch_dtype") or config.get("dtype") or "float32"
-    return DTYPES.get(str(name), torch.float32)
+def _config_dtype(config: Mapping[str, Any]) -> str:
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return str(name) if name in DTYPES else "float32"
+
+
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """``"bfloat16"`` for ``"bfloat16"`` or ``torch.bfloat16``: a dtype a model is written in.
+
+    Raises:
+        InvalidArgumentError: not one of ``DTYPES``.
+    """
+    name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
+    if name not in DTYPES:
+        raise InvalidArgumentError(
+            f"dtype {dtype!r} is not one a model is written in; expected one of {', '.join(DTYPES)}"
+        )
+    return name
+
+
+def _written(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` as written: floating-point ones in ``dtype``, others as they are."""
+    tensor = tensor.detach()
+    return (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
 
 
 def _shards(state: Mapping[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
@@ -76,20 +98,26 @@ def write_model(
     embed_key: str,
     head_key: str,
     max_shard_bytes: int = 5 << 30,
+    dtype: str | torch.dtype | None = None,
 ) -> None:
     """Writes ``state`` (the model's own keys) and ``config`` as a Hugging Face directory.
 
     ``embed_key`` and ``head_key`` name the input embedding's and the head's weights, for tied
-    configs (see [Note: Hugging Face export]).
+    configs (see [Note: Hugging Face export]). Floating-point tensors are written in ``dtype``
+    (by default the one ``config`` names), which the written config names.
 
     Raises:
-        InvalidArgumentError: ``max_shard_bytes`` is not positive.
+        InvalidArgumentError: ``max_shard_bytes`` is not positive, or ``dtype`` is not one of
+            ``DTYPES``.
     """
     if max_shard_bytes <= 0:
         raise InvalidArgumentError(f"max_shard_bytes ({max_shard_bytes}) must be positive")
     config = dict(config)
-    dtype = _config_dtype(config)
-    tensors = {k: v.detach().to(dtype).contiguous() for k, v in state.items()}
+    name = dtype_name(dtype) if dtype is not None else _config_dtype(config)
+    config["dtype"] = name  # what from_pretrained(dtype="auto") loads it in
+    if "torch_dtype" in config:
+        config["torch_dtype"] = name  # the older key, which older transformers read
+    tensors = {k: _written(v, DTYPES[name]) for k, v in state.items()}
     if config.get("tie_word_embeddings") and head_key in tensors:
         if embed_key in tensors and torch.equal(tensors[embed_key], tensors[head_key]):
             del tensors[head_key]

@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import pipesvc
 from pipesvc.core.loss import IGNORE_INDEX
+from pipesvc.storage.checkpoint import read_layers, read_manifest
 
 VOCAB = 48
 FAMILIES = {
@@ -35,6 +36,11 @@ FAMILIES = {
     # partial rotary embeddings, a dense head with a bias
     "hf-phi": ("phi", {}),
 }
+STORED_BF16 = {
+    # what a published checkpoint looks like: stored in bfloat16 (its config says so), sharded
+    "hf-llama-bf16": "hf-llama",
+    "hf-gpt2-bf16": "hf-gpt2",
+}
 OPTIMIZER = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6}
 # eps 1e-6, not 1e-8: a key bias's gradient is zero in exact arithmetic (softmax ignores a
 # shift shared by all keys), so in floating point it is rounding noise of ~1e-10, which Adam
@@ -53,8 +59,13 @@ def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         }  # fmt: skip
         config = AutoConfig.for_model(model_type, **{**sizes, **extra})
         directory = tmp_path_factory.mktemp(name)
-        AutoModelForCausalLM.from_config(config).save_pretrained(directory, max_shard_size="30KB")
+        model = AutoModelForCausalLM.from_config(config)
+        model.save_pretrained(directory, max_shard_size="30KB")
         dirs[name] = directory
+        for stored, source in STORED_BF16.items():
+            if source == name:
+                dirs[stored] = tmp_path_factory.mktemp(stored)
+                model.to(torch.bfloat16).save_pretrained(dirs[stored], max_shard_size="30KB")
     return dirs
 
 
@@ -97,7 +108,7 @@ def train_in_one_process(model: Any, clip: float | None = None) -> list[float]:
 
 
 def reference_run(directory: Path) -> tuple[list[float], Any]:
-    model = AutoModelForCausalLM.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     return train_in_one_process(model), model
 
 
@@ -137,6 +148,76 @@ def test_training_equals_transformers_in_one_process(
             assert torch.allclose(value, expected[key], rtol=1e-4, atol=1e-5), key
     finally:
         job.close()
+
+
+@pytest.mark.parametrize(
+    ("name", "precision", "schedule"),
+    [("hf-llama-bf16", "fp32", "1f1b"), ("hf-gpt2-bf16", "fp32", "gpipe"),
+     ("hf-llama-bf16", "bf16-mixed", "1f1b"), ("hf-llama-bf16", "bf16", "gpipe")],
+)  # fmt: skip
+def test_a_bfloat16_checkpoint_trains_in_the_jobs_precision(
+    hf_client: pipesvc.Client,
+    hf_dirs: dict[str, Path],
+    name: str,
+    precision: str,
+    schedule: str,
+    tmp_path: Path,
+) -> None:
+    # The files (sharded) and the config say bfloat16, as a published checkpoint's do. fp32 and
+    # bf16-mixed train float32 weights, gradients and AdamW state, as transformers loaded with
+    # dtype=float32 from the same directory does; only bf16 keeps them bfloat16.
+    directory = hf_dirs[name]
+    assert AutoConfig.from_pretrained(directory).dtype == torch.bfloat16
+    assert len(list(directory.glob("model-*.safetensors"))) > 1
+    want = torch.bfloat16 if precision == "bf16" else torch.float32
+    with hf_client.create_job(
+        model=name, loss="causal_lm", optimizer=OPTIMIZER, precision=precision,
+        schedule=schedule, num_stages=2, num_microbatches=3, checkpoint_every=0,
+    ) as job:  # fmt: skip
+        initial = job.state_dict()
+        losses = [job.train_step(*batch(step)) for step in range(2)]
+        weights, gradients = job.state_dict(), job.gradients()
+        job.save(tmp_path / "ckpt")
+        job.save_pretrained(tmp_path / "as-stored", max_shard_size="30KB")
+        job.save_pretrained(tmp_path / "float32", dtype=torch.float32)
+        ids, _ = batch(99)
+        logits = job.forward(ids)
+    # save_pretrained writes the dtype the checkpoint came in, unless told otherwise.
+    for saved, dtype in (("as-stored", torch.bfloat16), ("float32", torch.float32)):
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / saved)  # dtype "auto"
+        assert {p.dtype for p in loaded.parameters()} == {dtype}, saved
+        for key, value in loaded.state_dict().items():
+            assert torch.equal(value, weights[key].to(dtype)), key
+    if precision == "fp32":
+        with torch.no_grad():
+            assert torch.allclose(loaded.eval()(ids).logits, logits, rtol=1e-5, atol=1e-6)
+    manifest = read_manifest(tmp_path / "ckpt")
+    state = dict(read_layers(tmp_path / "ckpt", manifest, 0, manifest.num_layers))
+    moments = {k: v for k, v in state.items() if k.endswith((".exp_avg", ".exp_avg_sq"))}
+    assert len(moments) == 2 * len(weights)  # both moments of each (each tied copy too)
+    for kind, tensors in (("weights", weights), ("gradients", gradients), ("AdamW", moments)):
+        assert {str(t.dtype) for t in tensors.values()} == {str(want)}, kind
+    reference: Any = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    for key, value in reference.state_dict().items():
+        assert torch.equal(initial[key], value.to(want)), key  # bfloat16 values, exactly
+    if precision != "fp32":
+        expected_losses, _ = reference_run(directory)
+        assert losses[0] == pytest.approx(expected_losses[0], rel=1e-2)
+        return
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
+    expected_losses = []
+    for step in range(2):
+        optimizer.zero_grad()
+        loss = reference(*batch(step)[:1], labels=batch(step)[1]).loss
+        loss.backward()
+        optimizer.step()
+        expected_losses.append(loss.item())
+    assert losses == pytest.approx(expected_losses, rel=1e-5, abs=1e-6)
+    expected = reference.state_dict()
+    for key, value in weights.items():
+        assert torch.allclose(value, expected[key], rtol=1e-4, atol=1e-5), key
+    for key, param in reference.named_parameters():
+        assert torch.allclose(gradients[key], param.grad, rtol=1e-4, atol=1e-6), key
 
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
