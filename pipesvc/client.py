@@ -36,6 +36,7 @@ from pipesvc.storage.checkpoint import (
     verify,
     write_checkpoint,
 )
+from pipesvc.storage.publish import check_target
 from pipesvc.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from pipesvc.wire.rpc_status import rpc_errors
 from pipesvc.wire.security import Security, TLSConfig
@@ -487,9 +488,15 @@ class Job:
         weights are written in; by default the dtype the original checkpoint is stored in,
         whatever the job's precision. Adapters are written as trained unless it is given.
 
+        Files of the same names in an existing ``directory`` are overwritten, others are kept
+        (see [Note: saving beside] in ``pipesvc.storage.publish``).
+
         Raises:
-            FailedPreconditionError: the job's model is not a Hugging Face model (use ``save``).
-            InvalidArgumentError: a bad ``max_shard_size`` or ``dtype``.
+            FailedPreconditionError: the job's model is not a Hugging Face model (use ``save``),
+                or ``directory`` holds weight files pipesvc did not write that this save would
+                leave stale.
+            InvalidArgumentError: a bad ``max_shard_size`` or ``dtype``, or ``directory`` is
+                not a directory.
         """
         from pipesvc.models.hf_export import (
             DTYPES,
@@ -508,6 +515,7 @@ class Job:
             )
         shard_bytes = parse_bytes(max_shard_size)
         chosen = dtype_name(dtype) if dtype is not None else None
+        check_target(directory)  # before reading the whole state
         state, lora = self.state_dict(), export.get("lora")
         if lora and not merged:
             _, adapters = split_adapters(state)
@@ -578,7 +586,13 @@ class Job:
         """Writes a checkpoint (weights, optimizer state, step) to the directory ``path``.
 
         It loads with ``client.create_job(..., resume_from=path)``, under any plan. Write it
-        while no other client is training this job.
+        while no other client is training this job. Into an existing directory it overwrites
+        only a checkpoint's files (see [Note: saving beside] in ``pipesvc.storage.publish``).
+
+        Raises:
+            InvalidArgumentError: ``path`` exists and is not a directory.
+            FailedPreconditionError: ``path`` holds layer files pipesvc did not write that this
+                checkpoint would leave stale.
         """
         self.refresh()
         request = coordinator_pb2.GetJobStateRequest(job_id=self.id, kind=common_pb2.CHECKPOINT)

@@ -8,8 +8,9 @@ bfloat16 for a bfloat16 checkpoint although the job trained float32 weights), or
 caller names, and the config's ``dtype`` says which. A config
 that ties the embedding and the head is kept tied only if the two trained copies are still
 equal; otherwise it is written untied with both tensors, so the loaded model computes what the
-job computed. The directory is written beside its final name and renamed into place, so a
-reader never sees half of it. LoRA adapters go out either as peft's adapter directory
+job computed. Files are written beside their final place and moved there, overwriting only
+the format's own files and deleting none that pipesvc did not write (see [Note: saving beside]
+in ``pipesvc.storage.publish``). LoRA adapters go out either as peft's adapter directory
 (``adapter_config.json`` and ``adapter_model.safetensors``, keys without the adapter's name)
 or merged into the base weights (``W + B @ A * scale``).
 """
@@ -19,9 +20,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import tempfile
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +29,17 @@ import torch
 
 from pipesvc.errors import InvalidArgumentError
 from pipesvc.models.lora import ADAPTER_MARK, check_lora
+from pipesvc.storage.publish import WRITER, Staging
 from pipesvc.storage.weights import save_weights
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 ADAPTER_NAME = "default"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MODEL_FILES = re.compile(r"model\.safetensors(\.index\.json)?|model-\d{5}-of-\d{5}\.safetensors")
+"""The weight files of a model directory (``config.json`` is always rewritten)."""
+ADAPTER_FILES = re.compile(r"adapter_model\.safetensors|adapter_config\.json")
+METADATA = {"format": "pt", **WRITER}
 
 
 def _config_dtype(config: Mapping[str, Any]) -> str:
@@ -76,17 +81,20 @@ def _shards(state: Mapping[str, torch.Tensor], max_bytes: int) -> list[dict[str,
     return shards
 
 
-def _replace_directory(directory: Path, write: Any) -> None:
-    directory = directory.resolve()
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+def _save_into(
+    directory: str | os.PathLike[str],
+    write: Callable[[Path], None],
+    owned: re.Pattern[str],
+    last: Sequence[str],
+) -> None:
+    """``write`` fills a temporary directory, published to ``directory`` (see [Note: saving
+    beside])."""
+    staging = Staging(directory, owned=owned, last=last)
     try:
-        write(tmp)
-        if directory.exists():
-            shutil.rmtree(directory)
-        os.replace(tmp, directory)
+        write(staging.path)
+        staging.publish()
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        staging.discard()
         raise
 
 
@@ -107,8 +115,10 @@ def write_model(
     (by default the one ``config`` names), which the written config names.
 
     Raises:
-        InvalidArgumentError: ``max_shard_bytes`` is not positive, or ``dtype`` is not one of
-            ``DTYPES``.
+        InvalidArgumentError: ``max_shard_bytes`` is not positive, ``dtype`` is not one of
+            ``DTYPES``, or ``directory`` is not a directory.
+        FailedPreconditionError: ``directory`` holds weight files pipesvc did not write that
+            this save would leave stale (see [Note: saving beside]).
     """
     if max_shard_bytes <= 0:
         raise InvalidArgumentError(f"max_shard_bytes ({max_shard_bytes}) must be positive")
@@ -128,18 +138,18 @@ def write_model(
     def write(tmp: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if len(shards) == 1:
-            save_weights(shards[0], tmp / SINGLE_FILE, metadata={"format": "pt"})
+            save_weights(shards[0], tmp / SINGLE_FILE, metadata=METADATA)
             return
         weight_map = {}
         for i, shard in enumerate(shards, start=1):
             name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_weights(shard, tmp / name, metadata={"format": "pt"})
+            save_weights(shard, tmp / name, metadata=METADATA)
             weight_map.update(dict.fromkeys(shard, name))
         total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        index = {"metadata": {"total_size": total, **WRITER}, "weight_map": weight_map}
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
-    _replace_directory(Path(directory), write)
+    _save_into(directory, write, MODEL_FILES, (INDEX_FILE,))
 
 
 def split_adapters(
@@ -188,7 +198,11 @@ def write_adapter(
     *,
     base_model: str = "",
 ) -> None:
-    """Writes LoRA adapters (the model's own keys) as peft's adapter directory."""
+    """Writes LoRA adapters (the model's own keys) as peft's adapter directory.
+
+    Raises:
+        InvalidArgumentError: ``directory`` is not a directory.
+    """
     args = check_lora(lora)
     config = {
         "peft_type": "LORA",
@@ -209,6 +223,6 @@ def write_adapter(
 
     def write(tmp: Path) -> None:
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-        save_weights(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+        save_weights(tensors, tmp / "adapter_model.safetensors", metadata=METADATA)
 
-    _replace_directory(Path(directory), write)
+    _save_into(directory, write, ADAPTER_FILES, ("adapter_config.json",))

@@ -4,6 +4,7 @@ in one process: causal-LM loss over padded batches split unevenly, AdamW, both s
 from __future__ import annotations
 
 import fnmatch
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -310,6 +311,40 @@ def test_save_pretrained_loads_in_transformers_with_the_jobs_logits(
         assert torch.allclose(adapted(ids).logits, expected, rtol=1e-5, atol=1e-5)
         merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
         assert torch.allclose(merged(ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_saving_a_job_deletes_no_file_it_did_not_write(
+    hf_client: pipesvc.Client, hf_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    # Both saves into a directory of the user's, beside a sibling named like a temporary one:
+    # the user's files stay, pipesvc's own are replaced (a smaller save leaves no stale shard),
+    # and a target that is a file is refused before anything is read or written.
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "notes.txt").write_text("mine")
+    (tmp_path / "out.tmp").write_text("mine too")
+    ids, _ = batch(7)
+    with hf_client.create_job(
+        model="hf-llama", loss="causal_lm", optimizer=OPTIMIZER, num_stages=2, checkpoint_every=0
+    ) as job:  # fmt: skip
+        job.save_pretrained(target, max_shard_size="20KB")
+        job.save(target)
+        job.train_step(*batch(0))
+        job.save_pretrained(target, max_shard_size="60KB")
+        job.save(target)
+        logits, step = job.forward(ids), job.step
+        for call in (job.save, job.save_pretrained):
+            with pytest.raises(pipesvc.InvalidArgumentError, match=r"out\.tmp'.*not a directory"):
+                call(tmp_path / "out.tmp")
+    assert (target / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "out.tmp").read_text() == "mine too"
+    index = json.loads((target / "model.safetensors.index.json").read_text())
+    shards = {p.name for p in target.glob("model-*.safetensors")}
+    assert shards == set(index["weight_map"].values())  # none of the first save's left
+    loaded = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, logits, rtol=1e-5, atol=1e-6)
+    assert read_manifest(target).step == step == 1
 
 
 def test_save_pretrained_of_a_model_of_our_own_is_refused(
