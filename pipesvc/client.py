@@ -594,6 +594,7 @@ class Job:
             FailedPreconditionError: ``path`` holds layer files pipesvc did not write that this
                 checkpoint would leave stale.
         """
+        check_target(path)  # before the state streams
         self.refresh()
         request = coordinator_pb2.GetJobStateRequest(job_id=self.id, kind=common_pb2.CHECKPOINT)
         with rpc_errors(self._client._where):
