@@ -42,7 +42,7 @@ READABLE_FORMATS = (1, 2)
 MANIFEST = "manifest.json"
 OPTIM_PREFIX = "__optim__."
 """Prefix of optimizer-state keys: ``__optim__.{layer}.{param}.{slot}``."""
-FILES = re.compile(r"manifest\.json|layer-\d{5}\.safetensors")
+FILES = re.compile(r"manifest\.json|layer-\d{5,}\.safetensors")
 """The files of a checkpoint directory (see [Note: saving beside])."""
 
 
