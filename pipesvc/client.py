@@ -36,6 +36,7 @@ from pipesvc.storage.checkpoint import (
     verify,
     write_checkpoint,
 )
+from pipesvc.storage.publish import check_target
 from pipesvc.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from pipesvc.wire.rpc_status import rpc_errors
 from pipesvc.wire.security import Security, TLSConfig
@@ -471,18 +472,35 @@ class Job:
         return self._own_keys(self._read_state(common_pb2.GRADIENTS))
 
     def save_pretrained(
-        self, directory: str | Path, *, merged: bool = False, max_shard_size: str = "5GB"
+        self,
+        directory: str | Path,
+        *,
+        merged: bool = False,
+        max_shard_size: str = "5GB",
+        dtype: str | torch.dtype | None = None,
     ) -> None:
         """Writes a Hugging Face model's job as a directory ``transformers`` loads with
         ``AutoModelForCausalLM.from_pretrained`` (see [Note: Hugging Face export]). With LoRA
         it writes peft's adapter directory (``PeftModel.from_pretrained`` on the original
         model), or with ``merged=True`` the model with the adapters merged in.
 
+        ``dtype`` (``"float32"``, ``"bfloat16"``, ``"float16"`` or the torch dtype): what the
+        weights are written in; by default the dtype the original checkpoint is stored in,
+        whatever the job's precision. Adapters are written as trained unless it is given.
+
+        Files of the same names in an existing ``directory`` are overwritten, others are kept
+        (see [Note: saving beside] in ``pipesvc.storage.publish``).
+
         Raises:
-            FailedPreconditionError: the job's model is not a Hugging Face model (use ``save``).
-            InvalidArgumentError: a bad ``max_shard_size``.
+            FailedPreconditionError: the job's model is not a Hugging Face model (use ``save``),
+                or ``directory`` holds weight files pipesvc did not write that this save would
+                leave stale.
+            InvalidArgumentError: a bad ``max_shard_size`` or ``dtype``, or ``directory`` is
+                not a directory.
         """
         from pipesvc.models.hf_export import (
+            DTYPES,
+            dtype_name,
             merge_adapters,
             split_adapters,
             write_adapter,
@@ -496,9 +514,13 @@ class Job:
                 "save it with job.save(path)"
             )
         shard_bytes = parse_bytes(max_shard_size)
+        chosen = dtype_name(dtype) if dtype is not None else None
+        check_target(directory)  # before reading the whole state
         state, lora = self.state_dict(), export.get("lora")
         if lora and not merged:
             _, adapters = split_adapters(state)
+            if chosen is not None:
+                adapters = {k: v.to(DTYPES[chosen]) for k, v in adapters.items()}
             write_adapter(adapters, lora, directory, base_model=str(export.get("source", "")))
             return
         if lora:
@@ -510,6 +532,8 @@ class Job:
             embed_key=export["embed_key"],
             head_key=export["head_key"],
             max_shard_bytes=shard_bytes,
+            # stages of an older release send no "dtype": then the config's is the default
+            dtype=chosen or export.get("dtype"),
         )
 
     def timelines(self, max_runs: int = 0) -> list[StageTimeline]:
@@ -562,8 +586,15 @@ class Job:
         """Writes a checkpoint (weights, optimizer state, step) to the directory ``path``.
 
         It loads with ``client.create_job(..., resume_from=path)``, under any plan. Write it
-        while no other client is training this job.
+        while no other client is training this job. Into an existing directory it overwrites
+        only a checkpoint's files (see [Note: saving beside] in ``pipesvc.storage.publish``).
+
+        Raises:
+            InvalidArgumentError: ``path`` exists and is not a directory.
+            FailedPreconditionError: ``path`` holds layer files pipesvc did not write that this
+                checkpoint would leave stale.
         """
+        check_target(path)  # before the state streams
         self.refresh()
         request = coordinator_pb2.GetJobStateRequest(job_id=self.id, kind=common_pb2.CHECKPOINT)
         with rpc_errors(self._client._where):

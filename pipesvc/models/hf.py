@@ -18,8 +18,9 @@ cross from stage to stage. The model is built on the meta device from ``config.j
 so the planner's description costs nothing; a stage then materialises only its own layers and
 reads their tensors by byte range from the safetensors files (``read_tensors``), never a
 whole file. Parameters are float32 (master weights for training), whatever the checkpoint's
-dtype. When the config ties the input embedding and the head (GPT-2, Gemma), the head layer
-loads the embedding's tensor as its own weight, and the two copies are declared tied
+dtype (see [Note: stored dtype] in ``hf_checkpoint.py``). When the config ties the input
+embedding and the head (GPT-2, Gemma), the head layer loads the embedding's tensor as its own
+weight, and the two copies are declared tied
 (``tied_keys``): every training run gives both the sum of their gradients, so they stay equal
 wherever they sit (see [Note: tied parameters] in ``pipesvc.core.tying``). The directory is
 read by ``Checkpoint`` (``hf_checkpoint.py``), the family table is ``hf_family.py``.
@@ -227,14 +228,15 @@ def export_info(
     directory: str | os.PathLike[str], lora: Mapping[str, object] | None = None
 ) -> dict[str, object]:
     """What a client needs to write the model as a Hugging Face directory: the original
-    ``config.json``, the key map (``model_keys``), the tied tensors' keys and the LoRA
-    arguments (see ``pipesvc.models.hf_export``)."""
+    ``config.json``, the dtype the model is stored in, the key map (``model_keys``), the tied
+    tensors' keys and the LoRA arguments (see ``pipesvc.models.hf_export``)."""
     where = str(Path(directory).resolve())
     ckpt = _checkpoint(where)
     return {
         "format": "huggingface",
         "source": where,
         "config": ckpt.raw_config,
+        "dtype": ckpt.stored_dtype,
         "keys": model_keys(where, lora),
         "embed_key": f"{ckpt.family.embed}.weight",
         "head_key": f"{ckpt.family.head}.weight",

@@ -3,6 +3,15 @@
 Security: a directory is named by the operator who starts the stage, never by a request;
 ``config.json`` is read as JSON and no code from the directory runs (``trust_remote_code`` stays
 off); the weight index may only name files inside the directory.
+
+[Note: stored dtype] The dtype a checkpoint's files are stored in (bfloat16 for nearly every
+published checkpoint) is not the dtype a job computes in. The skeleton is built in float32
+whatever ``config.json`` names (``from_config`` would take the config's dtype), so every stage
+materialises float32 parameters, the planner's description counts float32 bytes, and the
+precision decides from there (``bf16`` casts the built layers; ``fp32`` and ``bf16-mixed`` keep
+float32 weights, gradients and optimizer state, as ``transformers`` loaded with
+``dtype=torch.float32``). The stored dtype is kept only as what an export writes back
+(``Checkpoint.stored_dtype``).
 """
 
 from __future__ import annotations
@@ -28,6 +37,8 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 MAX_CONFIG_BYTES = 1 << 20
 """Largest ``config.json`` or index read (1 MiB; real ones are a few KiB to a few hundred)."""
+FLOAT_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+"""The floating-point dtypes a model is stored in: name -> safetensors' code for it."""
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -108,8 +119,24 @@ class Checkpoint:
         from transformers import AutoModelForCausalLM
 
         with RNG_LOCK, _parameters_on_meta():
-            model: nn.Module = AutoModelForCausalLM.from_config(self.config)
+            # float32 whatever the config names (see [Note: stored dtype]).
+            model: nn.Module = AutoModelForCausalLM.from_config(self.config, dtype=torch.float32)
         return model
+
+    @functools.cached_property
+    def stored_dtype(self) -> str:
+        """The dtype the model is stored in, as ``transformers`` decides it for ``dtype="auto"``:
+        the one ``config.json`` names, else that of the first floating-point tensor stored,
+        else float32 (see [Note: stored dtype])."""
+        named = self.raw_config.get("dtype") or self.raw_config.get("torch_dtype")
+        if isinstance(named, str) and named in FLOAT_DTYPES:
+            return named
+        codes = {code: name for name, code in FLOAT_DTYPES.items()}
+        for file in dict.fromkeys(self.files.values()):
+            for entry in read_header(file).values():
+                if entry.dtype in codes:
+                    return codes[entry.dtype]
+        return "float32"
 
     def prepare(self) -> None:
         """Parses the config and builds the skeleton now (importing ``transformers`` and the

@@ -2,12 +2,15 @@
 
 [Note: Hugging Face export] ``write_model`` writes ``config.json`` and the weights as
 safetensors (one ``model.safetensors``, or shards of at most ``max_shard_bytes`` with
-``model.safetensors.index.json``), the layout ``from_pretrained`` reads. Tensors keep the
-dtype named by the config (``torch_dtype``/``dtype``; float32 when it names none). A config
+``model.safetensors.index.json``), the layout ``from_pretrained`` reads. Tensors are written
+in the dtype the model was stored in (see [Note: stored dtype] in ``hf_checkpoint.py``;
+bfloat16 for a bfloat16 checkpoint although the job trained float32 weights), or the one the
+caller names, and the config's ``dtype`` says which. A config
 that ties the embedding and the head is kept tied only if the two trained copies are still
 equal; otherwise it is written untied with both tensors, so the loaded model computes what the
-job computed. The directory is written beside its final name and renamed into place, so a
-reader never sees half of it. LoRA adapters go out either as peft's adapter directory
+job computed. Files are written beside their final place and moved there, overwriting only
+the format's own files and deleting none that pipesvc did not write (see [Note: saving beside]
+in ``pipesvc.storage.publish``). LoRA adapters go out either as peft's adapter directory
 (``adapter_config.json`` and ``adapter_model.safetensors``, keys without the adapter's name)
 or merged into the base weights (``W + B @ A * scale``).
 """
@@ -17,9 +20,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import tempfile
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,17 +29,42 @@ import torch
 
 from pipesvc.errors import InvalidArgumentError
 from pipesvc.models.lora import ADAPTER_MARK, check_lora
+from pipesvc.storage.publish import WRITER, Staging
 from pipesvc.storage.weights import save_weights
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 ADAPTER_NAME = "default"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MODEL_FILES = re.compile(r"model\.safetensors(\.index\.json)?|model-\d{5}-of-\d{5}\.safetensors")
+"""The weight files of a model directory (``config.json`` is always rewritten)."""
+ADAPTER_FILES = re.compile(r"adapter_model\.safetensors|adapter_config\.json")
+METADATA = {"format": "pt", **WRITER}
 
 
-def _config_dtype(config: Mapping[str, Any]) -> torch.dtype:
-    name = config.get("torch_dtype") or config.get("dtype") or "float32"
-    return DTYPES.get(str(name), torch.float32)
+def _config_dtype(config: Mapping[str, Any]) -> str:
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return str(name) if name in DTYPES else "float32"
+
+
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """``"bfloat16"`` for ``"bfloat16"`` or ``torch.bfloat16``: a dtype a model is written in.
+
+    Raises:
+        InvalidArgumentError: not one of ``DTYPES``.
+    """
+    name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
+    if name not in DTYPES:
+        raise InvalidArgumentError(
+            f"dtype {dtype!r} is not one a model is written in; expected one of {', '.join(DTYPES)}"
+        )
+    return name
+
+
+def _written(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` as written: floating-point ones in ``dtype``, others as they are."""
+    tensor = tensor.detach()
+    return (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
 
 
 def _shards(state: Mapping[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
@@ -54,17 +81,20 @@ def _shards(state: Mapping[str, torch.Tensor], max_bytes: int) -> list[dict[str,
     return shards
 
 
-def _replace_directory(directory: Path, write: Any) -> None:
-    directory = directory.resolve()
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+def _save_into(
+    directory: str | os.PathLike[str],
+    write: Callable[[Path], None],
+    owned: re.Pattern[str],
+    last: Sequence[str],
+) -> None:
+    """``write`` fills a temporary directory, published to ``directory`` (see [Note: saving
+    beside])."""
+    staging = Staging(directory, owned=owned, last=last)
     try:
-        write(tmp)
-        if directory.exists():
-            shutil.rmtree(directory)
-        os.replace(tmp, directory)
+        write(staging.path)
+        staging.publish()
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        staging.discard()
         raise
 
 
@@ -76,20 +106,28 @@ def write_model(
     embed_key: str,
     head_key: str,
     max_shard_bytes: int = 5 << 30,
+    dtype: str | torch.dtype | None = None,
 ) -> None:
     """Writes ``state`` (the model's own keys) and ``config`` as a Hugging Face directory.
 
     ``embed_key`` and ``head_key`` name the input embedding's and the head's weights, for tied
-    configs (see [Note: Hugging Face export]).
+    configs (see [Note: Hugging Face export]). Floating-point tensors are written in ``dtype``
+    (by default the one ``config`` names), which the written config names.
 
     Raises:
-        InvalidArgumentError: ``max_shard_bytes`` is not positive.
+        InvalidArgumentError: ``max_shard_bytes`` is not positive, ``dtype`` is not one of
+            ``DTYPES``, or ``directory`` is not a directory.
+        FailedPreconditionError: ``directory`` holds weight files pipesvc did not write that
+            this save would leave stale (see [Note: saving beside]).
     """
     if max_shard_bytes <= 0:
         raise InvalidArgumentError(f"max_shard_bytes ({max_shard_bytes}) must be positive")
     config = dict(config)
-    dtype = _config_dtype(config)
-    tensors = {k: v.detach().to(dtype).contiguous() for k, v in state.items()}
+    name = dtype_name(dtype) if dtype is not None else _config_dtype(config)
+    config["dtype"] = name  # what from_pretrained(dtype="auto") loads it in
+    if "torch_dtype" in config:
+        config["torch_dtype"] = name  # the older key, which older transformers read
+    tensors = {k: _written(v, DTYPES[name]) for k, v in state.items()}
     if config.get("tie_word_embeddings") and head_key in tensors:
         if embed_key in tensors and torch.equal(tensors[embed_key], tensors[head_key]):
             del tensors[head_key]
@@ -100,18 +138,18 @@ def write_model(
     def write(tmp: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if len(shards) == 1:
-            save_weights(shards[0], tmp / SINGLE_FILE, metadata={"format": "pt"})
+            save_weights(shards[0], tmp / SINGLE_FILE, metadata=METADATA)
             return
         weight_map = {}
         for i, shard in enumerate(shards, start=1):
             name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_weights(shard, tmp / name, metadata={"format": "pt"})
+            save_weights(shard, tmp / name, metadata=METADATA)
             weight_map.update(dict.fromkeys(shard, name))
         total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        index = {"metadata": {"total_size": total, **WRITER}, "weight_map": weight_map}
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
-    _replace_directory(Path(directory), write)
+    _save_into(directory, write, MODEL_FILES, (INDEX_FILE,))
 
 
 def split_adapters(
@@ -160,7 +198,11 @@ def write_adapter(
     *,
     base_model: str = "",
 ) -> None:
-    """Writes LoRA adapters (the model's own keys) as peft's adapter directory."""
+    """Writes LoRA adapters (the model's own keys) as peft's adapter directory.
+
+    Raises:
+        InvalidArgumentError: ``directory`` is not a directory.
+    """
     args = check_lora(lora)
     config = {
         "peft_type": "LORA",
@@ -181,6 +223,6 @@ def write_adapter(
 
     def write(tmp: Path) -> None:
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-        save_weights(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+        save_weights(tensors, tmp / "adapter_model.safetensors", metadata=METADATA)
 
-    _replace_directory(Path(directory), write)
+    _save_into(directory, write, ADAPTER_FILES, ("adapter_config.json",))

@@ -5,7 +5,9 @@
 under any plan: each stage reads the files of its own layers. A layer file holds the layer's
 state_dict entries ("{layer}.{param}") and its optimizer state
 ("__optim__.{layer}.{param}.{slot}"). The manifest lists each file with its SHA-256, and a
-checkpoint directory appears only once complete (written under a temporary name, then renamed).
+checkpoint directory appears only once complete (written under a temporary name, then renamed;
+into an existing directory the manifest goes last, and only pipesvc's own files are replaced:
+[Note: saving beside] in ``pipesvc.storage.publish``).
 
 [Note: checkpoint coverage] A checkpoint covers whole models: the manifest states the layers it
 covers ("covers": [0, num_layers)), and coverage is checked against the model's layer count, never
@@ -21,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -31,13 +34,16 @@ from typing import Any
 import torch
 
 from pipesvc.errors import InvalidArgumentError, NotFoundError
-from pipesvc.storage.weights import load_weights, save_weights, sync_file_and_directory
+from pipesvc.storage.publish import WRITER, Staging, temp_name_pattern
+from pipesvc.storage.weights import load_weights, save_weights
 
 FORMAT = 2
 READABLE_FORMATS = (1, 2)
 MANIFEST = "manifest.json"
 OPTIM_PREFIX = "__optim__."
 """Prefix of optimizer-state keys: ``__optim__.{layer}.{param}.{slot}``."""
+FILES = re.compile(r"manifest\.json|layer-\d{5,}\.safetensors")
+"""The files of a checkpoint directory (see [Note: saving beside])."""
 
 
 def layer_of(name: str) -> int:
@@ -181,18 +187,21 @@ def _check_coverage(directory: str, raw: dict[str, Any], manifest: Manifest) -> 
 
 
 class CheckpointWriter:
-    """Writes a checkpoint from tensors that arrive grouped by layer, one layer in memory."""
+    """Writes a checkpoint from tensors that arrive grouped by layer, one layer in memory.
+
+    Raises:
+        InvalidArgumentError: ``directory`` exists and is not a directory.
+    """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = Path(directory)
-        self._tmp = self.directory.with_name(self.directory.name + ".tmp")
+        self._staging = Staging(directory, owned=FILES, last=(MANIFEST,))
+        self._tmp = self._staging.path
         self._files: dict[int, dict[str, str]] = {}
         self._layer: int | None = None
         self._tensors: dict[str, torch.Tensor] = {}
         self.keys: set[str] = set()
         """Every key added so far (for a caller that checks completeness against its model)."""
-        shutil.rmtree(self._tmp, ignore_errors=True)
-        self._tmp.mkdir(parents=True)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Adds one tensor; a tensor of a new layer writes out the previous layer."""
@@ -211,7 +220,7 @@ class CheckpointWriter:
         if self._layer is None:
             return
         name = f"layer-{self._layer:05d}.safetensors"
-        save_weights(self._tensors, self._tmp / name, sync_directory=False)
+        save_weights(self._tensors, self._tmp / name, metadata=WRITER, sync_directory=False)
         self._files[self._layer] = {"file": name, "sha256": _sha256(self._tmp / name)}
         self._tensors = {}
         self._layer = None
@@ -233,6 +242,8 @@ class CheckpointWriter:
         Raises:
             InvalidArgumentError: ``num_layers`` is not positive, or a tensor's layer is not
                 below it.
+            FailedPreconditionError: the directory holds layer files that pipesvc did not write
+                and this checkpoint would leave stale (see [Note: saving beside]).
         """
         self._flush()
         if num_layers < 1:
@@ -247,17 +258,14 @@ class CheckpointWriter:
         )
         (self._tmp / MANIFEST).write_text(manifest.to_json())
         # Durable before visible, and visible durably before the caller prunes the step log
-        # behind it: the manifest and every file's name (one directory sync for all layers),
-        # then the rename in the parent.
-        sync_file_and_directory(self._tmp / MANIFEST)
-        shutil.rmtree(self.directory, ignore_errors=True)
-        os.replace(self._tmp, self.directory)
-        sync_file_and_directory(self.directory)
+        # behind it: publishing syncs every file and the directory (once for all layers),
+        # then the rename or the moves.
+        self._staging.publish()
         return manifest
 
     def discard(self) -> None:
-        """Removes the partial checkpoint."""
-        shutil.rmtree(self._tmp, ignore_errors=True)
+        """Removes the partial checkpoint (its temporary directory)."""
+        self._staging.discard()
 
 
 def write_checkpoint(
@@ -321,6 +329,10 @@ def read_layers(
             yield name, tensor
 
 
+_PARTIAL = temp_name_pattern(r"step-\d{9}")
+"""A checkpoint of a store, not yet published."""
+
+
 class CheckpointStore:
     """A job's checkpoints under one directory: ``step-{N:09d}/``, keeping the newest few."""
 
@@ -342,9 +354,13 @@ class CheckpointStore:
         )
 
     def prune(self) -> None:
-        """Removes all but the newest ``keep`` checkpoints."""
+        """Removes all but the newest ``keep`` checkpoints, and the temporary directories of
+        writes a crash cut short (the caller writes one checkpoint at a time, and none now)."""
         for step in self.steps()[: -self.keep]:
             shutil.rmtree(self.path(step), ignore_errors=True)
+        for path in self.root.iterdir() if self.root.is_dir() else ():
+            if _PARTIAL.fullmatch(path.name):
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def group_by_layer(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:

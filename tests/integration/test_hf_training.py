@@ -4,6 +4,7 @@ in one process: causal-LM loss over padded batches split unevenly, AdamW, both s
 from __future__ import annotations
 
 import fnmatch
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import pipesvc
 from pipesvc.core.loss import IGNORE_INDEX
+from pipesvc.storage.checkpoint import read_layers, read_manifest
 
 VOCAB = 48
 FAMILIES = {
@@ -35,6 +37,11 @@ FAMILIES = {
     # partial rotary embeddings, a dense head with a bias
     "hf-phi": ("phi", {}),
 }
+STORED_BF16 = {
+    # what a published checkpoint looks like: stored in bfloat16 (its config says so), sharded
+    "hf-llama-bf16": "hf-llama",
+    "hf-gpt2-bf16": "hf-gpt2",
+}
 OPTIMIZER = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6}
 # eps 1e-6, not 1e-8: a key bias's gradient is zero in exact arithmetic (softmax ignores a
 # shift shared by all keys), so in floating point it is rounding noise of ~1e-10, which Adam
@@ -53,8 +60,13 @@ def hf_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         }  # fmt: skip
         config = AutoConfig.for_model(model_type, **{**sizes, **extra})
         directory = tmp_path_factory.mktemp(name)
-        AutoModelForCausalLM.from_config(config).save_pretrained(directory, max_shard_size="30KB")
+        model = AutoModelForCausalLM.from_config(config)
+        model.save_pretrained(directory, max_shard_size="30KB")
         dirs[name] = directory
+        for stored, source in STORED_BF16.items():
+            if source == name:
+                dirs[stored] = tmp_path_factory.mktemp(stored)
+                model.to(torch.bfloat16).save_pretrained(dirs[stored], max_shard_size="30KB")
     return dirs
 
 
@@ -97,7 +109,7 @@ def train_in_one_process(model: Any, clip: float | None = None) -> list[float]:
 
 
 def reference_run(directory: Path) -> tuple[list[float], Any]:
-    model = AutoModelForCausalLM.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     return train_in_one_process(model), model
 
 
@@ -137,6 +149,76 @@ def test_training_equals_transformers_in_one_process(
             assert torch.allclose(value, expected[key], rtol=1e-4, atol=1e-5), key
     finally:
         job.close()
+
+
+@pytest.mark.parametrize(
+    ("name", "precision", "schedule"),
+    [("hf-llama-bf16", "fp32", "1f1b"), ("hf-gpt2-bf16", "fp32", "gpipe"),
+     ("hf-llama-bf16", "bf16-mixed", "1f1b"), ("hf-llama-bf16", "bf16", "gpipe")],
+)  # fmt: skip
+def test_a_bfloat16_checkpoint_trains_in_the_jobs_precision(
+    hf_client: pipesvc.Client,
+    hf_dirs: dict[str, Path],
+    name: str,
+    precision: str,
+    schedule: str,
+    tmp_path: Path,
+) -> None:
+    # The files (sharded) and the config say bfloat16, as a published checkpoint's do. fp32 and
+    # bf16-mixed train float32 weights, gradients and AdamW state, as transformers loaded with
+    # dtype=float32 from the same directory does; only bf16 keeps them bfloat16.
+    directory = hf_dirs[name]
+    assert AutoConfig.from_pretrained(directory).dtype == torch.bfloat16
+    assert len(list(directory.glob("model-*.safetensors"))) > 1
+    want = torch.bfloat16 if precision == "bf16" else torch.float32
+    with hf_client.create_job(
+        model=name, loss="causal_lm", optimizer=OPTIMIZER, precision=precision,
+        schedule=schedule, num_stages=2, num_microbatches=3, checkpoint_every=0,
+    ) as job:  # fmt: skip
+        initial = job.state_dict()
+        losses = [job.train_step(*batch(step)) for step in range(2)]
+        weights, gradients = job.state_dict(), job.gradients()
+        job.save(tmp_path / "ckpt")
+        job.save_pretrained(tmp_path / "as-stored", max_shard_size="30KB")
+        job.save_pretrained(tmp_path / "float32", dtype=torch.float32)
+        ids, _ = batch(99)
+        logits = job.forward(ids)
+    # save_pretrained writes the dtype the checkpoint came in, unless told otherwise.
+    for saved, dtype in (("as-stored", torch.bfloat16), ("float32", torch.float32)):
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / saved)  # dtype "auto"
+        assert {p.dtype for p in loaded.parameters()} == {dtype}, saved
+        for key, value in loaded.state_dict().items():
+            assert torch.equal(value, weights[key].to(dtype)), key
+    if precision == "fp32":
+        with torch.no_grad():
+            assert torch.allclose(loaded.eval()(ids).logits, logits, rtol=1e-5, atol=1e-6)
+    manifest = read_manifest(tmp_path / "ckpt")
+    state = dict(read_layers(tmp_path / "ckpt", manifest, 0, manifest.num_layers))
+    moments = {k: v for k, v in state.items() if k.endswith((".exp_avg", ".exp_avg_sq"))}
+    assert len(moments) == 2 * len(weights)  # both moments of each (each tied copy too)
+    for kind, tensors in (("weights", weights), ("gradients", gradients), ("AdamW", moments)):
+        assert {str(t.dtype) for t in tensors.values()} == {str(want)}, kind
+    reference: Any = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    for key, value in reference.state_dict().items():
+        assert torch.equal(initial[key], value.to(want)), key  # bfloat16 values, exactly
+    if precision != "fp32":
+        expected_losses, _ = reference_run(directory)
+        assert losses[0] == pytest.approx(expected_losses[0], rel=1e-2)
+        return
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
+    expected_losses = []
+    for step in range(2):
+        optimizer.zero_grad()
+        loss = reference(*batch(step)[:1], labels=batch(step)[1]).loss
+        loss.backward()
+        optimizer.step()
+        expected_losses.append(loss.item())
+    assert losses == pytest.approx(expected_losses, rel=1e-5, abs=1e-6)
+    expected = reference.state_dict()
+    for key, value in weights.items():
+        assert torch.allclose(value, expected[key], rtol=1e-4, atol=1e-5), key
+    for key, param in reference.named_parameters():
+        assert torch.allclose(gradients[key], param.grad, rtol=1e-4, atol=1e-6), key
 
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
@@ -229,6 +311,40 @@ def test_save_pretrained_loads_in_transformers_with_the_jobs_logits(
         assert torch.allclose(adapted(ids).logits, expected, rtol=1e-5, atol=1e-5)
         merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
         assert torch.allclose(merged(ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_saving_a_job_deletes_no_file_it_did_not_write(
+    hf_client: pipesvc.Client, hf_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    # Both saves into a directory of the user's, beside a sibling named like a temporary one:
+    # the user's files stay, pipesvc's own are replaced (a smaller save leaves no stale shard),
+    # and a target that is a file is refused before anything is read or written.
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "notes.txt").write_text("mine")
+    (tmp_path / "out.tmp").write_text("mine too")
+    ids, _ = batch(7)
+    with hf_client.create_job(
+        model="hf-llama", loss="causal_lm", optimizer=OPTIMIZER, num_stages=2, checkpoint_every=0
+    ) as job:  # fmt: skip
+        job.save_pretrained(target, max_shard_size="20KB")
+        job.save(target)
+        job.train_step(*batch(0))
+        job.save_pretrained(target, max_shard_size="60KB")
+        job.save(target)
+        logits, step = job.forward(ids), job.step
+        for call in (job.save, job.save_pretrained):
+            with pytest.raises(pipesvc.InvalidArgumentError, match=r"out\.tmp'.*not a directory"):
+                call(tmp_path / "out.tmp")
+    assert (target / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "out.tmp").read_text() == "mine too"
+    index = json.loads((target / "model.safetensors.index.json").read_text())
+    shards = {p.name for p in target.glob("model-*.safetensors")}
+    assert shards == set(index["weight_map"].values())  # none of the first save's left
+    loaded = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, logits, rtol=1e-5, atol=1e-6)
+    assert read_manifest(target).step == step == 1
 
 
 def test_save_pretrained_of_a_model_of_our_own_is_refused(

@@ -20,6 +20,7 @@ from pipesvc.storage.checkpoint import (
     verify,
     write_checkpoint,
 )
+from pipesvc.storage.publish import temp_name_pattern
 
 
 def _info(num_layers: int) -> dict[str, Any]:
@@ -84,7 +85,7 @@ def test_tensors_of_layers_beyond_the_model_are_refused(tmp_path: Path) -> None:
     tensors = [("0.weight", torch.ones(2)), ("3.weight", torch.ones(2))]
     with pytest.raises(InvalidArgumentError, match=r"layers \[3\]; the model has 2"):
         write_checkpoint(tmp_path / "c", tensors, **_info(2))
-    assert not (tmp_path / "c").exists() and not (tmp_path / "c.tmp").exists()
+    assert list(tmp_path.iterdir()) == []  # no checkpoint, no temporary directory
 
 
 def test_a_key_sent_twice_is_refused(tmp_path: Path) -> None:
@@ -164,7 +165,9 @@ def test_a_checkpoint_is_durable_before_and_after_it_becomes_visible(
     model = models.build("mlp", seed=1, in_features=3, hidden_features=4, out_features=2)
     target = tmp_path / "ckpt"
     write_checkpoint(target, group_by_layer(_state(model)), **_info(len(model)))
-    temp = str(tmp_path / "ckpt.tmp")
+    temps = {s for s in synced if temp_name_pattern("ckpt").fullmatch(os.path.basename(s))}
+    assert len(temps) == 1  # written beside the target, under a name of its own
+    temp = temps.pop()
     layer_files = [s for s in synced if s.startswith(temp + "/.layer-")]
     assert len(layer_files) == len(model)
     assert synced.count(temp) == 1  # one directory sync for every layer file

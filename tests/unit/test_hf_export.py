@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from pipesvc.errors import InvalidArgumentError
 from pipesvc.models import registry
 from pipesvc.models.hf import hf_layer_specs, model_keys
 from pipesvc.models.hf_export import merge_adapters, split_adapters, write_adapter, write_model
@@ -78,6 +79,23 @@ def test_an_exported_model_loads_with_the_same_logits(model_type: str, tmp_path:
         assert torch.equal(loaded(IDS).logits, chain(IDS))
     # Trained copies of a tied embedding and head differ: the export unties them.
     assert config_of(out).get("tie_word_embeddings", False) is False
+
+
+def test_the_dtype_written_is_the_configs_or_the_one_asked(tmp_path: Path) -> None:
+    source = saved("llama", tmp_path / "source")
+    state = model_state(trained_chain(source), source)  # float32, as a job trains
+    config = {**config_of(source), "dtype": "bfloat16"}
+    keys = {"embed_key": "model.embed_tokens.weight", "head_key": "lm_head.weight"}
+    write_model(state, config, tmp_path / "stored", **keys)
+    write_model(state, config, tmp_path / "asked", **keys, dtype=torch.float16)
+    for name, dtype in (("stored", torch.bfloat16), ("asked", torch.float16)):
+        assert config_of(tmp_path / name)["dtype"] == str(dtype).removeprefix("torch.")
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / name)
+        for key, value in loaded.state_dict().items():
+            assert value.dtype == dtype and torch.equal(value, state[key].to(dtype)), key
+    with pytest.raises(InvalidArgumentError, match="dtype 'int8' is not one a model is written"):
+        write_model(state, config, tmp_path / "refused", **keys, dtype="int8")
+    assert not (tmp_path / "refused").exists()
 
 
 def test_a_tied_model_whose_copies_agree_stays_tied(tmp_path: Path) -> None:

@@ -148,6 +148,47 @@ def _refuse(*args: object, **kwargs: object) -> None:
     raise AssertionError("describe read tensors")
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_a_bfloat16_checkpoint_builds_float32_layers_and_is_described_so(
+    model_type: str, tmp_path: Path
+) -> None:
+    # Published checkpoints are stored in bfloat16 and their config says so; from_config would
+    # build the skeleton in that dtype. The layers are float32 (what precision="fp32" trains),
+    # equal to transformers loaded with dtype=float32, and the planner counts float32 bytes.
+    hf = save_model(model_type, tmp_path / "fp32")
+    hf.to(torch.bfloat16).save_pretrained(tmp_path / "bf16", max_shard_size="20KB")
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert (tmp_path / "bf16" / "model.safetensors.index.json").exists()
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32)
+    ours = chain(tmp_path / "bf16")
+    assert {p.dtype for p in ours.parameters()} == {torch.float32}
+    assert {b.dtype for b in ours.buffers() if b.is_floating_point()} <= {torch.float32}
+    ids = torch.randint(0, VOCAB, (3, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(ours(ids), reference.eval()(ids).logits)
+    assert Checkpoint(tmp_path / "bf16").stored_dtype == "bfloat16"
+    assert Checkpoint(tmp_path / "fp32").stored_dtype == "float32"
+    described = {}
+    for kind in ("fp32", "bf16"):
+        register_hf_model(f"hf-stored-{model_type}-{kind}", tmp_path / kind)
+        described[kind] = registry.describe(f"hf-stored-{model_type}-{kind}", {})
+    params = sum(p.numel() for p in hf.parameters())
+    for kind in ("fp32", "bf16"):
+        layers = described[kind].layers
+        assert sum(layer.parameter_bytes for layer in layers) >= 4 * params, kind
+        assert [t.dtype for layer in layers for t in layer.tensors if t.dtype != "float32"] == []
+    assert described["fp32"].layers == described["bf16"].layers
+
+
+def test_the_stored_dtype_is_the_files_when_the_config_names_none(tmp_path: Path) -> None:
+    hf = save_model("llama", tmp_path)
+    hf.to(torch.float16).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["dtype"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert Checkpoint(tmp_path).stored_dtype == "float16"  # as transformers' dtype="auto"
+
+
 def test_registering_the_same_directory_twice_is_allowed_another_is_not(tmp_path: Path) -> None:
     save_model("gpt_neox", tmp_path / "a")
     save_model("gpt_neox", tmp_path / "b")
