@@ -62,7 +62,7 @@ import contextlib
 import fnmatch
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -617,9 +617,40 @@ class StageRuntime:
             return dict(group_by_layer(result))
         return result
 
-    def check_state(self, staged: dict[str, torch.Tensor]) -> _Prepared:
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Every tensor this runtime holds: weights and buffers, gradients, optimizer state and
+        the activations of a run in flight (see ``storage_bytes``)."""
+        held = list(self.module.state_dict().values())
+        held += [p.grad for p in self.module.parameters() if p.grad is not None]
+        if self.optimizer is not None:
+            for slots in self.optimizer.state.values():
+                held += [v for v in slots.values() if isinstance(v, torch.Tensor)]
+        for x, y in self._saved.values():
+            held += [x, y]
+        return held
+
+    def release(self) -> None:
+        """Drops every tensor this runtime holds (its job was replaced or released); the
+        runtime computes nothing afterwards (see [Note: one copy while reassigned] in
+        ``pipesvc.stage.assignment``)."""
+        self._saved.clear()
+        self._deferred.clear()
+        self._backward_s.clear()
+        self._zeroed = []
+        self._tied_partials = {}
+        self.optimizer = None
+        self._chunk_layers = [[] for _ in self.chunks]
+        self._layers = []
+        self.module = nn.ModuleDict()
+
+    def check_state(self, staged: dict[str, torch.Tensor], *, owned: bool = False) -> _Prepared:
         """Checks that ``staged`` is exactly this stage's state_dict (plus, optionally,
         optimizer state under OPTIM_PREFIX keys) and prepares it; changes nothing.
+
+        ``owned``: the caller hands ``staged`` over (it was decoded for this call and is
+        dropped after it), so its optimizer tensors already on the right device become the
+        optimizer state as they are; a copy would hold that state twice while a recovery
+        restores it, above the budget the plan counted.
 
         Raises:
             InvalidArgumentError: missing or unexpected keys, or a shape or dtype mismatch.
@@ -662,7 +693,7 @@ class StageRuntime:
                 )
             # Scalars (Adam's step count) stay on the CPU, as torch keeps them.
             device = param.device if tensor.dim() > 0 else torch.device("cpu")
-            optim_state.setdefault(param, {})[slot] = tensor.to(device, copy=True)
+            optim_state.setdefault(param, {})[slot] = tensor.to(device, copy=not owned)
         return _Prepared(weights=weights, optim_state=optim_state, has_optim=bool(optim))
 
     def load_state(self, prepared: _Prepared, step: int | None = None) -> None:
@@ -678,6 +709,16 @@ class StageRuntime:
                 self.optimizer.state[param] = slots
         if step is not None:
             self.step = step
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the memory ``tensors`` hold, each storage once (views, tied parameters and a
+    state_dict's aliases of parameters count once, and a view holds its whole storage)."""
+    storages: dict[tuple[torch.device, int], int] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
 
 
 def _out_of_memory(exc: BaseException) -> bool:
