@@ -10,6 +10,7 @@
     +-- FailedPreconditionError                valid request, wrong state (busy stage, closed job)
     |   +-- PlanError                          no plan fits (too many stages, too few servers)
     +-- ResourceExhaustedError                 a size or count limit was exceeded
+    |   +-- StageOutOfMemoryError              a stage's device ran out of memory in a run
     +-- StageUnavailableError                  a server could not be reached
     +-- UnauthenticatedError                   missing or wrong token or certificate
     +-- PipelineTimeoutError                   a step or call ran past its deadline
@@ -55,6 +56,11 @@ class ResourceExhaustedError(PipesvcError):
     """A size, count or memory limit was exceeded."""
 
 
+class StageOutOfMemoryError(ResourceExhaustedError):
+    """A stage ran out of memory computing a run (not the caller's input being malformed); the
+    run was aborted everywhere and nothing changed, so the same call fails the same way."""
+
+
 class StageUnavailableError(PipesvcError):
     """A stage or coordinator could not be reached."""
 
@@ -84,6 +90,7 @@ ALL_ERRORS: tuple[type[PipesvcError], ...] = (
     FailedPreconditionError,
     PlanError,
     ResourceExhaustedError,
+    StageOutOfMemoryError,
     StageUnavailableError,
     UnauthenticatedError,
     PipelineTimeoutError,

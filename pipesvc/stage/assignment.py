@@ -1,7 +1,23 @@
-"""The job a stage holds: its step engine and its links to the neighbouring stages."""
+"""The job a stage holds: its step engine and its links to the neighbouring stages.
+
+[Note: one copy while reassigned] Every recovery and re-plan assigns each stage afresh under a
+new epoch. The new runtime takes its state from a checkpoint on the coordinator's disk (a
+re-plan writes one first, see [Note: replan]), never from the stage's old runtime, so the old
+state is dead once a new Assign arrives. Building the new runtime before dropping the old
+briefly holds both: the old weights, gradients, optimizer state, snapshot and caches plus the
+new weights, which a stage planned to fill its budget (``partition="memory"``) does not have.
+So ``Assign`` keeps the old job while it builds only when both fit the stage's memory budget
+(``held_bytes`` beside the new layers' weights); otherwise it releases the old job first, and
+an Assign that then fails leaves the stage holding no job (the coordinator's next call rebuilds
+it, as after any failed assignment). Either way ``close`` drops the tensors at once rather
+than when Python's cycle collector finds the assignment (its engine's send functions refer back
+to it). Restoring then holds one copy too: the runtime takes the staged optimizer state without
+copying it (``StageRuntime.check_state(owned=True)``).
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import grpc
@@ -14,9 +30,11 @@ from pipesvc.stage.mailbox import Mailbox, MailKey
 from pipesvc.stage.options import StageOptions
 from pipesvc.stage.recorder import RunRecorder
 from pipesvc.stage.replica_group import ReplicaGroup
-from pipesvc.stage.runtime import StageRuntime
+from pipesvc.stage.runtime import StageRuntime, storage_bytes
 from pipesvc.stage.sessions import SessionCaches
 from pipesvc.stage.tied_link import TiedLink
+
+logger = logging.getLogger(__name__)
 
 
 class Assignment:
@@ -93,10 +111,41 @@ class Assignment:
             raise FailedPreconditionError("no upstream stream to send gradients on")
         self.upstream.send(key, tensor)
 
+    def held_bytes(self) -> int:
+        """Bytes of memory the job holds here: its runtime's tensors, the snapshot, the state
+        staged for loading (each storage once) and the generation caches."""
+        engine = self.engine
+        tensors = self.runtime.held_tensors() + list(self.staged.values())
+        snapshot = engine.snapshot
+        if snapshot is not None:
+            tensors += list(snapshot.tensors.values())
+        caches = engine.sessions.total_bytes() if engine.sessions is not None else 0
+        return storage_bytes(tensors) + caches
+
     def close(self) -> None:
+        """Closes the links and drops every tensor the job holds (see [Note: one copy while
+        reassigned]); a stream still sending the snapshot keeps its own reference."""
         if self.engine.replicas is not None:
             self.engine.replicas.close()
         if self.downstream is not None:
             self.downstream.close()
         if self.upstream is not None:
             self.upstream.close()
+        engine = self.engine
+        self.staged = {}
+        snapshot = engine.snapshot
+        if snapshot is not None:
+            engine.drop_snapshot(snapshot.step)
+        if engine.sessions is not None:
+            engine.sessions.clear()
+        # A run still computing (none should be: the coordinator aborts runs before it
+        # reassigns) keeps the runtime until it ends; waiting for it here could stall Assign.
+        if engine.run_lock.acquire(blocking=False):
+            try:
+                self.runtime.release()
+            finally:
+                engine.run_lock.release()
+        else:
+            logger.warning(
+                "job %s: a run is still computing; its memory is freed when it ends", self.job_id
+            )

@@ -38,6 +38,14 @@ matches a job exactly only with the same casts at the stage boundaries, since au
 output dtypes depend on the op; against one process under autocast without them, losses agree
 to bfloat16's precision (about 3 significant digits), which the tests allow for.
 
+[Note: stage out of memory] Memory exhausted in a run's compute (a layer's forward, the loss,
+a backward, a split backward's weight gradients) raises ``StageOutOfMemoryError``: the stage's
+failure, never the ``InvalidArgumentError`` of a layer that refused its input. It is a final
+error: the coordinator aborts the run everywhere and recovers nothing (the same plan would run
+out again), so the job stays at its step. torch's CPU allocator raises a plain RuntimeError,
+recognised by its text (``_out_of_memory``). An optimizer step that runs out is left as it was
+(a stage fault, recovered from), since it may have updated some parameters.
+
 [Note: wire dtype] ``JobConfig.wire_dtype`` sends activations and gradients between stages in
 bfloat16 or float16 under any precision: a stage casts its output (and, in backward, its
 input's gradient) to that dtype before sending, and the receiver casts an arriving activation
@@ -54,7 +62,7 @@ import contextlib
 import fnmatch
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +73,7 @@ from pipesvc.core.config import JobConfig
 from pipesvc.core.loss import compute_loss
 from pipesvc.core.optim import build_optimizer, trains
 from pipesvc.core.tying import StageTies
-from pipesvc.errors import FailedPreconditionError, InvalidArgumentError
+from pipesvc.errors import FailedPreconditionError, InvalidArgumentError, StageOutOfMemoryError
 from pipesvc.models import (
     batch_statistics,
     build_layers,
@@ -337,7 +345,9 @@ class StageRuntime:
                             x = layer(x, **kwargs)
                     else:
                         x = layer(x, **kwargs)
-            except (RuntimeError, IndexError, ValueError) as exc:
+            except (RuntimeError, IndexError, ValueError, MemoryError) as exc:
+                if _out_of_memory(exc):
+                    raise self._memory_exhausted(f"the forward of layer {index}", exc) from exc
                 raise InvalidArgumentError(
                     f"layer {index} failed on an input of shape {list(x.shape)} and dtype "
                     f"{x.dtype}: {exc}"
@@ -366,6 +376,7 @@ class StageRuntime:
 
         Raises:
             InvalidArgumentError: a side input the model does not read, or a layer failed.
+            StageOutOfMemoryError: a layer ran out of memory (see [Note: stage out of memory]).
         """
         side = side or {}
         unknown = sorted(set(side) - set(self.features.side_inputs))
@@ -405,8 +416,9 @@ class StageRuntime:
         """Last stage: the weighted loss of micro-batch ``microbatch``, kept for backward."""
         key = self._key(microbatch, len(self.chunks) - 1)
         x, y = self._saved[key]
-        logits = y.float() if y.is_floating_point() else y
-        loss = compute_loss(self.config.loss, logits, target.to(self.device)) * weight
+        with self._memory_of_the_stage("the loss"):
+            logits = y.float() if y.is_floating_point() else y
+            loss = compute_loss(self.config.loss, logits, target.to(self.device)) * weight
         self._saved[key] = (x, loss)
         return loss
 
@@ -438,15 +450,16 @@ class StageRuntime:
             # Nothing before this point trains (a first stage whose layers are all frozen, as
             # the embedding under LoRA): there is no gradient to compute or send.
             return None if first else torch.zeros_like(x)
-        if grad_output is None:
-            torch.autograd.backward(y)
-        else:
-            if grad_output.shape != y.shape:
-                raise InvalidArgumentError(
-                    f"gradient of shape {list(grad_output.shape)} for an output of shape "
-                    f"{list(y.shape)}"
-                )
-            torch.autograd.backward(y, grad_output.to(device=self.device, dtype=y.dtype))
+        if grad_output is not None and grad_output.shape != y.shape:
+            raise InvalidArgumentError(
+                f"gradient of shape {list(grad_output.shape)} for an output of shape "
+                f"{list(y.shape)}"
+            )
+        with self._memory_of_the_stage(f"the backward of micro-batch {microbatch}"):
+            if grad_output is None:
+                torch.autograd.backward(y)
+            else:
+                torch.autograd.backward(y, grad_output.to(device=self.device, dtype=y.dtype))
         if split:
             self._backward_s[key] = time.perf_counter() - started
         else:
@@ -468,8 +481,29 @@ class StageRuntime:
         seconds = self._backward_s.pop(key)
         del self._saved[key]
         started = time.perf_counter()
-        self._deferred.pop(key).apply()
+        with self._memory_of_the_stage(f"the weight gradients of micro-batch {microbatch}"):
+            self._deferred.pop(key).apply()
         self.profiler.backward(seconds + time.perf_counter() - started)
+
+    def _memory_exhausted(self, where: str, exc: BaseException) -> StageOutOfMemoryError:
+        """The error of memory exhausted in ``where`` (see [Note: stage out of memory])."""
+        ranges = ", ".join(f"[{a}, {b})" for a, b in self.chunks)
+        return StageOutOfMemoryError(
+            f"rank {self.rank} (layers {ranges}) ran out of {self.device} memory in {where}: "
+            f"{exc}; the run was aborted and nothing changed. Use smaller micro-batches (a "
+            "smaller batch or a larger num_microbatches) or more stages, whose budgets "
+            "partition='memory' counts"
+        )
+
+    @contextlib.contextmanager
+    def _memory_of_the_stage(self, where: str) -> Iterator[None]:
+        """Within it, running out of memory raises StageOutOfMemoryError."""
+        try:
+            yield
+        except (RuntimeError, MemoryError) as exc:
+            if not _out_of_memory(exc):
+                raise
+            raise self._memory_exhausted(where, exc) from exc
 
     def settled_parameters(self) -> list[nn.Parameter]:
         """After a training run's last backward: the parameters that train, each with its
@@ -583,9 +617,40 @@ class StageRuntime:
             return dict(group_by_layer(result))
         return result
 
-    def check_state(self, staged: dict[str, torch.Tensor]) -> _Prepared:
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Every tensor this runtime holds: weights and buffers, gradients, optimizer state and
+        the activations of a run in flight (see ``storage_bytes``)."""
+        held = list(self.module.state_dict().values())
+        held += [p.grad for p in self.module.parameters() if p.grad is not None]
+        if self.optimizer is not None:
+            for slots in self.optimizer.state.values():
+                held += [v for v in slots.values() if isinstance(v, torch.Tensor)]
+        for x, y in self._saved.values():
+            held += [x, y]
+        return held
+
+    def release(self) -> None:
+        """Drops every tensor this runtime holds (its job was replaced or released); the
+        runtime computes nothing afterwards (see [Note: one copy while reassigned] in
+        ``pipesvc.stage.assignment``)."""
+        self._saved.clear()
+        self._deferred.clear()
+        self._backward_s.clear()
+        self._zeroed = []
+        self._tied_partials = {}
+        self.optimizer = None
+        self._chunk_layers = [[] for _ in self.chunks]
+        self._layers = []
+        self.module = nn.ModuleDict()
+
+    def check_state(self, staged: dict[str, torch.Tensor], *, owned: bool = False) -> _Prepared:
         """Checks that ``staged`` is exactly this stage's state_dict (plus, optionally,
         optimizer state under OPTIM_PREFIX keys) and prepares it; changes nothing.
+
+        ``owned``: the caller hands ``staged`` over (it was decoded for this call and is
+        dropped after it), so its optimizer tensors already on the right device become the
+        optimizer state as they are; a copy would hold that state twice while a recovery
+        restores it, above the budget the plan counted.
 
         Raises:
             InvalidArgumentError: missing or unexpected keys, or a shape or dtype mismatch.
@@ -628,7 +693,7 @@ class StageRuntime:
                 )
             # Scalars (Adam's step count) stay on the CPU, as torch keeps them.
             device = param.device if tensor.dim() > 0 else torch.device("cpu")
-            optim_state.setdefault(param, {})[slot] = tensor.to(device, copy=True)
+            optim_state.setdefault(param, {})[slot] = tensor.to(device, copy=not owned)
         return _Prepared(weights=weights, optim_state=optim_state, has_optim=bool(optim))
 
     def load_state(self, prepared: _Prepared, step: int | None = None) -> None:
@@ -644,6 +709,27 @@ class StageRuntime:
                 self.optimizer.state[param] = slots
         if step is not None:
             self.step = step
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the memory ``tensors`` hold, each storage once (views, tied parameters and a
+    state_dict's aliases of parameters count once, and a view holds its whole storage)."""
+    storages: dict[tuple[torch.device, int], int] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failed allocation (see [Note: stage out of memory])."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    # torch's CPU allocator raises a plain RuntimeError (an enforce failure in alloc_cpu.cpp):
+    # its text is the only mark it has.
+    return isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(
+        exc
+    )
 
 
 _CHUNK_STRIDE = 1 << 20

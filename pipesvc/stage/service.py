@@ -7,6 +7,7 @@ links to the neighbours) and delegates runs, commits and aborts to ``StepEngine`
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -19,7 +20,7 @@ import grpc
 import torch
 
 from pipesvc import models
-from pipesvc.core.config import config_from_proto, parse_json_object
+from pipesvc.core.config import JobConfig, config_from_proto, parse_json_object
 from pipesvc.core.limits import MAX_MICROBATCHES
 from pipesvc.core.microbatch import CacheRef, MicrobatchCaches
 from pipesvc.core.tensor_codec import decode, encode, named_frames, read_named_frames
@@ -120,6 +121,13 @@ def _plan_ranges(request: stage_pb2.AssignRequest) -> list[tuple[int, int]]:
             f"says [{own.start_layer}, {own.end_layer}]"
         )
     return [by_rank[r] for r in range(request.num_stages)]
+
+
+@functools.lru_cache(maxsize=8)
+def _layer_bytes(model: str, model_args_json: str) -> tuple[int, ...]:
+    """Each layer's weight bytes, described on the meta device (no memory used)."""
+    described = models.describe(model, parse_json_object(model_args_json, "model_args_json"))
+    return tuple(int(layer.parameter_bytes) for layer in described.layers)
 
 
 def _rss_bytes() -> int:
@@ -233,12 +241,19 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
                 "when the stages hold several layer ranges each)"
             )
         with self._lock:
-            if self._job is not None and self._job.job_id != request.job_id:
-                # The coordinator is the authority: a stage it declared lost and now reuses
-                # may still hold an old job, which is dropped here.
-                logger.warning("dropping job %s to serve job %s", self._job.job_id, request.job_id)
+            previous = self._job
+        if previous is not None and previous.job_id != request.job_id:
+            # The coordinator is the authority: a stage it declared lost and now reuses may
+            # still hold an old job, which is dropped here.
+            logger.warning("dropping job %s to serve job %s", previous.job_id, request.job_id)
         groups = models.tied_parameters(config.model, config.model_args)
         ties = stage_ties(groups, _plan_ranges(request), stage.rank) if groups else None
+        if request.num_replicas > 1 and not stage.replica < request.num_replicas:
+            raise InvalidArgumentError(
+                f"replica ({stage.replica}) must be below num_replicas ({request.num_replicas})"
+            )
+        if previous is not None and not self._fits_beside(previous, config, chunks):
+            self._drop(previous, request.downstream_address)
         runtime = StageRuntime(
             config=config,
             start_layer=stage.start_layer,
@@ -268,10 +283,6 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
             )
         replicas = None
         if request.num_replicas > 1:
-            if not stage.replica < request.num_replicas:
-                raise InvalidArgumentError(
-                    f"replica ({stage.replica}) must be below num_replicas ({request.num_replicas})"
-                )
             replicas = ReplicaGroup(
                 job_id=request.job_id,
                 epoch=request.plan_epoch,
@@ -307,6 +318,39 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
             runtime.num_parameters,
         )
         return stage_pb2.AssignResponse(num_parameters=runtime.num_parameters)
+
+    def _fits_beside(
+        self, previous: Assignment, config: JobConfig, chunks: list[tuple[int, int]]
+    ) -> bool:
+        """Whether the weights of layers ``chunks`` fit in this stage's budget beside what
+        ``previous`` holds (see [Note: one copy while reassigned] in stage/assignment.py)."""
+        held = previous.held_bytes()
+        if held == 0:
+            return True
+        layers = _layer_bytes(config.model, config.model_args_json())
+        need = sum(sum(layers[a:b]) for a, b in chunks)
+        if config.precision == "bf16":
+            need //= 2
+        budget = self._options.memory_bytes
+        if held + need <= budget:
+            return True
+        logger.info(
+            "job %s: releasing its %.1f MiB before building %.1f MiB of weights: both would "
+            "not fit the budget of %.1f MiB",
+            previous.job_id,
+            held / 2**20,
+            need / 2**20,
+            budget / 2**20,
+        )
+        return False
+
+    def _drop(self, previous: Assignment, downstream_address: str) -> None:
+        """Releases ``previous`` before its replacement is built."""
+        with self._lock:
+            if self._job is previous:
+                self._job = None
+        previous.close()
+        self._close_channel(previous.downstream_address, downstream_address)
 
     @handle_errors
     def Release(
@@ -585,7 +629,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
             staged, job.staged = job.staged, {}
             if request.apply:
                 step = request.step if request.HasField("step") else None
-                job.runtime.load_state(job.runtime.check_state(staged), step)
+                job.runtime.load_state(job.runtime.check_state(staged, owned=True), step)
         return stage_pb2.ApplyStateResponse()
 
     @handle_errors

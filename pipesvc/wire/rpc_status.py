@@ -32,6 +32,7 @@ STATUS_CODES: dict[type[PipesvcError], grpc.StatusCode] = {
     errors.FailedPreconditionError: grpc.StatusCode.FAILED_PRECONDITION,
     errors.PlanError: grpc.StatusCode.FAILED_PRECONDITION,
     errors.ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.StageOutOfMemoryError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.StageUnavailableError: grpc.StatusCode.UNAVAILABLE,
     errors.UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
     errors.PipelineTimeoutError: grpc.StatusCode.DEADLINE_EXCEEDED,

@@ -1,0 +1,67 @@
+"""A stage planned to fill its memory budget is reassigned on every recovery: it holds one copy
+of its model through it (the old one released before the new one is built, and the restored
+optimizer state taken without a copy), not two."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import torch
+
+import pipesvc
+from tests.support.stage_probe import stage_info
+
+MIB = 2**20
+WIDTH = 2048  # each of the 4 layers: 16 MiB of float32 weights
+LAYER_BYTES = WIDTH * (WIDTH + 1) * 4
+# Two layers a stage: weights, gradients and SGD's momentum are 96 MiB, which the budget fits;
+# a second copy of the weights beside them (128 MiB) it does not.
+BUDGET = 112 * MIB
+OPTIONS = {
+    "model": "mlp",
+    "model_args": {
+        "in_features": WIDTH,
+        "hidden_features": WIDTH,
+        "out_features": WIDTH,
+        "num_layers": 4,
+    },
+    "num_stages": 2,
+    "num_microbatches": 2,
+    "loss": "mse",
+    "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
+    "partition": "memory",
+    "checkpoint_every": 1,
+}
+
+
+def status_bytes(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+def test_a_stage_that_fills_its_budget_holds_one_copy_through_a_recovery() -> None:
+    with (
+        pipesvc.LocalCluster(
+            num_stages=3, threads_per_stage=1, stage_args=["--memory-budget", str(BUDGET)]
+        ) as cluster,
+        cluster.connect() as client,
+        client.create_job(**OPTIONS) as job,  # type: ignore[arg-type]
+    ):
+        assert [(s.start_layer, s.end_layer) for s in job.plan] == [(0, 2), (2, 4)]
+        batch = torch.randn(4, WIDTH), torch.randn(4, WIDTH)
+        for _ in range(3):
+            job.train_step(*batch)
+        survivor, lost = (stage_info(s.address).pid for s in job.plan)
+        held = status_bytes(survivor, "VmRSS")
+        Path(f"/proc/{survivor}/clear_refs").write_text("5")  # VmHWM starts again from VmRSS
+        os.kill(lost, signal.SIGKILL)
+        job.train_step(*batch)  # the survivor is reassigned, restored and runs the step again
+        assert job.recoveries == 1
+        assert stage_info(job.plan[0].address).pid == survivor
+        grown = status_bytes(survivor, "VmHWM") - held
+        # Two copies would add the new weights (32 MiB) at least; one copy adds no state.
+        assert grown < LAYER_BYTES, (grown / MIB, held / MIB)
