@@ -677,6 +677,11 @@ def connect(
 ) -> Client:
     """A client for the coordinator at ``address`` (``host:port``).
 
+    Nothing is sent yet. If the first call cannot reach a coordinator there, it raises
+    StageUnavailableError naming the likely cause and what to check (address and port, TLS on
+    one side only, the CA, a client certificate), or WrongServiceError when the address is a
+    stage's; a refused token raises UnauthenticatedError saying to check it.
+
     Args:
         address: the coordinator's ``host:port``.
         token: the cluster's shared token, when it runs with ``--token-file``.
