@@ -22,6 +22,7 @@ from pipesvc.errors import (
     UnauthenticatedError,
     UnknownModelError,
     WireFormatError,
+    WrongServiceError,
 )
 from pipesvc.local_cluster import LocalCluster
 from pipesvc.models import LayerSpec, register_model
@@ -55,6 +56,7 @@ __all__ = [
     "UnknownModelError",
     "WeightLimits",
     "WireFormatError",
+    "WrongServiceError",
     "__version__",
     "connect",
     "load_weights",

@@ -12,6 +12,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from pipesvc.core.limits import parse_bytes
 from pipesvc.core.optim import DEFAULT_OPTIMIZER, NO_OPTIMIZER
 from pipesvc.core.plan import PipelineStage, plan_to_dicts
 from pipesvc.core.tensor_codec import decode, encode, named_frames, read_named_frames
-from pipesvc.errors import FailedPreconditionError, InvalidArgumentError
+from pipesvc.errors import FailedPreconditionError, InvalidArgumentError, PipesvcError
 from pipesvc.observe.trace import StageTimeline, TraceEvent, write_trace_files
 from pipesvc.storage.checkpoint import (
     Manifest,
@@ -38,9 +39,10 @@ from pipesvc.storage.checkpoint import (
 )
 from pipesvc.storage.publish import check_target
 from pipesvc.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from pipesvc.wire.diagnose import explain
 from pipesvc.wire.rpc_status import rpc_errors
 from pipesvc.wire.security import Security, TLSConfig
-from pipesvc.wire.transport import call, open_channel
+from pipesvc.wire.transport import open_channel
 
 _Req = TypeVar("_Req")
 _Resp = TypeVar("_Resp")
@@ -92,6 +94,21 @@ class Client:
         self._where = f"coordinator {address}"
         """How errors of failed calls name the coordinator."""
 
+    def _convert(self, error: grpc.RpcError) -> PipesvcError:
+        """The typed error of a failed call; a failed connection, a stage's address given for
+        the coordinator's and a refused token are explained (``wire.diagnose``)."""
+        return explain(
+            error,
+            what="coordinator",
+            address=self.address,
+            channel=self._channel,
+            security=self.security,
+        )
+
+    def _rpc_errors(self) -> contextlib.AbstractContextManager[None]:
+        """Inside, a failed call raises its typed error (``_convert``)."""
+        return rpc_errors(convert=self._convert)
+
     @overload
     def _call(self, method: grpc.UnaryUnaryMultiCallable[_Req, _Resp], request: _Req) -> _Resp: ...
 
@@ -102,7 +119,8 @@ class Client:
 
     def _call(self, method: Any, request: Any) -> Any:
         """Calls a method of ``self._stub`` (``self._stub.GetJob``) with this client's deadline."""
-        return call(method, request, timeout_s=self.timeout_s, where=self._where)
+        with self._rpc_errors():
+            return method(request, timeout=self.timeout_s)
 
     def create_job(
         self,
@@ -393,7 +411,7 @@ class Job:
         )
         if attention_mask is not None:
             request.attention_mask.CopyFrom(encode(attention_mask))
-        with rpc_errors(self._client._where):
+        with self._client._rpc_errors():
             replies = self._client._stub.Generate(request, timeout=self._client.timeout_s)
             try:
                 for reply in replies:
@@ -441,7 +459,7 @@ class Job:
 
     def _read_state(self, kind: common_pb2.StateKind.ValueType) -> dict[str, torch.Tensor]:
         request = coordinator_pb2.GetJobStateRequest(job_id=self.id, kind=kind)
-        with rpc_errors(self._client._where):
+        with self._client._rpc_errors():
             stream = self._client._stub.GetState(request, timeout=self._client.timeout_s)
             return dict(read_named_frames(stream))
 
@@ -597,7 +615,7 @@ class Job:
         check_target(path)  # before the state streams
         self.refresh()
         request = coordinator_pb2.GetJobStateRequest(job_id=self.id, kind=common_pb2.CHECKPOINT)
-        with rpc_errors(self._client._where):
+        with self._client._rpc_errors():
             stream = self._client._stub.GetState(request, timeout=self._client.timeout_s)
             write_checkpoint(
                 path,
@@ -689,6 +707,11 @@ def connect(
     timeout_s: float = 600.0,
 ) -> Client:
     """A client for the coordinator at ``address`` (``host:port``).
+
+    Nothing is sent yet. If the first call cannot reach a coordinator there, it raises
+    StageUnavailableError naming the likely cause and what to check (address and port, TLS on
+    one side only, the CA, a client certificate), or WrongServiceError when the address is a
+    stage's; a refused token raises UnauthenticatedError saying to check it.
 
     Args:
         address: the coordinator's ``host:port``.

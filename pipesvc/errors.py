@@ -12,6 +12,7 @@
     +-- ResourceExhaustedError                 a size or count limit was exceeded
     |   +-- StageOutOfMemoryError              a stage's device ran out of memory in a run
     +-- StageUnavailableError                  a server could not be reached
+    |   +-- WrongServiceError                  it answers, but is not the kind asked for
     +-- UnauthenticatedError                   missing or wrong token or certificate
     +-- PipelineTimeoutError                   a step or call ran past its deadline
     +-- StepAbortedError                       the step was aborted; nothing was committed
@@ -65,6 +66,11 @@ class StageUnavailableError(PipesvcError):
     """A stage or coordinator could not be reached."""
 
 
+class WrongServiceError(StageUnavailableError):
+    """The address answers, but with another service (e.g. a stage where a coordinator was
+    expected), so the one asked for could not be reached there."""
+
+
 class UnauthenticatedError(PipesvcError):
     """The caller did not prove who it is (missing or wrong token, or no client certificate)."""
 
@@ -92,6 +98,7 @@ ALL_ERRORS: tuple[type[PipesvcError], ...] = (
     ResourceExhaustedError,
     StageOutOfMemoryError,
     StageUnavailableError,
+    WrongServiceError,
     UnauthenticatedError,
     PipelineTimeoutError,
     StepAbortedError,

@@ -60,18 +60,25 @@ def run_coordinator(
     logger.info("coordinator listening on %s, state in %s", address, state_dir)
     page = None
     if http_port is not None:
+        tls = security.tls
         try:
+            # With TLS on, the page is HTTPS only, with the gRPC servers' certificate and CA.
+            context = None
+            if tls is not None and tls.cert is not None and tls.key is not None:
+                context = dashboard.tls_context(tls.cert, tls.key, tls.ca)
             page = dashboard.serve(
                 lambda: cluster_view.snapshot(service.registry, service.jobs),
                 host.strip("[]"),
                 http_port,
                 security.token,
+                context,
             )
         except OSError:
             server.stop(grace=None)
             service.shutdown()
             raise
-        logger.info("live page on http://%s:%d/", host, page.server_address[1])
+        scheme = "https" if context is not None else "http"
+        logger.info("live page on %s://%s:%d/", scheme, host, page.server_address[1])
     if address_file is not None:
         tmp = address_file.with_suffix(".tmp")
         tmp.write_text(address)

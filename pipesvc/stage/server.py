@@ -20,6 +20,7 @@ from pipesvc.stage.frame_wire import parse, serialize
 from pipesvc.stage.links import EXCHANGE_METHOD
 from pipesvc.stage.service import StageOptions, StageService
 from pipesvc.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2_grpc
+from pipesvc.wire.diagnose import explain
 from pipesvc.wire.rpc_status import rpc_errors
 from pipesvc.wire.security import Security
 from pipesvc.wire.transport import check_health, create_server, open_channel, split_address
@@ -95,11 +96,23 @@ def register(
     )
     with open_channel(coordinator, security) as channel:
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
-        with rpc_errors(
-            convert=lambda exc: StageUnavailableError(
-                f"could not register with the coordinator at {coordinator}: {exc.details()}"
+
+        def convert(exc: grpc.RpcError) -> StageUnavailableError:
+            # Explained (e.g. "is a pipesvc stage, not a coordinator"); always unavailable, so
+            # the heartbeat goes on trying.
+            error = explain(
+                exc, what="coordinator", address=coordinator, channel=channel, security=security
             )
-        ):
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # waited for it to be ready
+                return StageUnavailableError(
+                    f"could not register: the coordinator at {coordinator} did not answer in "
+                    f"{timeout_s:g} s. Check its address and port, that it is running, and "
+                    "that TLS is on for both sides or neither"
+                )
+            kind = type(error) if isinstance(error, StageUnavailableError) else None
+            return (kind or StageUnavailableError)(f"could not register: {error}")
+
+        with rpc_errors(convert=convert):
             stub.RegisterStage(request, timeout=timeout_s, wait_for_ready=True)
 
 

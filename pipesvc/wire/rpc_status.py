@@ -34,6 +34,7 @@ STATUS_CODES: dict[type[PipesvcError], grpc.StatusCode] = {
     errors.ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.StageOutOfMemoryError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.StageUnavailableError: grpc.StatusCode.UNAVAILABLE,
+    errors.WrongServiceError: grpc.StatusCode.UNIMPLEMENTED,  # raised by clients (diagnose.py)
     errors.UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
     errors.PipelineTimeoutError: grpc.StatusCode.DEADLINE_EXCEEDED,
     errors.StepAbortedError: grpc.StatusCode.ABORTED,
