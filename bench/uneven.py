@@ -35,7 +35,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 import pipesvc  # noqa: E402
-from pipesvc.coordinator.rebalance import PROBE_STEPS, REBALANCE_EVERY  # noqa: E402
+from pipesvc.core.settle import PROBE_STEPS, REBALANCE_EVERY  # noqa: E402
 from tests.support.cpu_cap import cpu_capped  # noqa: E402
 from tests.support.faults import stage_pid  # noqa: E402
 

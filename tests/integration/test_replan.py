@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import pipesvc
-from pipesvc.coordinator.rebalance import PROBE_STEPS, REBALANCE_EVERY
+from pipesvc.core.settle import PROBE_STEPS, REBALANCE_EVERY
 from tests.support.cpu_cap import CPU_ROOT, cpu_capped
 from tests.support.reference import DROPOUT_GPT, Reference
 from tests.support.stage_probe import stage_info
