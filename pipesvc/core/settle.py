@@ -22,10 +22,12 @@ started on. So a plan settles:
   earlier measurements of the same plan predicted (0 on a plan's first measurement and after
   a stage joined or left). Measuring one plan again on an unchanged cluster, or on a cluster
   that slowed down or sped up as a whole, predicts about the same gain, whatever the
-  measurements' bias; a stage that alone slowed or sped up changes it. On a plan measured
-  before, one such measurement is not enough: a second, ``window`` steps later (the stages'
-  timings are running means), must find it clearly better too, and the smaller gain counts
-  (on a loaded host, single measurements of one plan predicted gains from 18% to 65%).
+  measurements' bias; a stage that alone slowed or sped up changes it. (A measurement taken
+  because the step time changed is not counted among those earlier ones: the stages' timings
+  are running means, so it may be taken mid-change.) On a plan measured before, one such
+  measurement is not enough: a second, ``confirm_steps`` steps later, must find it clearly
+  better too, and the smaller gain counts (on a loaded host, single measurements of one plan
+  predicted gains from 18% to 65%).
 - **Did the last move hold?** The check compares the median step time after a move with the
   one before it. A move that did not get at least ``min_gain / 2`` faster did not hold: the
   next needs twice the margin, and there is no move back at once (the check's measurement,
@@ -67,6 +69,9 @@ class Policy:
     window: int = 5
     """Steps whose median is the step time."""
     payback_steps: int = 50
+    """A move must pay the last move's cost back within this many steps."""
+    confirm_steps: int = 3
+    """Steps between a measurement finding a clearly better plan and the one confirming it."""
     """A move must pay the last move's cost back within this many steps."""
 
 
@@ -150,7 +155,7 @@ class Settler:
                 return None
             self._settle(None)  # settled as it is, unmeasured
         if self._suspect is not None:
-            if on_plan < self._suspect_at + policy.window:
+            if on_plan < self._suspect_at + policy.confirm_steps:
                 return None
             self._suspect_at = on_plan  # asked again this much later if the measurement fails
             return self._ask("confirm")
@@ -190,7 +195,8 @@ class Settler:
         if before:
             now += f" ({base:.0%} before)"
         if gain - base < margin:
-            self._gains.append(gain)  # one more measurement of the plan as it settled
+            if not reason.startswith("step time"):  # one taken mid-change would skew them
+                self._gains.append(gain)  # one more measurement of the plan as it settled
             return Verdict(False, f"{now}; not {margin:.0%} better")
         first = suspect[1] if suspect is not None else reason
         if last is not None:
@@ -208,7 +214,7 @@ class Settler:
         elif before:
             # A plan measured before: one measurement clearly better may be noise.
             self._suspect, self._suspect_at = (gain, reason), len(self._times)
-            return Verdict(False, f"{now}; to be confirmed in {policy.window} steps")
+            return Verdict(False, f"{now}; to be confirmed in {policy.confirm_steps} steps")
         self._pending = _Move(gain=gain, before_s=step_s, cost_s=0.0)
         return Verdict(True, now)
 

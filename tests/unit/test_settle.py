@@ -180,7 +180,7 @@ def test_periodic_moves_wait_until_the_last_move_paid_for_itself() -> None:
     sim.gain = 0.3
     sim.run(14)  # periodic at 10 and 20 steps on the plan
     assert len(sim.moves) == 1 and "pays for itself after 30 steps" in sim.verdicts[-1]
-    sim.run(10)  # clearly better at 30 steps, and confirmed 5 steps later
+    sim.run(10)  # clearly better at 30 steps, and confirmed 3 steps later
     assert len(sim.moves) == 1 and "to be confirmed" in sim.verdicts[-1], sim.verdicts
     sim.run(5)
     assert len(sim.moves) == 2 and sim.measured[-1] == "confirm", sim.verdicts
@@ -233,7 +233,7 @@ def test_rebalance_without_probe_measures_first_at_its_period() -> None:
 
 def test_one_measurement_clearly_better_is_confirmed_before_a_move() -> None:
     """A spike: one periodic measurement predicts 60% against the 10% the plan settled with;
-    the measurement 5 steps later predicts 10% again, so nothing moves."""
+    the measurement 3 steps later predicts 10% again, so nothing moves."""
     sim = Sim(_throughput(every=20), gain=0.1)
     sim.run(20)
     assert sim.measured == ["probe", "periodic"] and sim.moves == []
