@@ -24,7 +24,7 @@ is measured yet. After ``PROBE_STEPS`` training steps (the probe: real steps, so
 wasted) it measures its stages and moves to the throughput plan if that is predicted enough
 faster; with ``rebalance`` on, it also measures every ``REBALANCE_EVERY`` steps. When to
 measure and whether to move is ``pipesvc.core.settle``'s (see [Note: settling]): a plan
-settles, and moves again only when the cluster changes or a checked move earned the trust.
+settles, and the job measures again only when its step time or its stages change.
 """
 
 from __future__ import annotations
