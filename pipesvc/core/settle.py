@@ -61,7 +61,7 @@ class Policy:
     every: int | None = None
     """Measure every this many steps on one plan (``rebalance``); None: never by count."""
     probe_steps: int = PROBE_STEPS
-    min_gain: float = 0.15
+    min_gain: float = 0.1
     """The hysteresis: how much more gain than when settled a plan must be predicted."""
     change: float = 0.3
     """A step time this share slower, or faster by 1 / (1 + change), than the settled one
