@@ -199,7 +199,7 @@ def test_rebalance_moves_work_off_a_stage_that_slows_down_while_training() -> No
 def test_throughput_plan_settles_on_a_stable_uneven_cluster() -> None:
     """Four stages, one capped at a quarter of a CPU the whole time: a ``throughput`` job moves
     at most once in 60 steps (it moved every third step when every new plan was probed)."""
-    args = {"in_features": 256, "hidden_features": 512, "num_layers": 8, "out_features": 8}
+    args = {"in_features": 1024, "hidden_features": 1024, "num_layers": 8, "out_features": 8}
     with (
         pipesvc.LocalCluster(num_stages=4, threads_per_stage=1) as cluster,
         cluster.connect() as client,
@@ -214,7 +214,7 @@ def test_throughput_plan_settles_on_a_stable_uneven_cluster() -> None:
         ) as job,
     ):
         g = torch.Generator().manual_seed(0)
-        x, y = torch.randn(64, 256, generator=g), torch.randn(64, 8, generator=g)
+        x, y = torch.randn(256, 1024, generator=g), torch.randn(256, 8, generator=g)
         plans = [job.plan]
         with cpu_capped(stage_info(job.plan[1].address).pid, 0.25):
             for _ in range(60):
