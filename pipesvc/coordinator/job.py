@@ -49,13 +49,7 @@ import torch
 from pipesvc.coordinator import planner
 from pipesvc.coordinator.fair_lock import FairLock
 from pipesvc.coordinator.job_state import JobState, PendingCommit
-from pipesvc.coordinator.rebalance import (
-    MIN_GAIN,
-    PROBE_STEPS,
-    REBALANCE_EVERY,
-    Decision,
-    Replanner,
-)
+from pipesvc.coordinator.rebalance import Decision, Replanner
 from pipesvc.coordinator.recovery import FINAL_ERRORS, JobStorage, Recovery
 from pipesvc.coordinator.registry import StageRegistry
 from pipesvc.coordinator.replicas import Rendezvous, RunReplies
@@ -70,6 +64,7 @@ from pipesvc.core.microbatch import RunBatch
 from pipesvc.core.optim import trains
 from pipesvc.core.partition import get_partition
 from pipesvc.core.plan import PipelineStage, plan_from_dicts
+from pipesvc.core.settle import REBALANCE_EVERY, Policy
 from pipesvc.core.tensor_codec import decode
 from pipesvc.errors import (
     FailedPreconditionError,
@@ -362,7 +357,7 @@ class JobDriver:
                 # snapshot checkpoint] in stage/engine.py); with no such run, the flush of the
                 # commit reads the stages instead.
                 state.pending = dataclasses.replace(state.pending, snapshot=True)
-            self._rebalance_if_due()
+            self._rebalance_if_due(took)
             return loss, state.step
 
     def replan(self, partition: str) -> Decision:
@@ -385,35 +380,51 @@ class JobDriver:
             self._resilient(lambda: None, "replan")  # a pending recovery or reconcile first
             decision = self.replanner.choose(partition)
             self._resilient(lambda: self.replanner.apply(decision), f"replan ({partition})")
+            if decision.moved and self.group.plan == decision.plan:
+                self.replanner.settler.replanned(self.group.epoch)
             return decision
 
-    def _rebalance_if_due(self) -> None:
-        """After a committed step: the probe of a ``throughput`` job (its 3rd step on a plan
-        nothing measured yet), and a ``rebalance`` job's periodic measurement (every 20 steps
-        on the same plan); see [Note: replan] in rebalance.py. A failed measurement or move is
-        logged and training goes on."""
-        step, config = self.state.step, self.config
-        on_plan = self.replanner.count_step()
-        probe = config.partition == "throughput" and on_plan == PROBE_STEPS
-        periodic = config.rebalance and on_plan > 0 and on_plan % REBALANCE_EVERY == 0
-        if not (probe or periodic):
+    def _rebalance_if_due(self, took: float) -> None:
+        """After a committed step that took ``took`` seconds, for a ``throughput`` or a
+        ``rebalance`` job: measures and moves when the settler says so (see [Note: settling]
+        in core/settle.py and [Note: replan] in rebalance.py). A failed measurement or move
+        is logged and training goes on."""
+        step, config, group = self.state.step, self.config, self.group
+        if config.partition != "throughput" and not config.rebalance:
             return
+        settler = self.replanner.settler
+        settler.policy = Policy(
+            probe=config.partition == "throughput",
+            every=REBALANCE_EVERY if config.rebalance else None,
+        )
+        members = [s.address for s in group.plan] + [
+            r.address for r in group.registry.free(config.model)
+        ]
+        reason = settler.step(group.epoch, took, members)
+        if reason is None:
+            return
+        started = time.monotonic()
         try:
-            decision = self.replanner.choose("throughput", min_gain=MIN_GAIN)
-            self._resilient(
-                lambda: self.replanner.apply(decision, keep_partition=True),
-                f"rebalance at step {step}",
-            )
+            decision = self.replanner.choose("throughput")
+            verdict = settler.decide(max(decision.current_s), max(decision.predicted_s))
+            if verdict.move:
+                self._resilient(
+                    lambda: self.replanner.apply(decision, keep_partition=True),
+                    f"rebalance at step {step}",
+                )
+                if group.plan == decision.plan:
+                    settler.moved(group.epoch, time.monotonic() - started)
         except PipesvcError as exc:
             logger.warning("job %s: no rebalance at step %d: %s", self.job_id, step, exc)
             return
         logger.info(
-            "job %s: measured at step %d; slowest stage %.2f ms per micro-batch, %s",
+            "job %s: measured at step %d (%s); slowest stage %.2f ms per micro-batch, %s",
             self.job_id,
             step,
+            verdict.reason,
             1e3 * max(decision.current_s),
             f"moved (predicted {1e3 * max(decision.predicted_s):.2f} ms)"
-            if decision.moved
+            if verdict.move
             else "plan kept",
         )
 

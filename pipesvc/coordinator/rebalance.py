@@ -21,10 +21,10 @@ stages. Speeds measured while the job trains include what training itself does t
 
 A job created with ``partition="throughput"`` starts balanced by parameters, because nothing
 is measured yet. After ``PROBE_STEPS`` training steps (the probe: real steps, so no work is
-wasted) it measures its stages and moves to the throughput plan if that is predicted at least
-``MIN_GAIN`` faster. With ``rebalance`` on, it measures again every ``REBALANCE_EVERY`` steps
-and moves when the same holds, so work leaves a stage that slowed down and goes to a faster
-free stage that registered.
+wasted) it measures its stages and moves to the throughput plan if that is predicted enough
+faster; with ``rebalance`` on, it also measures every ``REBALANCE_EVERY`` steps. When to
+measure and whether to move is ``pipesvc.core.settle``'s (see [Note: settling]): a plan
+settles, and the job measures again only when its step time or its stages change.
 """
 
 from __future__ import annotations
@@ -41,18 +41,13 @@ from pipesvc.coordinator.registry import StageRecord
 from pipesvc.coordinator.stage_group import StageGroup
 from pipesvc.core import throughput
 from pipesvc.core.plan import PipelineStage
+from pipesvc.core.settle import Policy, Settler
 from pipesvc.errors import FailedPreconditionError, PlanError
 from pipesvc.v1 import stage_pb2
 from pipesvc.wire.transport import call
 
 logger = logging.getLogger(__name__)
 
-PROBE_STEPS = 3
-"""Training steps a ``throughput`` job runs on its first plan before it measures."""
-REBALANCE_EVERY = 20
-"""Steps between measurements of a job with ``rebalance`` on."""
-MIN_GAIN = 0.1
-"""A plan found by itself is taken only if its predicted bottleneck is this share smaller."""
 CALIBRATE_S = 0.5
 """Seconds each stage times its calibration product (all stages at once, so stages sharing a
 host's cores measure the share they get while they all work)."""
@@ -91,16 +86,8 @@ class Replanner:
     def __init__(self, *, group: StageGroup, recovery: Recovery) -> None:
         self._group = group
         self._recovery = recovery
-        self._epoch = -1
-        self._steps_on_plan = 0
-
-    def count_step(self) -> int:
-        """Counts a committed step; returns the steps trained on the current plan (its epoch:
-        a recovery, a move or a restart starts the count again)."""
-        if self._group.epoch != self._epoch:
-            self._epoch, self._steps_on_plan = self._group.epoch, 0
-        self._steps_on_plan += 1
-        return self._steps_on_plan
+        self.settler = Settler(Policy())
+        """When this job measures and whether it moves by itself (see [Note: settling])."""
 
     def measure(self) -> Measurements:
         """Profiles the job's stages; when there are free stages, or a stage without a
@@ -138,9 +125,10 @@ class Replanner:
         with futures.ThreadPoolExecutor(max_workers=len(stages)) as pool:
             return list(pool.map(profile, range(len(stages))))
 
-    def choose(self, partition: str, *, min_gain: float = 0.0) -> Decision:
+    def choose(self, partition: str) -> Decision:
         """The plan ``partition`` gives (``throughput``: from a new measurement, and only if
-        predicted at least ``min_gain`` faster than the current plan); nothing moves.
+        predicted faster than the current plan); nothing moves. Whether a job moves by itself
+        is the settler's to say (see [Note: settling]).
 
         Raises:
             FailedPreconditionError: ``throughput`` before any training step on this plan.
@@ -161,7 +149,7 @@ class Replanner:
             logger.info(
                 "job %s: measured\n%s", group.job_id, _report(measured, current, plan, predicted_s)
             )
-            if max(predicted_s) >= max(current_s) * (1 - min_gain):  # not faster enough
+            if max(predicted_s) >= max(current_s):  # not faster
                 plan, predicted_s = current, current_s
         else:
             records = {r.address: r for r in group.registry.all()}

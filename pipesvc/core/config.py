@@ -64,11 +64,13 @@ class JobConfig:
     (balance parameter counts), ``uniform`` (equal layer counts), ``memory`` (balance each
     stage's memory estimate against its budget), ``throughput`` (the fastest step from the
     stages' measured speeds: balanced by parameters for the first steps, then measured and
-    re-planned; see [Note: replan] in ``pipesvc.coordinator.rebalance``), or any registered
+    re-planned, and again when the cluster changes; see [Note: settling] in
+    ``pipesvc.core.settle``), or any registered
     with ``register_partition``."""
     rebalance: bool = False
-    """Measure the stages every ``REBALANCE_EVERY`` steps and move to the throughput plan when
-    it is predicted enough faster (see [Note: replan] in ``pipesvc.coordinator.rebalance``)."""
+    """Measure the stages every ``REBALANCE_EVERY`` steps too (and when the step time changes)
+    and move to the throughput plan when it is clearly better (see [Note: settling] in
+    ``pipesvc.core.settle``)."""
     clip_grad_norm: float | None = None
     """Clip the global gradient norm over all stages to this value; None for no clipping."""
     checkpoint_every: int | None = None

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import pipesvc
-from pipesvc.coordinator.rebalance import PROBE_STEPS, REBALANCE_EVERY
+from pipesvc.core.settle import PROBE_STEPS, REBALANCE_EVERY
 from tests.support.cpu_cap import CPU_ROOT, cpu_capped
 from tests.support.reference import DROPOUT_GPT, Reference
 from tests.support.stage_probe import stage_info
@@ -193,3 +193,36 @@ def test_rebalance_moves_work_off_a_stage_that_slows_down_while_training() -> No
             after = _work(job.refresh().plan, args)
         assert after[slow] < first[slow], (first, after)
         assert job.step == REBALANCE_EVERY
+
+
+@pytest.mark.skipif(not CPU_ROOT.is_dir(), reason="needs the cgroup v1 cpu controller")
+def test_throughput_plan_settles_on_a_stable_uneven_cluster() -> None:
+    """Four stages, one capped at a quarter of a CPU the whole time: a ``throughput`` job moves
+    at most once in 60 steps (it moved every third step when every new plan was probed)."""
+    args = {"in_features": 1024, "hidden_features": 1024, "num_layers": 8, "out_features": 8}
+    with (
+        pipesvc.LocalCluster(num_stages=4, threads_per_stage=1) as cluster,
+        cluster.connect() as client,
+        client.create_job(
+            model="mlp",
+            model_args=args,
+            num_stages=4,
+            num_microbatches=4,
+            partition="throughput",
+            loss="mse",
+            optimizer={"name": "sgd", "lr": 0.01},
+        ) as job,
+    ):
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(256, 1024, generator=g), torch.randn(256, 8, generator=g)
+        plans = [job.plan]
+        with cpu_capped(stage_info(job.plan[1].address).pid, 0.25):
+            for _ in range(60):
+                job.train_step(x, y)
+                plan = job.refresh().plan
+                if plan != plans[-1]:
+                    plans.append(plan)
+        assert job.step == 60
+        assert len(plans) <= 2, [
+            [(s.start_layer, s.end_layer, s.address) for s in p] for p in plans
+        ]
