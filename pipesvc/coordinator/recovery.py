@@ -24,7 +24,7 @@ from pipesvc.coordinator.job_state import JobState, PendingCommit
 from pipesvc.coordinator.stage_calls import StageLostError, call_stage, health_of
 from pipesvc.coordinator.stage_group import StageGroup
 from pipesvc.coordinator.state_db import JobRecord, StateDB
-from pipesvc.coordinator.step_log import StepLog
+from pipesvc.coordinator.step_log import StepLog, StepLogError
 from pipesvc.core.cadence import CheckpointCadence
 from pipesvc.core.health import Health
 from pipesvc.core.microbatch import RunBatch
@@ -44,8 +44,15 @@ from pipesvc.v1 import common_pb2, stage_pb2
 
 logger = logging.getLogger(__name__)
 
-FINAL_ERRORS = (InvalidArgumentError, ResourceExhaustedError, UnauthenticatedError, PlanError)
-"""Errors that are the caller's (or the plan's) and that a retry cannot fix."""
+FINAL_ERRORS = (
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+    PlanError,
+    StepLogError,
+)
+"""Errors that are the caller's (or the plan's, or the coordinator's disk's) and that a
+recovery cannot fix."""
 
 # [Note: background checkpoint] is in docs/architecture.md: a periodic checkpoint's state is read
 # with the stages at the step, then written on the job's pool; it counts once durable.
@@ -115,8 +122,10 @@ class Recovery:
         )
 
     def persist(self) -> None:
-        """Writes the job's database row."""
-        self.storage.db.put_job(self.record())
+        """Writes the job's database row, with the step results not written yet."""
+        record = self.record()
+        self.storage.db.put_job(record)
+        self.state.saved(record.results)
 
     # -- deferred commits ----------------------------------------------------------------------
 
@@ -344,6 +353,27 @@ class Recovery:
         self._finish_writer(writer, record, step)
         self._checkpointed(step, read_s, time.monotonic() - started - read_s, background=False)
 
+    def start_lineage(self, step: int) -> None:
+        """The stages hold a state just loaded at ``step``: it becomes the job's step and its
+        checkpoint. When ``step`` is below the job's, the steps after it (their logged batches,
+        newer checkpoints) belong to a superseded lineage: the new checkpoint becomes the one
+        recovery restores before any of them is removed (see ``_checkpointed``), so the
+        database always names a checkpoint on disk, and the step log drops its entries past
+        ``step`` (the job's lock is held: no entry is being written)."""
+        self.finish_checkpoint(wait=True)  # a background write must not land after this one
+        older = step < max(self.state.step, self.state.checkpoint_step)
+        self.state.step = step
+        self.cadence.restart(step)
+        self.checkpoint()
+        if older:
+            self.storage.log.drop_after(step)
+            logger.info(
+                "job %s: state loaded at step %d starts a new lineage; later checkpoints and "
+                "logged steps are dropped",
+                self.group.job_id,
+                step,
+            )
+
     def stream_snapshot(self, step: int) -> None:
         """After a run carried the commit of ``step`` with a snapshot: streams the stages'
         snapshots to a new checkpoint on the job's pool while later steps run (see [Note:
@@ -434,9 +464,9 @@ class Recovery:
         """A checkpoint of ``step`` is durable: it becomes the one recovery restores."""
         self.state.checkpoint_step = step
         self.cadence.checkpointed(step, read_s + write_s)
-        self.persist()
+        self.persist()  # the pointer moves first; what it no longer needs goes after
         self.storage.log.prune(step)
-        self.storage.checkpoints.prune()
+        self.storage.checkpoints.prune(current=step)
         logger.info(
             "job %s: checkpoint at step %d in %.3f s (state read in %.3f s, written in %.3f s%s)",
             self.group.job_id,

@@ -2,21 +2,29 @@
 
 Every training step's inputs, targets and side inputs are written before its commit; recovery
 restores the last checkpoint and replays the logged steps after it. Entries at or before the
-newest checkpoint are pruned.
+newest checkpoint are pruned, and so are those after a state loaded at an older step (a new
+lineage).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from pipesvc.errors import NotFoundError
+from pipesvc.errors import NotFoundError, StepAbortedError
 from pipesvc.storage.weights import load_weights, save_weights
 
 _SIDE = "side."
+
+
+class StepLogError(StepAbortedError):
+    """A step's batch could not be written to the step log: the step was not decided and its
+    run was aborted on every stage (a retry cannot be replayed without its batch, so none is
+    made for the caller)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,11 +66,34 @@ class StepLog:
         side = {k[len(_SIDE) :]: t for k, t in tensors.items() if k.startswith(_SIDE)}
         return LoggedBatch(tensors["inputs"], tensors["targets"], side)
 
-    def prune(self, up_to_step: int) -> None:
-        """Removes every entry for steps <= ``up_to_step``."""
+    def entries(self) -> dict[int, Path]:
+        """Every entry's file by step."""
         if not self.root.is_dir():
-            return
+            return {}
+        found = {}
         for path in self.root.glob("step-*.safetensors"):
             number = path.name[5:].split(".", 1)[0]
-            if number.isdigit() and int(number) <= up_to_step:
+            if number.isdigit():
+                found[int(number)] = path
+        return found
+
+    def size_bytes(self) -> int:
+        """Bytes the entries take on disk."""
+        total = 0
+        for path in self.entries().values():
+            with contextlib.suppress(FileNotFoundError):  # pruned meanwhile
+                total += path.stat().st_size
+        return total
+
+    def prune(self, up_to_step: int) -> None:
+        """Removes every entry for steps <= ``up_to_step``."""
+        for step, path in self.entries().items():
+            if step <= up_to_step:
+                path.unlink(missing_ok=True)
+
+    def drop_after(self, step: int) -> None:
+        """Removes every entry for steps > ``step`` (a lineage that loading state superseded;
+        only while no entry is being written)."""
+        for number, path in self.entries().items():
+            if number > step:
                 path.unlink(missing_ok=True)

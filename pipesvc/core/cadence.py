@@ -63,6 +63,10 @@ class CheckpointCadence:
         """A checkpoint of ``step`` was asked for: the next one counts from it."""
         self._last = max(self._last, step)
 
+    def restart(self, step: int) -> None:
+        """The job's state was loaded at ``step`` (maybe older): the next one counts from it."""
+        self._last = step
+
     def checkpointed(self, step: int, seconds: float) -> None:
         """A checkpoint of ``step`` became durable ``seconds`` after it started."""
         self._last = max(self._last, step)
