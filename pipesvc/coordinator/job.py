@@ -412,7 +412,8 @@ class JobDriver:
             )
             cadence = self.recovery.cadence
             cadence.step_took(took)
-            if cadence.due(state.step) and state.pending is not None:
+            due = cadence.due(state.step) or self.recovery.log_over_bound()
+            if due and state.pending is not None:
                 cadence.asked(state.step)
                 # The run that carries this step's commit has the stages snapshot their state,
                 # which then streams to a checkpoint while later steps train (see [Note:

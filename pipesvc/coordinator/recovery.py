@@ -25,7 +25,7 @@ from pipesvc.coordinator.stage_calls import StageLostError, call_stage, health_o
 from pipesvc.coordinator.stage_group import StageGroup
 from pipesvc.coordinator.state_db import JobRecord, StateDB
 from pipesvc.coordinator.step_log import StepLog, StepLogError
-from pipesvc.core.cadence import CheckpointCadence
+from pipesvc.core.cadence import CheckpointCadence, log_bound
 from pipesvc.core.health import Health
 from pipesvc.core.microbatch import RunBatch
 from pipesvc.core.plan import servers_of
@@ -103,6 +103,8 @@ class Recovery:
         self._pool = pool
         self._writing: tuple[int, float, futures.Future[float]] | None = None
         """A checkpoint being written in the background: (step, seconds reading it, write)."""
+        self._sized: tuple[int, int] | None = None
+        """(checkpoint step, its bytes on disk), as ``_checkpoint_bytes`` last counted."""
         self.cadence = CheckpointCadence(
             group.config.checkpoint_every, start_step=max(state.checkpoint_step, 0)
         )
@@ -352,6 +354,40 @@ class Recovery:
             return
         self._finish_writer(writer, record, step)
         self._checkpointed(step, read_s, time.monotonic() - started - read_s, background=False)
+
+    def log_over_bound(self) -> bool:
+        """Whether a ``checkpoint_every=0`` job's step log has outgrown its bound, so that a
+        checkpoint must prune it (see [Note: checkpoint cadence]); False while one is being
+        written (it prunes the log once durable)."""
+        if self.group.config.checkpoint_every != 0 or self._writing is not None:
+            return False
+        held = self.storage.log.size_bytes()
+        bound = log_bound(self._checkpoint_bytes())
+        if held <= bound:
+            return False
+        logger.warning(
+            "job %s: checkpoint_every=0, and the step log since step %d holds %.1f MiB, more "
+            "than its bound of %.1f MiB (a checkpoint's size, at least 64 MiB): taking a "
+            "checkpoint at step %d to prune it",
+            self.group.job_id,
+            max(self.state.checkpoint_step, 0),
+            held / 2**20,
+            bound / 2**20,
+            self.state.step,
+        )
+        return True
+
+    def _checkpoint_bytes(self) -> int:
+        """Bytes of the job's checkpoint on disk, or of its weights before it has one."""
+        step = self.state.checkpoint_step
+        if self._sized is None or self._sized[0] != step:
+            directory = self.storage.checkpoints.path(step)
+            if step >= 0 and directory.is_dir():
+                size = sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
+            else:
+                size = sum(layer.parameter_bytes for layer in self.group.layers)
+            self._sized = (step, size)
+        return self._sized[1]
 
     def start_lineage(self, step: int) -> None:
         """The stages hold a state just loaded at ``step``: it becomes the job's step and its

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +43,9 @@ class StepLog:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
+        self._lock = threading.Lock()  # entries are written on a pool, pruned on the job's
+        self._sizes: dict[int, int] | None = None
+        """Bytes of each entry by step, once counted (kept up to date from then on)."""
 
     def _path(self, step: int) -> Path:
         return self.root / f"step-{step:09d}.safetensors"
@@ -51,7 +55,12 @@ class StepLog:
         self.root.mkdir(parents=True, exist_ok=True)
         tensors = {"inputs": batch.inputs, "targets": batch.targets}
         tensors.update({_SIDE + name: t for name, t in batch.side.items()})
-        save_weights(tensors, self._path(step))
+        path = self._path(step)
+        save_weights(tensors, path)
+        size = path.stat().st_size
+        with self._lock:
+            if self._sizes is not None:
+                self._sizes[step] = size
 
     def read(self, step: int) -> LoggedBatch:
         """The batch of step ``step``.
@@ -78,22 +87,30 @@ class StepLog:
         return found
 
     def size_bytes(self) -> int:
-        """Bytes the entries take on disk."""
-        total = 0
-        for path in self.entries().values():
-            with contextlib.suppress(FileNotFoundError):  # pruned meanwhile
-                total += path.stat().st_size
-        return total
+        """Bytes the entries take on disk (counted once, then kept as entries come and go)."""
+        with self._lock:
+            if self._sizes is None:
+                self._sizes = {}
+                for step, path in self.entries().items():
+                    with contextlib.suppress(FileNotFoundError):  # pruned meanwhile
+                        self._sizes[step] = path.stat().st_size
+            return sum(self._sizes.values())
+
+    def _remove(self, step: int, path: Path) -> None:
+        path.unlink(missing_ok=True)
+        with self._lock:
+            if self._sizes is not None:
+                self._sizes.pop(step, None)
 
     def prune(self, up_to_step: int) -> None:
         """Removes every entry for steps <= ``up_to_step``."""
         for step, path in self.entries().items():
             if step <= up_to_step:
-                path.unlink(missing_ok=True)
+                self._remove(step, path)
 
     def drop_after(self, step: int) -> None:
         """Removes every entry for steps > ``step`` (a lineage that loading state superseded;
         only while no entry is being written)."""
         for number, path in self.entries().items():
             if number > step:
-                path.unlink(missing_ok=True)
+                self._remove(number, path)
