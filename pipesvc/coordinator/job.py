@@ -335,14 +335,14 @@ class JobDriver:
         side: Mapping[str, torch.Tensor] | None = None,
         *,
         request_id: str = "",
-        digest: str = "",
+        digest: Callable[[], str] = str,
     ) -> tuple[float, int]:
         """Runs one training step and decides it on every stage; returns (loss, step).
 
         ``side``: side inputs by name, split with the batch (see [Note: side inputs]).
-        ``request_id`` (empty: none) and ``digest`` (of the batch): a step whose id the job
-        remembers is not run again; its first result is returned (see [Note: step request
-        ids]).
+        ``request_id`` (empty: none) and ``digest`` (computes one of the batch; on the job's
+        pool while the stages run): a step whose id the job remembers is not run again; its
+        first result is returned (see [Note: step request ids]).
 
         A lost stage is recovered from (see [Note: recovery]) and the step still returns. Once
         decided the step counts as committed (see [Note: commit invariant]); its commit is
@@ -380,7 +380,7 @@ class JobDriver:
             self._check_open()
             first = state.results.get(request_id) if request_id else None
             if first is not None:
-                return self._repeated(first, digest)
+                return self._repeated(first, digest())
             if state.committed_step >= MAX_STEP:
                 raise FailedPreconditionError(
                     f"job {self.job_id} is at step {state.committed_step}, the largest the "
@@ -388,6 +388,7 @@ class JobDriver:
                 )
             started = time.monotonic()
             target = state.step + 1
+            digested = self._pool.submit(digest) if request_id else None  # off the step's path
 
             def attempt() -> float:
                 if state.step >= target:  # a recovery finished the step's commit by replay
@@ -396,8 +397,10 @@ class JobDriver:
                 return self._train_once(batch, LoggedBatch(inputs, targets, side))
 
             loss = self._resilient(attempt, f"step {target}")
-            if request_id:
-                result = StepResult(request_id=request_id, step=target, loss=loss, digest=digest)
+            if digested is not None:
+                result = StepResult(
+                    request_id=request_id, step=target, loss=loss, digest=digested.result()
+                )
                 state.remember(result)
             self.recovery.persist()  # with the result: decided and remembered at once
             self._metrics.inc("steps_committed_total")

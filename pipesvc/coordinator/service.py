@@ -67,10 +67,10 @@ def _batch_digest(request: coordinator_pb2.TrainStepRequest) -> str:
     for name in sorted(request.side_inputs):
         digest.update(name.encode())
         parts.append(request.side_inputs[name])
-    for part in parts:
-        body = part.SerializeToString(deterministic=True)
-        digest.update(len(body).to_bytes(8, "little"))
-        digest.update(body)
+    for part in parts:  # the header is small; the payload is hashed where it lies
+        for body in (part.header.SerializeToString(deterministic=True), part.data):
+            digest.update(len(body).to_bytes(8, "little"))
+            digest.update(body)
     return digest.hexdigest()
 
 
@@ -283,7 +283,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 targets,
                 side,
                 request_id=request.request_id,
-                digest=_batch_digest(request) if request.request_id else "",
+                digest=lambda: _batch_digest(request),
             )
         except InvalidArgumentError as exc:
             better = _in_terms_of_the_batch(exc, job, inputs, targets)
