@@ -7,6 +7,8 @@ Each test checks the weights against the one-process oracle trained on each batc
 
 from __future__ import annotations
 
+import sqlite3
+
 import grpc
 import pytest
 
@@ -108,3 +110,36 @@ def test_a_step_whose_batch_cannot_be_logged_commits_on_no_stage() -> None:
         run.step()
         assert run.job.refresh().step == 2
         run.check_weights()
+
+
+def test_a_retry_after_the_decided_step_failed_to_persist_gets_the_first_result() -> None:
+    """The state database is held locked by another writer while step 2 is decided, so the
+    job's row cannot be written and the call fails after every stage prepared the step. The
+    retry under the same id returns step 2's result, writes it, and trains nothing; so does
+    one after a coordinator restart."""
+    with pipesvc.LocalCluster(num_stages=2, threads_per_stage=1) as cluster:
+        client = cluster.connect()
+        run = Run.start(client, checkpoint_every=0)
+        run.step()
+        request = _request(run.job, "unlucky", seed=1)
+        holder = sqlite3.connect(cluster.log_dir / "state" / "state.sqlite3", isolation_level=None)
+        holder.execute("BEGIN EXCLUSIVE")
+        try:
+            with pytest.raises(grpc.RpcError) as failed:
+                _send(cluster.address, request)
+            assert "locked" in str(failed.value.details())
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+        again = _send(cluster.address, request)
+        x, y = MLP.batch(8, seed=1)
+        assert again.step == 2
+        assert again.loss == pytest.approx(run.reference.step(x, y), rel=1e-5, abs=1e-6)
+        client.close()
+        cluster.restart_coordinator(kill=True)
+        last = _send(cluster.address, request)
+        assert (last.loss, last.step) == (again.loss, 2)
+        with cluster.connect() as client:
+            run.job = client.get_job(run.job.id)
+            assert run.job.step == 2
+            run.check_weights()
