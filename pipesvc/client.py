@@ -29,7 +29,7 @@ from pipesvc.core.limits import parse_bytes
 from pipesvc.core.optim import DEFAULT_OPTIMIZER, NO_OPTIMIZER
 from pipesvc.core.plan import PipelineStage, plan_to_dicts
 from pipesvc.core.tensor_codec import decode, encode, named_frames, read_named_frames
-from pipesvc.errors import FailedPreconditionError, InvalidArgumentError
+from pipesvc.errors import FailedPreconditionError, InvalidArgumentError, PipesvcError
 from pipesvc.observe.trace import StageTimeline, TraceEvent, write_trace_files
 from pipesvc.storage.checkpoint import (
     Manifest,
@@ -39,17 +39,17 @@ from pipesvc.storage.checkpoint import (
     write_checkpoint,
 )
 from pipesvc.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from pipesvc.wire.rpc_status import ERROR_CLASS_KEY, error_from_rpc, rpc_errors
+from pipesvc.wire.rpc_status import ERROR_CLASS_KEY, rpc_errors
 from pipesvc.wire.security import Security, TLSConfig
 from pipesvc.wire.transport import call, open_channel
 
 _Req = TypeVar("_Req")
 _Resp = TypeVar("_Resp")
 
-TRAIN_STEP_RETRIES = 3
+TRAIN_STEP_RETRIES = 6
 """Times ``Job.train_step`` sends a step again, under the same request id, after its call
-failed in transport (the coordinator restarting, a dropped connection), within the client's
-``timeout_s`` from the first try."""
+failed in transport (the coordinator restarting, a dropped connection): over about 30 s, and
+within the client's ``timeout_s`` from the first try."""
 RETRY_PAUSE_S = 0.5
 """Pause before the first such retry; doubles with each."""
 
@@ -357,18 +357,20 @@ class Job:
         deadline = time.monotonic() + client.timeout_s
         for attempt in range(TRAIN_STEP_RETRIES + 1):
             try:
-                # A retry waits for the coordinator to be back, within the deadline.
-                reply = client._stub.TrainStep(
+                reply = call(
+                    client._stub.TrainStep,
                     request,
-                    timeout=max(deadline - time.monotonic(), 0.0),
-                    wait_for_ready=attempt > 0 or None,
+                    timeout_s=max(deadline - time.monotonic(), 0.0),
+                    where=client._where,
                 )
                 break
-            except grpc.RpcError as exc:
+            except PipesvcError as exc:
                 pause = RETRY_PAUSE_S * 2**attempt
+                cause = exc.__cause__
+                lost = isinstance(cause, grpc.RpcError) and _lost_in_transport(cause)
                 last = attempt == TRAIN_STEP_RETRIES
-                if last or not _lost_in_transport(exc) or time.monotonic() + pause >= deadline:
-                    raise error_from_rpc(exc, client._where) from exc
+                if last or not lost or time.monotonic() + pause >= deadline:
+                    raise
             time.sleep(pause)
         if reply.HasField("job"):
             self._update(reply.job)

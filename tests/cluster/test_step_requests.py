@@ -8,6 +8,7 @@ Each test checks the weights against the one-process oracle trained on each batc
 from __future__ import annotations
 
 import sqlite3
+import threading
 
 import grpc
 import pytest
@@ -139,6 +140,28 @@ def test_a_retry_after_the_decided_step_failed_to_persist_gets_the_first_result(
         cluster.restart_coordinator(kill=True)
         last = _send(cluster.address, request)
         assert (last.loss, last.step) == (again.loss, 2)
+        with cluster.connect() as client:
+            run.job = client.get_job(run.job.id)
+            assert run.job.step == 2
+            run.check_weights()
+
+
+def test_a_train_step_across_a_coordinator_restart_is_applied_once() -> None:
+    """The coordinator is killed and restarted while a step is on its way: whether the kill
+    lands before the step arrives, while it runs or before its reply, the client sends it again
+    under its request id until the new coordinator answers, and it is applied once."""
+    with pipesvc.LocalCluster(num_stages=2, threads_per_stage=1) as cluster:
+        client = cluster.connect()
+        run = Run.start(client, checkpoint_every=0)
+        run.step()
+        x, y = MLP.batch(8, seed=1)
+        losses: list[float] = []
+        sender = threading.Thread(target=lambda: losses.append(run.job.train_step(x, y)))
+        sender.start()
+        cluster.restart_coordinator(kill=True)
+        sender.join(timeout=120)
+        assert losses == [pytest.approx(run.reference.step(x, y), rel=1e-5, abs=1e-6)]
+        client.close()
         with cluster.connect() as client:
             run.job = client.get_job(run.job.id)
             assert run.job.step == 2
