@@ -65,6 +65,8 @@ MAX_STEP = 2**63 - 1
 """The largest step an SQLite INTEGER holds."""
 REMEMBERED_RESULTS = 1024
 """Step results a job keeps by request id; older ones are forgotten (a retry comes soon)."""
+TRIM_EVERY = 64
+"""The database forgets a job's older step results once per this many writes of them."""
 RESULTS_SCHEMA = """
 CREATE TABLE IF NOT EXISTS step_results (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -75,6 +77,7 @@ CREATE TABLE IF NOT EXISTS step_results (
     digest TEXT NOT NULL,
     UNIQUE (job_id, request_id)
 );
+CREATE INDEX IF NOT EXISTS step_results_order ON step_results (job_id, seq);
 """
 
 
@@ -103,6 +106,7 @@ class StateDB:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
         self._db.executescript(RESULTS_SCHEMA)
+        self._result_writes: dict[str, int] = {}
 
     def put_job(self, record: JobRecord) -> None:
         """Inserts or replaces a job's record, with its new step results, in one transaction
@@ -141,9 +145,15 @@ class StateDB:
             "VALUES (?, ?, ?, ?, ?)",
             [(job_id, r.request_id, r.step, r.loss, r.digest) for r in results],
         )
+        # Forgets what is past the newest REMEMBERED_RESULTS (on the index: no table scan),
+        # every TRIM_EVERY writes of a job's results (a job keeps up to TRIM_EVERY - 1 more).
+        writes = self._result_writes.get(job_id, 0)
+        self._result_writes[job_id] = writes + 1
+        if writes % TRIM_EVERY:
+            return
         self._db.execute(
-            "DELETE FROM step_results WHERE job_id = ? AND seq NOT IN (SELECT seq FROM "
-            "step_results WHERE job_id = ? ORDER BY seq DESC LIMIT ?)",
+            "DELETE FROM step_results WHERE job_id = ? AND seq <= (SELECT seq FROM step_results "
+            "WHERE job_id = ? ORDER BY seq DESC LIMIT 1 OFFSET ?)",
             (job_id, job_id, REMEMBERED_RESULTS),
         )
 
