@@ -605,10 +605,7 @@ class JobDriver:
             self._check_open()
             self._resilient(self.recovery.flush, "loading state")
             count = self.group.load_state(frames, step)
-            if step is None:
-                self.recovery.checkpoint()  # recovery must restore the loaded state
-            else:
-                self.recovery.start_lineage(step)
+            self.recovery.start_lineage(step)  # recovery must restore the loaded state
             return count
 
     # -- lifecycle -----------------------------------------------------------------------------

@@ -389,18 +389,32 @@ class Recovery:
             self._sized = (step, size)
         return self._sized[1]
 
-    def start_lineage(self, step: int) -> None:
-        """The stages hold a state just loaded at ``step``: it becomes the job's step and its
-        checkpoint. When ``step`` is below the job's, the steps after it (their logged batches,
-        newer checkpoints) belong to a superseded lineage: the new checkpoint becomes the one
-        recovery restores before any of them is removed (see ``_checkpointed``), so the
-        database always names a checkpoint on disk, and the step log drops its entries past
-        ``step`` (the job's lock is held: no entry is being written)."""
+    def start_lineage(self, step: int | None) -> None:
+        """The stages hold a state just loaded at ``step`` (None: the job's): it becomes the
+        job's step and its checkpoint. When ``step`` is below the job's, the steps after it
+        (their logged batches, newer checkpoints) belong to a superseded lineage: the new
+        checkpoint becomes the one recovery restores before any of them is removed (see
+        ``_checkpointed``), so the database always names a checkpoint on disk, and the step log
+        drops its entries past ``step`` (the job's lock is held: no entry is being written).
+
+        Raises:
+            PipesvcError, OSError: the checkpoint failed; the load does not count, and the next
+                call first rebuilds the stages to the job's state before it.
+        """
         self.finish_checkpoint(wait=True)  # a background write must not land after this one
-        older = step < max(self.state.step, self.state.checkpoint_step)
-        self.state.step = step
+        state = self.state
+        before = (state.step, state.checkpoint_step)
+        step = state.step if step is None else step
+        older = step < max(before)
+        state.step = step
+        try:
+            self.checkpoint()
+        except BaseException:
+            # Not durable, so not loaded: the stages go back to what the database says.
+            state.step, state.checkpoint_step = before
+            state.replay_target = before[0]
+            raise
         self.cadence.restart(step)
-        self.checkpoint()
         if older:
             self.storage.log.drop_after(step)
             logger.info(

@@ -53,3 +53,29 @@ def test_a_step_above_what_the_database_holds_is_refused_with_nothing_applied(
         assert job.refresh().step == 1
         job.train_step(x, y)  # the job's row is still written: training goes on
         assert job.refresh().step == 2
+
+
+def test_a_load_whose_checkpoint_cannot_be_written_does_not_count(
+    cluster: pipesvc.LocalCluster, client: pipesvc.Client
+) -> None:
+    """The job's checkpoint directory is replaced by a file, so the checkpoint of the loaded
+    state fails after the stages applied it: the load is refused, and the next call rebuilds
+    the stages to the state the job's database and step log describe."""
+    with client.create_job(
+        model=MLP.model, model_args=MLP.model_args, num_stages=2, loss="mse", seed=4
+    ) as job:
+        for seed in range(2):
+            job.train_step(*MLP.batch(8, seed=seed))
+        before = job.state_dict()
+        checkpoints = cluster.log_dir / "state" / "jobs" / job.id / "checkpoints"
+        assert not checkpoints.exists()  # none yet: the first comes at step 10
+        checkpoints.write_text("not a directory")
+        try:
+            with pytest.raises(pipesvc.PipesvcError):
+                job.load_state_dict({k: v + 1 for k, v in before.items()})
+        finally:
+            checkpoints.unlink()
+        after = job.state_dict()
+        for key, value in before.items():
+            torch.testing.assert_close(after[key], value, rtol=1e-6, atol=1e-7)
+        assert job.refresh().step == 2 and job.recoveries == 1
