@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator, Mapping, Sequence
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar, cast, overload
 
 import grpc
 import torch
@@ -40,12 +42,29 @@ from pipesvc.storage.checkpoint import (
 from pipesvc.storage.publish import check_target
 from pipesvc.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from pipesvc.wire.diagnose import explain
-from pipesvc.wire.rpc_status import rpc_errors
+from pipesvc.wire.rpc_status import ERROR_CLASS_KEY, rpc_errors
 from pipesvc.wire.security import Security, TLSConfig
 from pipesvc.wire.transport import open_channel
 
 _Req = TypeVar("_Req")
 _Resp = TypeVar("_Resp")
+
+TRAIN_STEP_RETRIES = 6
+"""Times ``Job.train_step`` sends a step again, under the same request id, after its call
+failed in transport (the coordinator restarting, a dropped connection): over about 30 s, and
+within the client's ``timeout_s`` from the first try."""
+RETRY_PAUSE_S = 0.5
+"""Pause before the first such retry; doubles with each."""
+
+
+def _lost_in_transport(error: grpc.RpcError) -> bool:
+    """The call failed with UNAVAILABLE and no error of the coordinator's own: it went away
+    or the connection dropped, and the step may have run with its reply lost."""
+    if not hasattr(error, "code") or error.code() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    trailing = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    entries = cast("Iterable[tuple[str, str | bytes]]", trailing or ())
+    return not any(key == ERROR_CLASS_KEY for key, _ in entries)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -323,6 +342,8 @@ class Job:
         inputs: torch.Tensor,
         targets: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
+        *,
+        request_id: str | None = None,
     ) -> float:
         """One optimizer step on the mini-batch; returns its mean loss.
 
@@ -330,21 +351,44 @@ class Job:
         shaped like the token ids, 1 for a token and 0 for padding, bool or integer) is split
         with the batch and applied by every block, as ``model(ids, attention_mask=...)`` does.
 
+        The step is sent with a request id (``request_id``, or a new random one), and sent
+        again under it if the coordinator could not be reached (it restarted, or the
+        connection dropped): the coordinator applies a step once per id and answers a repeat
+        with the first result. A caller that retries a failed ``train_step`` itself passes the
+        same ``request_id`` to get the same guarantee.
+
         Raises:
-            InvalidArgumentError: the batch does not fit the model or the job.
+            InvalidArgumentError: the batch does not fit the model or the job, or the request
+                id was used for another batch.
+            StepAbortedError: the step was aborted on every stage (nothing committed).
             PipesvcError: recovery was impossible (no stage or memory left). If the step failed
                 before its commit began, nothing changed; if it failed during the commit, the
                 step is in the step log and the job's next call completes it on every stage.
         """
-        reply = self._client._call(
-            self._client._stub.TrainStep,
-            coordinator_pb2.TrainStepRequest(
-                job_id=self.id,
-                inputs=encode(inputs),
-                targets=encode(targets),
-                side_inputs=_side_inputs(attention_mask),
-            ),
+        request = coordinator_pb2.TrainStepRequest(
+            job_id=self.id,
+            inputs=encode(inputs),
+            targets=encode(targets),
+            side_inputs=_side_inputs(attention_mask),
+            request_id=request_id or uuid.uuid4().hex,
         )
+        client = self._client
+        deadline = time.monotonic() + client.timeout_s
+        for attempt in range(TRAIN_STEP_RETRIES + 1):
+            try:
+                with client._rpc_errors():
+                    reply = client._stub.TrainStep(
+                        request, timeout=max(deadline - time.monotonic(), 0.0)
+                    )
+                break
+            except PipesvcError as exc:
+                pause = RETRY_PAUSE_S * 2**attempt
+                cause = exc.__cause__
+                lost = isinstance(cause, grpc.RpcError) and _lost_in_transport(cause)
+                last = attempt == TRAIN_STEP_RETRIES
+                if last or not lost or time.monotonic() + pause >= deadline:
+                    raise
+            time.sleep(pause)
         if reply.HasField("job"):
             self._update(reply.job)
         else:  # a coordinator from before replies carried the job

@@ -31,7 +31,21 @@ stage is lost (or a step fails for a reason that is not the caller's), the job g
 (a spare replaces each lost stage, or the model is re-partitioned over the survivors), every
 stage is assigned afresh, restores the newest checkpoint, and the logged steps after it are
 replayed; then the failed step runs again. Since each step is deterministic, the caller sees
-the same losses and weights as a run without the fault.
+the same losses and weights as a run without the fault. If the batch cannot be written to the
+step log, the step is never decided: its prepared run is aborted on every stage at once
+(``StepLogError``), and nothing is committed anywhere.
+
+[Note: step request ids] A client may retry a step whose reply it lost (or that failed after
+the step was decided, e.g. writing the job's row). Each TrainStep carries a client-chosen
+request id, the same on every retry; once a step is decided, its result (step, loss, and a
+digest of the batch) is kept under that id in ``JobState.results`` and written to the state
+database in the same transaction as the row that records the step as decided, so it survives
+a coordinator restart exactly when the step does. A request whose id is remembered is not run:
+it gets the first result (after writing it, if the first reply failed before that), and one
+that reuses an id for another batch is refused. A retry that arrives while the first attempt
+still runs waits for the job's lock and then finds the result. A step that was never decided
+(aborted, or lost with a coordinator that died before writing the row) has no result, and its
+retry runs it, once.
 """
 
 from __future__ import annotations
@@ -56,8 +70,8 @@ from pipesvc.coordinator.replicas import Rendezvous, RunReplies
 from pipesvc.coordinator.serving import JobGeneration
 from pipesvc.coordinator.stage_calls import Deadlines, StageLostError
 from pipesvc.coordinator.stage_group import StageGroup
-from pipesvc.coordinator.state_db import JobRecord
-from pipesvc.coordinator.step_log import LoggedBatch
+from pipesvc.coordinator.state_db import MAX_STEP, JobRecord, StepResult
+from pipesvc.coordinator.step_log import LoggedBatch, StepLogError
 from pipesvc.core import microbatch
 from pipesvc.core.config import JobConfig, config_from_dict, config_to_proto
 from pipesvc.core.microbatch import RunBatch
@@ -85,6 +99,8 @@ flushing."""
 IDLE_FLUSH_S = 1.0
 """A deferred commit is flushed by maintenance once the job has had no step for this long,
 so that stages do not hold a decided step's gradients uncommitted while the client is away."""
+MAX_REQUEST_ID = 128
+"""The longest request id a TrainStep may carry (see [Note: step request ids])."""
 
 
 class JobDriver:
@@ -275,9 +291,25 @@ class JobDriver:
         logged = self._pool.submit(self._storage.log.write, state.step + 1, log) if log else None
         try:
             run_id, replies = self._run(stage_pb2.TRAIN, batch)
-        finally:
-            if logged is not None:
+        except BaseException:
+            if logged is not None:  # the run's error is the one to report; the entry is
+                futures.wait([logged])  # rewritten before the step is ever decided
+            raise
+        if logged is not None:
+            try:
                 logged.result()
+            except Exception as exc:
+                # Without its batch in the log the step cannot be decided (recovery could not
+                # replay it): its run is aborted on every stage now, so none commits it.
+                self._metrics.inc("steps_aborted_total")
+                state.gradients_valid = False
+                self.group.abort(run_id)
+                raise StepLogError(
+                    f"job {self.job_id}: step {state.step + 1} was aborted on every stage and "
+                    f"nothing was committed: its batch could not be written to the step log at "
+                    f"{str(self._storage.log.root)!r} ({type(exc).__name__}: {exc}); check the "
+                    "coordinator's --state-dir (free space, permissions) and send the step again"
+                ) from exc
         loss = float(sum(replies.losses))
         self._last_loss = (state.step + 1, loss)
         grad_scale = None
@@ -296,10 +328,16 @@ class JobDriver:
         inputs: torch.Tensor,
         targets: torch.Tensor,
         side: Mapping[str, torch.Tensor] | None = None,
+        *,
+        request_id: str = "",
+        digest: Callable[[], str] = str,
     ) -> tuple[float, int]:
         """Runs one training step and decides it on every stage; returns (loss, step).
 
         ``side``: side inputs by name, split with the batch (see [Note: side inputs]).
+        ``request_id`` (empty: none) and ``digest`` (computes one of the batch; on the job's
+        pool while the stages run): a step whose id the job remembers is not run again; its
+        first result is returned (see [Note: step request ids]).
 
         A lost stage is recovered from (see [Note: recovery]) and the step still returns. Once
         decided the step counts as committed (see [Note: commit invariant]); its commit is
@@ -307,10 +345,17 @@ class JobDriver:
         rebuilds every stage to it.
 
         Raises:
-            InvalidArgumentError: the batch does not fit the job (nothing changed).
+            InvalidArgumentError: the batch does not fit the job, or the request id is too
+                long or was used for another batch (nothing changed).
+            StepLogError: the batch could not be logged; the step was aborted everywhere.
             ResourceExhaustedError, PlanError: recovery is impossible (too little memory, no
                 stage left); the message says why.
         """
+        if len(request_id) > MAX_REQUEST_ID:
+            raise InvalidArgumentError(
+                f"request id {request_id[:32]!r}... has {len(request_id)} characters; at most "
+                f"{MAX_REQUEST_ID} are allowed"
+            )
         if not trains(self.config.optimizer):
             raise FailedPreconditionError(
                 f"job {self.job_id} is an inference job (created with optimizer=None): it holds "
@@ -327,8 +372,18 @@ class JobDriver:
         batch = RunBatch.split(inputs, targets, side, self.config.step_microbatches)
         state = self.state
         with self._lock:
+            self._check_open()
+            first = state.results.get(request_id) if request_id else None
+            if first is not None:
+                return self._repeated(first, digest())
+            if state.committed_step >= MAX_STEP:
+                raise FailedPreconditionError(
+                    f"job {self.job_id} is at step {state.committed_step}, the largest the "
+                    "coordinator's database holds; load a state with a smaller step to train on"
+                )
             started = time.monotonic()
             target = state.step + 1
+            digested = self._pool.submit(digest) if request_id else None  # off the step's path
 
             def attempt() -> float:
                 if state.step >= target:  # a recovery finished the step's commit by replay
@@ -337,7 +392,12 @@ class JobDriver:
                 return self._train_once(batch, LoggedBatch(inputs, targets, side))
 
             loss = self._resilient(attempt, f"step {target}")
-            self.recovery.persist()
+            if digested is not None:
+                result = StepResult(
+                    request_id=request_id, step=target, loss=loss, digest=digested.result()
+                )
+                state.remember(result)
+            self.recovery.persist()  # with the result: decided and remembered at once
             self._metrics.inc("steps_committed_total")
             took = time.monotonic() - started
             self._metrics.observe("step_seconds", took)
@@ -350,7 +410,8 @@ class JobDriver:
             )
             cadence = self.recovery.cadence
             cadence.step_took(took)
-            if cadence.due(state.step) and state.pending is not None:
+            due = cadence.due(state.step) or self.recovery.log_over_bound()
+            if due and state.pending is not None:
                 cadence.asked(state.step)
                 # The run that carries this step's commit has the stages snapshot their state,
                 # which then streams to a checkpoint while later steps train (see [Note:
@@ -359,6 +420,30 @@ class JobDriver:
                 state.pending = dataclasses.replace(state.pending, snapshot=True)
             self._rebalance_if_due(took)
             return loss, state.step
+
+    def _repeated(self, first: StepResult, digest: str) -> tuple[float, int]:
+        """The reply to a step whose request id the job remembers (see [Note: step request
+        ids]): its first result, written first if its first reply failed before that.
+
+        Raises:
+            InvalidArgumentError: the id was used for another batch.
+        """
+        if first.digest != digest:
+            raise InvalidArgumentError(
+                f"request id {first.request_id!r} was step {first.step} of job {self.job_id} "
+                "with another batch; a retried step must send the same batch, and a new step "
+                "a new request id"
+            )
+        if any(r is first for r in self.state.unsaved):
+            self.recovery.persist()
+        logger.info(
+            "job %s: request %s repeats step %d; returning its result without running it",
+            self.job_id,
+            first.request_id,
+            first.step,
+            extra={"job": self.job_id, "step": first.step},
+        )
+        return first.loss, first.step
 
     def replan(self, partition: str) -> Decision:
         """Moves the job's layers to the plan ``partition`` gives, between two steps (see
@@ -514,16 +599,24 @@ class JobDriver:
     def load_state(self, frames: Iterable[common_pb2.TensorFrame], step: int | None) -> int:
         """Loads a full state (with optimizer state, from a checkpoint): all stages or none.
 
+        ``step`` (None: the job's stays) sets the committed-step counter. A step below the
+        job's starts a new lineage: the checkpoint of the loaded state replaces every newer
+        one, and the logged steps after it are dropped (see ``Recovery.start_lineage``).
+
         Raises:
-            InvalidArgumentError: unknown or missing keys, or a shape or dtype mismatch.
+            InvalidArgumentError: unknown or missing keys, a shape or dtype mismatch, or a
+                step outside [0, 2^63-1] (checked before any stage is called).
         """
+        if step is not None and not 0 <= step <= MAX_STEP:
+            raise InvalidArgumentError(
+                f"step {step} is out of range: a job's step must be between 0 and {MAX_STEP} "
+                "(2^63-1, the largest the coordinator's database holds)"
+            )
         with self._lock:
             self._check_open()
             self._resilient(self.recovery.flush, "loading state")
             count = self.group.load_state(frames, step)
-            if step is not None:
-                self.state.step = step
-            self.recovery.checkpoint()  # recovery must restore the loaded state, not the seed's
+            self.recovery.start_lineage(step)  # recovery must restore the loaded state
             return count
 
     # -- lifecycle -----------------------------------------------------------------------------

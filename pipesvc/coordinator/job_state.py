@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from pipesvc.coordinator.state_db import JobRecord
+from pipesvc.coordinator.state_db import REMEMBERED_RESULTS, JobRecord, StepResult
 from pipesvc.core.config import JobConfig, config_to_dict
 from pipesvc.core.plan import PipelineStage, plan_to_dicts
 from pipesvc.v1 import stage_pb2
@@ -63,6 +64,23 @@ class JobState:
     gradients_valid: bool = True
     """False after an aborted training run: stages that began it zeroed the last committed
     step's gradients in place, others kept them; none are reported until a commit."""
+    results: OrderedDict[str, StepResult] = field(default_factory=OrderedDict)
+    """The newest ``REMEMBERED_RESULTS`` training steps' results by request id, oldest first
+    (see [Note: step request ids] in job.py)."""
+    unsaved: list[StepResult] = field(default_factory=list)
+    """Those of ``results`` not yet in the database (the next ``to_record`` carries them)."""
+
+    def remember(self, result: StepResult) -> None:
+        """Keeps a decided step's result under its request id (until written, unsaved)."""
+        self.results[result.request_id] = result
+        self.unsaved.append(result)
+        while len(self.results) > REMEMBERED_RESULTS:
+            self.results.popitem(last=False)
+
+    def saved(self, results: Sequence[StepResult]) -> None:
+        """``results`` are in the database now."""
+        done = {id(r) for r in results}
+        self.unsaved = [r for r in self.unsaved if id(r) not in done]
 
     @property
     def committed_step(self) -> int:
@@ -89,6 +107,7 @@ class JobState:
             run_id=self.run_id,
             checkpoint_step=self.checkpoint_step,
             closed=self.closed,
+            results=list(self.unsaved),
         )
 
     @classmethod
@@ -99,4 +118,5 @@ class JobState:
             run_id=record.run_id,
             checkpoint_step=record.checkpoint_step,
             closed=record.closed,
+            results=OrderedDict((r.request_id, r) for r in record.results),
         )

@@ -24,8 +24,8 @@ from pipesvc.coordinator.job_state import JobState, PendingCommit
 from pipesvc.coordinator.stage_calls import StageLostError, call_stage, health_of
 from pipesvc.coordinator.stage_group import StageGroup
 from pipesvc.coordinator.state_db import JobRecord, StateDB
-from pipesvc.coordinator.step_log import StepLog
-from pipesvc.core.cadence import CheckpointCadence
+from pipesvc.coordinator.step_log import StepLog, StepLogError
+from pipesvc.core.cadence import CheckpointCadence, log_bound
 from pipesvc.core.health import Health
 from pipesvc.core.microbatch import RunBatch
 from pipesvc.core.plan import servers_of
@@ -44,8 +44,15 @@ from pipesvc.v1 import common_pb2, stage_pb2
 
 logger = logging.getLogger(__name__)
 
-FINAL_ERRORS = (InvalidArgumentError, ResourceExhaustedError, UnauthenticatedError, PlanError)
-"""Errors that are the caller's (or the plan's) and that a retry cannot fix."""
+FINAL_ERRORS = (
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+    PlanError,
+    StepLogError,
+)
+"""Errors that are the caller's (or the plan's, or the coordinator's disk's) and that a
+recovery cannot fix."""
 
 # [Note: background checkpoint] is in docs/architecture.md: a periodic checkpoint's state is read
 # with the stages at the step, then written on the job's pool; it counts once durable.
@@ -96,6 +103,8 @@ class Recovery:
         self._pool = pool
         self._writing: tuple[int, float, futures.Future[float]] | None = None
         """A checkpoint being written in the background: (step, seconds reading it, write)."""
+        self._sized: tuple[int, int] | None = None
+        """(checkpoint step, its bytes on disk), as ``_checkpoint_bytes`` last counted."""
         self.cadence = CheckpointCadence(
             group.config.checkpoint_every, start_step=max(state.checkpoint_step, 0)
         )
@@ -115,8 +124,10 @@ class Recovery:
         )
 
     def persist(self) -> None:
-        """Writes the job's database row."""
-        self.storage.db.put_job(self.record())
+        """Writes the job's database row, with the step results not written yet."""
+        record = self.record()
+        self.storage.db.put_job(record)
+        self.state.saved(record.results)
 
     # -- deferred commits ----------------------------------------------------------------------
 
@@ -344,6 +355,75 @@ class Recovery:
         self._finish_writer(writer, record, step)
         self._checkpointed(step, read_s, time.monotonic() - started - read_s, background=False)
 
+    def log_over_bound(self) -> bool:
+        """Whether a ``checkpoint_every=0`` job's step log has outgrown its bound, so that a
+        checkpoint must prune it (see [Note: checkpoint cadence]); False while one is being
+        written (it prunes the log once durable)."""
+        if self.group.config.checkpoint_every != 0 or self._writing is not None:
+            return False
+        held = self.storage.log.size_bytes()
+        bound = log_bound(self._checkpoint_bytes())
+        if held <= bound:
+            return False
+        logger.warning(
+            "job %s: checkpoint_every=0, and the step log since step %d holds %.1f MiB, more "
+            "than its bound of %.1f MiB (a checkpoint's size, at least 64 MiB): taking a "
+            "checkpoint at step %d to prune it",
+            self.group.job_id,
+            max(self.state.checkpoint_step, 0),
+            held / 2**20,
+            bound / 2**20,
+            self.state.step,
+        )
+        return True
+
+    def _checkpoint_bytes(self) -> int:
+        """Bytes of the job's checkpoint on disk, or of its weights before it has one."""
+        step = self.state.checkpoint_step
+        if self._sized is None or self._sized[0] != step:
+            directory = self.storage.checkpoints.path(step)
+            if step >= 0 and directory.is_dir():
+                size = sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
+            else:
+                size = sum(layer.parameter_bytes for layer in self.group.layers)
+            self._sized = (step, size)
+        return self._sized[1]
+
+    def start_lineage(self, step: int | None) -> None:
+        """The stages hold a state just loaded at ``step`` (None: the job's): it becomes the
+        job's step and its checkpoint. When ``step`` is below the job's, the steps after it
+        (their logged batches, newer checkpoints) belong to a superseded lineage: the new
+        checkpoint becomes the one recovery restores before any of them is removed (see
+        ``_checkpointed``), so the database always names a checkpoint on disk, and the step log
+        drops its entries past ``step`` (the job's lock is held: no entry is being written).
+
+        Raises:
+            PipesvcError, OSError: the checkpoint failed; the load does not count, and the next
+                call first rebuilds the stages to the job's state before it.
+        """
+        self.finish_checkpoint(wait=True)  # a background write must not land after this one
+        state = self.state
+        before = (state.step, state.checkpoint_step)
+        step = state.step if step is None else step
+        older = step < max(before)
+        state.step = step
+        try:
+            self.checkpoint()
+        except BaseException:
+            # Not durable, so not loaded: the stages go back to what the database says.
+            state.step, state.checkpoint_step = before
+            state.replay_target = before[0]
+            raise
+        self.cadence.restart(step)
+        if older:
+            self.storage.log.drop_after(step)
+            logger.info(
+                "job %s: state loaded at step %d starts a new lineage; later checkpoints and "
+                "logged steps are dropped",
+                self.group.job_id,
+                step,
+            )
+
     def stream_snapshot(self, step: int) -> None:
         """After a run carried the commit of ``step`` with a snapshot: streams the stages'
         snapshots to a new checkpoint on the job's pool while later steps run (see [Note:
@@ -434,9 +514,9 @@ class Recovery:
         """A checkpoint of ``step`` is durable: it becomes the one recovery restores."""
         self.state.checkpoint_step = step
         self.cadence.checkpointed(step, read_s + write_s)
-        self.persist()
+        self.persist()  # the pointer moves first; what it no longer needs goes after
         self.storage.log.prune(step)
-        self.storage.checkpoints.prune()
+        self.storage.checkpoints.prune(current=step)
         logger.info(
             "job %s: checkpoint at step %d in %.3f s (state read in %.3f s, written in %.3f s%s)",
             self.group.job_id,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import uuid
@@ -56,6 +57,21 @@ def _in_terms_of_the_batch(
     per_mb = -(-rows // m)
     size = f"{'about ' if rows % m else ''}{per_mb} row{'s' if per_mb > 1 else ''}"
     return type(error)(f"{sent}, run as {m} micro-batches of {size}: {error}")
+
+
+def _batch_digest(request: coordinator_pb2.TrainStepRequest) -> str:
+    """SHA-256 of a step's batch as sent (inputs, targets, side inputs by name), which a
+    request id is remembered with (see [Note: step request ids] in job.py)."""
+    digest = hashlib.sha256()
+    parts = [request.inputs, request.targets]
+    for name in sorted(request.side_inputs):
+        digest.update(name.encode())
+        parts.append(request.side_inputs[name])
+    for part in parts:  # the header is small; the payload is hashed where it lies
+        for body in (part.header.SerializeToString(deterministic=True), part.data):
+            digest.update(len(body).to_bytes(8, "little"))
+            digest.update(body)
+    return digest.hexdigest()
 
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
@@ -262,7 +278,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
         side = self._side(request.side_inputs)
         job = self._job(request.job_id)
         try:
-            loss, step = job.train_step(inputs, targets, side)
+            loss, step = job.train_step(
+                inputs,
+                targets,
+                side,
+                request_id=request.request_id,
+                digest=lambda: _batch_digest(request),
+            )
         except InvalidArgumentError as exc:
             better = _in_terms_of_the_batch(exc, job, inputs, targets)
             if better is exc:

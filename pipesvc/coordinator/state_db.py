@@ -1,4 +1,5 @@
-"""The coordinator's durable state in SQLite: jobs (spec, plan, counters) and stages.
+"""The coordinator's durable state in SQLite: jobs (spec, plan, counters, the results of their
+newest steps by request id) and stages.
 
 A coordinator restarted on the same state directory reads its jobs back from here; stages
 re-register on their own heartbeat. Every write commits before the call that caused it returns.
@@ -9,7 +10,8 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,41 @@ class JobRecord:
     checkpoint_step: int
     """Step of the newest checkpoint, or -1 when the job's initial weights are its seed's."""
     closed: bool = False
+    results: list[StepResult] = field(default_factory=list)
+    """Results of training steps by request id (see [Note: step request ids] in job.py), oldest
+    first: ``put_job`` stores these beside the row (those stored already are kept as they
+    are); ``open_jobs`` reads back every one the job remembers."""
+
+
+MAX_STEP = 2**63 - 1
+"""The largest step an SQLite INTEGER holds."""
+REMEMBERED_RESULTS = 1024
+"""Step results a job keeps by request id; older ones are forgotten (a retry comes soon)."""
+TRIM_EVERY = 64
+"""The database forgets a job's older step results once per this many writes of them."""
+RESULTS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS step_results (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL,
+    request_id TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    loss REAL NOT NULL,
+    digest TEXT NOT NULL,
+    UNIQUE (job_id, request_id)
+);
+CREATE INDEX IF NOT EXISTS step_results_order ON step_results (job_id, seq);
+"""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepResult:
+    """The reply a training step got, remembered under the client's id for it."""
+
+    request_id: str
+    step: int
+    loss: float
+    digest: str
+    """SHA-256 of the request's batch, so that an id reused for another batch is refused."""
 
 
 class StateDB:
@@ -68,29 +105,70 @@ class StateDB:
         # needs); only a power loss can drop the newest few.
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
+        self._db.executescript(RESULTS_SCHEMA)
+        self._result_writes: dict[str, int] = {}
 
     def put_job(self, record: JobRecord) -> None:
-        """Inserts or replaces a job's record."""
+        """Inserts or replaces a job's record, with its new step results, in one transaction
+        (a step counts as decided in the database together with its result)."""
         with self._lock:
-            self._db.execute(
-                "INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    record.job_id,
-                    json.dumps(record.spec, sort_keys=True),
-                    json.dumps(record.plan),
-                    record.layers,
-                    record.epoch,
-                    record.step,
-                    record.run_id,
-                    record.checkpoint_step,
-                    int(record.closed),
-                ),
-            )
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute(
+                    "INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        record.job_id,
+                        json.dumps(record.spec, sort_keys=True),
+                        json.dumps(record.plan),
+                        record.layers,
+                        record.epoch,
+                        record.step,
+                        record.run_id,
+                        record.checkpoint_step,
+                        int(record.closed),
+                    ),
+                )
+                if record.closed:  # a closed job takes no more steps
+                    self._db.execute("DELETE FROM step_results WHERE job_id = ?", (record.job_id,))
+                else:
+                    self._put_results(record.job_id, record.results)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def _put_results(self, job_id: str, results: Sequence[StepResult]) -> None:
+        if not results:
+            return
+        self._db.executemany(
+            "INSERT OR IGNORE INTO step_results (job_id, request_id, step, loss, digest) "
+            "VALUES (?, ?, ?, ?, ?)",
+            [(job_id, r.request_id, r.step, r.loss, r.digest) for r in results],
+        )
+        # Forgets what is past the newest REMEMBERED_RESULTS (on the index: no table scan),
+        # every TRIM_EVERY writes of a job's results (a job keeps up to TRIM_EVERY - 1 more).
+        writes = self._result_writes.get(job_id, 0)
+        self._result_writes[job_id] = writes + 1
+        if writes % TRIM_EVERY:
+            return
+        self._db.execute(
+            "DELETE FROM step_results WHERE job_id = ? AND seq <= (SELECT seq FROM step_results "
+            "WHERE job_id = ? ORDER BY seq DESC LIMIT 1 OFFSET ?)",
+            (job_id, job_id, REMEMBERED_RESULTS),
+        )
+
+    def _results(self, job_id: str) -> list[StepResult]:
+        rows = self._db.execute(
+            "SELECT request_id, step, loss, digest FROM step_results WHERE job_id = ? ORDER BY seq",
+            (job_id,),
+        ).fetchall()
+        return [StepResult(request_id=r[0], step=r[1], loss=r[2], digest=r[3]) for r in rows]
 
     def open_jobs(self) -> list[JobRecord]:
         """Every job not closed."""
         with self._lock:
             rows = self._db.execute("SELECT * FROM jobs WHERE closed = 0").fetchall()
+            results = {row[0]: self._results(row[0]) for row in rows}
         return [
             JobRecord(
                 job_id=row[0],
@@ -102,6 +180,7 @@ class StateDB:
                 run_id=row[6],
                 checkpoint_step=row[7],
                 closed=bool(row[8]),
+                results=results[row[0]],
             )
             for row in rows
         ]

@@ -17,7 +17,12 @@ al., FAST '21) does, the default cadence is set by cost, not by a step count:
   of training apart, so recovery never replays more than about that much.
 
 A job that names ``checkpoint_every`` gets exactly that: a checkpoint at every step that is a
-multiple of it (0: none but the ones at the start and after loading state).
+multiple of it. With 0 there is no periodic checkpoint: recovery restores the job's start (its
+seed's weights, or the state it was resumed from or last loaded, which is checkpointed) and
+replays every step logged since. Left at that, the step log and a recovery's replay would grow
+without bound; so once the log holds more bytes than ``log_bound`` allows (as many as a
+checkpoint of the job takes, and at least ``LOG_BOUND_MIN_BYTES``), a checkpoint is taken anyway
+and the log behind it pruned: writing it costs no more than writing the log did.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ AUTO_OVERHEAD = 0.02
 """The share of training time the cost-set cadence lets checkpoints take."""
 AUTO_MAX_INTERVAL_S = 1800.0
 """The most training time between two checkpoints under the cost-set cadence."""
+LOG_BOUND_MIN_BYTES = 64 << 20
+"""With ``checkpoint_every=0``, the step log may hold at least this much before a checkpoint
+is taken to prune it (a small job's log stays checkpoint-free for thousands of steps)."""
 _STEP_WEIGHT = 0.2
 """Weight of the newest step in the running mean of step times."""
 
@@ -63,6 +71,10 @@ class CheckpointCadence:
         """A checkpoint of ``step`` was asked for: the next one counts from it."""
         self._last = max(self._last, step)
 
+    def restart(self, step: int) -> None:
+        """The job's state was loaded at ``step`` (maybe older): the next one counts from it."""
+        self._last = step
+
     def checkpointed(self, step: int, seconds: float) -> None:
         """A checkpoint of ``step`` became durable ``seconds`` after it started."""
         self._last = max(self._last, step)
@@ -71,3 +83,10 @@ class CheckpointCadence:
         steps = math.ceil(seconds / (AUTO_OVERHEAD * self.step_s) - 1e-9)
         longest = max(AUTO_MIN_STEPS, math.floor(AUTO_MAX_INTERVAL_S / self.step_s))
         self.interval = min(max(AUTO_MIN_STEPS, steps), longest)
+
+
+def log_bound(checkpoint_bytes: int) -> int:
+    """How many bytes the step log of a ``checkpoint_every=0`` job may hold before a checkpoint
+    is taken to prune it (see [Note: checkpoint cadence]): a checkpoint's size, at least
+    ``LOG_BOUND_MIN_BYTES``."""
+    return max(checkpoint_bytes, LOG_BOUND_MIN_BYTES)

@@ -353,10 +353,18 @@ class CheckpointStore:
             if p.name.startswith("step-") and p.name[5:].isdigit() and (p / MANIFEST).exists()
         )
 
-    def prune(self) -> None:
-        """Removes all but the newest ``keep`` checkpoints, and the temporary directories of
-        writes a crash cut short (the caller writes one checkpoint at a time, and none now)."""
-        for step in self.steps()[: -self.keep]:
+    def prune(self, current: int | None = None) -> None:
+        """Removes all but the newest ``keep`` checkpoints up to ``current`` (the one the job
+        restores; None: the newest), every one after it (a lineage that loading an older
+        state superseded), so that pruning never removes the one the job points at, and the
+        temporary directories of writes a crash cut short."""
+        steps = self.steps()
+        if current is not None:
+            for step in steps:
+                if step > current:
+                    shutil.rmtree(self.path(step), ignore_errors=True)
+            steps = [s for s in steps if s <= current]
+        for step in steps[: -self.keep]:
             shutil.rmtree(self.path(step), ignore_errors=True)
         for path in self.root.iterdir() if self.root.is_dir() else ():
             if _PARTIAL.fullmatch(path.name):

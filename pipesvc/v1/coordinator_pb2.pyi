@@ -437,8 +437,15 @@ class TrainStepRequest(_message.Message):
     INPUTS_FIELD_NUMBER: _builtins.int
     TARGETS_FIELD_NUMBER: _builtins.int
     SIDE_INPUTS_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job to train."""
+    request_id: _builtins.str
+    """The client's id for this step (at most 128 characters; empty: none), the same on every
+    retry of it: a request whose id the job remembers is not applied again and gets the
+    first reply's loss and step (the job remembers its newest 1024 ids, across coordinator
+    restarts). The same id with another batch is refused.
+    """
     @_builtins.property
     def inputs(self) -> _common_pb2.Tensor:
         """The mini-batch; dimension 0 is the batch."""
@@ -460,10 +467,11 @@ class TrainStepRequest(_message.Message):
         inputs: _common_pb2.Tensor | None = ...,
         targets: _common_pb2.Tensor | None = ...,
         side_inputs: _abc.Mapping[_builtins.str, _common_pb2.Tensor] | None = ...,
+        request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "targets", b"targets"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "job_id", b"job_id", "side_inputs", b"side_inputs", "targets", b"targets"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "job_id", b"job_id", "request_id", b"request_id", "side_inputs", b"side_inputs", "targets", b"targets"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -624,7 +632,10 @@ class LoadJobStateRequest(_message.Message):
     job_id: _builtins.str
     """The job; the same on every frame of one stream."""
     step: _builtins.int
-    """On the first message only: set the job's committed-step counter (resuming a checkpoint)."""
+    """On the first message only: set the job's committed-step counter (resuming a checkpoint),
+    at most 2^63-1. A step below the job's starts a new lineage: the checkpoints and logged
+    steps after it are dropped.
+    """
     @_builtins.property
     def frame(self) -> _common_pb2.TensorFrame:
         """The next frame; tensors are named "{layer}.{param}" (optimizer state, from checkpoints:
