@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import secrets
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,7 @@ class Rendezvous:
     def __init__(self, *, host: str = "", port: int = 0, bind: str = "0.0.0.0") -> None:
         self._host, self._port, self._bind = host, port, bind
         self._store: Any = None
+        self._store_id = ""
         self._lock = threading.Lock()
 
     def spec(self, generation: int) -> stage_pb2.ReplicaGroup:
@@ -62,6 +64,10 @@ class Rendezvous:
         """
         with self._lock:
             if self._store is None:
+                # A stage keeps its group while runs name the same store: the nonce tells this
+                # start of the store from an earlier one on the same port (see [Note:
+                # gradient group]).
+                self._store_id = secrets.token_hex(8)
                 try:
                     self._store = _c10d.TCPStore(
                         self._bind,
@@ -77,7 +83,10 @@ class Rendezvous:
                     ) from exc
                 logger.info("gradient-group store listening on port %d", self._store.port)
             port = int(self._store.port)
-        return stage_pb2.ReplicaGroup(store_host=self._host, store_port=port, generation=generation)
+            store_id = self._store_id
+        return stage_pb2.ReplicaGroup(
+            store_host=self._host, store_port=port, generation=generation, store_id=store_id
+        )
 
     def close(self) -> None:
         """Stops the store (the coordinator is stopping)."""

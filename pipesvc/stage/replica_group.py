@@ -7,7 +7,12 @@ epoch, generation and rank: it is built directly on a ``PrefixStore`` over the c
 and re-form its group after a recovery.
 
 [Note: gradient group] A stage forms its group on the first training run that names it
-(``RunStepRequest.replicas``) and keeps it while runs name the same store and generation.
+(``RunStepRequest.replicas``) and keeps it while runs name the same store and generation. A
+store is named by its address and by the nonce the coordinator drew when it opened it: a
+restarted coordinator serves a new store, on the same port when that is fixed, and counts
+generations from 0 again, so the nonce alone tells a group on the old store from a new one.
+A store that fails while the members meet drops the group (StageUnavailableError), so the next
+run forms a new one.
 Forming waits for every member, so it runs on a helper thread while the run thread waits for
 it or for the run's abort. Before each sum the members *meet* at the store (each adds
 itself to the run's key; the last sets "all"; each polls for it, waking on an abort), and
@@ -39,6 +44,7 @@ import torch
 from torch import distributed
 
 from pipesvc.errors import FailedPreconditionError, StageUnavailableError, StepAbortedError
+from pipesvc.v1 import stage_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +64,20 @@ class GroupSpec:
     store_host: str
     store_port: int
     generation: int
+    store_id: str = ""
+    """Which start of the coordinator's store: a restarted coordinator's store may have the
+    same address (a fixed ``--store-port``) and counts generations from 0 again, so a group
+    formed on the old one is recognised as stale by this alone."""
+
+    @staticmethod
+    def from_proto(message: stage_pb2.ReplicaGroup) -> GroupSpec:
+        """The spec a run request names."""
+        return GroupSpec(
+            store_host=message.store_host,
+            store_port=message.store_port,
+            generation=message.generation,
+            store_id=message.store_id,
+        )
 
 
 class ReplicaGroup:
@@ -111,7 +131,15 @@ class ReplicaGroup:
         """
         aborted = self._abort_event(run_id)
         group = self._group_for(spec, aborted)
-        self._meet(run_id, aborted)
+        try:
+            self._meet(run_id, aborted)
+        except RuntimeError as exc:  # torch's DistNetworkError, DistStoreError: the store
+            self._drop()  # a later run forms its group afresh
+            raise StageUnavailableError(
+                f"the gradient group of rank {self._rank} could not meet at its store "
+                f"{spec.store_host or self._coordinator_host}:{spec.store_port} before the sum "
+                f"of run {run_id}: {str(exc).splitlines()[0]}"
+            ) from exc
         flags = torch.tensor([0.0 if p.grad is None else 1.0 for p in params])
         buckets = _buckets(params)
         flats = [_flatten(bucket) for bucket in buckets]

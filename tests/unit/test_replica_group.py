@@ -15,6 +15,7 @@ from torch import distributed
 from pipesvc.coordinator.replicas import Rendezvous
 from pipesvc.errors import StageUnavailableError, StepAbortedError
 from pipesvc.stage.replica_group import GroupSpec, ReplicaGroup
+from tests.support.faults import free_port
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +115,27 @@ def test_a_store_nobody_serves_is_named() -> None:
     member._coordinator_host = ""
     with pytest.raises(Exception, match="no store"):
         member.reduce(1, GroupSpec("", 0, 0), _params(0))
+
+
+def test_a_restarted_store_on_the_same_port_reforms_the_group() -> None:
+    # A fixed store port: the restarted coordinator's store has the old one's address, and
+    # generations count from 0 again; the stages must still form their groups anew on it.
+    port = free_port()
+    members = [_member(r, 2, "restart") for r in range(2)]
+    first = Rendezvous(bind="127.0.0.1", port=port)
+    spec = GroupSpec.from_proto(first.spec(0))
+    _together(2, lambda r: members[r].reduce(1, spec, _params(r)))
+    first.close()  # the coordinator is gone, and its store with it
+    with pytest.raises(StageUnavailableError, match=rf"could not meet at its store .*:{port}"):
+        members[0].reduce(2, spec, _params(0))  # typed, and the stale group is dropped
+    second = Rendezvous(bind="127.0.0.1", port=port)
+    again = GroupSpec.from_proto(second.spec(0))
+    assert (again.store_port, again.generation) == (spec.store_port, spec.generation)
+    params = [_params(r) for r in range(2)]
+    _together(2, lambda r: members[r].reduce(1, again, params[r]))
+    for used, _, _ in params:
+        torch.testing.assert_close(used.grad, torch.full((3, 2), 3.0))
+    assert [m.formed for m in members] == [2, 2]
+    for m in members:
+        m.close()
+    second.close()
