@@ -188,6 +188,7 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
         http_port=args.http_port,
         store_host=args.store_host,
         store_port=args.store_port,
+        forget_stages_after_s=args.forget_stages_after_s,
     )
     return 0
 
@@ -398,6 +399,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
+    from pipesvc.coordinator.server import run_coordinator
     from pipesvc.coordinator.stage_calls import Deadlines
     from pipesvc.demo import DemoOptions
     from pipesvc.stage.options import StageOptions
@@ -463,6 +465,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="host the stages dial for that store (default: the host of the coordinator "
         "address each stage registered with)",
+    )
+    p.add_argument(
+        "--forget-stages-after-s",
+        type=float,
+        default=_param_default(run_coordinator, "forget_stages_after_s"),
+        help="forget a stage that has not registered (heartbeat) for this long, unless a job "
+        "uses it; a stage that comes back registers anew (default %(default)s)",
     )
     _add_security_flags(p)
     _add_limit_flags(p)

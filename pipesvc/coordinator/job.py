@@ -641,6 +641,8 @@ class JobDriver:
             for stage in self.group.servers:
                 self.group.release(stage)
             self.group.registry.release(self.job_id)
+            if self.group.rendezvous is not None:
+                self.group.rendezvous.forget(self.job_id)  # see [Note: store keys]
             self.recovery.persist()
             self._pool.shutdown(wait=False)
 

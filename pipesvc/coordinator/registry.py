@@ -1,9 +1,20 @@
-"""The coordinator's registry of stage servers: who they are, and which job each serves."""
+"""The coordinator's registry of stage servers: who they are, and which job each serves.
+
+[Note: forgetting stages] A stage is known by its address, and one restarted on a free port
+comes back under a new one, so a registry that kept every address ever registered would grow
+with every restart, and ListStages and the live page would health-check every dead address on
+every call. A record remembers when its stage last registered (stages re-register on their
+heartbeat, every 2 s by default); the coordinator's maintenance forgets a record unseen for
+``forget_after_s`` (``--forget-stages-after-s``) unless it serves a job or an open job's plan
+names it (recovery and reconciling read those records). A forgotten stage that comes back
+registers as a new one.
+"""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import grpc
@@ -32,6 +43,8 @@ class StageRecord:
     """Registration order, for a stable choice of stages."""
     alive: bool = True
     """False once declared lost, until the stage registers again."""
+    seen_at: float = field(default_factory=time.monotonic)
+    """When the stage last registered (``time.monotonic``)."""
 
 
 @dataclass
@@ -101,7 +114,8 @@ class StageRegistry:
         """Marks the stages as serving ``job_id``; False (and no change) if one is taken or
         lost."""
         with self._lock:
-            if any(self._records[a].job_id or not self._records[a].alive for a in addresses):
+            records = [self._records.get(a) for a in addresses]
+            if any(r is None or r.job_id or not r.alive for r in records):
                 return False
             for address in addresses:
                 self._records[address].job_id = job_id
@@ -136,6 +150,23 @@ class StageRegistry:
                 if record.job_id == job_id:
                     record.job_id = ""
             self._changed.notify_all()
+
+    def forget_unseen(self, older_than_s: float, keep: Collection[str] = ()) -> list[str]:
+        """Forgets the stages that have not registered for ``older_than_s``, except those
+        serving a job and the ``keep`` addresses (see [Note: forgetting stages]); returns the
+        addresses forgotten."""
+        now = time.monotonic()
+        with self._lock:
+            gone = [
+                a
+                for a, r in self._records.items()
+                if now - r.seen_at > older_than_s and not r.job_id and a not in keep
+            ]
+            for address in gone:
+                del self._records[address]
+                # Not closed here: a health check may be using it; it closes once unreferenced.
+                self._channels.pop(address, None)
+        return gone
 
     def stub(self, address: str) -> stage_pb2_grpc.StageServiceStub:
         """A stub on the (cached) channel to ``address``."""

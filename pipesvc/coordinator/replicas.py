@@ -26,18 +26,31 @@ The store is a ``torch.distributed.TCPStore`` served by the coordinator process 
 reach it at ``store_host``, or by default at the host of the coordinator address they
 registered with. It carries only the groups' rendezvous keys; like the gloo links it has no
 token or TLS, so it belongs on the cluster's own network (see docs/deploy.md).
+
+[Note: store keys] Forming a group leaves gloo's keys in the store (one per member), and the
+members' last meeting leaves its keys too; every aborted run starts a new generation, so a
+store that kept them would grow with every abort for the life of the coordinator. The keys of a
+job live under ``group_keys.job_prefix``, each generation under its own prefix, and only the
+coordinator knows which generation is current: when a run names a new (epoch, generation) of a
+job, the keys of every other generation of that job are deleted, and all of a job's keys when
+it closes. A stage still forming a group of a past generation (its run was aborted) may then
+wait for a key that is gone; it would have waited as long for the member that aborted, and its
+group is torn down once formed or failed. So the store holds at most the current generation's
+keys of each open job.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import secrets
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 from torch import distributed
 
+from pipesvc.core import group_keys
 from pipesvc.errors import StageUnavailableError
 from pipesvc.v1 import common_pb2, stage_pb2
 
@@ -52,16 +65,25 @@ class Rendezvous:
     def __init__(self, *, host: str = "", port: int = 0, bind: str = "0.0.0.0") -> None:
         self._host, self._port, self._bind = host, port, bind
         self._store: Any = None
+        self._store_id = ""
+        self._current: dict[str, tuple[int, int]] = {}
+        """Each job's (epoch, generation) whose keys the store keeps."""
         self._lock = threading.Lock()
 
-    def spec(self, generation: int) -> stage_pb2.ReplicaGroup:
-        """Where a run's gradient groups meet (the store is started if it is not yet).
+    def spec(self, job_id: str, epoch: int, generation: int) -> stage_pb2.ReplicaGroup:
+        """Where a run of ``job_id`` at plan ``epoch`` and ``generation`` forms and meets its
+        gradient groups (the store is started if it is not yet); the first call for a new
+        generation deletes the job's keys of every other one (see [Note: store keys]).
 
         Raises:
             StageUnavailableError: the store could not listen on its port.
         """
         with self._lock:
             if self._store is None:
+                # A stage keeps its group while runs name the same store: the nonce tells this
+                # start of the store from an earlier one on the same port (see [Note:
+                # gradient group]).
+                self._store_id = secrets.token_hex(8)
                 try:
                     self._store = _c10d.TCPStore(
                         self._bind,
@@ -77,12 +99,45 @@ class Rendezvous:
                     ) from exc
                 logger.info("gradient-group store listening on port %d", self._store.port)
             port = int(self._store.port)
-        return stage_pb2.ReplicaGroup(store_host=self._host, store_port=port, generation=generation)
+            store_id = self._store_id
+            if self._current.get(job_id) != (epoch, generation):
+                self._current[job_id] = (epoch, generation)
+                self._delete(
+                    group_keys.job_prefix(job_id),
+                    keep=group_keys.generation_prefix(job_id, epoch, generation),
+                )
+        return stage_pb2.ReplicaGroup(
+            store_host=self._host, store_port=port, generation=generation, store_id=store_id
+        )
+
+    def forget(self, job_id: str) -> None:
+        """Deletes every key of ``job_id``'s groups (the job closed)."""
+        with self._lock:
+            self._current.pop(job_id, None)
+            self._delete(group_keys.job_prefix(job_id), keep=None)
+
+    def num_keys(self) -> int:
+        """How many keys the store holds (0 before it is started)."""
+        with self._lock:
+            return int(self._store.num_keys()) if self._store is not None else 0
+
+    def _delete(self, prefix: str, *, keep: str | None) -> None:
+        """Deletes the keys under ``prefix`` but not under ``keep``; best effort (a failure
+        only leaves keys behind, logged). Called with the lock held."""
+        if self._store is None:
+            return
+        try:
+            for key in self._store.list_keys():
+                if key.startswith(prefix) and not (keep and key.startswith(keep)):
+                    self._store.delete_key(key)
+        except RuntimeError as exc:  # torch's DistStoreError
+            logger.warning("deleting the store keys under %s failed: %s", prefix, exc)
 
     def close(self) -> None:
         """Stops the store (the coordinator is stopping)."""
         with self._lock:
             self._store = None
+            self._current.clear()
 
 
 @dataclass(frozen=True, slots=True)

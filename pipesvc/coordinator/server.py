@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pipesvc.coordinator import cluster_view
 from pipesvc.coordinator.replicas import Rendezvous
-from pipesvc.coordinator.service import CoordinatorService
+from pipesvc.coordinator.service import FORGET_STAGES_AFTER_S, CoordinatorService
 from pipesvc.coordinator.stage_calls import Deadlines
 from pipesvc.core.limits import Limits
 from pipesvc.observe import dashboard
@@ -33,6 +33,7 @@ def run_coordinator(
     http_port: int | None = None,
     store_host: str = "",
     store_port: int = 0,
+    forget_stages_after_s: float = FORGET_STAGES_AFTER_S,
 ) -> None:
     """Serves the coordinator until ``stop`` is set.
 
@@ -41,14 +42,17 @@ def run_coordinator(
     (``pipesvc.observe.dashboard``) there, on the listen host (0: any free port).
     ``store_host``/``store_port``: where the stages of jobs with replicas reach the gradient
     groups' store (see [Note: replicas]); by default the host they registered with and a free
-    port.
+    port. ``forget_stages_after_s``: forget a stage that has not registered (heartbeat) for
+    this long (see [Note: forgetting stages]).
     """
     host, _ = split_address(listen)
     state_dir.mkdir(parents=True, exist_ok=True)
     security = security or Security()
     limits = limits or Limits()
     rendezvous = Rendezvous(host=store_host, port=store_port, bind=host.strip("[]"))
-    service = CoordinatorService(state_dir, deadlines, security, limits, metrics, rendezvous)
+    service = CoordinatorService(
+        state_dir, deadlines, security, limits, metrics, rendezvous, forget_stages_after_s
+    )
     service.open()
     server, port, health = create_server(
         listen,

@@ -33,6 +33,10 @@ from pipesvc.wire.security import Security
 
 logger = logging.getLogger(__name__)
 
+FORGET_STAGES_AFTER_S = 600.0
+"""Default of ``--forget-stages-after-s``: a stage heartbeats every 2 s, so one unseen for ten
+minutes is gone (a restarted stage on a new port is a new address)."""
+
 
 def _in_terms_of_the_batch(
     error: InvalidArgumentError,
@@ -85,8 +89,16 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
         limits: Limits | None = None,
         metrics: Metrics | None = None,
         rendezvous: Rendezvous | None = None,
+        forget_stages_after_s: float = FORGET_STAGES_AFTER_S,
     ) -> None:
+        if not forget_stages_after_s > 0:
+            raise InvalidArgumentError(
+                f"forget_stages_after_s ({forget_stages_after_s}) must be a positive number of "
+                "seconds, well above the stages' heartbeat interval"
+            )
         self.state_dir = state_dir
+        self.forget_stages_after_s = forget_stages_after_s
+        """A stage unseen this long is forgotten (see [Note: forgetting stages])."""
         self.rendezvous = rendezvous or Rendezvous()
         """The store gradient groups of jobs with replicas meet at (see [Note: replicas])."""
         self._metrics = metrics or NO_METRICS
@@ -130,6 +142,26 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 jobs = [j for j in self._jobs.values() if not j.closed]
             for job in jobs:
                 job.maintain()
+            self.forget_unseen_stages()
+            self._metrics.set("registered_stages", len(self.registry.all()))
+            self._metrics.set("gradient_store_keys", self.rendezvous.num_keys())
+
+    def forget_unseen_stages(self) -> list[str]:
+        """Forgets, in memory and on disk, the stages unseen for ``forget_stages_after_s``
+        that no open job names (see [Note: forgetting stages] in registry.py)."""
+        with self._lock:
+            named = {s.address for j in self._jobs.values() if not j.closed for s in j.plan}
+        gone = self.registry.forget_unseen(self.forget_stages_after_s, keep=named)
+        if gone:
+            logger.info(
+                "forgot %d stage(s) unseen for %.0f s: %s",
+                len(gone),
+                self.forget_stages_after_s,
+                ", ".join(gone),
+            )
+            if self._db is not None:
+                self._db.forget_stages(gone)
+        return gone
 
     def jobs(self) -> list[JobDriver]:
         """The jobs this coordinator drives."""

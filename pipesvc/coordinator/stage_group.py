@@ -235,7 +235,7 @@ class StageGroup:
                 f"job {self.job_id} has {len(self.pipelines)} replicas but this coordinator "
                 "serves no gradient-group store"
             )
-        return self.rendezvous.spec(self.generation)
+        return self.rendezvous.spec(self.job_id, self.epoch, self.generation)
 
     def abort(self, run_id: int, *, lost: Collection[str] = ()) -> None:
         """Aborts run ``run_id`` on every stage at once (best effort on each: it may be dead),

@@ -193,8 +193,13 @@ class StateDB:
                 (address, device, memory_bytes, json.dumps(models)),
             )
 
+    def forget_stages(self, addresses: list[str]) -> None:
+        """Deletes the stages' records (see [Note: forgetting stages] in registry.py)."""
+        with self._lock:
+            self._db.executemany("DELETE FROM stages WHERE address = ?", [(a,) for a in addresses])
+
     def stages(self) -> list[tuple[str, str, int, list[str]]]:
-        """Every stage ever registered: (address, device, memory_bytes, models)."""
+        """Every stage registered and not forgotten: (address, device, memory_bytes, models)."""
         with self._lock:
             rows = self._db.execute("SELECT * FROM stages").fetchall()
         return [(r[0], r[1], int(r[2]), json.loads(r[3])) for r in rows]

@@ -32,6 +32,13 @@ _DEFINITIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "time_per_output_token_seconds": ("histogram", "Time of each later generation step", ()),
     "open_generation_sessions": ("gauge", "Generation sessions with caches on the stage", ()),
     "kv_cache_bytes": ("gauge", "Bytes of the generation caches on the stage", ()),
+    "registered_stages": ("gauge", "Stages the coordinator knows (not yet forgotten)", ()),
+    "gradient_store_keys": ("gauge", "Keys in the coordinator's gradient-group store", ()),
+    "parked_collectives": (
+        "gauge",
+        "Gradient-sum collectives of failed runs the stage keeps until gloo ends them",
+        (),
+    ),
 }
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 

@@ -45,7 +45,7 @@ from pipesvc.stage import fused_cache
 from pipesvc.stage.faults import FaultKill
 from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
 from pipesvc.stage.recorder import RunRecorder
-from pipesvc.stage.replica_group import GroupSpec, ReplicaGroup
+from pipesvc.stage.replica_group import GroupSpec, ReplicaGroup, parked
 from pipesvc.stage.runtime import StageRuntime
 from pipesvc.stage.sessions import SessionCaches
 
@@ -326,8 +326,11 @@ class StepEngine:
                 f"training run {run_id} of a job with {self.replicas.num_replicas} replicas "
                 "names no gradient group"
             )
-        with self.recorder.span("reduce", 0):
-            self.replicas.reduce(run_id, spec, self.runtime.settled_parameters())
+        try:
+            with self.recorder.span("reduce", 0):
+                self.replicas.reduce(run_id, spec, self.runtime.settled_parameters())
+        finally:
+            self._metrics.set("parked_collectives", parked())
 
     def _execute(
         self,

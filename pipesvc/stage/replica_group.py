@@ -7,7 +7,12 @@ epoch, generation and rank: it is built directly on a ``PrefixStore`` over the c
 and re-form its group after a recovery.
 
 [Note: gradient group] A stage forms its group on the first training run that names it
-(``RunStepRequest.replicas``) and keeps it while runs name the same store and generation.
+(``RunStepRequest.replicas``) and keeps it while runs name the same store and generation. A
+store is named by its address and by the nonce the coordinator drew when it opened it: a
+restarted coordinator serves a new store, on the same port when that is fixed, and counts
+generations from 0 again, so the nonce alone tells a group on the old store from a new one.
+A store that fails while the members meet drops the group (StageUnavailableError), so the next
+run forms a new one.
 Forming waits for every member, so it runs on a helper thread while the run thread waits for
 it or for the run's abort. Before each sum the members *meet* at the store (each adds
 itself to the run's key; the last sets "all"; each polls for it, waking on an abort), and
@@ -38,7 +43,9 @@ from typing import Any
 import torch
 from torch import distributed
 
+from pipesvc.core.group_keys import group_prefix
 from pipesvc.errors import FailedPreconditionError, StageUnavailableError, StepAbortedError
+from pipesvc.v1 import stage_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +65,20 @@ class GroupSpec:
     store_host: str
     store_port: int
     generation: int
+    store_id: str = ""
+    """Which start of the coordinator's store: a restarted coordinator's store may have the
+    same address (a fixed ``--store-port``) and counts generations from 0 again, so a group
+    formed on the old one is recognised as stale by this alone."""
+
+    @staticmethod
+    def from_proto(message: stage_pb2.ReplicaGroup) -> GroupSpec:
+        """The spec a run request names."""
+        return GroupSpec(
+            store_host=message.store_host,
+            store_port=message.store_port,
+            generation=message.generation,
+            store_id=message.store_id,
+        )
 
 
 class ReplicaGroup:
@@ -111,7 +132,15 @@ class ReplicaGroup:
         """
         aborted = self._abort_event(run_id)
         group = self._group_for(spec, aborted)
-        self._meet(run_id, aborted)
+        try:
+            self._meet(run_id, aborted)
+        except RuntimeError as exc:  # torch's DistNetworkError, DistStoreError: the store
+            self._drop()  # a later run forms its group afresh
+            raise StageUnavailableError(
+                f"the gradient group of rank {self._rank} could not meet at its store "
+                f"{spec.store_host or self._coordinator_host}:{spec.store_port} before the sum "
+                f"of run {run_id}: {str(exc).splitlines()[0]}"
+            ) from exc
         flags = torch.tensor([0.0 if p.grad is None else 1.0 for p in params])
         buckets = _buckets(params)
         flats = [_flatten(bucket) for bucket in buckets]
@@ -121,7 +150,7 @@ class ReplicaGroup:
             self._wait(run_id, works, aborted)
         except (RuntimeError, StepAbortedError, StageUnavailableError) as exc:
             # A collective still pending is kept alive (see _park), never dropped here.
-            _park(works)
+            _park(works, self._timeout.total_seconds())
             works = []
             self._drop()
             if isinstance(exc, RuntimeError):
@@ -204,7 +233,7 @@ class ReplicaGroup:
                 f"no store to form the gradient group at (host {host!r}, port "
                 f"{spec.store_port}): the coordinator serves one to jobs with replicas"
             )
-        prefix = f"pipesvc/{self._job_id}/{self._epoch}/{spec.generation}/rank{self._rank}"
+        prefix = group_prefix(self._job_id, self._epoch, spec.generation, self._rank)
         forming = _Forming(lambda: self._form(host, spec.store_port, prefix))
         while not forming.done.wait(0.01):
             if aborted.is_set() and forming.abandon():
@@ -267,19 +296,43 @@ def _teardown(group: Any, store: Any) -> None:
     threading.Thread(target=run, name="replica-group-teardown", daemon=True).start()
 
 
-_PARKED: list[Any] = []
-"""Collectives of failed sums still pending (see ``_park``)."""
+_PARKED: list[tuple[float, list[Any]]] = []
+"""Collectives of failed sums, each with the time after which gloo has ended it (see
+``_park``)."""
 _PARKED_LOCK = threading.Lock()
+PARK_MARGIN_S = 5.0
+"""Kept this long past the group's timeout before a parked collective is looked at again."""
 
 
-def _park(works: list[Any]) -> None:
+def _park(works: list[Any], timeout_s: float) -> None:
     """Keeps ``works`` alive: a gloo work dropped, waited on or even asked whether it is done
     while it runs can hold its thread, and the GIL, until the group's timeout. After the
     meeting (``ReplicaGroup._meet``) a sum is left pending only when a member hangs inside
-    it, so what is kept here is rare; it is kept for the life of the process."""
-    if works:
-        with _PARKED_LOCK:
-            _PARKED.extend(works)
+    it, so what is kept here is rare. Gloo ends a collective at the latest when the group's
+    ``timeout_s`` has passed (or its group is torn down), so each is kept until then, plus a
+    margin, and released by a later park or count once it reports done: what is parked is
+    bounded by the failed sums of one timeout, not by the life of the process."""
+    with _PARKED_LOCK:
+        _release_parked()
+        if works:
+            _PARKED.append((time.monotonic() + timeout_s + PARK_MARGIN_S, works))
+
+
+def parked() -> int:
+    """How many collectives of failed sums this process still keeps alive (for metrics)."""
+    with _PARKED_LOCK:
+        _release_parked()
+        return sum(len(works) for _, works in _PARKED)
+
+
+def _release_parked() -> None:
+    """Drops parked collectives past their time that are done (called with the lock held)."""
+    now = time.monotonic()
+    _PARKED[:] = [
+        (until, works)
+        for until, works in _PARKED
+        if until > now or not all(w.is_completed() for w in works)
+    ]
 
 
 class _Forming:

@@ -451,11 +451,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
                 caches=caches,
                 greedy=generating and request.greedy,
                 microbatch_offset=request.microbatch_offset,
-                replicas=GroupSpec(
-                    store_host=request.replicas.store_host,
-                    store_port=request.replicas.store_port,
-                    generation=request.replicas.generation,
-                )
+                replicas=GroupSpec.from_proto(request.replicas)
                 if request.HasField("replicas")
                 else None,
             ),

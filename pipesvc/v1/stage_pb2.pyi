@@ -537,6 +537,7 @@ class ReplicaGroup(_message.Message):
     STORE_HOST_FIELD_NUMBER: _builtins.int
     STORE_PORT_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
+    STORE_ID_FIELD_NUMBER: _builtins.int
     store_host: _builtins.str
     """host of the coordinator's key-value store; empty: the host of the coordinator address the
     stage registered with.
@@ -545,16 +546,22 @@ class ReplicaGroup(_message.Message):
     """Its port."""
     generation: _builtins.int
     """Bumped by the coordinator after every aborted training run of a plan epoch."""
+    store_id: _builtins.str
+    """Which start of the store this is (a nonce the coordinator draws when it opens the store):
+    a restarted coordinator serves a new, empty store, on the same port when that is fixed,
+    and its generations count from 0 again, so only this tells a stage its group is stale.
+    """
     def __init__(
         self,
         *,
         store_host: _builtins.str = ...,
         store_port: _builtins.int = ...,
         generation: _builtins.int = ...,
+        store_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "store_host", b"store_host", "store_port", b"store_port"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "store_host", b"store_host", "store_id", b"store_id", "store_port", b"store_port"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,6 +1,7 @@
 """Faults in a replicated job (data parallel x pipeline) cost no committed work: a stage of one
 replica killed in every phase is replaced by a spare, or its replica dropped when the job allows
-fewer replicas, and the groups re-form; a restarted coordinator's new store re-forms them too.
+fewer replicas, and the groups re-form; a restarted coordinator's new store re-forms them too,
+on a fixed store port as on a random one.
 
 Every test trains against the one-process oracle on the whole batch (each step cut into
 replicas x micro-batches), so a recovery that lost, repeated or reordered a step, or summed a
@@ -19,7 +20,7 @@ import torch
 
 import pipesvc
 from pipesvc.v1 import common_pb2
-from tests.support.faults import FAULT_TOL
+from tests.support.faults import FAULT_TOL, free_port
 from tests.support.reference import PROBLEMS, Reference
 from tests.support.stage_probe import stage_state
 
@@ -138,13 +139,18 @@ def test_below_min_replicas_the_step_fails_with_the_reason(marker: str) -> None:
             run.job.train_step(x, y)
 
 
-def test_groups_reform_after_a_coordinator_restart() -> None:
-    with pipesvc.LocalCluster(num_stages=4, threads_per_stage=1) as cluster:
+@pytest.mark.parametrize("store_port", ["any", "fixed"])
+def test_groups_reform_after_a_coordinator_restart(store_port: str) -> None:
+    # A fixed --store-port (what docs/deploy.md recommends) gives the restarted coordinator's
+    # store the address of the old one: the stages must still see it is a new store.
+    args = ["--store-port", str(free_port())] if store_port == "fixed" else []
+    with pipesvc.LocalCluster(num_stages=4, threads_per_stage=1, coordinator_args=args) as cluster:
         client = cluster.connect()
         run = ReplicatedRun(client)
         for _ in range(3):
             run.step()
         job_id = run.job.id
+        run.job.refresh()  # the commit is flushed: the restarted coordinator keeps the plan epoch
         client.close()
         cluster.restart_coordinator(kill=True)
         with cluster.connect() as client:

@@ -14,13 +14,15 @@ from torch import distributed
 
 from pipesvc.coordinator.replicas import Rendezvous
 from pipesvc.errors import StageUnavailableError, StepAbortedError
+from pipesvc.stage import replica_group
 from pipesvc.stage.replica_group import GroupSpec, ReplicaGroup
+from tests.support.faults import free_port
 
 
 @pytest.fixture(scope="module")
 def store_port() -> Iterator[int]:
     rendezvous = Rendezvous(bind="127.0.0.1")
-    yield int(rendezvous.spec(0).store_port)
+    yield int(rendezvous.spec("any", 0, 0).store_port)
     rendezvous.close()
 
 
@@ -114,3 +116,75 @@ def test_a_store_nobody_serves_is_named() -> None:
     member._coordinator_host = ""
     with pytest.raises(Exception, match="no store"):
         member.reduce(1, GroupSpec("", 0, 0), _params(0))
+
+
+def test_a_restarted_store_on_the_same_port_reforms_the_group() -> None:
+    # A fixed store port: the restarted coordinator's store has the old one's address, and
+    # generations count from 0 again; the stages must still form their groups anew on it.
+    port = free_port()
+    members = [_member(r, 2, "restart") for r in range(2)]
+    first = Rendezvous(bind="127.0.0.1", port=port)
+    spec = GroupSpec.from_proto(first.spec("restart", 1, 0))
+    _together(2, lambda r: members[r].reduce(1, spec, _params(r)))
+    first.close()  # the coordinator is gone, and its store with it
+    with pytest.raises(StageUnavailableError, match=rf"could not meet at its store .*:{port}"):
+        members[0].reduce(2, spec, _params(0))  # typed, and the stale group is dropped
+    second = Rendezvous(bind="127.0.0.1", port=port)
+    again = GroupSpec.from_proto(second.spec("restart", 1, 0))
+    assert (again.store_port, again.generation) == (spec.store_port, spec.generation)
+    params = [_params(r) for r in range(2)]
+    _together(2, lambda r: members[r].reduce(1, again, params[r]))
+    for used, _, _ in params:
+        torch.testing.assert_close(used.grad, torch.full((3, 2), 3.0))
+    assert [m.formed for m in members] == [2, 2]
+    for m in members:
+        m.close()
+    second.close()
+
+
+def test_the_store_keeps_only_the_current_generation_of_each_job() -> None:
+    # Every abort starts a new generation, whose groups form anew; the keys of past ones
+    # (gloo's rendezvous, the last meeting) are deleted, and a closed job's all.
+    rendezvous = Rendezvous(bind="127.0.0.1")
+    members = [_member(r, 2, "keys") for r in range(2)]
+    counts = []
+    for generation in range(6):
+        spec = GroupSpec.from_proto(rendezvous.spec("keys", 1, generation))
+        for run_id in (2 * generation + 1, 2 * generation + 2):
+            _together(2, lambda r, s=spec, i=run_id: members[r].reduce(i, s, _params(r)))
+        counts.append(rendezvous.num_keys())
+    assert [m.formed for m in members] == [6, 6]
+    assert counts[0] > 0 and counts == [counts[0]] * 6, counts
+    rendezvous.forget("keys")
+    assert rendezvous.num_keys() == 0
+    for m in members:
+        m.close()
+    rendezvous.close()
+
+
+def test_a_sum_a_member_hangs_in_is_parked_until_gloo_ends_it(
+    store_port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(replica_group, "PARK_MARGIN_S", 3.0)  # counted well within it
+    before = replica_group.parked()
+    waiting, hanging = _member(0, 2, "hang", timeout_s=1.0), _member(1, 2, "hang", timeout_s=1.0)
+    spec = GroupSpec("", store_port, 0)
+
+    def hang() -> None:  # meets the other member, then never posts its side of the sum
+        never = threading.Event()
+        hanging._group_for(spec, never)
+        hanging._meet(1, never)
+
+    members = (waiting, hanging)
+    _together(2, lambda r: members[r].reduce(0, spec, _params(r)))  # formed
+    thread = threading.Thread(target=hang)
+    thread.start()
+    with pytest.raises(StageUnavailableError, match="did not finish"):
+        waiting.reduce(1, spec, _params(0))
+    thread.join()
+    assert replica_group.parked() == before + 2  # the flags and the one bucket
+    deadline = time.monotonic() + 30
+    while replica_group.parked() > before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert replica_group.parked() == before, "released once gloo ended them"
+    hanging.close()
