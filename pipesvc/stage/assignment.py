@@ -61,6 +61,7 @@ class Assignment:
                 runtime.features.new_cache,
                 budget_bytes=options.kv_budget_bytes,
                 idle_s=options.session_idle_s,
+                layout=runtime.features.cache_layout,
             ),
         )
 

@@ -141,15 +141,6 @@ class _Place:
         return chunk * self.count + self.microbatch
 
 
-@dataclass(frozen=True, slots=True)
-class _Cohort:
-    """A fused run's parts, their stacked cache, and the caches cut from it."""
-
-    key: tuple[tuple[str, int], ...]
-    stacked: fused_cache.StackedCaches
-    parts: list[object]
-
-
 class StepEngine:
     """Runs, commits and aborts the steps of one stage of one job (see [Note: run and commit])."""
 
@@ -398,7 +389,7 @@ class StepEngine:
                         f"model {rt.config.model!r} cannot fuse sessions' caches in a micro-batch"
                     )
                 parts = [self.sessions.get(ref) for ref in refs]
-                stacked = self._restack(refs, parts) or fused_cache.stack(
+                stacked = fused_cache.stack(
                     layout, parts, [ref.rows for ref in refs], [ref.positions for ref in refs]
                 )
                 cache = stacked.cache
@@ -425,13 +416,9 @@ class StepEngine:
             if stacked is not None:
                 assert self.sessions is not None
                 refs = data.caches[mb]
-                cut = stacked.split()
-                for ref, part in zip(refs, cut, strict=True):
+                for ref, part in zip(refs, stacked.split(), strict=True):
                     self.sessions.put(ref, part)
-                self.sessions.keep_cohort(
-                    _Cohort(tuple((r.session, r.part) for r in refs), stacked, cut),
-                    (r.session for r in refs),
-                )
+                stacked = cache = None  # the stacked cache goes now, not with the run
             last = rt.last_virtual(chunk)
             if last and training:
                 loss = rt.loss(mb, data.targets[mb], data.loss_weights[mb])
@@ -451,22 +438,6 @@ class StepEngine:
             outputs[mb] = y[:, -1].contiguous()  # the next token's logits only
         elif not training:
             outputs[mb] = y
-
-    def _restack(
-        self, refs: MicrobatchCaches, parts: list[object]
-    ) -> fused_cache.StackedCaches | None:
-        """The stacked cache the last fused run left, if this micro-batch fuses the same parts
-        and each still holds the cache cut from it (see [Note: fused decode])."""
-        assert self.sessions is not None
-        cohort = self.sessions.cohort
-        if (
-            not isinstance(cohort, _Cohort)
-            or cohort.key != tuple((r.session, r.part) for r in refs)
-            or any(r.fresh for r in refs)
-            or any(a is not b for a, b in zip(parts, cohort.parts, strict=True))
-        ):
-            return None
-        return cohort.stacked.grown([r.positions for r in refs])
 
     def _backward(self, run_id: int, at: _Place) -> None:
         rt, rec = self.runtime, self.recorder

@@ -12,6 +12,15 @@ idle timeout is dropped; so is one whose run failed midway (its parts may disagr
 coordinator releases (the client finished or went away). A new assignment (a new plan epoch)
 starts with no caches: the coordinator replays the session's tokens to rebuild them.
 No gRPC here.
+
+[Note: cache memory] The KV budget bounds the memory the caches really keep alive: every
+storage their tensors live in, counted once and whole (``held_bytes``), not each tensor's own
+size. A tensor can be a view into a larger storage: a part cut from a fused run's stacked,
+left-padded cache (all the run's rows, padded to the longest), or keys and values projected
+together with the queries. A view would keep all of that alive, so a part keeps a copy of what
+is its own (``compact``, in ``put`` and after each run), and a fused run's stacked cache lives
+only for its run; then what is counted is what a session keeps. A model whose cache shows no
+``CacheLayout`` cannot be copied this way; its storages are still counted whole.
 """
 
 from __future__ import annotations
@@ -26,26 +35,63 @@ import torch
 
 from pipesvc.core.microbatch import CacheRef
 from pipesvc.errors import FailedPreconditionError, ResourceExhaustedError
+from pipesvc.models import CacheLayout
 
 logger = logging.getLogger(__name__)
 
 MIB = 2**20
 
 
-def cache_bytes(cache: Any) -> int:
-    """Bytes of the key and value tensors a cache holds (its own ``nbytes()``, or a
-    ``transformers`` cache's layers)."""
-    own = getattr(cache, "nbytes", None)
+def _tensors(cache: Any) -> list[torch.Tensor]:
+    """The key and value tensors a cache holds (its own ``tensors()``, or a ``transformers``
+    cache's layers)."""
+    own = getattr(cache, "tensors", None)
     if callable(own):
-        return int(own())
-    tensors: list[Any] = []
+        return [t for pair in own().values() for t in pair]
+    found: list[Any] = []
     layers = getattr(cache, "layers", None)
     if layers is not None:
         for layer in layers:
-            tensors += [getattr(layer, "keys", None), getattr(layer, "values", None)]
+            found += [getattr(layer, "keys", None), getattr(layer, "values", None)]
     else:  # older transformers: one list per kind
-        tensors += list(getattr(cache, "key_cache", [])) + list(getattr(cache, "value_cache", []))
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        found += list(getattr(cache, "key_cache", [])) + list(getattr(cache, "value_cache", []))
+    return [t for t in found if isinstance(t, torch.Tensor)]
+
+
+def held_bytes(caches: Iterable[Any]) -> int:
+    """The bytes the caches really keep alive: every storage their tensors live in, each once
+    and whole (see [Note: cache memory])."""
+    storages: dict[tuple[str, int], int] = {}
+    for cache in caches:
+        for t in _tensors(cache):
+            storage = t.untyped_storage()
+            storages[(str(t.device), storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
+
+
+def cache_bytes(cache: Any) -> int:
+    """The bytes one cache keeps alive (``held_bytes`` of it alone)."""
+    return held_bytes([cache])
+
+
+def compact(cache: Any, layout: CacheLayout | None) -> Any:
+    """``cache``, or with ``layout`` a copy whose tensors own exactly their bytes when any of
+    them is a view into a larger storage (a cut of a fused run's stacked cache, or keys and
+    values projected together with the queries)."""
+    if layout is None:
+        return cache
+    tensors = layout.tensors(cache)
+    if all(_owns(t) for pair in tensors.values() for t in pair):
+        return cache
+    return layout.build({name: (_own_copy(k), _own_copy(v)) for name, (k, v) in tensors.items()})
+
+
+def _owns(t: torch.Tensor) -> bool:
+    return t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def _own_copy(t: torch.Tensor) -> torch.Tensor:
+    return t if _owns(t) else t.clone(memory_format=torch.contiguous_format)
 
 
 class SessionCaches:
@@ -56,18 +102,18 @@ class SessionCaches:
         new_cache: Callable[[], Any] | None,
         *,
         budget_bytes: int,
+        layout: CacheLayout | None = None,
         idle_s: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._new_cache = new_cache
+        self._layout = layout
         self._budget = budget_bytes
         self._idle_s = idle_s
         self._clock = clock
         self._lock = threading.Lock()
         self._caches: dict[tuple[str, int], Any] = {}
         self._used: dict[str, float] = {}
-        self._cohort: Any = None
-        self._cohort_sessions: frozenset[str] = frozenset()
 
     def get(self, ref: CacheRef) -> Any:
         """The cache of ``ref`` (an empty one when ``ref.fresh``).
@@ -91,21 +137,24 @@ class SessionCaches:
             return self._caches[key]
 
     def put(self, ref: CacheRef, cache: Any) -> None:
-        """Replaces the cache of ``ref``'s part (after a fused run cut it back, see [Note:
-        fused decode] in ``pipesvc.stage.fused_cache``)."""
+        """Replaces the cache of ``ref``'s part with a copy of what it keeps (after a fused run
+        cut it back, see [Note: fused decode] in ``pipesvc.stage.fused_cache``, and [Note:
+        cache memory])."""
+        kept = compact(cache, self._layout)
         with self._lock:
-            self._caches[(ref.session, ref.part)] = cache
+            self._caches[(ref.session, ref.part)] = kept
             self._used[ref.session] = self._clock()
 
     def session_bytes(self, session: str) -> int:
         with self._lock:
             caches = [c for (s, _), c in self._caches.items() if s == session]
-        return sum(cache_bytes(c) for c in caches)
+        return held_bytes(caches)
 
     def total_bytes(self) -> int:
+        """The bytes every cache here keeps alive (see [Note: cache memory])."""
         with self._lock:
             caches = list(self._caches.values())
-        return sum(cache_bytes(c) for c in caches)
+        return held_bytes(caches)
 
     def sessions(self) -> list[str]:
         with self._lock:
@@ -117,12 +166,16 @@ class SessionCaches:
         Raises:
             ResourceExhaustedError: the caches exceed the budget; ``sessions`` were released.
         """
+        touched = set(sessions)
+        with self._lock:  # a view into a larger storage would keep all of it alive
+            for key, cache in self._caches.items():
+                if key[0] in touched:
+                    self._caches[key] = compact(cache, self._layout)
         total = self.total_bytes()
         if total <= self._budget:
             return
-        touched = sorted(set(sessions))
-        sizes = {s: self.session_bytes(s) for s in touched}
-        for session in touched:
+        sizes = {s: self.session_bytes(s) for s in sorted(touched)}
+        for session in sizes:
             self.release(session)
         raise ResourceExhaustedError(
             f"key/value caches would hold {total / MIB:.2f} MiB on this stage, over its budget "
@@ -131,27 +184,13 @@ class SessionCaches:
             + f"; {len(self.sessions())} other session(s) hold {self.total_bytes() / MIB:.2f} MiB"
         )
 
-    @property
-    def cohort(self) -> Any:
-        """What the last fused run left to reuse (see [Note: fused decode] in
-        ``pipesvc.stage.fused_cache``), or None; dropped with any of its sessions."""
-        with self._lock:
-            return self._cohort
-
-    def keep_cohort(self, cohort: Any, sessions: Iterable[str]) -> None:
-        with self._lock:
-            self._cohort = cohort
-            self._cohort_sessions = frozenset(sessions)
-
     def release(self, session: str) -> int:
         """Drops every part of ``session``; returns the bytes freed (0 if it had none)."""
         with self._lock:
             keys = [k for k in self._caches if k[0] == session]
             dropped = [self._caches.pop(k) for k in keys]
             self._used.pop(session, None)
-            if session in self._cohort_sessions:
-                self._cohort, self._cohort_sessions = None, frozenset()
-        return sum(cache_bytes(c) for c in dropped)
+        return held_bytes(dropped)
 
     def expire(self) -> list[str]:
         """Drops the sessions idle for longer than the idle timeout; returns them."""
@@ -172,4 +211,3 @@ class SessionCaches:
         with self._lock:
             self._caches.clear()
             self._used.clear()
-            self._cohort, self._cohort_sessions = None, frozenset()
