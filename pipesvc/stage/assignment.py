@@ -15,7 +15,7 @@ from pipesvc.stage.options import StageOptions
 from pipesvc.stage.recorder import RunRecorder
 from pipesvc.stage.replica_group import ReplicaGroup
 from pipesvc.stage.runtime import StageRuntime
-from pipesvc.stage.sessions import SessionCaches
+from pipesvc.stage.sessions import ExpiryTimer, SessionCaches, expiry_interval
 from pipesvc.stage.tied_link import TiedLink
 
 
@@ -64,6 +64,9 @@ class Assignment:
                 layout=runtime.features.cache_layout,
             ),
         )
+        self._expiry = ExpiryTimer(
+            self.engine.expire_sessions, expiry_interval(options.session_idle_s)
+        )
 
     @property
     def runtime(self) -> StageRuntime:
@@ -95,6 +98,7 @@ class Assignment:
         self.upstream.send(key, tensor)
 
     def close(self) -> None:
+        self._expiry.stop()
         if self.engine.replicas is not None:
             self.engine.replicas.close()
         if self.downstream is not None:

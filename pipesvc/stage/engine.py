@@ -217,6 +217,9 @@ class StepEngine:
                 raise FailedPreconditionError(
                     f"run {run_id} is not after the last run {self.last_run_id}"
                 )
+            refs = [ref for refs in data.caches for ref in refs]
+            if self.sessions is not None:  # a lost cache fails the run before anything changes
+                self.sessions.begin(run_id, refs)
             if commit is not None:
                 self._commit_locked(commit.run_id, commit.grad_scale)
                 if commit.snapshot:
@@ -237,9 +240,7 @@ class StepEngine:
             else:
                 actions = forward_only_actions(num_microbatches, len(rt.chunks))
             rt.begin_run(training, microbatch_offset=data.microbatch_offset)
-            sessions = sorted({ref.session for refs in data.caches for ref in refs})
-            if self.sessions is not None and sessions:
-                self.sessions.expire()
+            sessions = sorted({ref.session for ref in refs})
             try:
                 losses, outputs = self._execute(
                     run_id, actions, data, training=training, generating=generating
@@ -261,9 +262,8 @@ class StepEngine:
                     self._tied.abort(run_id)
                 if self.replicas is not None:
                     self.replicas.abort(run_id)
-                if self.sessions is not None:
-                    for session in sessions:  # its parts may now disagree: it starts again
-                        self.sessions.release(session)
+                if self.sessions is not None:  # every session as before the run
+                    self.sessions.undo(run_id)
                 raise
             finally:
                 self.mailbox.finish(run_id)
@@ -288,6 +288,17 @@ class StepEngine:
         )
         with self._snapshot_lock:
             self.snapshot = snapshot
+
+    def expire_sessions(self) -> None:
+        """Drops the sessions idle past the timeout (the expiry timer's tick), between runs:
+        under the run lock, so no run loses a session it has begun."""
+        if self.sessions is None:
+            return
+        with self.run_lock:
+            expired = self.sessions.expire()
+        if expired:
+            self._metrics.set("open_generation_sessions", len(self.sessions.sessions()))
+            self._metrics.set("kv_cache_bytes", self.sessions.total_bytes())
 
     def drop_snapshot(self, step: int) -> None:
         """Drops the snapshot of ``step`` once read (not the run lock: a run may be going)."""
@@ -500,6 +511,8 @@ class StepEngine:
             self.replicas.abort(run_id)
         with self.run_lock:
             self.last_run_id = max(self.last_run_id, run_id)
+            if self.sessions is not None:  # a generation run that finished here: put back
+                self.sessions.undo(run_id)
             if self.pending_commit is not None and run_id > self.pending_commit:
                 # A later run that never began here (it would have committed the pending one
                 # first): the pending gradients are a decided step's, kept for its commit.

@@ -26,6 +26,7 @@ from pipesvc.core.sampling import Sampling
 from pipesvc.errors import (
     FailedPreconditionError,
     ResourceExhaustedError,
+    SessionCacheLostError,
     StageUnavailableError,
     StepAbortedError,
 )
@@ -580,3 +581,43 @@ def test_the_kv_budget_counts_what_fused_caches_really_hold() -> None:
     _step(tight, sessions)
     failed = [r for r in _step(tight, sessions) if isinstance(r, ResourceExhaustedError)]
     assert failed and "over its budget" in str(failed[0])
+
+
+def _lengths(engine: StepEngine, session: Session) -> list[int]:
+    """The positions each part of ``session`` holds on ``engine``."""
+    assert engine.sessions is not None
+    lengths = []
+    for part in range(len(session.rows)):
+        ref = CacheRef(session.id, part, fresh=False, rows=0, positions=0)
+        tensors = engine.sessions.get(ref).tensors()
+        lengths.append(max(k.shape[2] for k, _ in tensors.values()))
+    return lengths
+
+
+def test_a_session_lost_on_one_stage_costs_the_others_nothing() -> None:
+    """Sessions fused into one run; the last stage lost one of them (expired there): the run
+    fails with a typed error naming just that session, every stage holds the others as before
+    the run (the first stage ran its part before the abort), and that session alone replays;
+    every session's tokens are the ones it gets alone."""
+    args = {**PROBLEMS["gpt"].model_args, "block_size": 64}
+    problem = Problem("gpt", args, "cross_entropy", (8,))
+    pipeline = _pipeline(problem, num_stages=2)
+    sessions, _ = _mixed_sessions(pipeline)
+    for _ in range(3):
+        assert all(isinstance(r, RunResult) for r in _step(pipeline, sessions))
+    before = [[_lengths(e, s) for s in sessions[1:]] for e in pipeline.engines]
+    last = pipeline.engines[-1]
+    assert last.sessions is not None
+    last.sessions.release(sessions[0].id)
+    results = _step(pipeline, sessions)
+    assert isinstance(results[-1], SessionCacheLostError), results
+    assert results[-1].sessions == (sessions[0].id,)
+    assert [[_lengths(e, s) for s in sessions[1:]] for e in pipeline.engines] == before
+    sessions[0].invalidate()  # as the coordinator does with the sessions the error names
+    for _ in range(3):
+        assert all(isinstance(r, RunResult) for r in _step(pipeline, sessions))
+    alone = _pipeline(problem, num_stages=2)
+    for session in sessions:
+        prompt = session.tokens[:, : session.prompt_length]
+        (tokens,) = _generate(alone, [prompt], 6, fuse=False)
+        assert torch.equal(session.tokens, tokens)
