@@ -234,8 +234,8 @@ class SessionCaches:
         """The cache of ``ref`` (an empty one when ``ref.fresh``).
 
         Raises:
-            FailedPreconditionError: the model has no cache, or the part has none here (never
-                started, expired or released).
+            FailedPreconditionError: the model has no cache.
+            SessionCacheLostError: the part has none here (never started, expired or released).
         """
         if self._new_cache is None:
             raise FailedPreconditionError("this model has no key/value cache to generate with")
