@@ -48,8 +48,8 @@ class StackedCaches:
     longest: int
 
     def split(self) -> list[Any]:
-        """Each part's cache after the run: its rows, its own positions and the new ones (views
-        of the stacked cache: ``SessionCaches.put`` keeps a copy).
+        """Each part's cache after the run: its rows, its own positions and the new ones, copied
+        out of the stacked cache (see [Note: cache memory] in ``pipesvc.stage.sessions``).
 
         Raises:
             InvalidArgumentError: a part adds more positions than the run did, or a part with a
@@ -70,8 +70,8 @@ class StackedCaches:
             for name, (keys, values) in tensors.items():
                 keep = length + added
                 part[name] = (
-                    keys[row : row + rows, :, keys.shape[2] - keep :],
-                    values[row : row + rows, :, values.shape[2] - keep :],
+                    keys[row : row + rows, :, keys.shape[2] - keep :].clone(),
+                    values[row : row + rows, :, values.shape[2] - keep :].clone(),
                 )
             parts.append(self.layout.build(part))
             row += rows
