@@ -9,6 +9,7 @@
     +-- NotFoundError (LookupError)            the job or stage does not exist
     +-- FailedPreconditionError                valid request, wrong state (busy stage, closed job)
     |   +-- PlanError                          no plan fits (too many stages, too few servers)
+    |   +-- SessionCacheLostError              a stage holds no cache of a session a run names
     +-- ResourceExhaustedError                 a size or count limit was exceeded
     |   +-- StageOutOfMemoryError              a stage's device ran out of memory in a run
     +-- StageUnavailableError                  a server could not be reached
@@ -23,6 +24,8 @@ module stays free of gRPC so that pure code can raise these errors.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 
 class PipesvcError(Exception):
@@ -51,6 +54,15 @@ class FailedPreconditionError(PipesvcError):
 
 class PlanError(FailedPreconditionError):
     """No plan can place the model on the stages available."""
+
+
+class SessionCacheLostError(FailedPreconditionError):
+    """A generation run named caches a stage does not hold (expired, released or never
+    started); ``sessions`` names their sessions, and the run changed nothing there."""
+
+    def __init__(self, message: str, sessions: Iterable[str] = ()) -> None:
+        super().__init__(message)
+        self.sessions: tuple[str, ...] = tuple(sessions)
 
 
 class ResourceExhaustedError(PipesvcError):
@@ -95,6 +107,7 @@ ALL_ERRORS: tuple[type[PipesvcError], ...] = (
     NotFoundError,
     FailedPreconditionError,
     PlanError,
+    SessionCacheLostError,
     ResourceExhaustedError,
     StageOutOfMemoryError,
     StageUnavailableError,

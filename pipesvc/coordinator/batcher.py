@@ -10,8 +10,11 @@ client that reads slowly pauses only its own session and never holds the others 
 sessions that keep up share every run (sessions join and leave between runs). In a run a part
 that starts its cache (a prompt, a replay) is a micro-batch of its own, and the decode parts of
 all the sessions share one (see [Note: fused decode] in ``pipesvc.stage.fused_cache``), so each
-stage reads its weights once per step for all of them. When a shared run fails on a KV budget,
-each session's step runs again alone, so only the sessions that do not fit fail. No gRPC here.
+stage reads its weights once per step for all of them. When a shared run fails on an error of
+the caller's kind (a KV budget, an input a layer refuses), each session's step runs again alone,
+so only the sessions at fault fail: the stages put every session of the failed run back as it
+was (see [Note: session runs] in ``pipesvc.stage.sessions``), so the others lose nothing. No
+gRPC here.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pipesvc.coordinator.generation import Session
-from pipesvc.errors import PipesvcError, ResourceExhaustedError
+from pipesvc.errors import InvalidArgumentError, PipesvcError, ResourceExhaustedError
 
 logger = logging.getLogger(__name__)
 
@@ -159,12 +162,11 @@ class StepBatcher:
     def _run_group(self, group: list[TokenStream]) -> None:
         try:
             results = self._run([s.session for s in group])
-        except ResourceExhaustedError as exc:
+        except (ResourceExhaustedError, InvalidArgumentError) as exc:
             if len(group) == 1:
                 self._fail(group[0], exc)
                 return
-            for stream in group:  # alone, so that only the sessions that do not fit fail
-                stream.session.invalidate()
+            for stream in group:  # alone, so that only the sessions at fault fail
                 try:
                     self._made([stream], self._run([stream.session]))
                 except PipesvcError as alone:

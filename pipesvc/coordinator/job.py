@@ -160,6 +160,7 @@ class JobDriver:
             resilient=self._generate_steps,
             run=self._run,
             metrics=metrics,
+            orphans=needs_reconcile,
         )
 
     @property
@@ -658,6 +659,7 @@ class JobDriver:
         try:
             if not self.state.closed:
                 self._resilient(self._flush_if_idle, "maintenance")
+                self._resilient(self.generation.release_orphans, "releasing orphaned sessions")
         except PipesvcError as exc:
             logger.warning("job %s: maintenance failed: %s", self.job_id, exc)
         finally:

@@ -19,7 +19,7 @@ from pipesvc.core.config import JobConfig
 from pipesvc.core.microbatch import RunBatch
 from pipesvc.core.sampling import Sampling
 from pipesvc.core.tensor_codec import decode
-from pipesvc.errors import FailedPreconditionError, InvalidArgumentError, PipesvcError
+from pipesvc.errors import InvalidArgumentError, PipesvcError, SessionCacheLostError
 from pipesvc.observe.metrics import Metrics
 from pipesvc.v1 import stage_pb2
 
@@ -43,6 +43,7 @@ class JobGeneration:
         resilient: Resilient,
         run: RunPhase,
         metrics: Metrics,
+        orphans: bool = False,
     ) -> None:
         self._job_id = job_id
         self._config = config
@@ -51,6 +52,8 @@ class JobGeneration:
         self._run = run
         self._metrics = metrics
         self._support: ModelSupport | None = None
+        self._orphans = orphans
+        """The stages may hold caches of sessions that ended with a previous coordinator."""
         self.batcher = StepBatcher(self._steps, on_token=self._count_token)
 
     def generate(
@@ -114,17 +117,28 @@ class JobGeneration:
         # One decode micro-batch: it costs about the same for 1 row as for many (the weights
         # are read either way), so splitting it to overlap the stages costs more than it saves.
         fuse = self._model_support().fuses_caches
-        run = plan_step(sessions, epoch, fuse=fuse)
-        try:
-            _, replies = self._run(stage_pb2.GENERATE, run.batch)
-        except FailedPreconditionError as exc:
-            if "has no cache" not in str(exc):
-                raise
-            # A stage dropped a session (idle too long): rebuild the caches from the tokens.
-            for session in sessions:
-                session.invalidate()
+        self.release_orphans()
+        while True:
             run = plan_step(sessions, epoch, fuse=fuse)
-            _, replies = self._run(stage_pb2.GENERATE, run.batch)
+            try:
+                _, replies = self._run(stage_pb2.GENERATE, run.batch)
+                break
+            except SessionCacheLostError as exc:
+                # A stage no longer holds these sessions (idle too long, or released), and
+                # every stage put the run's sessions back as they were (see [Note: session
+                # runs] in ``pipesvc.stage.sessions``): they replay their tokens, the others
+                # take their step as planned. Each session replays at most once here.
+                lost = [s for s in sessions if s.id in exc.sessions and s.cached]
+                if not lost:
+                    raise
+                for session in lost:
+                    logger.info(
+                        "job %s: session %s lost its caches; replaying its tokens",
+                        self._job_id,
+                        session.id,
+                    )
+                    session.invalidate()
+                    self._metrics.inc("generation_replays_total")
         outputs = [decode(t) for t in replies.outputs]
         return [(logits, epoch) for logits in run.logits(outputs)]
 
@@ -146,6 +160,27 @@ class JobGeneration:
                 fuses_caches=reply.fuses_caches,
             )
         return self._support
+
+    def release_orphans(self) -> None:
+        """After a coordinator restart, once, before any run of this coordinator's sessions (on
+        the job's lock): drops every session's caches on the stages, orphans of the sessions
+        that ended with the old coordinator, which would hold the KV budgets until they expire.
+
+        Raises:
+            PipesvcError: a stage could not be told (tried again on the next call).
+        """
+        if not self._orphans:
+            return
+        request = stage_pb2.ReleaseSessionRequest(job_id=self._job_id, all_sessions=True)
+        replies = self._group.call_all(
+            lambda stub: stub.ReleaseSession, lambda _: request, self._group.deadlines.control_s
+        )
+        self._orphans = False
+        freed = sum(r.freed_bytes for r in replies)
+        if freed:
+            logger.info(
+                "job %s: released orphaned sessions' caches (%d bytes)", self._job_id, freed
+            )
 
     def _release_session(self, session: Session) -> None:
         """Drops the session's caches on every stage of the plan (best effort: a stage that

@@ -74,6 +74,7 @@ def _named(error: PipesvcError, stage: PipelineStage) -> PipesvcError:
     if where(stage) in str(error):
         return error
     named = type(error)(f"{where(stage)}: {error}")
+    named.__dict__.update(error.__dict__)  # what a typed error carries (lost sessions)
     named.__cause__ = error
     return named
 

@@ -23,6 +23,11 @@ _DEFINITIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "microbatches_in_flight": ("gauge", "Micro-batches whose activations are alive", ()),
     "bubble_fraction": ("gauge", "Idle share of the stage's last training run", ()),
     "generation_sessions_total": ("counter", "Generation sessions started", ()),
+    "generation_replays_total": (
+        "counter",
+        "Generation sessions that replayed their tokens after a stage lost their caches",
+        (),
+    ),
     "generated_tokens_total": ("counter", "Tokens generated (one per row per step)", ()),
     "time_to_first_token_seconds": (
         "histogram",

@@ -31,7 +31,7 @@ from pipesvc.stage.options import StageOptions
 from pipesvc.stage.recorder import RunRecorder
 from pipesvc.stage.replica_group import ReplicaGroup
 from pipesvc.stage.runtime import StageRuntime, storage_bytes
-from pipesvc.stage.sessions import SessionCaches
+from pipesvc.stage.sessions import ExpiryTimer, SessionCaches, expiry_interval
 from pipesvc.stage.tied_link import TiedLink
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,11 @@ class Assignment:
                 runtime.features.new_cache,
                 budget_bytes=options.kv_budget_bytes,
                 idle_s=options.session_idle_s,
+                layout=runtime.features.cache_layout,
             ),
+        )
+        self._expiry = ExpiryTimer(
+            self.engine.expire_sessions, expiry_interval(options.session_idle_s)
         )
 
     @property
@@ -125,6 +129,7 @@ class Assignment:
     def close(self) -> None:
         """Closes the links and drops every tensor the job holds (see [Note: one copy while
         reassigned]); a stream still sending the snapshot keeps its own reference."""
+        self._expiry.stop()
         if self.engine.replicas is not None:
             self.engine.replicas.close()
         if self.downstream is not None:

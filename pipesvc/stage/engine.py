@@ -141,15 +141,6 @@ class _Place:
         return chunk * self.count + self.microbatch
 
 
-@dataclass(frozen=True, slots=True)
-class _Cohort:
-    """A fused run's parts, their stacked cache, and the caches cut from it."""
-
-    key: tuple[tuple[str, int], ...]
-    stacked: fused_cache.StackedCaches
-    parts: list[object]
-
-
 class StepEngine:
     """Runs, commits and aborts the steps of one stage of one job (see [Note: run and commit])."""
 
@@ -226,6 +217,9 @@ class StepEngine:
                 raise FailedPreconditionError(
                     f"run {run_id} is not after the last run {self.last_run_id}"
                 )
+            refs = [ref for refs in data.caches for ref in refs]
+            if self.sessions is not None:  # a lost cache fails the run before anything changes
+                self.sessions.begin(run_id, refs)
             if commit is not None:
                 self._commit_locked(commit.run_id, commit.grad_scale)
                 if commit.snapshot:
@@ -246,9 +240,7 @@ class StepEngine:
             else:
                 actions = forward_only_actions(num_microbatches, len(rt.chunks))
             rt.begin_run(training, microbatch_offset=data.microbatch_offset)
-            sessions = sorted({ref.session for refs in data.caches for ref in refs})
-            if self.sessions is not None and sessions:
-                self.sessions.expire()
+            sessions = sorted({ref.session for ref in refs})
             try:
                 losses, outputs = self._execute(
                     run_id, actions, data, training=training, generating=generating
@@ -270,9 +262,8 @@ class StepEngine:
                     self._tied.abort(run_id)
                 if self.replicas is not None:
                     self.replicas.abort(run_id)
-                if self.sessions is not None:
-                    for session in sessions:  # its parts may now disagree: it starts again
-                        self.sessions.release(session)
+                if self.sessions is not None:  # every session as before the run
+                    self.sessions.undo(run_id)
                 raise
             finally:
                 self.mailbox.finish(run_id)
@@ -297,6 +288,17 @@ class StepEngine:
         )
         with self._snapshot_lock:
             self.snapshot = snapshot
+
+    def expire_sessions(self) -> None:
+        """Drops the sessions idle past the timeout (the expiry timer's tick), between runs:
+        under the run lock, so no run loses a session it has begun."""
+        if self.sessions is None:
+            return
+        with self.run_lock:
+            expired = self.sessions.expire()
+        if expired:
+            self._metrics.set("open_generation_sessions", len(self.sessions.sessions()))
+            self._metrics.set("kv_cache_bytes", self.sessions.total_bytes())
 
     def drop_snapshot(self, step: int) -> None:
         """Drops the snapshot of ``step`` once read (not the run lock: a run may be going)."""
@@ -401,7 +403,7 @@ class StepEngine:
                         f"model {rt.config.model!r} cannot fuse sessions' caches in a micro-batch"
                     )
                 parts = [self.sessions.get(ref) for ref in refs]
-                stacked = self._restack(refs, parts) or fused_cache.stack(
+                stacked = fused_cache.stack(
                     layout, parts, [ref.rows for ref in refs], [ref.positions for ref in refs]
                 )
                 cache = stacked.cache
@@ -428,13 +430,9 @@ class StepEngine:
             if stacked is not None:
                 assert self.sessions is not None
                 refs = data.caches[mb]
-                cut = stacked.split()
-                for ref, part in zip(refs, cut, strict=True):
+                for ref, part in zip(refs, stacked.split(), strict=True):
                     self.sessions.put(ref, part)
-                self.sessions.keep_cohort(
-                    _Cohort(tuple((r.session, r.part) for r in refs), stacked, cut),
-                    (r.session for r in refs),
-                )
+                stacked = cache = None  # the stacked cache goes now, not with the run
             last = rt.last_virtual(chunk)
             if last and training:
                 loss = rt.loss(mb, data.targets[mb], data.loss_weights[mb])
@@ -454,22 +452,6 @@ class StepEngine:
             outputs[mb] = y[:, -1].contiguous()  # the next token's logits only
         elif not training:
             outputs[mb] = y
-
-    def _restack(
-        self, refs: MicrobatchCaches, parts: list[object]
-    ) -> fused_cache.StackedCaches | None:
-        """The stacked cache the last fused run left, if this micro-batch fuses the same parts
-        and each still holds the cache cut from it (see [Note: fused decode])."""
-        assert self.sessions is not None
-        cohort = self.sessions.cohort
-        if (
-            not isinstance(cohort, _Cohort)
-            or cohort.key != tuple((r.session, r.part) for r in refs)
-            or any(r.fresh for r in refs)
-            or any(a is not b for a, b in zip(parts, cohort.parts, strict=True))
-        ):
-            return None
-        return cohort.stacked.grown([r.positions for r in refs])
 
     def _backward(self, run_id: int, at: _Place) -> None:
         rt, rec = self.runtime, self.recorder
@@ -532,6 +514,8 @@ class StepEngine:
             self.replicas.abort(run_id)
         with self.run_lock:
             self.last_run_id = max(self.last_run_id, run_id)
+            if self.sessions is not None:  # a generation run that finished here: put back
+                self.sessions.undo(run_id)
             if self.pending_commit is not None and run_id > self.pending_commit:
                 # A later run that never began here (it would have committed the pending one
                 # first): the pending gradients are a decided step's, kept for its commit.

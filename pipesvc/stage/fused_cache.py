@@ -12,9 +12,10 @@ row attends to exactly its own keys, and its numbers are its own step's up to th
 a larger matrix product. Prompts (parts that start their caches, and replays) fuse the same way
 into a micro-batch of their own: their tokens left-padded to the longest, and each part keeps
 the last of the new positions, as many as it brought (``CacheRef.positions``). The two kinds
-never share a micro-batch: a part's positions would not be contiguous. When the next run fuses
-the same parts, still holding the caches cut from the last one, the stage runs them through the
-stacked cache it kept (``SessionCaches.cohort``) instead of stacking them again. A model offers
+never share a micro-batch: a part's positions would not be contiguous. Each part keeps a copy
+of its own rows and positions, and the stacked cache goes with its run: a cut would keep the
+whole stacked, padded cache alive (see [Note: cache memory] in ``pipesvc.stage.sessions``), so
+each run stacks its parts' caches again. A model offers
 this with a ``CacheLayout`` (how its cache shows its tensors) and by reading
 ``attention_mask``; a model with sliding-window layers does not (a window's cache drops old
 positions, so the rows would not line up) and runs each part as its own micro-batch.
@@ -46,16 +47,9 @@ class StackedCaches:
     """The positions each part adds in the run."""
     longest: int
 
-    def grown(self, positions: Sequence[int]) -> StackedCaches:
-        """The same stacked cache after its run, for a next run of the same parts adding
-        ``positions`` (the parts' own caches are the ones ``split`` cut from it)."""
-        tensors = self.layout.tensors(self.cache)
-        longest = max((k.shape[2] for k, _ in tensors.values()), default=self.longest)
-        lengths = tuple(n + added for n, added in zip(self.lengths, self.positions, strict=True))
-        return StackedCaches(self.layout, self.cache, self.rows, lengths, tuple(positions), longest)
-
     def split(self) -> list[Any]:
-        """Each part's cache after the run: its rows, its own positions and the new ones.
+        """Each part's cache after the run: its rows, its own positions and the new ones, copied
+        out of the stacked cache (see [Note: cache memory] in ``pipesvc.stage.sessions``).
 
         Raises:
             InvalidArgumentError: a part adds more positions than the run did, or a part with a
@@ -76,8 +70,8 @@ class StackedCaches:
             for name, (keys, values) in tensors.items():
                 keep = length + added
                 part[name] = (
-                    keys[row : row + rows, :, keys.shape[2] - keep :],
-                    values[row : row + rows, :, values.shape[2] - keep :],
+                    keys[row : row + rows, :, keys.shape[2] - keep :].clone(),
+                    values[row : row + rows, :, values.shape[2] - keep :].clone(),
                 )
             parts.append(self.layout.build(part))
             row += rows

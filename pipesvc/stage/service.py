@@ -394,8 +394,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
             info.downstream_shm = job.downstream is not None and job.downstream.uses_shm
             info.upstream_shm = job.upstream is not None and job.upstream.uses_shm
             sessions = job.engine.sessions
-            if sessions is not None:
-                sessions.expire()
+            if sessions is not None:  # a read only: expiry has its own timer
                 info.sessions = len(sessions.sessions())
                 info.cache_bytes = sessions.total_bytes()
         return info
@@ -473,7 +472,18 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
     ) -> stage_pb2.ReleaseSessionResponse:
         job = self._current(request.job_id)
         sessions = job.engine.sessions
-        freed = sessions.release(request.session) if sessions is not None else 0
+        if request.all_sessions == bool(request.session):
+            raise InvalidArgumentError(
+                f"release session {request.session!r} with all_sessions={request.all_sessions}: "
+                "expected a session or all_sessions, not both or neither"
+            )
+        freed = 0
+        if sessions is not None:
+            freed = (
+                sessions.release_all()
+                if request.all_sessions
+                else sessions.release(request.session)
+            )
         return stage_pb2.ReleaseSessionResponse(freed_bytes=freed)
 
     @handle_errors

@@ -6,12 +6,33 @@ position through the pipeline. The coordinator splits a session's rows into part
 fixed for the session's life) and names each part's cache in the run request (``CacheRef``):
 ``fresh`` starts it empty (the prompt's prefill, or a replay of every token so far after a
 stage was lost), otherwise the part must already have one here. The caches of a stage are
-bounded by its KV budget: a run that leaves them above it releases the caches of the sessions
-it touched and fails with RESOURCE_EXHAUSTED, naming the sizes. A session idle longer than the
-idle timeout is dropped; so is one whose run failed midway (its parts may disagree), and one the
-coordinator releases (the client finished or went away). A new assignment (a new plan epoch)
-starts with no caches: the coordinator replays the session's tokens to rebuild them.
-No gRPC here.
+bounded by its KV budget: a run that leaves them above it fails with RESOURCE_EXHAUSTED, naming
+the sizes. A session idle longer than the idle timeout is dropped by a timer of its own, between
+runs (under the run lock); so is one the coordinator releases (the client finished or went
+away), and every one of a job whose coordinator restarted (its sessions ended with the old one).
+A new assignment (a new plan epoch) starts with no caches: the coordinator replays the
+session's tokens to rebuild them. No gRPC here.
+
+[Note: session runs] One session's expiry or failure never costs another session its cache. A
+run first checks that every part it extends has a cache here; if not, it fails with
+``SessionCacheLostError`` naming those sessions and changes nothing, and the coordinator
+replays just them (``fresh``) in the same run as the others' next step. Other stages may have
+run their part of that run already, and any run can fail midway (a budget, a neighbour): so a
+stage notes the length of each part a run touches (``begin``), and a run that fails, or that
+the coordinator aborts after it finished here, puts every part back as it was (``undo``: the
+parts it extended cut back to their length, the ones it started dropped). Then every stage
+holds each session as the coordinator believes, and the session's next step is the one it would
+have been. A model without a ``CacheLayout`` cannot cut a cache back: its touched sessions are
+dropped instead, and the coordinator replays each alone when a stage reports it lost.
+
+[Note: cache memory] The KV budget bounds the memory the caches really keep alive: every
+storage their tensors live in, counted once and whole (``held_bytes``), not each tensor's own
+size. A tensor can be a view into a larger storage: a part cut from a fused run's stacked,
+left-padded cache (all the run's rows, padded to the longest), or keys and values projected
+together with the queries. A view would keep all of that alive, so a part keeps a copy of what
+is its own (``compact``, in ``put`` and after each run), and a fused run's stacked cache lives
+only for its run; then what is counted is what a session keeps. A model whose cache shows no
+``CacheLayout`` cannot be copied this way; its storages are still counted whole.
 """
 
 from __future__ import annotations
@@ -25,27 +46,115 @@ from typing import Any
 import torch
 
 from pipesvc.core.microbatch import CacheRef
-from pipesvc.errors import FailedPreconditionError, ResourceExhaustedError
+from pipesvc.errors import (
+    FailedPreconditionError,
+    ResourceExhaustedError,
+    SessionCacheLostError,
+)
+from pipesvc.models import CacheLayout
 
 logger = logging.getLogger(__name__)
 
 MIB = 2**20
 
 
-def cache_bytes(cache: Any) -> int:
-    """Bytes of the key and value tensors a cache holds (its own ``nbytes()``, or a
-    ``transformers`` cache's layers)."""
-    own = getattr(cache, "nbytes", None)
+def _tensors(cache: Any) -> list[torch.Tensor]:
+    """The key and value tensors a cache holds (its own ``tensors()``, or a ``transformers``
+    cache's layers)."""
+    own = getattr(cache, "tensors", None)
     if callable(own):
-        return int(own())
-    tensors: list[Any] = []
+        return [t for pair in own().values() for t in pair]
+    found: list[Any] = []
     layers = getattr(cache, "layers", None)
     if layers is not None:
         for layer in layers:
-            tensors += [getattr(layer, "keys", None), getattr(layer, "values", None)]
+            found += [getattr(layer, "keys", None), getattr(layer, "values", None)]
     else:  # older transformers: one list per kind
-        tensors += list(getattr(cache, "key_cache", [])) + list(getattr(cache, "value_cache", []))
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        found += list(getattr(cache, "key_cache", [])) + list(getattr(cache, "value_cache", []))
+    return [t for t in found if isinstance(t, torch.Tensor)]
+
+
+def held_bytes(caches: Iterable[Any]) -> int:
+    """The bytes the caches really keep alive: every storage their tensors live in, each once
+    and whole (see [Note: cache memory])."""
+    storages: dict[tuple[str, int], int] = {}
+    for cache in caches:
+        for t in _tensors(cache):
+            storage = t.untyped_storage()
+            storages[(str(t.device), storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
+
+
+def cache_bytes(cache: Any) -> int:
+    """The bytes one cache keeps alive (``held_bytes`` of it alone)."""
+    return held_bytes([cache])
+
+
+def compact(cache: Any, layout: CacheLayout | None) -> Any:
+    """``cache``, or with ``layout`` a copy whose tensors own exactly their bytes when any of
+    them is a view into a larger storage (a cut of a fused run's stacked cache, or keys and
+    values projected together with the queries)."""
+    if layout is None:
+        return cache
+    tensors = layout.tensors(cache)
+    if all(_owns(t) for pair in tensors.values() for t in pair):
+        return cache
+    return layout.build({name: (_own_copy(k), _own_copy(v)) for name, (k, v) in tensors.items()})
+
+
+def _length(cache: Any, layout: CacheLayout | None) -> int | None:
+    """The positions ``cache`` holds, or None where its layout is unknown."""
+    if layout is None:
+        return None
+    return max((k.shape[2] for k, _ in layout.tensors(cache).values()), default=0)
+
+
+def _cut_back(cache: Any, length: int, layout: CacheLayout) -> Any:
+    """``cache`` holding only its first ``length`` positions (copies: see ``compact``)."""
+    tensors = layout.tensors(cache)
+    if all(k.shape[2] == length for k, _ in tensors.values()):
+        return cache
+    return layout.build(
+        {
+            name: (k[:, :, :length].clone(), v[:, :, :length].clone())
+            for name, (k, v) in tensors.items()
+        }
+    )
+
+
+def expiry_interval(idle_s: float) -> float:
+    """How often the expiry timer looks for idle sessions: a quarter of the idle timeout (a
+    session goes at most a quarter late), within [0.05, 30] seconds."""
+    return min(max(idle_s / 4, 0.05), 30.0)
+
+
+class ExpiryTimer:
+    """Calls ``expire`` every ``interval_s`` on a thread of its own until ``stop``."""
+
+    def __init__(self, expire: Callable[[], object], interval_s: float) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._loop, args=(expire, interval_s), name="session-expiry", daemon=True
+        )
+        self._thread.start()
+
+    def _loop(self, expire: Callable[[], object], interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            try:
+                expire()
+            except Exception:  # the next tick tries again; the stage serves on
+                logger.exception("expiring idle generation sessions failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _owns(t: torch.Tensor) -> bool:
+    return t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def _own_copy(t: torch.Tensor) -> torch.Tensor:
+    return t if _owns(t) else t.clone(memory_format=torch.contiguous_format)
 
 
 class SessionCaches:
@@ -56,25 +165,77 @@ class SessionCaches:
         new_cache: Callable[[], Any] | None,
         *,
         budget_bytes: int,
+        layout: CacheLayout | None = None,
         idle_s: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._new_cache = new_cache
+        self._layout = layout
         self._budget = budget_bytes
         self._idle_s = idle_s
         self._clock = clock
         self._lock = threading.Lock()
         self._caches: dict[tuple[str, int], Any] = {}
         self._used: dict[str, float] = {}
-        self._cohort: Any = None
-        self._cohort_sessions: frozenset[str] = frozenset()
+        self._undo: tuple[int, dict[tuple[str, int], int | None]] | None = None
+        """The last run begun here, and each part's length before it (None: drop it)."""
+
+    def begin(self, run_id: int, refs: Iterable[CacheRef]) -> None:
+        """Before run ``run_id`` reads and extends the caches of ``refs`` (none: a run without
+        caches): checks that every part it extends is here, and notes each part's length for
+        ``undo`` (see [Note: session runs]).
+
+        Raises:
+            SessionCacheLostError: parts the run extends have no cache here (nothing changed).
+        """
+        refs = list(refs)
+        with self._lock:
+            lost = sorted(
+                {r.session for r in refs if not r.fresh and (r.session, r.part) not in self._caches}
+            )
+            if lost:
+                raise SessionCacheLostError(
+                    f"session(s) {', '.join(map(repr, lost))} have no cache on this stage "
+                    "(expired, released or never started); replay them",
+                    lost,
+                )
+            self._undo = (
+                run_id,
+                {
+                    (r.session, r.part): None
+                    if r.fresh
+                    else _length(self._caches[(r.session, r.part)], self._layout)
+                    for r in refs
+                },
+            )
+
+    def undo(self, run_id: int) -> None:
+        """Puts the caches run ``run_id`` touched back as they were before it, if it is the
+        last run begun here and not undone yet (see [Note: session runs])."""
+        with self._lock:
+            if self._undo is None or self._undo[0] != run_id:
+                return
+            lengths, self._undo = self._undo[1], None
+            dropped = set()
+            for key, length in lengths.items():
+                cache = self._caches.get(key)
+                if cache is None:
+                    continue
+                if length is None or self._layout is None:
+                    dropped.add(key[0])
+                else:
+                    self._caches[key] = _cut_back(cache, length, self._layout)
+            for key in [k for k in self._caches if k[0] in dropped]:
+                del self._caches[key]
+            for session in dropped:
+                self._used.pop(session, None)
 
     def get(self, ref: CacheRef) -> Any:
         """The cache of ``ref`` (an empty one when ``ref.fresh``).
 
         Raises:
-            FailedPreconditionError: the model has no cache, or the part has none here (never
-                started, expired or released).
+            FailedPreconditionError: the model has no cache.
+            SessionCacheLostError: the part has none here (never started, expired or released).
         """
         if self._new_cache is None:
             raise FailedPreconditionError("this model has no key/value cache to generate with")
@@ -83,29 +244,33 @@ class SessionCaches:
             if ref.fresh:
                 self._caches[key] = self._new_cache()
             elif key not in self._caches:
-                raise FailedPreconditionError(
+                raise SessionCacheLostError(
                     f"session {ref.session!r} part {ref.part} has no cache on this stage "
-                    "(expired, released or never started); start it again"
+                    "(expired, released or never started); replay it",
+                    [ref.session],
                 )
             self._used[ref.session] = self._clock()
             return self._caches[key]
 
     def put(self, ref: CacheRef, cache: Any) -> None:
-        """Replaces the cache of ``ref``'s part (after a fused run cut it back, see [Note:
-        fused decode] in ``pipesvc.stage.fused_cache``)."""
+        """Replaces the cache of ``ref``'s part (after a fused run cut it back, see [Note: fused
+        decode] in ``pipesvc.stage.fused_cache``), copying what it keeps if it is a view (see
+        [Note: cache memory])."""
+        kept = compact(cache, self._layout)
         with self._lock:
-            self._caches[(ref.session, ref.part)] = cache
+            self._caches[(ref.session, ref.part)] = kept
             self._used[ref.session] = self._clock()
 
     def session_bytes(self, session: str) -> int:
         with self._lock:
             caches = [c for (s, _), c in self._caches.items() if s == session]
-        return sum(cache_bytes(c) for c in caches)
+        return held_bytes(caches)
 
     def total_bytes(self) -> int:
+        """The bytes every cache here keeps alive (see [Note: cache memory])."""
         with self._lock:
             caches = list(self._caches.values())
-        return sum(cache_bytes(c) for c in caches)
+        return held_bytes(caches)
 
     def sessions(self) -> list[str]:
         with self._lock:
@@ -115,33 +280,26 @@ class SessionCaches:
         """After a run that extended ``sessions``: enforces the budget.
 
         Raises:
-            ResourceExhaustedError: the caches exceed the budget; ``sessions`` were released.
+            ResourceExhaustedError: the caches exceed the budget (the caller undoes the run).
         """
+        touched = set(sessions)
+        with self._lock:  # a view into a larger storage would keep all of it alive
+            for key, cache in self._caches.items():
+                if key[0] in touched:
+                    self._caches[key] = compact(cache, self._layout)
         total = self.total_bytes()
         if total <= self._budget:
             return
-        touched = sorted(set(sessions))
-        sizes = {s: self.session_bytes(s) for s in touched}
-        for session in touched:
-            self.release(session)
+        sizes = {s: self.session_bytes(s) for s in sorted(touched)}
+        with self._lock:
+            others = [c for (s, _), c in self._caches.items() if s not in touched]
+            count = len(set(self._used) - touched)
         raise ResourceExhaustedError(
             f"key/value caches would hold {total / MIB:.2f} MiB on this stage, over its budget "
-            f"of {self._budget / MIB:.2f} MiB (--kv-budget); released session(s) "
+            f"of {self._budget / MIB:.2f} MiB (--kv-budget); the run's session(s) "
             + ", ".join(f"{s!r} ({b / MIB:.2f} MiB)" for s, b in sizes.items())
-            + f"; {len(self.sessions())} other session(s) hold {self.total_bytes() / MIB:.2f} MiB"
+            + f"; {count} other session(s) hold {held_bytes(others) / MIB:.2f} MiB"
         )
-
-    @property
-    def cohort(self) -> Any:
-        """What the last fused run left to reuse (see [Note: fused decode] in
-        ``pipesvc.stage.fused_cache``), or None; dropped with any of its sessions."""
-        with self._lock:
-            return self._cohort
-
-    def keep_cohort(self, cohort: Any, sessions: Iterable[str]) -> None:
-        with self._lock:
-            self._cohort = cohort
-            self._cohort_sessions = frozenset(sessions)
 
     def release(self, session: str) -> int:
         """Drops every part of ``session``; returns the bytes freed (0 if it had none)."""
@@ -149,9 +307,20 @@ class SessionCaches:
             keys = [k for k in self._caches if k[0] == session]
             dropped = [self._caches.pop(k) for k in keys]
             self._used.pop(session, None)
-            if session in self._cohort_sessions:
-                self._cohort, self._cohort_sessions = None, frozenset()
-        return sum(cache_bytes(c) for c in dropped)
+        return held_bytes(dropped)
+
+    def release_all(self) -> int:
+        """Drops every session's caches (a restarted coordinator's orphans); returns the bytes
+        freed."""
+        with self._lock:
+            dropped = list(self._caches.values())
+            count = len(self._used)
+            self._caches.clear()
+            self._used.clear()
+        freed = held_bytes(dropped)
+        if count:
+            logger.info("%d orphaned session(s) released (%.2f MiB freed)", count, freed / MIB)
+        return freed
 
     def expire(self) -> list[str]:
         """Drops the sessions idle for longer than the idle timeout; returns them."""
@@ -172,4 +341,4 @@ class SessionCaches:
         with self._lock:
             self._caches.clear()
             self._used.clear()
-            self._cohort, self._cohort_sessions = None, frozenset()
+            self._undo = None

@@ -1419,17 +1419,23 @@ class ReleaseSessionRequest(_message.Message):
 
     JOB_ID_FIELD_NUMBER: _builtins.int
     SESSION_FIELD_NUMBER: _builtins.int
+    ALL_SESSIONS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     session: _builtins.str
+    all_sessions: _builtins.bool
+    """Instead of one session: every session of the job (a restarted coordinator's sessions all
+    ended with the old one, and their caches are orphans).
+    """
     def __init__(
         self,
         *,
         job_id: _builtins.str = ...,
         session: _builtins.str = ...,
+        all_sessions: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "session", b"session"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["all_sessions", b"all_sessions", "job_id", b"job_id", "session", b"session"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

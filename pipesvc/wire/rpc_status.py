@@ -22,6 +22,8 @@ from pipesvc.errors import PipesvcError
 logger = logging.getLogger(__name__)
 
 ERROR_CLASS_KEY = "pipesvc-error-class"
+LOST_SESSIONS_KEY = "pipesvc-lost-sessions"
+"""A ``SessionCacheLostError``'s sessions, comma-separated (the coordinator replays those)."""
 
 STATUS_CODES: dict[type[PipesvcError], grpc.StatusCode] = {
     errors.PipesvcError: grpc.StatusCode.INTERNAL,
@@ -31,6 +33,7 @@ STATUS_CODES: dict[type[PipesvcError], grpc.StatusCode] = {
     errors.NotFoundError: grpc.StatusCode.NOT_FOUND,
     errors.FailedPreconditionError: grpc.StatusCode.FAILED_PRECONDITION,
     errors.PlanError: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.SessionCacheLostError: grpc.StatusCode.FAILED_PRECONDITION,
     errors.ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.StageOutOfMemoryError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.StageUnavailableError: grpc.StatusCode.UNAVAILABLE,
@@ -71,15 +74,19 @@ def error_from_rpc(error: grpc.RpcError, where: str = "") -> PipesvcError:
     """
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = (error.details() if hasattr(error, "details") else None) or str(code)
-    name = ""
+    name, lost = "", ""
     trailing = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
     # grpc's entries are (key, value) named tuples; the stubs call them a non-iterable class.
     for key, value in cast("Iterable[tuple[str, str | bytes]]", trailing or ()):
         if key == ERROR_CLASS_KEY:
             name = str(value)
+        elif key == LOST_SESSIONS_KEY:
+            lost = str(value)
     cls = _CLASS_BY_NAME.get(name) or _CLASS_FOR_CODE.get(code, errors.InternalError)
     if not name and where:
         details = f"{where}: {details}"
+    if issubclass(cls, errors.SessionCacheLostError):
+        return cls(details, [s for s in lost.split(",") if s])
     return cls(details)
 
 
@@ -111,7 +118,10 @@ def abort_with(context: grpc.ServicerContext, error: PipesvcError) -> None:
 
 
 def _abort(context: grpc.ServicerContext, error: PipesvcError) -> None:
-    context.set_trailing_metadata(((ERROR_CLASS_KEY, type(error).__name__),))
+    metadata = [(ERROR_CLASS_KEY, type(error).__name__)]
+    if isinstance(error, errors.SessionCacheLostError) and error.sessions:
+        metadata.append((LOST_SESSIONS_KEY, ",".join(error.sessions)))
+    context.set_trailing_metadata(tuple(metadata))
     context.abort(status_code(error), str(error))
 
 

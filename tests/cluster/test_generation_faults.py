@@ -99,3 +99,31 @@ def test_a_session_over_the_kv_budget_is_refused_with_the_sizes(llama_dir: Path)
             job.generate(ids, 20, attention_mask=mask)
         assert [stage_info(s.address).sessions for s in job.plan] == [0, 0]
         assert job.generate(ids, 2, attention_mask=mask).shape == (3, 8)  # the stages serve on
+
+
+def test_a_restarted_coordinator_frees_the_caches_its_predecessor_left(llama_dir: Path) -> None:
+    """The coordinator is SIGKILLed while a session holds caches on the stages: the restarted
+    coordinator frees them (not after the 300 s idle timeout), and a new session that fits the
+    KV budget alone, but not beside the orphan, is served in full."""
+    one_row = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(9))
+    # 2 blocks per stage x (keys + values) x 2 heads x 8 dims x 4 bytes = 256 bytes a position:
+    # one row of 6 + 55 positions fits 16 KiB (15.25), not beside an orphan of 7 or more.
+    with pipesvc.LocalCluster(
+        num_stages=2, threads_per_stage=1, hf_models={"llama": llama_dir},
+        stage_args=["--kv-budget", "16KiB"],
+    ) as cluster:  # fmt: skip
+        client = cluster.connect()
+        job = client.create_job(model="llama", loss="causal_lm", num_stages=2, checkpoint_every=0)
+        expected = job.generate(one_row, 55)
+        stream = job.stream(one_row, 55)
+        next(stream)
+        cluster.restart_coordinator(kill=True)
+        addresses = [s.address for s in job.plan]
+        client.close()
+        held = [stage_info(a) for a in addresses]
+        assert [i.sessions for i in held] == [1, 1] and all(i.cache_bytes for i in held)
+        with cluster.connect() as client:
+            job = client.get_job(job.id)
+            assert torch.equal(job.generate(one_row, 55), expected)
+            assert [stage_info(a).sessions for a in addresses] == [0, 0]
+            job.close()

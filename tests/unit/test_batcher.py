@@ -7,12 +7,18 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 
 from pipesvc.coordinator.batcher import StepBatcher
 from pipesvc.coordinator.generation import ModelSupport, Session
 from pipesvc.core.sampling import Sampling
-from pipesvc.errors import ResourceExhaustedError, StageUnavailableError
+from pipesvc.errors import (
+    InvalidArgumentError,
+    PipesvcError,
+    ResourceExhaustedError,
+    StageUnavailableError,
+)
 
 SUPPORT = ModelSupport(kv_cache=True, side_inputs=("attention_mask", "position_ids"))
 TIMEOUT_S = 10.0
@@ -92,7 +98,12 @@ def test_a_reader_that_falls_behind_pauses_only_its_own_session() -> None:
         batcher.close(stream)
 
 
-def test_a_shared_run_over_the_budget_retries_each_session_alone() -> None:
+@pytest.mark.parametrize("error", [ResourceExhaustedError, InvalidArgumentError])
+def test_a_shared_run_failing_on_one_session_retries_each_session_alone(
+    error: type[PipesvcError],
+) -> None:
+    """A shared run fails on an error of the caller's kind (over a KV budget, an input a layer
+    refuses): each session runs again alone, and only the one at fault fails."""
     big, small, warm = session(rows=2), session(), session()
     gate = threading.Event()
 
@@ -100,7 +111,7 @@ def test_a_shared_run_over_the_budget_retries_each_session_alone() -> None:
         if sessions == [warm]:
             gate.wait(TIMEOUT_S)  # big and small open meanwhile, and then run together
         elif len(sessions) > 1 or sessions[0] is big:
-            raise ResourceExhaustedError("over budget")
+            raise error("over budget")
 
     runs = Runs(hook)
     batcher = StepBatcher(runs)
@@ -113,10 +124,10 @@ def test_a_shared_run_over_the_budget_retries_each_session_alone() -> None:
     for s in (big, small):
         try:
             results[s.id] = read_all(batcher, streams[s.id])
-        except ResourceExhaustedError as exc:
+        except error as exc:
             results[s.id] = exc
     assert [set(r) for r in runs.runs[1:]] == [{big, small}, {big}, {small}]
-    assert isinstance(results[big.id], ResourceExhaustedError)  # alone it still does not fit
+    assert isinstance(results[big.id], error)  # alone it still does not fit
     assert isinstance(results[small.id], list)  # alone it does
     for stream in [warm_stream, *streams.values()]:
         batcher.close(stream)

@@ -21,11 +21,12 @@ from pipesvc import models
 from pipesvc.coordinator.generation import ModelSupport, Session, plan_step
 from pipesvc.core import microbatch, partition, schedule
 from pipesvc.core.config import JobConfig
-from pipesvc.core.microbatch import RunBatch
+from pipesvc.core.microbatch import CacheRef, RunBatch
 from pipesvc.core.sampling import Sampling
 from pipesvc.errors import (
     FailedPreconditionError,
     ResourceExhaustedError,
+    SessionCacheLostError,
     StageUnavailableError,
     StepAbortedError,
 )
@@ -84,6 +85,7 @@ class Pipeline:
         clip_grad_norm: float | None,
         num_microbatches: int = NUM_MICROBATCHES,
         fault_kill: FaultKill | None = None,
+        kv_budget: int = 2**30,
     ) -> None:
         self.config = JobConfig(
             model=problem.model,
@@ -116,7 +118,10 @@ class Pipeline:
             StepEngine(
                 runtime=runtimes[rank],
                 sessions=SessionCaches(
-                    runtimes[rank].features.new_cache, budget_bytes=2**30, idle_s=60.0
+                    runtimes[rank].features.new_cache,
+                    budget_bytes=kv_budget,
+                    idle_s=60.0,
+                    layout=runtimes[rank].features.cache_layout,
                 ),
                 mailbox=self.mailboxes[rank],
                 send_activation=self._sender(rank, rank + 1),
@@ -302,7 +307,10 @@ def test_engines_with_dropout_draw_the_reference_masks(schedule_name: str, num_s
 
 
 def _pipeline(
-    problem: Problem, num_stages: int = 3, fault_kill: FaultKill | None = None
+    problem: Problem,
+    num_stages: int = 3,
+    fault_kill: FaultKill | None = None,
+    kv_budget: int = 2**30,
 ) -> Pipeline:
     return Pipeline(
         problem,
@@ -312,6 +320,7 @@ def _pipeline(
         optimizer={"name": "sgd", "lr": 0.1},
         clip_grad_norm=None,
         fault_kill=fault_kill,
+        kv_budget=kv_budget,
     )
 
 
@@ -483,9 +492,9 @@ def test_sessions_fused_into_shared_micro_batches_generate_their_own_tokens(
 
     monkeypatch.setattr(fused_cache, "stack", counted)
     fused = _generate(pipeline, prompts, 6, fuse=True)
-    # Each stage stacks the prompts' 8 parts once; every decode step after fuses the same
-    # parts and runs through the stacked cache the step before left.
-    assert stacks == [8] * num_stages
+    # Each stage stacks the prompts' 8 parts, then the same 8 parts again on every decode step
+    # (the parts keep copies of their own rows, so no stacked cache outlives its run).
+    assert stacks == [8] * (6 * num_stages)
     alone = [_generate(pipeline, [p], 6, fuse=False)[0] for p in prompts]
     net = models.build(problem.model, seed=3, **problem.model_args).eval()
     for i, prompt in enumerate(prompts):
@@ -497,3 +506,118 @@ def test_sessions_fused_into_shared_micro_batches_generate_their_own_tokens(
         assert torch.equal(fused[i], tokens), i
     for engine in pipeline.engines:  # the fused and the lone sessions all kept their caches
         assert engine.sessions is not None and len(engine.sessions.sessions()) == 5 + 5
+
+
+def _held(engine: StepEngine, refs: list[CacheRef]) -> tuple[int, int]:
+    """What ``engine`` counts against its KV budget, and what the tensors of the caches of
+    ``refs`` really keep alive: their untyped storages, each once (by data pointer) and whole."""
+    assert engine.sessions is not None
+    storages: dict[int, int] = {}
+    for ref in refs:
+        cache = engine.sessions.get(ref)
+        for keys, values in cache.tensors().values():
+            for t in (keys, values):
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return engine.sessions.total_bytes(), sum(storages.values())
+
+
+def _mixed_sessions(pipeline: Pipeline) -> tuple[list[Session], list[CacheRef]]:
+    features = pipeline.engines[0].runtime.features
+    support = ModelSupport(
+        kv_cache=True, side_inputs=features.side_inputs, fuses_caches=features.fuses_caches
+    )
+    g = torch.Generator().manual_seed(3)
+    lengths = [40, 2, 3, 2, 5, 2]  # one long prompt fused with short ones
+    sessions = [
+        Session(
+            torch.randint(0, 17, (1 + i % 2, n), generator=g),
+            None,
+            parts=1 + i % 2,
+            sampling=Sampling(),
+            support=support,
+        )
+        for i, n in enumerate(lengths)
+    ]
+    refs = [
+        CacheRef(s.id, part, fresh=False, rows=0, positions=0)
+        for s in sessions
+        for part in range(len(s.rows))
+    ]
+    return sessions, refs
+
+
+def _step(pipeline: Pipeline, sessions: list[Session]) -> list[RunResult | BaseException]:
+    run = plan_step(sessions, 1, fuse=True)
+    pipeline.run_id += 1
+    results = pipeline.run_batch(run.batch, pipeline.run_id, generating=True)
+    last = results[-1]
+    if isinstance(last, RunResult) and all(isinstance(r, RunResult) for r in results):
+        for session, logits in zip(sessions, run.logits(last.outputs), strict=True):
+            session.advance(logits, 1)
+    return results
+
+
+def test_the_kv_budget_counts_what_fused_caches_really_hold() -> None:
+    """Sessions of mixed lengths (one long prompt, short ones) take fused decode steps, then
+    the long one pauses while the others go on: after every run each stage counts exactly the
+    bytes its caches' storages hold (a part cut from a stacked, left-padded cache must not keep
+    the whole of it alive uncounted), and a budget one byte short of that refuses the run."""
+    args = {**PROBLEMS["gpt"].model_args, "block_size": 64}
+    problem = Problem("gpt", args, "cross_entropy", (8,))
+    pipeline = _pipeline(problem, num_stages=2)
+    sessions, refs = _mixed_sessions(pipeline)
+    held_after: list[list[int]] = []
+    for group in [sessions, sessions, sessions, sessions[1:], sessions[1:]]:
+        assert all(isinstance(r, RunResult) for r in _step(pipeline, group))
+        measured = [_held(engine, refs) for engine in pipeline.engines]
+        for counted, held in measured:
+            assert counted == held
+        held_after.append([held for _, held in measured])
+    # The same runs under a budget one byte short of what the third run leaves held: refused.
+    budget = min(held_after[2]) - 1
+    tight = _pipeline(problem, num_stages=2, kv_budget=budget)
+    sessions, refs = _mixed_sessions(tight)
+    _step(tight, sessions)
+    _step(tight, sessions)
+    failed = [r for r in _step(tight, sessions) if isinstance(r, ResourceExhaustedError)]
+    assert failed and "over its budget" in str(failed[0])
+
+
+def _lengths(engine: StepEngine, session: Session) -> list[int]:
+    """The positions each part of ``session`` holds on ``engine``."""
+    assert engine.sessions is not None
+    lengths = []
+    for part in range(len(session.rows)):
+        ref = CacheRef(session.id, part, fresh=False, rows=0, positions=0)
+        tensors = engine.sessions.get(ref).tensors()
+        lengths.append(max(k.shape[2] for k, _ in tensors.values()))
+    return lengths
+
+
+def test_a_session_lost_on_one_stage_costs_the_others_nothing() -> None:
+    """Sessions fused into one run; the last stage lost one of them (expired there): the run
+    fails with a typed error naming just that session, every stage holds the others as before
+    the run (the first stage ran its part before the abort), and that session alone replays;
+    every session's tokens are the ones it gets alone."""
+    args = {**PROBLEMS["gpt"].model_args, "block_size": 64}
+    problem = Problem("gpt", args, "cross_entropy", (8,))
+    pipeline = _pipeline(problem, num_stages=2)
+    sessions, _ = _mixed_sessions(pipeline)
+    for _ in range(3):
+        assert all(isinstance(r, RunResult) for r in _step(pipeline, sessions))
+    before = [[_lengths(e, s) for s in sessions[1:]] for e in pipeline.engines]
+    last = pipeline.engines[-1]
+    assert last.sessions is not None
+    last.sessions.release(sessions[0].id)
+    results = _step(pipeline, sessions)
+    assert isinstance(results[-1], SessionCacheLostError), results
+    assert results[-1].sessions == (sessions[0].id,)
+    assert [[_lengths(e, s) for s in sessions[1:]] for e in pipeline.engines] == before
+    sessions[0].invalidate()  # as the coordinator does with the sessions the error names
+    for _ in range(3):
+        assert all(isinstance(r, RunResult) for r in _step(pipeline, sessions))
+    alone = _pipeline(problem, num_stages=2)
+    for session in sessions:
+        prompt = session.tokens[:, : session.prompt_length]
+        (tokens,) = _generate(alone, [prompt], 6, fuse=False)
+        assert torch.equal(session.tokens, tokens)

@@ -276,3 +276,14 @@ def test_rpc_errors_returns_normally_without_an_error() -> None:
     with rpc_errors("coordinator 10.0.0.1:5"):
         result = 7
     assert result == 7
+
+
+def test_a_lost_cache_names_its_sessions_on_the_wire() -> None:
+    """The coordinator replays exactly the sessions a stage lost: they travel as a structured
+    detail, not in the message's text."""
+    context = FakeContext()
+    with pytest.raises(AbortedRpc):
+        Servicer().Unary(errors.SessionCacheLostError("gone", ["a1", "b2"]), context)
+    round_tripped = error_from_rpc(context.as_rpc_error())
+    assert type(round_tripped) is errors.SessionCacheLostError
+    assert round_tripped.sessions == ("a1", "b2")
