@@ -110,7 +110,8 @@ class Progress:
 
     On a terminal it is a live tqdm bar fitted to the terminal's width. Elsewhere (a log file, a
     pipe, a test's buffer) a bar redrawn with carriage returns would be one endless line, so it
-    is a plain line every :data:`LOG_EVERY_S` seconds and one at the end.
+    is a plain line every :data:`LOG_EVERY_S` seconds and one at the end, against the fixed
+    limits (``max_steps``, the time budget) rather than the estimated total.
 
     The run stops at the time budget or at ``max_steps``, whichever comes first, so the expected
     total is the steps done plus those the current rate fits into the time left, capped at
@@ -163,18 +164,18 @@ class Progress:
             self._print_line()
 
     def _print_line(self) -> None:
+        """A line for a log: only fixed limits in it (``max_steps``, the time budget), since
+        an estimated total re-estimated at every line reads as a moving target."""
         self._last_line_at = self.elapsed
-        line = tqdm.format_meter(
-            self.steps,
-            self._expected_total(),
-            self.elapsed,
-            ncols=100,
-            ascii=True,
-            unit="step",
-            postfix=self.postfix,
-            initial=1,
+        steps = f"{self.steps}/{self.max_steps}" if self.max_steps else str(self.steps)
+        rate = (self.steps - 1) / self.elapsed if self.elapsed > 0 else 0.0
+        clock = tqdm.format_interval
+        print(
+            f"step {steps}, {clock(self.elapsed)} of {clock(self.duration_s)}, "
+            f"{rate:.2f} steps/s, {self.postfix}",
+            file=self.out,
+            flush=True,
         )
-        print(line, file=self.out, flush=True)
 
     def close(self) -> None:
         """Ends the bar (leaving it on screen), or prints the last line."""

@@ -175,6 +175,28 @@ def test_exposed_listen_without_auth_warns(tmp_path: Path) -> None:
     assert "0.0.0.0:0 without authentication" in stderr
 
 
+def test_the_coordinator_says_where_its_state_is_and_that_it_stopped(tmp_path: Path) -> None:
+    # No --state-dir: the default ./pipesvc-state is created in the working directory, and
+    # the log says so with its full path; SIGTERM ends with a line that the stop was clean.
+    address_file = tmp_path / "address"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipesvc", "coordinator", "--listen", "127.0.0.1:0",
+         "--address-file", str(address_file)],
+        stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not address_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=30)
+    state = tmp_path.resolve() / "pipesvc-state"
+    assert proc.returncode == 0 and state.is_dir()
+    assert f"state in {state} (created)" in stderr, stderr
+    assert f"coordinator stopped cleanly; state kept in {state}" in stderr, stderr
+
+
 def test_a_plain_stage_restarts_itself_without_glibc_tcache() -> None:
     """``pipesvc stage`` started by hand (or in a container) gets the malloc tunables of
     [Note: stage malloc tunables] by re-executing itself: same pid, new environment."""
