@@ -141,7 +141,7 @@ def test_a_bad_hf_model_flag_stops_the_stage_with_what_is_wrong(tmp_path: Path) 
 
 def test_help_lists_every_command() -> None:
     result = _pipesvc("--help")
-    for command in ("coordinator", "stage", "up", "demo", "status", "health"):
+    for command in ("coordinator", "stage", "up", "demo", "status", "job", "generate", "health"):
         assert command in result.stdout
 
 
