@@ -431,7 +431,7 @@ def _cmd_job_list(args: argparse.Namespace) -> int:
             job.id,
             job.config.model,
             str(job.step),
-            str(len(job.plan)),
+            str(len({s.address for s in job.plan})),  # chunks and replicas counted once
             job.config.schedule,
             str(job.config.optimizer.get("name", "-")),
         )
