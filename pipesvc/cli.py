@@ -1,4 +1,5 @@
-"""The ``pipesvc`` command line: coordinator, stage, up, demo, status, health.
+"""The ``pipesvc`` command line: coordinator, stage, up, demo, status, job, trace, generate,
+health.
 
 This is the only module that reads flags and installs logging handlers.
 """
@@ -10,6 +11,7 @@ import ast
 import dataclasses
 import inspect
 import itertools
+import json
 import logging
 import signal
 import sys
@@ -350,12 +352,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if not prompt:
             print("pipesvc generate: the prompt has no token the tokenizer knows", file=sys.stderr)
             return 2
-        # What the model sees of the prompt, then the text of the prompt and the new tokens
-        # decoded together (a tokenizer may join or split characters across tokens).
-        shown = codec.decode(prompt)
-        print(shown, end="", flush=True)
-        new: list[int] = []
-        for tokens in job.stream(
+        steps = job.stream(
             torch.tensor([prompt]),
             args.max_new_tokens,
             temperature=args.temperature,
@@ -363,13 +360,97 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             top_p=args.top_p,
             seed=args.seed,
             eos_token_id=args.eos_token_id,
-        ):
+        )
+        # The first token before anything is shown: a request the job refuses (too long for
+        # the model's positions, bad settings) prints only the error.
+        first = next(steps, None)
+        # What the model sees of the prompt, then the text of the prompt and the new tokens
+        # decoded together (a tokenizer may join or split characters across tokens).
+        shown = codec.decode(prompt)
+        print(shown, end="", flush=True)
+        new: list[int] = []
+        for tokens in itertools.chain([] if first is None else [first], steps):
             new.append(int(tokens[0]))
             text = codec.decode(prompt + new)
             if text.startswith(shown):
                 print(text[len(shown) :], end="", flush=True)
                 shown = text
         print(flush=True)
+    return 0
+
+
+def _model_arg(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` with VALUE read as JSON (``vocab_size=103``, ``lora={"r": 8}``), else
+    kept as a string (``name=tiny``)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
+
+
+def _cmd_job_create(args: argparse.Namespace) -> int:
+    from pipesvc.client import Client
+
+    optimizer = None if args.inference else {"name": args.optimizer, "lr": args.lr}
+    with Client(args.coordinator, security=_security(args), timeout_s=args.timeout_s) as client:
+        job = client.create_job(
+            model=args.model,
+            model_args=dict(args.model_arg),
+            seed=args.seed,
+            num_stages=args.stages,
+            num_microbatches=args.microbatches,
+            schedule=args.schedule,
+            optimizer=optimizer,
+            loss=args.loss,
+            partition=args.partition,
+            precision=args.precision,
+            wait_for_stages_s=args.wait_for_stages_s,
+        )
+    # The id alone on stdout, so `JOB=$(pipesvc job create ...)` works; the plan for people.
+    print(job.id, flush=True)
+    print(f"created job {job.id}: {job.num_layers} layers of {args.model!r}", file=sys.stderr)
+    for stage in job.plan:
+        print(
+            f"  rank {stage.rank}: layers [{stage.start_layer}, {stage.end_layer}) on "
+            f"{stage.address}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _cmd_job_list(args: argparse.Namespace) -> int:
+    from pipesvc.client import Client
+
+    with Client(args.coordinator, security=_security(args), timeout_s=args.timeout_s) as client:
+        jobs = client.jobs()
+    rows = [("JOB", "MODEL", "STEP", "STAGES", "SCHEDULE", "OPTIMIZER")]
+    rows += [
+        (
+            job.id,
+            job.config.model,
+            str(job.step),
+            str(len({s.address for s in job.plan})),  # chunks and replicas counted once
+            job.config.schedule,
+            str(job.config.optimizer.get("name", "-")),
+        )
+        for job in jobs
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    print(f"{len(jobs)} open job(s) on {args.coordinator}")
+    return 0
+
+
+def _cmd_job_close(args: argparse.Namespace) -> int:
+    from pipesvc.client import Client
+
+    with Client(args.coordinator, security=_security(args), timeout_s=args.timeout_s) as client:
+        client.get_job(args.job_id).close()
+    print(f"closed job {args.job_id}")
     return 0
 
 
@@ -384,17 +465,122 @@ def _cmd_health(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from pipesvc.demo import DemoOptions, run_demo
 
+    if args.listen and args.coordinator:
+        print(
+            "pipesvc demo: --listen is for the demo's own cluster, not --coordinator's",
+            file=sys.stderr,
+        )
+        return 2
+    # A kept job's local cluster listens where `generate`, `job` and `status` look.
+    listen = args.listen or (DEFAULT_COORDINATOR if args.keep_job else "127.0.0.1:0")
     run_demo(
         DemoOptions(
+            keep_job=args.keep_job,
+            listen=listen,
             num_stages=args.stages,
             duration_s=args.minutes * 60,
             max_steps=args.max_steps,
             schedule=args.schedule,
             coordinator=args.coordinator,
             security=_security(args),
-        )
+        ),
+        hold=lambda: _stop_on_signals().wait(),  # Ctrl-C still stops the training before
     )
     return 0
+
+
+def _add_coordinator_flags(p: argparse.ArgumentParser, timeout_s: float) -> None:
+    p.add_argument(
+        "--coordinator", default=DEFAULT_COORDINATOR, help="HOST:PORT (default %(default)s)"
+    )
+    p.add_argument("--timeout-s", type=float, default=timeout_s)
+    _add_security_flags(p)
+
+
+def _add_job_commands(sub: Any) -> None:
+    """``pipesvc job create|list|close``: from a running cluster to a job id (which
+    ``status``, ``generate`` and ``trace`` take) and back."""
+    from pipesvc.client import Client
+    from pipesvc.core.optim import DEFAULT_OPTIMIZER
+
+    job = sub.add_parser("job", help="create, list and close jobs on a running cluster")
+    commands = job.add_subparsers(dest="job_command", required=True)
+
+    def default(name: str) -> Any:
+        return _param_default(Client.create_job, name)
+
+    p = commands.add_parser(
+        "create",
+        help="plan and assign a job; prints its id alone on stdout (the plan on stderr)",
+        description="Plans and assigns a job, as Client.create_job does; prints its id alone "
+        "on stdout, so JOB=$(pipesvc job create ...) works, and the plan on stderr.",
+    )
+    p.add_argument("--model", required=True, help="a model the stages serve (gpt, mlp, ...)")
+    p.add_argument(
+        "--model-arg",
+        type=_model_arg,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a model argument, VALUE read as JSON when it is JSON (vocab_size=103, "
+        "lora='{\"r\": 8}'), else as a string (repeatable)",
+    )
+    p.add_argument(
+        "--stages", type=int, default=default("num_stages"), help="(default %(default)s)"
+    )
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=default("num_microbatches"),
+        help="micro-batches per step (default %(default)s)",
+    )
+    p.add_argument(
+        "--schedule",
+        default=default("schedule"),
+        choices=schedule_names(),
+        help="(default %(default)s)",
+    )
+    p.add_argument(
+        "--optimizer",
+        default=DEFAULT_OPTIMIZER["name"],
+        help="optimizer name (default %(default)s)",
+    )
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=DEFAULT_OPTIMIZER["lr"],
+        help="learning rate (default %(default)s)",
+    )
+    p.add_argument(
+        "--inference",
+        action="store_true",
+        help="no optimizer: the stages hold weights only (for forward and generate)",
+    )
+    p.add_argument(
+        "--loss",
+        default=default("loss"),
+        help="(default %(default)s; causal_lm for Hugging Face models)",
+    )
+    p.add_argument("--partition", default=default("partition"), help="(default %(default)s)")
+    p.add_argument("--precision", default=default("precision"), help="(default %(default)s)")
+    p.add_argument("--seed", type=int, default=default("seed"), help="(default %(default)s)")
+    p.add_argument(
+        "--wait-for-stages-s",
+        type=float,
+        default=default("wait_for_stages_s"),
+        help="wait up to this long for enough free stages (default %(default)s: plan at once)",
+    )
+    _add_coordinator_flags(p, timeout_s=600.0)
+    p.set_defaults(func=_cmd_job_create)
+
+    p = commands.add_parser("list", help="print the open jobs: id, model, step, stages")
+    _add_coordinator_flags(p, timeout_s=30.0)
+    p.set_defaults(func=_cmd_job_list)
+
+    p = commands.add_parser("close", help="close a job and free its stages")
+    p.add_argument("job_id", metavar="ID", help="job id (from `job create` or `job list`)")
+    _add_coordinator_flags(p, timeout_s=60.0)
+    p.set_defaults(func=_cmd_job_close)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -592,6 +778,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--coordinator", help="train on this running cluster (HOST:PORT) instead of a local one"
     )
+    p.add_argument(
+        "--keep-job",
+        action="store_true",
+        help="leave the trained job open and print its id (for generate, trace, job close); "
+        "the demo's own cluster then keeps running until Ctrl-C",
+    )
+    p.add_argument(
+        "--listen",
+        help=f"where the demo's own cluster's coordinator listens (default: {DEFAULT_COORDINATOR} "
+        "with --keep-job, where generate looks; else any free port)",
+    )
     _add_security_flags(p)
     p.set_defaults(func=_cmd_demo)
 
@@ -638,6 +835,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=600.0)
     _add_security_flags(p)
     p.set_defaults(func=_cmd_generate)
+
+    _add_job_commands(sub)
 
     p = sub.add_parser("health", help="exit 0 only if the server at --target is SERVING")
     p.add_argument("--target", required=True, help="HOST:PORT of any pipesvc server")

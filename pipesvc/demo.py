@@ -11,6 +11,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TextIO
 
@@ -53,6 +54,11 @@ class DemoOptions:
     """Train on this existing cluster (``host:port``) instead of starting a local one."""
     security: Security = field(default_factory=Security)
     """Token and TLS for that cluster."""
+    keep_job: bool = False
+    """Leave the job open at the end (for ``pipesvc generate``, ``trace``, ``job close``) and
+    print its id; a local cluster then stays up until ``hold`` returns."""
+    listen: str = "127.0.0.1:0"
+    """Where the local cluster's coordinator listens."""
 
 
 class CharCorpus:
@@ -104,7 +110,8 @@ class Progress:
 
     On a terminal it is a live tqdm bar fitted to the terminal's width. Elsewhere (a log file, a
     pipe, a test's buffer) a bar redrawn with carriage returns would be one endless line, so it
-    is a plain line every :data:`LOG_EVERY_S` seconds and one at the end.
+    is a plain line every :data:`LOG_EVERY_S` seconds and one at the end, against the fixed
+    limits (``max_steps``, the time budget) rather than the estimated total.
 
     The run stops at the time budget or at ``max_steps``, whichever comes first, so the expected
     total is the steps done plus those the current rate fits into the time left, capped at
@@ -157,18 +164,18 @@ class Progress:
             self._print_line()
 
     def _print_line(self) -> None:
+        """A line for a log: only fixed limits in it (``max_steps``, the time budget), since
+        an estimated total re-estimated at every line reads as a moving target."""
         self._last_line_at = self.elapsed
-        line = tqdm.format_meter(
-            self.steps,
-            self._expected_total(),
-            self.elapsed,
-            ncols=100,
-            ascii=True,
-            unit="step",
-            postfix=self.postfix,
-            initial=1,
+        steps = f"{self.steps}/{self.max_steps}" if self.max_steps else str(self.steps)
+        rate = (self.steps - 1) / self.elapsed if self.elapsed > 0 else 0.0
+        clock = tqdm.format_interval
+        print(
+            f"step {steps}, {clock(self.elapsed)} of {clock(self.duration_s)}, "
+            f"{rate:.2f} steps/s, {self.postfix}",
+            file=self.out,
+            flush=True,
         )
-        print(line, file=self.out, flush=True)
 
     def close(self) -> None:
         """Ends the bar (leaving it on screen), or prints the last line."""
@@ -218,8 +225,19 @@ def sample(job: Job, corpus: CharCorpus, prompt: str, length: int, seed: int) ->
     return corpus.decode(ids)
 
 
-def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> dict[str, float]:
-    """Runs the demo end to end and prints progress and a summary; returns the key figures."""
+GENERATE_EXAMPLE = '--prompt "def main(" --max-new-tokens 48 --temperature 0.8'
+"""What the demo suggests to ``pipesvc generate`` on a kept job (as the README shows it): 9
+characters and 48 new ones fit the model's 64 positions."""
+
+
+def run_demo(
+    options: DemoOptions, out: TextIO = sys.stdout, hold: Callable[[], object] = lambda: None
+) -> dict[str, float]:
+    """Runs the demo end to end and prints progress and a summary; returns the key figures.
+
+    With ``options.keep_job`` the job stays open once the run succeeded and its id is printed;
+    on a local cluster ``hold`` is then called while the cluster still runs (the command line
+    waits there for Ctrl-C)."""
     corpus = CharCorpus.from_python_docs()
     model_args: dict[str, object] = {
         "vocab_size": corpus.vocab_size,
@@ -228,24 +246,26 @@ def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> dict[str, float]
         "num_heads": 4,
         "num_blocks": 4,
     }
-    optimizer: dict[str, object] = {"name": "adamw", "lr": 3e-3}
     print(
         f"pipesvc demo: character-level GPT on Python's own docs ({len(corpus.data):,} chars, "
         f"{corpus.vocab_size} symbols)",
         file=out,
     )
-    generator = torch.Generator().manual_seed(options.seed)
     with contextlib.ExitStack() as stack:
         if options.coordinator:
             print(f"using the cluster at {options.coordinator}", file=out, flush=True)
-            client = Client(options.coordinator, security=options.security)
+            address = options.coordinator
+            client = Client(address, security=options.security)
         else:
             print(
                 f"starting a local cluster: 1 coordinator + {options.num_stages} stage processes",
                 file=out,
                 flush=True,
             )
-            client = stack.enter_context(LocalCluster(num_stages=options.num_stages)).connect()
+            cluster = stack.enter_context(
+                LocalCluster(num_stages=options.num_stages, listen=options.listen)
+            )
+            address, client = cluster.address, cluster.connect()
         stack.enter_context(client)
         job = client.create_job(
             model="gpt",
@@ -254,62 +274,95 @@ def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> dict[str, float]
             num_stages=options.num_stages,
             num_microbatches=options.num_microbatches,
             schedule=options.schedule,
-            optimizer=optimizer,
+            optimizer=OPTIMIZER,
             loss="cross_entropy",
             partition="parameters",
             clip_grad_norm=1.0,
         )
-        stack.enter_context(job)  # closed on the way out, also on errors
-        print(
-            f"job {job.id}: {job.num_layers} layers, schedule {options.schedule}, "
-            f"{options.num_microbatches} micro-batches of {options.batch_size} x "
-            f"{SEQUENCE_LENGTH} tokens",
-            file=out,
-        )
-        for stage in job.plan:
+        with contextlib.ExitStack() as owned:
+            owned.enter_context(job)  # closed at the end, and on errors
+            summary = _train(job, corpus, model_args, options, out)
+            if options.keep_job:
+                owned.pop_all()  # the run succeeded: the job stays open
+        if options.keep_job:
+            where = "" if options.coordinator is None else f" on {address}"
             print(
-                f"  rank {stage.rank}: layers [{stage.start_layer}, {stage.end_layer}) on "
-                f"{stage.address}",
+                f"job {job.id} kept open{where}; for example\n"
+                f"  pipesvc generate --coordinator {address} --job {job.id} "
+                f"{GENERATE_EXAMPLE}\n"
+                f"  pipesvc job close --coordinator {address} {job.id}",
                 file=out,
+                flush=True,
             )
-        x, y = corpus.batch(options.batch_size, generator)
-        first_loss = job.train_step(x, y)
-        loss_diff, weight_diff = check_first_step(
-            job, model_args, options, optimizer, x, y, first_loss
-        )
+            if options.coordinator is None:
+                print(
+                    f"the local cluster at {address} keeps running until Ctrl-C",
+                    file=out,
+                    flush=True,
+                )
+                hold()
+    return summary
+
+
+OPTIMIZER: dict[str, object] = {"name": "adamw", "lr": 3e-3}
+
+
+def _train(
+    job: Job,
+    corpus: CharCorpus,
+    model_args: dict[str, object],
+    options: DemoOptions,
+    out: TextIO,
+) -> dict[str, float]:
+    """Trains ``job`` within the options' budget, checks step 1, writes the trace, samples
+    text and prints the summary; returns the key figures."""
+    generator = torch.Generator().manual_seed(options.seed)
+    print(
+        f"job {job.id}: {job.num_layers} layers, schedule {options.schedule}, "
+        f"{options.num_microbatches} micro-batches of {options.batch_size} x "
+        f"{SEQUENCE_LENGTH} tokens",
+        file=out,
+    )
+    for stage in job.plan:
         print(
-            f"step 1 checked against one-process training: |loss diff| {loss_diff:.2e}, "
-            f"max |weight diff| {weight_diff:.2e}",
+            f"  rank {stage.rank}: layers [{stage.start_layer}, {stage.end_layer}) on "
+            f"{stage.address}",
             file=out,
-            flush=True,
         )
-        losses = [first_loss]
-        tokens = options.batch_size * SEQUENCE_LENGTH
-        progress = Progress(
-            out,
-            duration_s=options.duration_s,
-            max_steps=options.max_steps,
-            tokens_per_step=tokens,
-        )
-        start = time.monotonic()
-        with contextlib.closing(progress):
-            while True:
-                elapsed = time.monotonic() - start
-                steps = len(losses)
-                if elapsed >= options.duration_s or (
-                    options.max_steps and steps >= options.max_steps
-                ):
-                    break
-                x, y = corpus.batch(options.batch_size, generator)
-                losses.append(job.train_step(x, y))
-                smooth = sum(losses[-10:]) / len(losses[-10:])
-                progress.update(steps=len(losses), elapsed=time.monotonic() - start, loss=smooth)
-        elapsed = time.monotonic() - start
-        end_loss = sum(losses[-10:]) / len(losses[-10:])
-        throughput = tokens * (len(losses) - 1) / max(elapsed, 1e-9)
-        timelines = job.timelines(max_runs=3)
-        trace_json, trace_png = job.trace(options.trace_path, max_runs=3)
-        text = sample(job, corpus, "The ", 160, options.seed)
+    x, y = corpus.batch(options.batch_size, generator)
+    first_loss = job.train_step(x, y)
+    loss_diff, weight_diff = check_first_step(job, model_args, options, OPTIMIZER, x, y, first_loss)
+    print(
+        f"step 1 checked against one-process training: |loss diff| {loss_diff:.2e}, "
+        f"max |weight diff| {weight_diff:.2e}",
+        file=out,
+        flush=True,
+    )
+    losses = [first_loss]
+    tokens = options.batch_size * SEQUENCE_LENGTH
+    progress = Progress(
+        out,
+        duration_s=options.duration_s,
+        max_steps=options.max_steps,
+        tokens_per_step=tokens,
+    )
+    start = time.monotonic()
+    with contextlib.closing(progress):
+        while True:
+            elapsed = time.monotonic() - start
+            steps = len(losses)
+            if elapsed >= options.duration_s or (options.max_steps and steps >= options.max_steps):
+                break
+            x, y = corpus.batch(options.batch_size, generator)
+            losses.append(job.train_step(x, y))
+            smooth = sum(losses[-10:]) / len(losses[-10:])
+            progress.update(steps=len(losses), elapsed=time.monotonic() - start, loss=smooth)
+    elapsed = time.monotonic() - start
+    end_loss = sum(losses[-10:]) / len(losses[-10:])
+    throughput = tokens * (len(losses) - 1) / max(elapsed, 1e-9)
+    timelines = job.timelines(max_runs=3)
+    trace_json, trace_png = job.trace(options.trace_path, max_runs=3)
+    text = sample(job, corpus, "The ", 160, options.seed)
     summary = {
         "steps": float(len(losses)),
         "start_loss": first_loss,
@@ -351,6 +404,16 @@ def run_demo(options: DemoOptions, out: TextIO = sys.stdout) -> dict[str, float]
         + f" (ideal {ideal:.0%}, last {len(traced_steps)} steps)",
         file=out,
     )
+    print(BUBBLE_LEGEND, file=out)
     print(f"  trace          {trace_json} (open in https://ui.perfetto.dev), {trace_png}", file=out)
     print(f"\nsample through the pipeline:\n{text}\n", file=out, flush=True)
     return summary
+
+
+BUBBLE_LEGEND = (
+    "                 idle: the share of each step's window (first to last action on any\n"
+    "                 stage) in which that rank ran nothing, waiting for a neighbour or a CPU;\n"
+    "                 ideal: the schedule's own bubble if every action took the same time\n"
+    "                 ((p-1)/(m+p-1) for GPipe and 1F1B, p stages, m micro-batches)"
+)
+"""What the summary's idle shares mean, printed under them."""

@@ -4,6 +4,7 @@ table the demo trains the built-in ``gpt`` on."""
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -60,6 +61,18 @@ def text_codec(job: Job, directory: str | Path | None = None) -> TextCodec:
         corpus = CharCorpus.from_python_docs()
         if job.config.model_args.get("vocab_size") == corpus.vocab_size:
             return corpus
+        vocab_size = job.config.model_args.get("vocab_size")
+        if vocab_size is None:
+            from pipesvc.models.gpt import gpt
+
+            vocab_size = f"{inspect.signature(gpt).parameters['vocab_size'].default} (the default)"
+        # Ids past the demo's table would decode to nothing: the rule, and how to meet it.
+        raise FailedPreconditionError(
+            f"the built-in gpt reads the demo's characters only with vocab_size="
+            f"{corpus.vocab_size} (their count); job {job.id} has vocab_size {vocab_size}. "
+            f"Create it with `pipesvc job create --model gpt --model-arg vocab_size="
+            f"{corpus.vocab_size}`, or pass --tokenizer DIR, a directory with a tokenizer.json"
+        )
     raise FailedPreconditionError(
         f"no tokenizer known for model {job.config.model!r} of job {job.id}; pass --tokenizer "
         "DIR, a directory with the model's tokenizer.json"

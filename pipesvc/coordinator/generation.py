@@ -38,6 +38,25 @@ class ModelSupport:
     fuses_caches: bool = False
     """Decode steps of several sessions can share a micro-batch (see [Note: fused decode] in
     ``pipesvc.stage.fused_cache``)."""
+    max_positions: int = 0
+    """The most positions the model takes, prompt and new tokens together (0: no limit)."""
+
+
+def check_length(prompt_length: int, max_new_tokens: int, max_positions: int) -> None:
+    """Refuses a session that would run past the model's positions, before any token (else it
+    would fail at the first position past the end, after streaming the tokens before it).
+    A left-padded prompt counts its padding: the stages' caches hold it.
+
+    Raises:
+        InvalidArgumentError: ``prompt_length + max_new_tokens`` exceeds ``max_positions``.
+    """
+    if max_positions and prompt_length + max_new_tokens > max_positions:
+        raise InvalidArgumentError(
+            f"the prompt's {prompt_length} tokens + max_new_tokens {max_new_tokens} = "
+            f"{prompt_length + max_new_tokens} positions exceed the model's maximum of "
+            f"{max_positions}; ask for at most {max(max_positions - prompt_length, 0)} new "
+            "tokens or shorten the prompt"
+        )
 
 
 def check_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:

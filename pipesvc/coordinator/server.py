@@ -46,6 +46,10 @@ def run_coordinator(
     this long (see [Note: forgetting stages]).
     """
     host, _ = split_address(listen)
+    # Said at start with its full path, and whether it is new: a relative default
+    # (./pipesvc-state) lands wherever the command ran.
+    state_dir = state_dir.resolve()
+    created = not state_dir.exists()
     state_dir.mkdir(parents=True, exist_ok=True)
     security = security or Security()
     limits = limits or Limits()
@@ -61,7 +65,12 @@ def run_coordinator(
         limits=limits,
     )
     address = f"{host}:{port}"
-    logger.info("coordinator listening on %s, state in %s", address, state_dir)
+    logger.info(
+        "coordinator listening on %s, state in %s%s",
+        address,
+        state_dir,
+        " (created)" if created else "",
+    )
     page = None
     if http_port is not None:
         tls = security.tls
@@ -93,6 +102,7 @@ def run_coordinator(
     maintenance.start()
     try:
         stop.wait()
+        logger.info("coordinator stopping: the step in flight finishes, new calls are refused")
     finally:
         if page is not None:
             page.shutdown()
@@ -101,3 +111,4 @@ def run_coordinator(
         service.shutdown()
         # Bounded: grpc's stop can hang after a stream whose request failed to deserialize.
         server.stop(grace=2.0).wait(timeout=5.0)
+    logger.info("coordinator stopped cleanly; state kept in %s", state_dir)

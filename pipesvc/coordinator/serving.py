@@ -11,7 +11,13 @@ from typing import Any
 import torch
 
 from pipesvc.coordinator.batcher import StepBatcher
-from pipesvc.coordinator.generation import MAX_NEW_TOKENS, ModelSupport, Session, plan_step
+from pipesvc.coordinator.generation import (
+    MAX_NEW_TOKENS,
+    ModelSupport,
+    Session,
+    check_length,
+    plan_step,
+)
 from pipesvc.coordinator.replicas import RunReplies
 from pipesvc.coordinator.stage_calls import call_stage
 from pipesvc.coordinator.stage_group import StageGroup
@@ -82,12 +88,15 @@ class JobGeneration:
         parts = min(
             self._config.num_microbatches, int(input_ids.shape[0]) if input_ids.dim() else 1
         )
+        support = self._model_support()
+        if input_ids.dim() == 2:  # other shapes are refused by Session, with what is expected
+            check_length(int(input_ids.shape[1]), max_new_tokens, support.max_positions)
         session = Session(
             input_ids,
             attention_mask,
             parts=max(1, parts),
             sampling=sampling,
-            support=self._model_support(),
+            support=support,
             eos_token_id=eos_token_id,
         )
         self._metrics.inc("generation_sessions_total")
@@ -158,6 +167,7 @@ class JobGeneration:
                 kv_cache=reply.kv_cache,
                 side_inputs=tuple(reply.side_inputs),
                 fuses_caches=reply.fuses_caches,
+                max_positions=reply.max_positions,
             )
         return self._support
 

@@ -283,6 +283,11 @@ def _cache_layout(**_: object) -> CacheLayout:
     return CacheLayout(tensors=KVCache.tensors, build=KVCache.from_tensors)
 
 
+def _max_positions(block_size: int = 64, **_: object) -> int:
+    return block_size
+
+
 gpt.side_inputs = ("position_ids", "attention_mask")  # type: ignore[attr-defined]
 gpt.new_cache = _new_cache  # type: ignore[attr-defined]
 gpt.cache_layout = _cache_layout  # type: ignore[attr-defined]
+gpt.max_positions = _max_positions  # type: ignore[attr-defined]

@@ -448,11 +448,18 @@ def _factory(directory: str) -> Any:
     def layout(lora: dict[str, object] | None = None) -> CacheLayout | None:
         return cache_layout(directory)
 
+    def max_positions(lora: dict[str, object] | None = None) -> int | None:
+        # The config's limit (gpt2's n_positions answers to this name too); a family
+        # without one has none.
+        limit = getattr(_checkpoint(directory).meta_model.config, "max_position_embeddings", None)
+        return limit if isinstance(limit, int) and limit > 0 else None
+
     factory.export = export  # type: ignore[attr-defined]
     factory.tied = tied  # type: ignore[attr-defined]
     factory.side_inputs = ("attention_mask", "position_ids")  # type: ignore[attr-defined]
     factory.new_cache = new_cache  # type: ignore[attr-defined]
     factory.cache_layout = layout  # type: ignore[attr-defined]
+    factory.max_positions = max_positions  # type: ignore[attr-defined]
 
     factory.__qualname__ = f"hf_model[{directory}]"
     return factory

@@ -187,6 +187,10 @@ class ModelFeatures:
     cache_layout: CacheLayout | None = None
     """How to stack and split its caches; None when sessions cannot share a micro-batch (the
     model also needs to read ``attention_mask``, which hides the stacking's padding)."""
+    max_positions: int | None = None
+    """The most positions the model takes (a prompt and its new tokens together; a learned
+    position table's size, a config's ``max_position_embeddings``); None when unbounded.
+    Generation refuses a request past it before any token."""
 
     @property
     def fuses_caches(self) -> bool:
@@ -197,8 +201,9 @@ class ModelFeatures:
 def model_features(name: str, model_args: Mapping[str, object]) -> ModelFeatures:
     """The side inputs and the generation cache of model ``name``: a factory may carry
     ``side_inputs`` (a tuple of names), ``new_cache`` (a function of the model arguments
-    returning a function that makes a cache) and ``cache_layout`` (a function of the model
-    arguments returning a ``CacheLayout`` or None).
+    returning a function that makes a cache), ``cache_layout`` (a function of the model
+    arguments returning a ``CacheLayout`` or None) and ``max_positions`` (a function of the
+    model arguments returning an int or None).
 
     Raises:
         UnknownModelError: ``name`` is not registered.
@@ -206,10 +211,12 @@ def model_features(name: str, model_args: Mapping[str, object]) -> ModelFeatures
     factory = _FACTORIES.get(name, _unknown_model)
     cache_hook = getattr(factory, "new_cache", None)
     layout_hook = getattr(factory, "cache_layout", None)
+    positions_hook = getattr(factory, "max_positions", None)
     return ModelFeatures(
         side_inputs=tuple(getattr(factory, "side_inputs", ())),
         new_cache=cache_hook(**model_args) if cache_hook is not None else None,
         cache_layout=layout_hook(**model_args) if layout_hook is not None else None,
+        max_positions=positions_hook(**model_args) if positions_hook is not None else None,
     )
 
 

@@ -223,10 +223,15 @@ def timeline_figure(timelines: Sequence[StageTimeline], *, title: str = "") -> F
     origin = _origin_ns(events)
     span_ms = max((max((e.end_ns for e in events), default=0) - origin) / 1e6, 1e-3)
     width_in, dpi, left, right = 12.0, 100, 0.14, 0.98
-    height_in = 1.6 + 0.55 * max(len(ordered), 1)
+    # The legend has its own row under the time axis (above the plot it ran into a long
+    # title): 0.55 in for the ticks and the axis label, then 0.35 in for the legend.
+    legend_in = 0.35
+    height_in = 1.6 + legend_in + 0.55 * max(len(ordered), 1)
     figure = Figure(figsize=(width_in, height_in), dpi=dpi)
     FigureCanvasAgg(figure)
-    figure.subplots_adjust(left=left, right=right, bottom=0.55 / height_in, top=1 - 1.0 / height_in)
+    figure.subplots_adjust(
+        left=left, right=right, bottom=(0.55 + legend_in) / height_in, top=1 - 1.0 / height_in
+    )
     ax = figure.add_subplot()
     # Rough width of one 7 pt digit, in ms of x axis, to skip labels that would spill over.
     char_ms = 0.6 * 7 / 72 * span_ms / ((right - left) * width_in)
@@ -241,7 +246,13 @@ def timeline_figure(timelines: Sequence[StageTimeline], *, title: str = "") -> F
     ax.set_axisbelow(True)
     handles = [Patch(color=_COLOURS[name], label=name) for name in EVENT_NAMES]
     handles.append(Patch(color=_GAP_COLOUR, label=BETWEEN_RUNS))
-    ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1, 1), ncols=5, frameon=False)
+    figure.legend(
+        handles=handles,
+        loc="lower center",
+        bbox_to_anchor=(0.5, 0.02 / height_in),
+        ncols=len(handles),
+        frameon=False,
+    )
     shown = runs_label(ordered)
     ax.set_title(f"{title}: {shown}" if title else shown, loc="left", pad=22)
     return figure

@@ -220,6 +220,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
             kv_cache=features.new_cache is not None,
             side_inputs=list(features.side_inputs),
             fuses_caches=features.new_cache is not None and features.fuses_caches,
+            max_positions=features.max_positions or 0,
         )
 
     @handle_errors

@@ -306,6 +306,7 @@ class DescribeResponse(_message.Message):
     KV_CACHE_FIELD_NUMBER: _builtins.int
     SIDE_INPUTS_FIELD_NUMBER: _builtins.int
     FUSES_CACHES_FIELD_NUMBER: _builtins.int
+    MAX_POSITIONS_FIELD_NUMBER: _builtins.int
     export_json: _builtins.str
     """How the model maps to its own format (a JSON object; empty when it has none): for a
     Hugging Face model its config.json, the key of each tensor and the LoRA arguments.
@@ -316,6 +317,10 @@ class DescribeResponse(_message.Message):
     """Whether several sessions' caches can extend in one micro-batch (RunStepRequest.caches
     with several refs): the stage stacks them left-padded, and the attention mask hides the
     padding.
+    """
+    max_positions: _builtins.int
+    """The most positions the model takes (a prompt and its new tokens together); 0 when it
+    has no limit.
     """
     @_builtins.property
     def layers(self) -> _containers.RepeatedCompositeFieldContainer[Global___LayerDescription]:
@@ -333,10 +338,11 @@ class DescribeResponse(_message.Message):
         kv_cache: _builtins.bool = ...,
         side_inputs: _abc.Iterable[_builtins.str] | None = ...,
         fuses_caches: _builtins.bool = ...,
+        max_positions: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["export_json", b"export_json", "fuses_caches", b"fuses_caches", "kv_cache", b"kv_cache", "layers", b"layers", "side_inputs", b"side_inputs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["export_json", b"export_json", "fuses_caches", b"fuses_caches", "kv_cache", b"kv_cache", "layers", b"layers", "max_positions", b"max_positions", "side_inputs", b"side_inputs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

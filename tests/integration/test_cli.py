@@ -141,7 +141,7 @@ def test_a_bad_hf_model_flag_stops_the_stage_with_what_is_wrong(tmp_path: Path) 
 
 def test_help_lists_every_command() -> None:
     result = _pipesvc("--help")
-    for command in ("coordinator", "stage", "up", "demo", "status", "health"):
+    for command in ("coordinator", "stage", "up", "demo", "status", "job", "generate", "health"):
         assert command in result.stdout
 
 
@@ -173,6 +173,28 @@ def test_exposed_listen_without_auth_warns(tmp_path: Path) -> None:
     returncode, stderr = run_coordinator_briefly(tmp_path, "0.0.0.0:0")
     assert returncode == 0
     assert "0.0.0.0:0 without authentication" in stderr
+
+
+def test_the_coordinator_says_where_its_state_is_and_that_it_stopped(tmp_path: Path) -> None:
+    # No --state-dir: the default ./pipesvc-state is created in the working directory, and
+    # the log says so with its full path; SIGTERM ends with a line that the stop was clean.
+    address_file = tmp_path / "address"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipesvc", "coordinator", "--listen", "127.0.0.1:0",
+         "--address-file", str(address_file)],
+        stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not address_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=30)
+    state = tmp_path.resolve() / "pipesvc-state"
+    assert proc.returncode == 0 and state.is_dir()
+    assert f"state in {state} (created)" in stderr, stderr
+    assert f"coordinator stopped cleanly; state kept in {state}" in stderr, stderr
 
 
 def test_a_plain_stage_restarts_itself_without_glibc_tcache() -> None:

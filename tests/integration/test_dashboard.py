@@ -95,7 +95,11 @@ def test_the_json_shows_stages_plans_and_the_last_step(trained: tuple[str, pipes
     assert all(0 <= e["start_ms"] <= e["end_ms"] <= view["run_ms"] for e in view["timeline"])
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (apt install chromium)")
+@pytest.mark.skipif(
+    CHROMIUM is None,
+    reason="the live page's browser test needs Chromium, and neither chromium nor "
+    "chromium-browser is on PATH: install it (`apt-get install chromium`, as .ci/run does)",
+)
 def test_the_page_renders_the_cluster_in_chromium(
     trained: tuple[str, pipesvc.Job], tmp_path: Path
 ) -> None:

@@ -20,6 +20,9 @@ def test_demo_loss_falls_and_step_one_matches_one_process(tmp_path: Path) -> Non
     assert stem.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
     assert "traceEvents" in stem.with_suffix(".json").read_text()
     assert "bubble" in out.getvalue()
+    # The idle shares say what they measure, and what the ideal beside them is.
+    assert "idle: the share of each step's window" in out.getvalue()
+    assert "ideal: the schedule's own bubble" in out.getvalue()
     text = out.getvalue()
     assert summary["steps"] == 60
     # Starts near a uniform guess over the characters and clearly learns.

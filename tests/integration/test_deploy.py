@@ -364,6 +364,42 @@ def test_cli_accepts_every_documented_command() -> None:
             parse(command, "docs/deploy.md")
 
 
+def test_every_port_a_server_opens_is_in_the_ports_table() -> None:
+    # The table an operator opens a firewall from: each server's port flags, from the parser.
+    text = DEPLOY_DOC.read_text()
+    table = text[text.index("**Ports to open.**") :].split("\n\n")[1]
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a.choices, dict)).choices
+    assert isinstance(commands, dict)
+    flags = {
+        flag
+        for name in ("coordinator", "stage")
+        for action in commands[name]._actions
+        for flag in action.option_strings
+        if flag.endswith("-port")
+    }
+    assert {"--store-port", "--http-port", "--metrics-port"} <= flags
+    assert [flag for flag in sorted(flags) if f"`{flag}`" not in table] == []
+
+
+def test_two_stage_containers_on_one_host_share_one_ipc_namespace() -> None:
+    # Shared memory between stages needs one /dev/shm: the documented pair of stage
+    # containers on one host owns and joins one IPC namespace.
+    blocks = re.findall(r"^```bash\n(.*?)^```", DEPLOY_DOC.read_text(), re.MULTILINE | re.DOTALL)
+    runs = [
+        shlex.split(line)
+        for block in blocks
+        for line in block.replace("\\\n", " ").splitlines()
+        if line.startswith("docker run") and "--ipc" in line
+    ]
+    assert len(runs) == 2, runs
+    owner, joiner = ({w: r[i + 1] for i, w in enumerate(r[:-1])} for r in runs)
+    assert owner["--ipc"] == "shareable" and "--shm-size" in owner
+    assert joiner["--ipc"] == f"container:{owner['--name']}"
+    hosts = [parse(r[r.index("stage") :], "docs/deploy.md").advertise for r in runs]
+    assert len({h.rpartition(":")[0] for h in hosts}) == 1 and len(set(hosts)) == 2
+
+
 def test_cli_parse_check_can_fail() -> None:
     with pytest.raises(pytest.fail.Exception):
         parse(["stage", "--listen", "0.0.0.0:50051"], "missing --coordinator")

@@ -82,3 +82,35 @@ def test_generate_uses_the_demos_characters_for_the_builtin_gpt(
         )  # fmt: skip
     assert out == corpus.decode(ids) + "\n"
     assert refused.returncode != 0 and "--tokenizer" in refused.stderr
+
+
+def test_a_gpt_job_made_on_the_command_line_generates_with_the_demos_vocabulary(
+    cluster: pipesvc.LocalCluster,
+) -> None:
+    def pipesvc_cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "pipesvc", *args, "--coordinator", cluster.address],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+
+    count = CharCorpus.from_python_docs().vocab_size
+    # One stage each: the cluster's two stages hold both jobs at once.
+    create = ["job", "create", "--model", "gpt", "--model-arg", "block_size=32", "--stages", "1"]
+    made = [
+        pipesvc_cli(*create, "--inference"),  # the gpt's own vocab_size, 128
+        pipesvc_cli(*create, "--inference", "--model-arg", f"vocab_size={count}"),
+    ]
+    assert [m.returncode for m in made] == [0, 0], made
+    default, fits = (m.stdout.strip() for m in made)
+    generate = ["generate", "--prompt", "def f", "--max-new-tokens", "5"]
+    refused = pipesvc_cli(*generate, "--job", default)
+    out = pipesvc_cli(*generate, "--job", fits)
+    for job in (default, fits):
+        assert pipesvc_cli("job", "close", job).returncode == 0
+    # The rule is in the refusal: which vocab_size, and how to create such a job.
+    assert refused.returncode == 2, refused
+    assert f"vocab_size={count}" in refused.stderr and "vocab_size 128" in refused.stderr
+    assert "--model-arg" in refused.stderr
+    assert out.returncode == 0 and out.stdout.startswith("def f") and len(out.stdout) == 11, out
+    bad = pipesvc_cli("job", "create", "--model", "gpt", "--model-arg", "vocab_size")
+    assert bad.returncode == 2 and "'vocab_size' is not KEY=VALUE" in bad.stderr

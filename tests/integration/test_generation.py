@@ -210,6 +210,30 @@ def test_bad_generation_requests_are_refused(client: pipesvc.Client) -> None:
         assert job.generate(ids, 2, attention_mask=mask).shape == (4, 9)
 
 
+@pytest.mark.parametrize(("model", "limit"), [("gpt", 32), ("gen-gpt2", 64)])
+def test_a_length_past_the_models_positions_is_refused_before_any_token(
+    client: pipesvc.Client, model: str, limit: int
+) -> None:
+    # The built-in gpt's block_size and a Hugging Face config's max_position_embeddings bound
+    # the prompt and its new tokens together; without the check the session streamed tokens
+    # until the first position past the table, then failed.
+    args = {"vocab_size": VOCAB, "block_size": limit, "embed_dim": 32, "num_blocks": 2}
+    ids = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(4))
+    with client.create_job(
+        model=model, model_args=args if model == "gpt" else {}, num_stages=2, optimizer=None
+    ) as job:
+        stream = job.stream(ids, limit - 6)
+        with pytest.raises(pipesvc.InvalidArgumentError) as refused:
+            next(stream)  # the first read: no token came before the refusal
+        with pytest.raises(pipesvc.InvalidArgumentError):
+            job.generate(ids, limit - 6)
+        fits = job.generate(ids, limit - 7)  # exactly every position: runs to the end
+    message = str(refused.value)
+    assert f"7 tokens + max_new_tokens {limit - 6}" in message, message
+    assert f"maximum of {limit}" in message, message
+    assert fits.shape == (2, limit)
+
+
 def test_the_builtin_gpt_generates_through_its_caches_like_one_process(
     client: pipesvc.Client,
 ) -> None:

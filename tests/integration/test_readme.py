@@ -55,6 +55,6 @@ def test_readme_hugging_face_example_runs(
     assert (tmp_path / "tiny-llama" / "config.json").exists()
     assert (tmp_path / "tiny-llama-lora" / "adapter_config.json").exists()
     line, generated = capsys.readouterr().out.splitlines()
-    assert re.fullmatch(r"loss \d+\.\d{4}, logits \(4, 32, 128\)", line), line
+    assert re.fullmatch(r"loss \d+\.\d{4}, logits \(4, 32, 256\)", line), line
     # Two rows of 8 new token ids.
     assert re.fullmatch(r"generated \[\[(\d+, ){7}\d+\], \[(\d+, ){7}\d+\]\]", generated)

@@ -28,23 +28,38 @@ def test_away_from_a_terminal_it_prints_a_plain_line_every_interval_and_at_the_e
     assert "\r" not in text and "\x1b" not in text
     lines = text.splitlines()
     assert len(lines) == 48 // LOG_EVERY_S + 1
-    assert [line.split("|")[2].split()[0] for line in lines] == [
-        "6/51",  # 5 steps in 10 s, 90 s left at that rate
-        "11/51",
-        "16/51",
-        "21/51",
-        "25/51",
+    assert [line.split(",")[0] for line in lines] == [
+        "step 6",
+        "step 11",
+        "step 16",
+        "step 21",
+        "step 25",
     ]
-    last = lines[-1]
-    assert "[00:48<00:52,  2.00s/step, loss 2.500, 50 tokens/s]" in last, last
+    assert lines[-1] == "step 25, 00:48 of 01:40, 0.50 steps/s, loss 2.500, 50 tokens/s"
 
 
-def test_max_steps_caps_the_expected_total_and_the_time_left() -> None:
+def test_in_a_log_each_line_shows_the_same_limits_while_the_rate_changes() -> None:
+    # A log's reader compares lines: the totals in them are the fixed limits, not an estimate
+    # that moved with every change of the step rate (6/51, then 12/34, ...).
+    out = io.StringIO()
+    progress = Progress(out, duration_s=60.0, max_steps=0, tokens_per_step=100)
+    elapsed = 0.0
+    for step in range(2, 41):
+        elapsed += 0.5 if step < 20 else 2.0  # the rate drops halfway
+        progress.update(steps=step, elapsed=elapsed, loss=1.0)
+    progress.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) >= 3
+    assert {line.split(", ")[1].split(" of ")[1] for line in lines} == {"01:00"}
+    assert all("/" not in line.split(",")[0] for line in lines)  # no estimated total
+
+
+def test_max_steps_is_the_total_each_line_shows() -> None:
     out = io.StringIO()
     run(out, duration_s=1000.0, max_steps=30, step_s=1.0, steps=30)
     lines = out.getvalue().splitlines()
-    assert [line.split("|")[2].split()[0] for line in lines] == ["11/30", "21/30", "30/30"]
-    assert "[00:10<00:19," in lines[0]
+    assert [line.split(",")[0] for line in lines] == ["step 11/30", "step 21/30", "step 30/30"]
+    assert lines[0].startswith("step 11/30, 00:10 of 16:40, 1.00 steps/s")
 
 
 def test_a_run_shorter_than_the_interval_still_ends_with_a_line() -> None:

@@ -314,7 +314,30 @@ def test_timeline_png_has_a_title_with_schedule_and_steps_and_explains_gaps() ->
     texts = [t.get_text() for t in ax.texts]
     assert "step 3" in texts and "step 4" in texts
     assert "between steps" in texts  # the shaded gap is labelled on the plot
-    legend = ax.get_legend()
-    assert legend is not None
+    [legend] = figure.legends
     assert BETWEEN_RUNS in [t.get_text() for t in legend.get_texts()]
+    figure.clear()
+
+
+@pytest.mark.parametrize("stages", [1, 2, 4, 8])
+def test_timeline_png_legend_covers_neither_the_title_nor_the_axis(stages: int) -> None:
+    pytest.importorskip("matplotlib")
+    # A title as long as the demo's, on figures of every height the demo and trace draw.
+    title = "pipesvc-demo-trace: gpt, 1f1b, 4 stages x 8 micro-batches"
+    timelines = [
+        StageTimeline(rank=r, address=f"127.0.0.1:{5000 + r}", events=t.events)
+        for r, t in zip(range(stages), _two_steps_with_a_gap() * stages, strict=False)
+    ]
+    figure = timeline_figure(timelines, title=title)
+    figure.canvas.draw()
+    renderer = figure.canvas.get_renderer()  # type: ignore[attr-defined]
+    [legend] = [*figure.legends, *[a.get_legend() for a in figure.axes if a.get_legend()]]
+    ax = figure.axes[0]
+    box = legend.get_window_extent(renderer)
+    for other in (ax.title, ax._left_title, ax.xaxis.label):  # type: ignore[attr-defined]
+        if other.get_text():
+            assert not box.overlaps(other.get_window_extent(renderer)), other.get_text()
+    assert not box.overlaps(ax.get_window_extent(renderer))
+    fig_box = figure.bbox
+    assert fig_box.x0 <= box.x0 and box.x1 <= fig_box.x1 and fig_box.y0 <= box.y0
     figure.clear()
