@@ -323,11 +323,16 @@ def _cmd_status(args: argparse.Namespace) -> int:
                 s.health,
             )
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    _print_table(rows)
     print(f"{len(stages)} stage(s) registered with {args.coordinator}")
     return 0
+
+
+def _print_table(rows: Sequence[Sequence[str]]) -> None:
+    """Prints rows (the header first) in columns padded to their widest cell."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
@@ -438,9 +443,7 @@ def _cmd_job_list(args: argparse.Namespace) -> int:
         )
         for job in jobs
     ]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    _print_table(rows)
     print(f"{len(jobs)} open job(s) on {args.coordinator}")
     return 0
 
