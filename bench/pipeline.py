@@ -126,18 +126,27 @@ def _loss_fn(w: Workload) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor
     return F.mse_loss if w.loss == "mse" else _lm_loss
 
 
-def _time_steps(step: Any, num_steps: int, barrier: Any = None) -> float:
-    """Seconds for ``num_steps`` calls of ``step`` after the warm-up ones."""
+def _time_steps(
+    step: Any, num_steps: int, barrier: Any = None, mark: Callable[[], None] | None = None
+) -> float:
+    """Seconds for ``num_steps`` calls of ``step`` after the warm-up ones; ``mark`` (if given)
+    is called just before the timed window opens and just after it closes, outside it (e.g. to
+    read a network interface's byte counters over exactly the timed steps)."""
     for _ in range(WARMUP_STEPS):
         step()
     if barrier is not None:
         barrier()
+    if mark is not None:
+        mark()
     start = time.perf_counter()
     for _ in range(num_steps):
         step()
     if barrier is not None:
         barrier()
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    if mark is not None:
+        mark()
+    return seconds
 
 
 def _one_process(q: Queue, workload: str, num_threads: int, num_steps: int) -> None:
@@ -185,8 +194,17 @@ def _join_gloo(address: str, rank: int, world: int) -> None:
 
 
 def _torch_stage(
-    q: Queue, workload: str, rank: int, world: int, address: str, schedule: str, num_steps: int
+    q: Queue,
+    workload: str,
+    rank: int,
+    world: int,
+    address: str,
+    schedule: str,
+    num_steps: int,
+    mark: Callable[[], None] | None = None,
 ) -> None:
+    """One rank of a torch pipeline; rank 0 puts the timed seconds on ``q``, the last rank the
+    step-1 loss. ``mark``: see :func:`_time_steps` (``bench/links.py`` reads link counters)."""
     try:
         import torch.distributed as dist
         from torch.distributed.pipelining import (
@@ -227,7 +245,7 @@ def _torch_stage(
             _pipe_step(pipe, rank, world, x, y, first_losses)
             opt.step()
 
-        seconds = _time_steps(step, num_steps, dist.barrier)
+        seconds = _time_steps(step, num_steps, dist.barrier, mark)
         dist.destroy_process_group()
         if rank == 0:
             q.put(("seconds", seconds))
