@@ -243,26 +243,25 @@ def test_abort_wakes_a_send_waiting_for_room() -> None:
 
 
 class _BadGradients(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
-    """Answers an Exchange with a good gradient, a frame without its frame 0, then a good one."""
+    """Answers an Exchange with a good gradient, one of another job, then a good one."""
 
     def Exchange(self, requests: Iterator[Any], context: Any) -> Iterator[Any]:
         from pipesvc.core.tensor_codec import make_header
 
-        def frame(mb: int, index: int) -> stage_pb2.DataFrame:
+        def frame(mb: int, job_id: str = "j") -> stage_pb2.DataFrame:
             ident = stage_pb2.MicrobatchId(
-                job_id="j",
+                job_id=job_id,
                 plan_epoch=1,
                 run_id=1,
                 microbatch_index=mb,
                 direction=stage_pb2.GRADIENT,
             )
-            header = make_header(torch.ones(2)) if index == 0 else None
             data = torch.ones(2).numpy().tobytes()
-            return stage_pb2.DataFrame(id=ident, header=header, frame_index=index, data=data)
+            return stage_pb2.DataFrame(id=ident, header=make_header(torch.ones(2)), data=data)
 
-        yield frame(0, 0)
-        yield frame(1, 1)  # frame 1 of micro-batch 1 without its frame 0
-        yield frame(2, 0)
+        yield frame(0)
+        yield frame(1, job_id="other")
+        yield frame(2)
         for _ in requests:  # keep the stream open until the link cancels it
             pass
 
@@ -289,7 +288,7 @@ def test_a_bad_gradient_frame_fails_the_mailbox_and_drops_what_follows() -> None
     )
     try:
         assert torch.equal(mailbox.get(MailKey(1, GRADIENT, 0), 10.0), torch.ones(2))
-        with pytest.raises(WireFormatError, match="frame 1 of gradient of micro-batch 1"):
+        with pytest.raises(WireFormatError, match="frame for job 'other'"):
             mailbox.get(MailKey(1, GRADIENT, 2), 10.0)
         assert len(mailbox) == 0  # micro-batch 2's good frame came after the bad one
     finally:
