@@ -13,20 +13,6 @@ an unbounded ``put`` would hang the step and, with it, the run lock that Abort n
 StepAbortedError once its run is aborted (Abort wakes a step blocked sending to a hung peer).
 Closing a link never blocks: it marks the sender ended and drops what was queued.
 
-[Note: gradients fed on gRPC's thread] gRPC's Python client parses each message of a stream on
-the channel's own thread, then wakes the thread iterating the call. A downstream link's
-deserializer therefore feeds a gradient that fits in one frame (up to 1 MiB, most micro-batches)
-to the reader right there, so it reaches the mailbox, and the stage waiting for it, one thread
-hand-over sooner (bench/transport.py: about a tenth of a 64 KiB round trip). Everything else
-still goes to the reading thread: a control frame (a shared-memory offer or answer) may wait for
-room in a send queue, which must not block the channel's thread, and the frames of a larger
-tensor, whose copies into one buffer on the channel's thread measured slower (8 MiB round trips
-took about a third longer). The order is kept: gRPC asks for the next message only when the
-reading thread asks for it, i.e. after it has fed the one before. A frame the reader rejects is
-handed to the reading thread as its error, and the frames after it are dropped, so a bad frame
-still ends the stream with ``_fail`` as before. The upstream side cannot do the same: a
-server's deserializer is one per method, not per stream.
-
 Each link pairs a ``Sender`` (pipesvc.stage.sender) for the direction it sends with a
 ``FrameReader`` (pipesvc.stage.reader) for the other, wired so that the reader answers
 shared-memory offers through the sender (pipesvc.stage.shm_handshake).
@@ -37,7 +23,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import TypeAlias
 
 import grpc
 import torch
@@ -57,14 +42,6 @@ from pipesvc.wire.rpc_status import error_from_rpc
 logger = logging.getLogger(__name__)
 
 EXCHANGE_METHOD = "/pipesvc.v1.StageService/Exchange"
-
-
-class _Fed:
-    """What a downstream link's deserializer returns for a frame it fed to the reader itself."""
-
-
-FED = _Fed()
-_Received: TypeAlias = "InFrame | stage_pb2.DataFrame | PipesvcError | _Fed"
 
 
 class _Link:
@@ -121,17 +98,12 @@ class _Link:
         """Ends the sending side of the stream (never waits)."""
         self._sender.close()
 
-    def _read(self, frames: Iterable[_Received]) -> None:
+    def _read(self, frames: Iterable[InFrame | stage_pb2.DataFrame]) -> None:
         """Feeds the stream's frames to the reader until it ends; a bad frame goes to
-        ``_fail``, a failed call to ``_call_failed``; then ``_finish``. A frame already fed by
-        the deserializer (``FED``) is skipped; an error it met is raised here, in order."""
+        ``_fail``, a failed call to ``_call_failed``; then ``_finish``."""
         bad_frame = False
         try:
             for frame in frames:
-                if isinstance(frame, _Fed):
-                    continue
-                if isinstance(frame, PipesvcError):
-                    raise frame
                 self._delivered(self._reader.feed(frame))
         except grpc.RpcError as exc:
             self._call_failed(exc)
@@ -183,9 +155,8 @@ class DownstreamLink(_Link):
             metrics=metrics,
             peer=f"downstream stage {address}",
         )
-        self._broken = False  # the deserializer met a bad frame; later ones are dropped
         exchange = channel.stream_stream(
-            EXCHANGE_METHOD, request_serializer=serialize, response_deserializer=self._take
+            EXCHANGE_METHOD, request_serializer=serialize, response_deserializer=parse
         )
         self._call = exchange(self._sender.frames(), wait_for_ready=True)
         self._thread = threading.Thread(
@@ -198,28 +169,6 @@ class DownstreamLink(_Link):
         self._sender.close()
         self._call.cancel()
         self._thread.join(timeout=5)
-
-    def _take(self, buf: bytes) -> _Received:
-        """The Exchange deserializer: feeds a data frame to the reader on gRPC's thread (see
-        [Note: gradients fed on gRPC's thread]); returns FED, the reader's error, or a control
-        frame for the reading thread.
-
-        Raises:
-            DecodeError: malformed bytes (gRPC ends the call, as with ``parse``).
-        """
-        if self._broken:
-            return FED
-        item = parse(buf)
-        frame = item.frame
-        control = frame.HasField("shm_offer") or frame.HasField("shm_answer")
-        if control or frame.HasField("shm_slot") or frame.header.num_frames != 1:
-            return item
-        try:
-            self._reader.feed(item)
-        except PipesvcError as exc:
-            self._broken = True
-            return exc
-        return FED
 
     def _fail(self, exc: PipesvcError) -> None:
         logger.warning("bad frame from downstream %s: %s", self.address, exc)

@@ -267,9 +267,9 @@ class _BadGradients(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
 
 
 def test_a_bad_gradient_frame_fails_the_mailbox_and_drops_what_follows() -> None:
-    """[Note: gradients fed on gRPC's thread]: the downstream link feeds data frames in its
-    deserializer; a rejected frame still fails the mailbox with its typed error, in order,
-    and the frames after it are not delivered."""
+    """A gradient frame the downstream link rejects fails its mailbox with the typed error
+    (not a generic stream failure), after the good frame before it, and nothing after it is
+    delivered."""
     from pipesvc.errors import WireFormatError
 
     server, port, _ = create_server(
