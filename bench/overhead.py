@@ -132,7 +132,7 @@ def _spans(timelines: list[StageTimeline], steps: range) -> dict[str, float]:
         events = [e for t in timelines for e in t.events if e.step == step]
         totals["window"] += max(e.end_ns for e in events) - min(e.start_ns for e in events)
         for e in events:
-            kind = "compute" if e.name in ("forward", "backward") else e.name
+            kind = "compute" if e.name in ("forward", "backward", "weight") else e.name
             totals[kind] += e.end_ns - e.start_ns
     return {k: v / 1e6 / len(steps) for k, v in totals.items()}
 

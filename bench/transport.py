@@ -11,10 +11,14 @@ sends it back, A receives it whole; MB/s counts both directions (2 x bytes per r
   stream carries headers.
 - pipesvc-frames: the same with shared memory off (``shm_bytes=0``): payloads travel as 1 MiB
   frames on the stream, as between stages on different hosts.
+- grpc: a plain gRPC bidirectional stream of ``bytes`` messages (no serializers): A sends the
+  tensor's bytes as one message, B echoes the message, A turns it back into a tensor (``bytes``
+  and ``frombuffer``, as any Python gRPC client must). The floor any gRPC data plane in Python
+  sits on.
 - tcp: a plain socket, ``sendall`` of the tensor's buffer, ``recv_into`` a preallocated buffer.
 - gloo: ``torch.distributed`` send/recv, ``init_method=tcp://127.0.0.1:PORT``.
 
-Usage: ``python bench/transport.py [--quick]``
+Usage: ``python bench/transport.py [--quick] [--sizes 64K,1M,8M] [--only frames,grpc]``
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import socket
+import statistics
 import sys
 import threading
 import time
@@ -216,6 +221,61 @@ def _gloo_client(q: Queue, address: str, plan: Plan) -> None:
     dist.destroy_process_group()
 
 
+_ECHO_METHOD = "/bench.Echo/Echo"
+
+
+def _grpc_server(q: Queue, plan: Plan) -> None:
+    import grpc
+
+    from pipesvc.wire.transport import create_server
+
+    torch.set_num_threads(1)
+    total = sum(WARMUP_ROUND_TRIPS + iters for _, iters in plan)
+    done = threading.Event()
+
+    def echo(requests: Iterator[bytes], context: Any) -> Iterator[bytes]:
+        for i, message in enumerate(requests):
+            yield message
+            if i + 1 == total:
+                done.set()
+
+    handler = grpc.method_handlers_generic_handler(
+        "bench.Echo", {"Echo": grpc.stream_stream_rpc_method_handler(echo)}
+    )
+    server, port, _ = create_server(
+        "127.0.0.1:0", [lambda s: s.add_generic_rpc_handlers((handler,))]
+    )
+    q.put(f"127.0.0.1:{port}")
+    done.wait(900)
+    time.sleep(1.0)  # let the last reply leave before the server stops
+    server.stop(grace=2)
+
+
+def _grpc_client(q: Queue, address: str, plan: Plan) -> None:
+    import queue as queue_mod
+
+    from pipesvc.wire.transport import open_channel
+
+    torch.set_num_threads(1)
+    channel = open_channel(address)
+    outbox: queue_mod.Queue[bytes | None] = queue_mod.Queue()
+
+    def requests() -> Iterator[bytes]:
+        while (item := outbox.get()) is not None:
+            yield item
+
+    replies = channel.stream_stream(_ECHO_METHOD)(requests())
+
+    def round_trip(x: torch.Tensor) -> None:
+        outbox.put(bytes(memoryview(x.numpy()).cast("B")))
+        reply = next(replies)
+        torch.frombuffer(bytearray(reply), dtype=torch.float32)
+
+    q.put(_timed(plan, round_trip))
+    outbox.put(None)
+    channel.close()
+
+
 def _frames_server(q: Queue, plan: Plan) -> None:
     _pipesvc_server(q, plan, shm_bytes=0)
 
@@ -227,6 +287,7 @@ def _frames_client(q: Queue, address: str, plan: Plan) -> None:
 TRANSPORTS: dict[str, tuple[Callable[..., None], Callable[..., None]]] = {
     "pipesvc": (_pipesvc_server, _pipesvc_client),
     "pipesvc-frames": (_frames_server, _frames_client),
+    "grpc": (_grpc_server, _grpc_client),
     "tcp": (_tcp_server, _tcp_client),
     "gloo": (_gloo_server, _gloo_client),
 }
@@ -259,34 +320,70 @@ def _label(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
+def _size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20}
+    return int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
+
+
+RATIOS = [
+    ("pipesvc", "gloo"),
+    ("pipesvc", "tcp"),
+    ("pipesvc-frames", "gloo"),
+    ("pipesvc-frames", "grpc"),
+]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, few round trips")
+    parser.add_argument("--sizes", help="comma-separated tensor sizes, e.g. 64K,1M,8M")
+    parser.add_argument(
+        "--only", help=f"comma-separated transports (default all: {','.join(TRANSPORTS)})"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="runs of each transport, in turns; medians shown"
+    )
     args = parser.parse_args()
+    sizes = QUICK_SIZES_BYTES if args.quick else SIZES_BYTES
+    if args.sizes:
+        sizes = [_size(t) for t in args.sizes.split(",")]
     if args.quick:
-        plan = _plan(QUICK_SIZES_BYTES, budget_bytes=32 << 20, max_iters=20)
+        plan = _plan(sizes, budget_bytes=32 << 20, max_iters=20)
     else:
-        plan = _plan(SIZES_BYTES, budget_bytes=512 << 20, max_iters=200)
-    mb_s: dict[str, list[float]] = {}
-    for name in TRANSPORTS:
-        seconds = run_pair(name, plan)
-        mb_s[name] = [2 * n * it / s / 1e6 for (n, it), s in zip(plan, seconds, strict=True)]
+        plan = _plan(sizes, budget_bytes=512 << 20, max_iters=200)
+    names = args.only.split(",") if args.only else list(TRANSPORTS)
+    runs: dict[str, list[list[float]]] = {name: [] for name in names}
+    for _ in range(args.rounds):
+        for name in names:
+            runs[name].append(run_pair(name, plan))
+    mb_s = {
+        name: [
+            statistics.median(2 * n * it / r[i] / 1e6 for r in runs[name])
+            for i, (n, it) in enumerate(plan)
+        ]
+        for name in names
+    }
     print(
         "\nEcho round trips of one float32 tensor between two processes on loopback; MB/s "
         "(1e6 B/s) counts both directions.\npipesvc = DownstreamLink -> Exchange stream -> "
         "UpstreamLink (pipesvc.stage.links) with an echo servicer in place of StageService;\n"
         "its payloads go through shared memory (both processes share this host's /dev/shm);\n"
-        "frames = the same with shared memory off (--shm-bytes 0): payloads in 1 MiB frames\n"
-        "on the stream, as between stages on different hosts.\n"
+        "frames = the same with shared memory off (--shm-bytes 0): payloads in frames on the\n"
+        "stream, as between stages on different hosts; grpc = a plain gRPC bytes echo.\n"
+        f"Medians of {args.rounds} run(s) of each, in turns.\n"
     )
-    header = ["size", "round trips", "pipesvc MB/s", "frames MB/s", "tcp MB/s", "gloo MB/s"]
-    header += ["pipesvc/gloo", "pipesvc/tcp", "frames/gloo"]
+    header = ["size", "round trips", *(f"{n} MB/s" for n in names)]
+    if "pipesvc-frames" in names:
+        header.append("frames us/RT")
+    ratios = [(a, b) for a, b in RATIOS if a in names and b in names]
+    header += [f"{a}/{b}".replace("pipesvc-frames", "frames") for a, b in ratios]
     rows = [header]
     for i, (num_bytes, iters) in enumerate(plan):
-        p, f, t, g = (mb_s[k][i] for k in ("pipesvc", "pipesvc-frames", "tcp", "gloo"))
-        rates = [f"{v:.0f}" for v in (p, f, t, g)]
-        ratios = [f"{p / g:.2f}", f"{p / t:.2f}", f"{f / g:.2f}"]
-        rows.append([_label(num_bytes), str(iters), *rates, *ratios])
+        row = [_label(num_bytes), str(iters), *(f"{mb_s[n][i]:.0f}" for n in names)]
+        if "pipesvc-frames" in names:
+            row.append(f"{2 * num_bytes / mb_s['pipesvc-frames'][i]:.0f}")
+        row += [f"{mb_s[a][i] / mb_s[b][i]:.2f}" for a, b in ratios]
+        rows.append(row)
     widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
     for row in rows:
         print("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))

@@ -31,6 +31,9 @@ _TO_TORCH: dict[common_pb2.DType.ValueType, torch.dtype] = {
     common_pb2.BOOL: torch.bool,
 }
 _TO_WIRE: dict[torch.dtype, common_pb2.DType.ValueType] = {v: k for k, v in _TO_TORCH.items()}
+_ITEMSIZE: dict[common_pb2.DType.ValueType, int] = {
+    k: torch.empty((), dtype=v).element_size() for k, v in _TO_TORCH.items()
+}
 # numpy has no bfloat16: such tensors travel as their int16 bit pattern.
 _BIT_VIEW: dict[torch.dtype, torch.dtype] = {torch.bfloat16: torch.int16}
 
@@ -73,7 +76,9 @@ def wire_dtype(dtype: torch.dtype) -> common_pb2.DType.ValueType:
 
 def _host_view(tensor: torch.Tensor) -> memoryview:
     """The tensor's bytes in host memory: a view, no copy, of a contiguous CPU tensor."""
-    flat = tensor.detach().to("cpu").contiguous()
+    flat = tensor.detach()
+    if flat.device.type != "cpu" or not flat.is_contiguous():
+        flat = flat.to("cpu").contiguous()
     bits = _BIT_VIEW.get(flat.dtype)
     if bits is not None:
         flat = flat.view(bits)
@@ -153,7 +158,7 @@ def check_header(header: common_pb2.TensorHeader, limits: CodecLimits = DEFAULT_
         raise ResourceExhaustedError(
             f"tensor shape {shape} has a dimension above {limits.max_elements}"
         )
-    itemsize = torch.empty((), dtype=_TO_TORCH[header.dtype]).element_size()
+    itemsize = _ITEMSIZE[header.dtype]
     if header.num_bytes != numel * itemsize:
         raise WireFormatError(
             f"tensor num_bytes {header.num_bytes} does not match shape {shape} x itemsize "

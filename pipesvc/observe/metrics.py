@@ -74,6 +74,7 @@ class PrometheusMetrics(Metrics):
         prom.ProcessCollector(registry=self._registry)
         prom.PlatformCollector(registry=self._registry)
         self._metrics: dict[str, Any] = {}
+        self._children: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
         for name, (kind, help_text, labels) in _DEFINITIONS.items():
             metric_name = f"pipesvc_{name}".removesuffix("_total")
             common: dict[str, Any] = {"labelnames": labels, "registry": self._registry}
@@ -87,8 +88,17 @@ class PrometheusMetrics(Metrics):
                 )
 
     def _get(self, name: str, labels: dict[str, str]) -> Any:
-        metric = self._metrics[name]
-        return metric.labels(**labels) if labels else metric
+        # [Note: labelled children are cached] prometheus_client's ``labels()`` validates and
+        # looks up the child under a lock on every call (tens of µs), and the data plane records
+        # a few metrics per frame; the child for a name and labels never changes, so it is
+        # looked up once. A racing first lookup just stores the same child twice.
+        key = (name, tuple(labels.items()))
+        child = self._children.get(key)
+        if child is None:
+            metric = self._metrics[name]
+            child = metric.labels(**labels) if labels else metric
+            self._children[key] = child
+        return child
 
     def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
         self._get(name, labels).inc(amount)

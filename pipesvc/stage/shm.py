@@ -278,8 +278,7 @@ class ShmArea:
             raise OSError(errno.EBADF, "the doorbell is not open")
         data = _LENGTH.pack(len(message)) + message
         with bell.use() as fd:
-            poller = select.poll()
-            poller.register(fd, select.POLLOUT)
+            poller = None  # made only when the pipe is full: most rings write at once
             while True:
                 try:
                     os.write(fd, data)  # at most PIPE_BUF: all or nothing
@@ -290,6 +289,9 @@ class ShmArea:
                     raise OSError(errno.EBADF, f"the doorbell of {self.name} was closed")
                 if cancelled is not None and cancelled():
                     return False
+                if poller is None:
+                    poller = select.poll()
+                    poller.register(fd, select.POLLOUT)
                 poller.poll(POLL_S * 1000)
 
     def unlink(self) -> None:

@@ -240,3 +240,58 @@ def test_abort_wakes_a_send_waiting_for_room() -> None:
     assert isinstance(next(frames), OutFrame)  # the stream still drains
     sender.put((MailKey(2, ACTIVATION, 0), torch.ones(1)))
     sender.close()
+
+
+class _BadGradients(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
+    """Answers an Exchange with a good gradient, one of another job, then a good one."""
+
+    def Exchange(self, requests: Iterator[Any], context: Any) -> Iterator[Any]:
+        from pipesvc.core.tensor_codec import make_header
+
+        def frame(mb: int, job_id: str = "j") -> stage_pb2.DataFrame:
+            ident = stage_pb2.MicrobatchId(
+                job_id=job_id,
+                plan_epoch=1,
+                run_id=1,
+                microbatch_index=mb,
+                direction=stage_pb2.GRADIENT,
+            )
+            data = torch.ones(2).numpy().tobytes()
+            return stage_pb2.DataFrame(id=ident, header=make_header(torch.ones(2)), data=data)
+
+        yield frame(0)
+        yield frame(1, job_id="other")
+        yield frame(2)
+        for _ in requests:  # keep the stream open until the link cancels it
+            pass
+
+
+def test_a_bad_gradient_frame_fails_the_mailbox_and_drops_what_follows() -> None:
+    """A gradient frame the downstream link rejects fails its mailbox with the typed error
+    (not a generic stream failure), after the good frame before it, and nothing after it is
+    delivered."""
+    from pipesvc.errors import WireFormatError
+
+    server, port, _ = create_server(
+        "127.0.0.1:0", [lambda s: add_stage_service(_BadGradients(), s)]
+    )
+    channel = open_channel(f"127.0.0.1:{port}")
+    mailbox = Mailbox()
+    link = DownstreamLink(
+        channel=channel,
+        address=f"127.0.0.1:{port}",
+        job_id="j",
+        epoch=1,
+        mailbox=mailbox,
+        limits=CodecLimits(),
+        shm_bytes=0,
+    )
+    try:
+        assert torch.equal(mailbox.get(MailKey(1, GRADIENT, 0), 10.0), torch.ones(2))
+        with pytest.raises(WireFormatError, match="frame for job 'other'"):
+            mailbox.get(MailKey(1, GRADIENT, 2), 10.0)
+        assert len(mailbox) == 0  # micro-batch 2's good frame came after the bad one
+    finally:
+        link.close()
+        channel.close()
+        server.stop(grace=None)
