@@ -8,8 +8,13 @@ repository, e.g. from ``git archive REV | tar -x -C DIR``) runs its own ``LocalC
 batch, micro-batches and optimizer are ``overhead.py``'s tiny row: 4 x (Linear(32, 32) + ReLU),
 batch 64 in 4 micro-batches, MSE, SGD; GPipe and 1F1B, checkpoints off and every 10 steps.
 
-Usage: ``python bench/paired_overhead.py [--stages 2] [--steps 150] NAME=DIR [NAME=DIR ...]``
-(``.`` is this checkout). Prints steps/s, mean and p50 ms per step for each checkout and row.
+With ``--workload act`` the model and batch are ``pipeline.py``'s activation-heavy row instead
+(8 x (Linear(256, 256) + ReLU), batch 4096 in 8 micro-batches: an 8 MiB batch), where the
+batch's way from the client to the stages is a large part of a step.
+
+Usage: ``python bench/paired_overhead.py [--stages 2] [--steps 150] [--workload act]
+[--every 0,10] NAME=DIR [NAME=DIR ...]`` (``.`` is this checkout). Prints steps/s, mean and
+p50 ms per step for each checkout and row.
 """
 
 from __future__ import annotations
@@ -25,19 +30,25 @@ from pathlib import Path
 WARMUP_STEPS = 5
 
 
-def worker(num_stages: int) -> None:
+def worker(num_stages: int, workload: str) -> None:
     """Serves one checkout's job on stdin/stdout: ``setup SCHEDULE EVERY``, ``step``, ``quit``."""
     root = Path(os.environ["PIPESVC_TREE"]).resolve()
     sys.path.insert(0, str(root))
     os.environ["PYTHONPATH"] = str(root)  # the stage processes import bench.bench_models
     import pipesvc
-    from bench.overhead import LR, NUM_MICROBATCHES, TINY, _batch
+    from bench import overhead, pipeline
+
+    if workload == "act":
+        model, lr, microbatches = pipeline.ACT, pipeline.LR, pipeline.NUM_MICROBATCHES
+        x, y = pipeline._batch(pipeline.ACT)
+    else:
+        model, lr, microbatches = overhead.TINY, overhead.LR, overhead.NUM_MICROBATCHES
+        x, y = overhead._batch(overhead.TINY)
 
     with pipesvc.LocalCluster(
         num_stages=num_stages, models=["bench.bench_models"], threads_per_stage=1
     ) as cluster:
         client = cluster.connect()
-        x, y = _batch(TINY)
         job = None
         print("ready", flush=True)
         for line in sys.stdin:
@@ -46,13 +57,13 @@ def worker(num_stages: int) -> None:
                 if job is not None:
                     job.close()
                 job = client.create_job(
-                    model=TINY.model,
-                    model_args=TINY.model_args,
+                    model=model.model,
+                    model_args=model.model_args,
                     num_stages=num_stages,
-                    num_microbatches=NUM_MICROBATCHES,
+                    num_microbatches=microbatches,
                     schedule=command[1],
-                    optimizer={"name": "sgd", "lr": LR},
-                    loss=TINY.loss,
+                    optimizer={"name": "sgd", "lr": lr},
+                    loss=model.loss,
                     partition="uniform",
                     checkpoint_every=int(command[2]),
                 )
@@ -69,11 +80,19 @@ def worker(num_stages: int) -> None:
 class Checkout:
     """One worker process and its pipes."""
 
-    def __init__(self, directory: Path, num_stages: int) -> None:
+    def __init__(self, directory: Path, num_stages: int, workload: str) -> None:
         env = dict(os.environ, PIPESVC_TREE=str(directory), PYTHONPATH=str(directory))
         script = str(Path(__file__).resolve())
         self.proc = subprocess.Popen(
-            [sys.executable, script, "--worker", "--stages", str(num_stages)],
+            [
+                sys.executable,
+                script,
+                "--worker",
+                "--stages",
+                str(num_stages),
+                "--workload",
+                workload,
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -101,19 +120,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--steps", type=int, default=150, help="timed steps per checkout and row")
+    parser.add_argument(
+        "--workload",
+        choices=("tiny", "act"),
+        default="tiny",
+        help="tiny: overhead.py's tiny row; act: pipeline.py's activation-heavy row (8 MiB "
+        "batch, 8 micro-batches), whose step time the batch's way to the stages shows in",
+    )
+    parser.add_argument("--every", default="0,10", help="checkpoint_every values (0: off)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("trees", nargs="*", metavar="NAME=DIR")
     args = parser.parse_args()
     if args.worker:
-        worker(args.stages)
+        worker(args.stages, args.workload)
         return
     named = dict(t.split("=", 1) for t in args.trees)
     if not named:
         parser.error("name at least one checkout as NAME=DIR")
-    checkouts = {name: Checkout(Path(d).resolve(), args.stages) for name, d in named.items()}
+    checkouts = {
+        name: Checkout(Path(d).resolve(), args.stages, args.workload) for name, d in named.items()
+    }
     names = list(checkouts)
     print(
-        f"tiny model, {args.stages} stages, {args.steps} timed steps per checkout and row "
+        f"{args.workload} model, {args.stages} stages, {args.steps} timed steps per checkout "
+        "and row "
         f"({WARMUP_STEPS} warm-up), one step each in turn; {os.cpu_count()} CPU cores; "
         f"load average {os.getloadavg()[0]:.1f}"
     )
@@ -123,7 +153,7 @@ def main() -> None:
     rows = [header]
     try:
         for schedule in ("gpipe", "1f1b"):
-            for every in (0, 10):
+            for every in (int(e) for e in args.every.split(",")):
                 for checkout in checkouts.values():
                     if checkout.ask(f"setup {schedule} {every}") != "ok":
                         raise RuntimeError("a job could not be created")

@@ -42,9 +42,10 @@ from pipesvc.storage.checkpoint import (
 from pipesvc.storage.publish import check_target
 from pipesvc.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from pipesvc.wire.diagnose import explain
+from pipesvc.wire.payload_wire import FORWARD, TRAIN_STEP, Outgoing, Payloads
 from pipesvc.wire.rpc_status import ERROR_CLASS_KEY, rpc_errors
 from pipesvc.wire.security import Security, TLSConfig
-from pipesvc.wire.transport import open_channel
+from pipesvc.wire.transport import open_channel, unary_method
 
 _Req = TypeVar("_Req")
 _Resp = TypeVar("_Resp")
@@ -110,6 +111,20 @@ class Client:
         self.security = security or Security()
         self._channel = open_channel(address, self.security)
         self._stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
+        service = coordinator_pb2.DESCRIPTOR.services_by_name["CoordinatorService"]
+        # The calls that carry a batch, its bytes beside the message (see [Note: payload wire]).
+        self._train_step = unary_method(
+            self._channel,
+            service.methods_by_name["TrainStep"],
+            TRAIN_STEP.serialize,
+            coordinator_pb2.TrainStepResponse,
+        )
+        self._forward = unary_method(
+            self._channel,
+            service.methods_by_name["Forward"],
+            FORWARD.serialize,
+            coordinator_pb2.ForwardResponse,
+        )
         self._where = f"coordinator {address}"
         """How errors of failed calls name the coordinator."""
 
@@ -281,9 +296,32 @@ class Client:
         self.close()
 
 
-def _side_inputs(attention_mask: torch.Tensor | None) -> dict[str, common_pb2.Tensor]:
+def _side_inputs(
+    attention_mask: torch.Tensor | None, payloads: Payloads
+) -> dict[str, common_pb2.Tensor]:
     """A request's side inputs (see [Note: side inputs] in ``pipesvc.core.microbatch``)."""
-    return {} if attention_mask is None else {"attention_mask": encode(attention_mask)}
+    return {} if attention_mask is None else {"attention_mask": payloads.tensor(attention_mask)}
+
+
+def _train_request(
+    job_id: str,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    request_id: str,
+) -> Outgoing[coordinator_pb2.TrainStepRequest]:
+    """A training step's request, its tensors' bytes beside the message (see [Note: payload
+    wire]): send with ``TRAIN_STEP.serialize``. The tensors are viewed, not copied, and must
+    not change until it is sent (every try of it)."""
+    payloads = Payloads()
+    message = coordinator_pb2.TrainStepRequest(
+        job_id=job_id,
+        inputs=payloads.tensor(inputs),
+        targets=payloads.tensor(targets),
+        side_inputs=_side_inputs(attention_mask, payloads),
+        request_id=request_id,
+    )
+    return TRAIN_STEP.outgoing(message, payloads)
 
 
 class Job:
@@ -365,19 +403,15 @@ class Job:
                 before its commit began, nothing changed; if it failed during the commit, the
                 step is in the step log and the job's next call completes it on every stage.
         """
-        request = coordinator_pb2.TrainStepRequest(
-            job_id=self.id,
-            inputs=encode(inputs),
-            targets=encode(targets),
-            side_inputs=_side_inputs(attention_mask),
-            request_id=request_id or uuid.uuid4().hex,
+        request = _train_request(
+            self.id, inputs, targets, attention_mask, request_id or uuid.uuid4().hex
         )
         client = self._client
         deadline = time.monotonic() + client.timeout_s
         for attempt in range(TRAIN_STEP_RETRIES + 1):
             try:
                 with client._rpc_errors():
-                    reply = client._stub.TrainStep(
+                    reply = client._train_step(
                         request, timeout=max(deadline - time.monotonic(), 0.0)
                     )
                 break
@@ -413,12 +447,13 @@ class Job:
         Raises:
             InvalidArgumentError: the batch does not fit the model.
         """
-        reply = self._client._call(
-            self._client._stub.Forward,
-            coordinator_pb2.ForwardRequest(
-                job_id=self.id, inputs=encode(inputs), side_inputs=_side_inputs(attention_mask)
-            ),
+        payloads = Payloads()
+        message = coordinator_pb2.ForwardRequest(
+            job_id=self.id,
+            inputs=payloads.tensor(inputs),
+            side_inputs=_side_inputs(attention_mask, payloads),
         )
+        reply = self._client._call(self._client._forward, FORWARD.outgoing(message, payloads))
         if reply.HasField("job"):
             self._update(reply.job)
         return decode(reply.outputs)

@@ -16,15 +16,25 @@ import threading
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 import grpc
 
 from pipesvc.core.health import Health
 from pipesvc.core.limits import Limits
 from pipesvc.errors import InvalidArgumentError
-from pipesvc.v1 import stage_pb2_grpc
+from pipesvc.v1 import stage_pb2, stage_pb2_grpc
+from pipesvc.wire.payload_wire import RUN_STEP, Outgoing
 from pipesvc.wire.security import Security
-from pipesvc.wire.transport import health_status, open_channel, split_address
+from pipesvc.wire.transport import health_status, open_channel, split_address, unary_method
+
+RUN_STEP_METHOD = stage_pb2.DESCRIPTOR.services_by_name["StageService"].methods_by_name["RunStep"]
+RunStepMethod: TypeAlias = (
+    "grpc.UnaryUnaryMultiCallable["
+    "Outgoing[stage_pb2.RunStepRequest] | stage_pb2.RunStepRequest, stage_pb2.RunStepResponse]"
+)
+"""A stage's RunStep as the coordinator calls it (a string: grpc's classes are generic only in
+its stubs)."""
 
 
 @dataclass(kw_only=True)
@@ -174,6 +184,15 @@ class StageRegistry:
             if address not in self._channels:
                 self._channels[address] = open_channel(address, self.security, self.limits)
             return stage_pb2_grpc.StageServiceStub(self._channels[address])
+
+    def run_step(self, address: str) -> RunStepMethod:
+        """RunStep on the (cached) channel to ``address``, its tensors' bytes appended beside
+        the message (see [Note: payload wire])."""
+        with self._lock:
+            if address not in self._channels:
+                self._channels[address] = open_channel(address, self.security, self.limits)
+            channel = self._channels[address]
+        return unary_method(channel, RUN_STEP_METHOD, RUN_STEP.serialize, stage_pb2.RunStepResponse)
 
     def health(self, address: str, timeout_s: float) -> Health:
         """The health of the stage at ``address``, checked on the cached channel."""

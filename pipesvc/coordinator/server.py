@@ -6,6 +6,8 @@ import logging
 import threading
 from pathlib import Path
 
+import grpc
+
 from pipesvc.coordinator import cluster_view
 from pipesvc.coordinator.replicas import Rendezvous
 from pipesvc.coordinator.service import FORGET_STAGES_AFTER_S, CoordinatorService
@@ -14,10 +16,24 @@ from pipesvc.core.limits import Limits
 from pipesvc.observe import dashboard
 from pipesvc.observe.metrics import Metrics
 from pipesvc.v1 import coordinator_pb2_grpc
+from pipesvc.wire.payload_wire import FORWARD, TRAIN_STEP
 from pipesvc.wire.security import Security
-from pipesvc.wire.transport import create_server, split_address
+from pipesvc.wire.transport import Codec, add_service, create_server, split_address
 
 logger = logging.getLogger(__name__)
+
+
+def add_coordinator_service(service: CoordinatorService, server: grpc.Server) -> None:
+    """Registers the coordinator service on ``server``, TrainStep's and Forward's tensors
+    parsed as views of the received bytes (see [Note: payload wire])."""
+    add_service(
+        lambda s: coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(service, s),
+        server,
+        {
+            "TrainStep": Codec(request_deserializer=TRAIN_STEP.parse),
+            "Forward": Codec(request_deserializer=FORWARD.parse),
+        },
+    )
 
 
 def run_coordinator(
@@ -60,7 +76,7 @@ def run_coordinator(
     service.open()
     server, port, health = create_server(
         listen,
-        [lambda s: coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(service, s)],
+        [lambda s: add_coordinator_service(service, s)],
         security=security,
         limits=limits,
     )

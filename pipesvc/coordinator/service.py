@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from concurrent import futures
 from pathlib import Path
 
@@ -20,14 +19,16 @@ from pipesvc.coordinator.registry import StageRecord, StageRegistry
 from pipesvc.coordinator.replicas import Rendezvous
 from pipesvc.coordinator.stage_calls import Deadlines, call_stage
 from pipesvc.coordinator.state_db import StateDB
+from pipesvc.coordinator.step_request import forward_batch, train_batch
 from pipesvc.core.config import config_from_proto
 from pipesvc.core.health import Health
 from pipesvc.core.limits import Limits
 from pipesvc.core.sampling import Sampling
 from pipesvc.core.tensor_codec import decode, encode
-from pipesvc.errors import InvalidArgumentError, NotFoundError
+from pipesvc.errors import InvalidArgumentError, NotFoundError, WireFormatError
 from pipesvc.observe.metrics import NO_METRICS, Metrics
 from pipesvc.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, stage_pb2
+from pipesvc.wire.payload_wire import Incoming
 from pipesvc.wire.rpc_status import handle_errors
 from pipesvc.wire.security import Security
 
@@ -61,21 +62,6 @@ def _in_terms_of_the_batch(
     per_mb = -(-rows // m)
     size = f"{'about ' if rows % m else ''}{per_mb} row{'s' if per_mb > 1 else ''}"
     return type(error)(f"{sent}, run as {m} micro-batches of {size}: {error}")
-
-
-def _batch_digest(request: coordinator_pb2.TrainStepRequest) -> str:
-    """SHA-256 of a step's batch as sent (inputs, targets, side inputs by name), which a
-    request id is remembered with (see [Note: step request ids] in job.py)."""
-    digest = hashlib.sha256()
-    parts = [request.inputs, request.targets]
-    for name in sorted(request.side_inputs):
-        digest.update(name.encode())
-        parts.append(request.side_inputs[name])
-    for part in parts:  # the header is small; the payload is hashed where it lies
-        for body in (part.header.SerializeToString(deterministic=True), part.data):
-            digest.update(len(body).to_bytes(8, "little"))
-            digest.update(body)
-    return digest.hexdigest()
 
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
@@ -295,30 +281,27 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
             jobs = [j for j in self._jobs.values() if not j.closed]
         return coordinator_pb2.ListJobsResponse(jobs=[j.info() for j in jobs])
 
-    def _side(self, side: Mapping[str, common_pb2.Tensor]) -> dict[str, torch.Tensor]:
-        """A request's side inputs, decoded (checked against the batch by the job)."""
-        return {name: decode(tensor, self._codec) for name, tensor in side.items()}
-
     @handle_errors
     def TrainStep(
-        self, request: coordinator_pb2.TrainStepRequest, context: object
+        self,
+        request: Incoming[coordinator_pb2.TrainStepRequest]
+        | coordinator_pb2.TrainStepRequest
+        | WireFormatError,
+        context: object,
     ) -> coordinator_pb2.TrainStepResponse:
-        if not request.HasField("inputs") or not request.HasField("targets"):
-            raise InvalidArgumentError("a training step needs both inputs and targets")
-        inputs = decode(request.inputs, self._codec)
-        targets = decode(request.targets, self._codec)
-        side = self._side(request.side_inputs)
-        job = self._job(request.job_id)
+        # Served with payload_wire's parser (see coordinator.server.add_coordinator_service).
+        batch = train_batch(request, self._codec)
+        job = self._job(batch.job_id)
         try:
             loss, step = job.train_step(
-                inputs,
-                targets,
-                side,
-                request_id=request.request_id,
-                digest=lambda: _batch_digest(request),
+                batch.inputs,
+                batch.targets,
+                batch.side,
+                request_id=batch.request_id,
+                digest=batch.digest,
             )
         except InvalidArgumentError as exc:
-            better = _in_terms_of_the_batch(exc, job, inputs, targets)
+            better = _in_terms_of_the_batch(exc, job, batch.inputs, batch.targets)
             if better is exc:
                 raise
             raise better from exc
@@ -326,17 +309,18 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
     @handle_errors
     def Forward(
-        self, request: coordinator_pb2.ForwardRequest, context: object
+        self,
+        request: Incoming[coordinator_pb2.ForwardRequest]
+        | coordinator_pb2.ForwardRequest
+        | WireFormatError,
+        context: object,
     ) -> coordinator_pb2.ForwardResponse:
-        if not request.HasField("inputs"):
-            raise InvalidArgumentError("forward needs inputs")
-        inputs = decode(request.inputs, self._codec)
-        side = self._side(request.side_inputs)
-        job = self._job(request.job_id)
+        batch = forward_batch(request, self._codec)
+        job = self._job(batch.job_id)
         try:
-            outputs = encode(job.forward(inputs, side))
+            outputs = encode(job.forward(batch.inputs, batch.side))
         except InvalidArgumentError as exc:
-            better = _in_terms_of_the_batch(exc, job, inputs, None)
+            better = _in_terms_of_the_batch(exc, job, batch.inputs, None)
             if better is exc:
                 raise
             raise better from exc

@@ -25,9 +25,10 @@ from pipesvc.core.health import Health
 from pipesvc.core.loss import loss_units
 from pipesvc.core.microbatch import RunBatch
 from pipesvc.core.plan import PipelineStage, replicas_of, servers_of
-from pipesvc.core.tensor_codec import encode
+from pipesvc.core.tensor_codec import payload_view
 from pipesvc.errors import FailedPreconditionError, PipesvcError
 from pipesvc.v1 import common_pb2, stage_pb2
+from pipesvc.wire.payload_wire import RUN_STEP, Outgoing, Payloads
 
 _Req = TypeVar("_Req")
 _Resp = TypeVar("_Resp")
@@ -149,12 +150,11 @@ class StageGroup:
         pipelines = [servers_of(p) for p in self.pipelines]
         shares = self.shares(mode, len(inputs))
         group = self._replica_group() if mode == stage_pb2.TRAIN and len(pipelines) > 1 else None
-        encoded_inputs = [encode(t) for t in inputs]
-        encoded_targets = [encode(t) for t in targets]
-        encoded_side = [
-            stage_pb2.SideInputs(tensors={n: encode(t) for n, t in side.items()})
-            for side in batch.side
-        ]
+        # Each tensor's bytes are viewed once and appended to every request that carries it
+        # (see [Note: payload wire]): a micro-batch is a view of the batch as received.
+        input_views = [payload_view(t) for t in inputs]
+        target_views = [payload_view(t) for t in targets]
+        side_views = [{n: payload_view(t) for n, t in side.items()} for side in batch.side]
         caches = [
             stage_pb2.MicrobatchCaches(
                 refs=[
@@ -179,26 +179,31 @@ class StageGroup:
         share_of = {p[0].replica: share for p, share in zip(pipelines, shares, strict=True)}
         last = len(pipelines[0]) - 1
 
-        def request(stage: PipelineStage) -> stage_pb2.RunStepRequest:
+        def request(stage: PipelineStage) -> Outgoing[stage_pb2.RunStepRequest]:
             share = share_of[stage.replica]
             part = slice(share.start, share.stop)
             is_last = stage.rank == last
-            return stage_pb2.RunStepRequest(
+            payloads = Payloads()
+            message = stage_pb2.RunStepRequest(
                 job_id=self.job_id,
                 plan_epoch=self.epoch,
                 run_id=run_id,
                 mode=mode,
                 num_microbatches=len(share),
-                inputs=encoded_inputs[part] if stage.rank == 0 else [],
-                targets=encoded_targets[part] if is_last else [],
+                inputs=[payloads.add(*v) for v in input_views[part]] if stage.rank == 0 else [],
+                targets=[payloads.add(*v) for v in target_views[part]] if is_last else [],
                 loss_weights=weights[part] if is_last and targets else [],
                 commit=commit if stage.replica == 0 else others_commit,
-                side_inputs=encoded_side[part],
+                side_inputs=[
+                    stage_pb2.SideInputs(tensors={n: payloads.add(*v) for n, v in side.items()})
+                    for side in side_views[part]
+                ],
                 caches=caches[part],
                 greedy=batch.greedy,
                 microbatch_offset=share.start,
                 replicas=group,
             )
+            return RUN_STEP.outgoing(message, payloads)
 
         # A replica with no share (a batch smaller than the replicas, or generation) sits the
         # run out; a carried commit must reach every stage, so the caller flushed it first.
@@ -209,7 +214,7 @@ class StageGroup:
         replies = call_all(
             self.registry,
             stages,
-            lambda stub, s: (stub.RunStep, request(s)),
+            lambda stub, s: (self.registry.run_step(s.address), request(s)),
             deadlines.step_s,
             deadlines=deadlines,
             what=what,

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy
 import torch
+from torch.utils.dlpack import from_dlpack
 
 from pipesvc.errors import ResourceExhaustedError, WireFormatError
 from pipesvc.v1 import common_pb2
@@ -132,6 +134,14 @@ def frame_views(
     ]
 
 
+def payload_view(tensor: torch.Tensor) -> tuple[common_pb2.TensorHeader, memoryview]:
+    """A header and a view of the tensor's host memory, to send as one payload beside its
+    message (see [Note: payload wire] in ``pipesvc.wire.payload_wire``): no copy of a
+    contiguous CPU tensor (the view keeps its memory alive; the tensor must not change until
+    it is sent)."""
+    return make_header(tensor), _host_view(tensor)
+
+
 def check_header(header: common_pb2.TensorHeader, limits: CodecLimits = DEFAULT_LIMITS) -> None:
     """Validates a header against the wire rules and ``limits``.
 
@@ -190,25 +200,70 @@ def _from_buffer(buffer: bytearray, header: common_pb2.TensorHeader) -> torch.Te
     return flat.view(dtype).reshape(shape) if storage_dtype != dtype else flat.reshape(shape)
 
 
-def decode(message: common_pb2.Tensor, limits: CodecLimits = DEFAULT_LIMITS) -> torch.Tensor:
-    """A tensor from a single-message encoding, validated first.
+def _read_only(view: memoryview, header: common_pb2.TensorHeader) -> torch.Tensor:
+    """The bytes ``view`` (exactly ``header.num_bytes``, checked header) as the header's dtype
+    and shape, no copy, whether or not ``view`` is writable.
+
+    ``torch.frombuffer`` warns on a read-only buffer (the received bytes of a request are a
+    ``bytes`` object); a read-only numpy array imported through DLPack is the same memory
+    without the warning, and the capsule keeps ``view`` (so the received bytes) alive for as
+    long as the tensor lives."""
+    dtype = _TO_TORCH[header.dtype]
+    shape = tuple(header.shape)
+    if not len(view):
+        return torch.empty(shape, dtype=dtype)
+    raw = from_dlpack(numpy.frombuffer(view, dtype=numpy.uint8))
+    return raw.view(dtype).reshape(shape)
+
+
+def decode(
+    message: common_pb2.Tensor,
+    limits: CodecLimits = DEFAULT_LIMITS,
+    payloads: Sequence[memoryview] = (),
+    *,
+    copy: bool = True,
+) -> torch.Tensor:
+    """A tensor from a single-message encoding, validated first: its bytes in ``data``, or
+    (``payload`` set) in ``payloads[payload]``, the payloads of the request it came in (see
+    [Note: payload wire] in ``pipesvc.wire.payload_wire``).
+
+    ``copy`` False: the tensor of a payload is a view of the received bytes, with no copy,
+    for a receiver that never writes to it (nothing may: the bytes are read-only memory);
+    True: a writable tensor of its own. A tensor in ``data`` is always a copy.
 
     Raises:
-        WireFormatError: the header or payload is malformed.
+        WireFormatError: the header or payload is malformed, or names a payload that is not
+            there.
         ResourceExhaustedError: the tensor exceeds a limit.
     """
     if not message.HasField("header"):
         raise WireFormatError("tensor message has no header")
-    check_header(message.header, limits)
-    if message.header.num_frames != 1:
+    header = message.header
+    check_header(header, limits)
+    if header.num_frames != 1:
+        raise WireFormatError(f"a single-message tensor has num_frames 1, got {header.num_frames}")
+    if message.HasField("payload"):
+        index = message.payload
+        if message.data:
+            raise WireFormatError(
+                f"tensor names payload {index} and carries {len(message.data)} bytes of data; "
+                "expected one or the other"
+            )
+        if index >= len(payloads):
+            raise WireFormatError(
+                f"tensor names payload {index}; the request carries {len(payloads)} payloads"
+            )
+        view = payloads[index]
+        if len(view) != header.num_bytes:
+            raise WireFormatError(
+                f"tensor payload {index} is {len(view)} bytes; header says {header.num_bytes}"
+            )
+        return _read_only(view, header) if not copy else _from_buffer(bytearray(view), header)
+    if len(message.data) != header.num_bytes:
         raise WireFormatError(
-            f"a single-message tensor has num_frames 1, got {message.header.num_frames}"
+            f"tensor payload is {len(message.data)} bytes; header says {header.num_bytes}"
         )
-    if len(message.data) != message.header.num_bytes:
-        raise WireFormatError(
-            f"tensor payload is {len(message.data)} bytes; header says {message.header.num_bytes}"
-        )
-    return _from_buffer(bytearray(message.data), message.header)
+    return _from_buffer(bytearray(message.data), header)
 
 
 class FrameAssembler:

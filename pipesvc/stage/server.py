@@ -7,7 +7,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, cast
 
 import grpc
 import torch
@@ -17,13 +16,20 @@ from pipesvc import models
 from pipesvc.core.health import Health
 from pipesvc.errors import StageUnavailableError
 from pipesvc.stage.frame_wire import parse, serialize
-from pipesvc.stage.links import EXCHANGE_METHOD
 from pipesvc.stage.service import StageOptions, StageService
 from pipesvc.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2_grpc
 from pipesvc.wire.diagnose import explain
+from pipesvc.wire.payload_wire import RUN_STEP
 from pipesvc.wire.rpc_status import rpc_errors
 from pipesvc.wire.security import Security
-from pipesvc.wire.transport import check_health, create_server, open_channel, split_address
+from pipesvc.wire.transport import (
+    Codec,
+    add_service,
+    check_health,
+    create_server,
+    open_channel,
+    split_address,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -48,31 +54,17 @@ def device_memory_bytes(device: torch.device) -> int:
 
 
 def add_stage_service(servicer: stage_pb2_grpc.StageServiceServicer, server: grpc.Server) -> None:
-    """Registers the stage service on ``server`` with Exchange's frames (de)serialized without
-    copying payloads through protobuf (see [Note: frame wire])."""
-
-    class _Capture:
-        def __init__(self) -> None:
-            self.handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
-
-        def add_generic_rpc_handlers(self, handlers: object) -> None:
-            pass
-
-        def add_registered_method_handlers(
-            self, service: str, handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]
-        ) -> None:
-            self.handlers = dict(handlers)
-
-    capture = _Capture()
-    # The generated function only calls the two registration methods _Capture has.
-    stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, cast(grpc.Server, capture))
-    handlers = capture.handlers
-    handlers["Exchange"] = grpc.stream_stream_rpc_method_handler(
-        servicer.Exchange, request_deserializer=parse, response_serializer=serialize
+    """Registers the stage service on ``server`` with Exchange's frames (see [Note: frame
+    wire]) and RunStep's tensors (see [Note: payload wire]) (de)serialized without copying
+    payloads through protobuf."""
+    add_service(
+        lambda s: stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, s),
+        server,
+        {
+            "Exchange": Codec(request_deserializer=parse, response_serializer=serialize),
+            "RunStep": Codec(request_deserializer=RUN_STEP.parse),
+        },
     )
-    service = EXCHANGE_METHOD.split("/")[1]
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
-    server.add_registered_method_handlers(service, handlers)
 
 
 def register(

@@ -31,6 +31,7 @@ from pipesvc.errors import (
     NotFoundError,
     PipesvcError,
     StepAbortedError,
+    WireFormatError,
 )
 from pipesvc.stage.assignment import Assignment
 from pipesvc.stage.engine import Carried, RunInputs
@@ -42,6 +43,7 @@ from pipesvc.stage.replica_group import GroupSpec, ReplicaGroup
 from pipesvc.stage.runtime import StageRuntime
 from pipesvc.stage.tied_link import TiedLink
 from pipesvc.v1 import common_pb2, stage_pb2, stage_pb2_grpc
+from pipesvc.wire.payload_wire import RUN_STEP, Incoming
 from pipesvc.wire.rpc_status import abort_with, handle_errors
 from pipesvc.wire.transport import open_channel, split_address
 
@@ -404,8 +406,13 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
 
     @handle_errors
     def RunStep(
-        self, request: stage_pb2.RunStepRequest, context: object
+        self,
+        received: Incoming[stage_pb2.RunStepRequest] | stage_pb2.RunStepRequest | WireFormatError,
+        context: object,
     ) -> stage_pb2.RunStepResponse:
+        # Served with payload_wire's parser (see stage.server.add_stage_service).
+        incoming = RUN_STEP.received(received)
+        request, payloads = incoming.message, incoming.payloads
         job = self._current(request.job_id, request.plan_epoch)
         rt = job.runtime
         if request.mode not in (stage_pb2.TRAIN, stage_pb2.INFER, stage_pb2.GENERATE):
@@ -433,10 +440,14 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
                 f"side inputs for {len(request.side_inputs)} micro-batches; expected 0 or {m}"
             )
         caches = _cache_refs(request, m, generating)
-        inputs = [decode(t, self._codec) for t in request.inputs]
-        targets = [decode(t, self._codec) for t in request.targets]
+        # Inputs and side inputs go to the layers, which may write to them in place: on the
+        # CPU they are copies of their own, elsewhere the move to the device copies them.
+        # Targets only reach the loss, which reads them where they lie in the request.
+        own = self._options.device.type == "cpu"
+        inputs = [decode(t, self._codec, payloads, copy=own) for t in request.inputs]
+        targets = [decode(t, self._codec, payloads, copy=False) for t in request.targets]
         side = [
-            {name: decode(t, self._codec) for name, t in entry.tensors.items()}
+            {name: decode(t, self._codec, payloads, copy=own) for name, t in entry.tensors.items()}
             for entry in request.side_inputs
         ]
         result = job.engine.run_step(

@@ -133,8 +133,17 @@ class Tensor(_message.Message):
 
     HEADER_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
+    PAYLOAD_FIELD_NUMBER: _builtins.int
     data: _builtins.bytes
     """The raw little-endian bytes, exactly header.num_bytes long."""
+    payload: _builtins.int
+    """Instead of data, in a request that has a `payloads` field (TrainStepRequest,
+    ForwardRequest, RunStepRequest): the index of the entry of that field holding the raw
+    bytes. Such a request is serialized with its payloads appended as views of the tensors'
+    memory and parsed with them as views of the received bytes, so no payload is copied
+    through protobuf (see [Note: payload wire] in pipesvc/wire/payload_wire.py). data is then
+    empty.
+    """
     @_builtins.property
     def header(self) -> Global___TensorHeader:
         """Element type and shape; num_frames is 1."""
@@ -144,12 +153,15 @@ class Tensor(_message.Message):
         *,
         header: Global___TensorHeader | None = ...,
         data: _builtins.bytes = ...,
+        payload: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_payload", b"_payload", "header", b"header", "payload", b"payload"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "header", b"header"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_payload", b"_payload", "data", b"data", "header", b"header", "payload", b"payload"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__payload: _TypeAlias = _typing.Literal["payload"]  # noqa: Y015
+    _WhichOneofArgType__payload: _TypeAlias = _typing.Literal["_payload", b"_payload"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__payload) -> _WhichOneofReturnType__payload | None: ...
 
 Global___Tensor: _TypeAlias = Tensor  # noqa: Y015
 

@@ -438,6 +438,7 @@ class TrainStepRequest(_message.Message):
     TARGETS_FIELD_NUMBER: _builtins.int
     SIDE_INPUTS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    PAYLOADS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job to train."""
     request_id: _builtins.str
@@ -460,6 +461,12 @@ class TrainStepRequest(_message.Message):
         with the inputs and given to every stage's layers.
         """
 
+    @_builtins.property
+    def payloads(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """The raw bytes of the tensors above whose Tensor.payload names them, in any order (see
+        [Note: payload wire]); empty when every tensor carries its bytes in Tensor.data.
+        """
+
     def __init__(
         self,
         *,
@@ -468,10 +475,11 @@ class TrainStepRequest(_message.Message):
         targets: _common_pb2.Tensor | None = ...,
         side_inputs: _abc.Mapping[_builtins.str, _common_pb2.Tensor] | None = ...,
         request_id: _builtins.str = ...,
+        payloads: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "targets", b"targets"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "job_id", b"job_id", "request_id", b"request_id", "side_inputs", b"side_inputs", "targets", b"targets"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "job_id", b"job_id", "payloads", b"payloads", "request_id", b"request_id", "side_inputs", b"side_inputs", "targets", b"targets"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -539,6 +547,7 @@ class ForwardRequest(_message.Message):
     JOB_ID_FIELD_NUMBER: _builtins.int
     INPUTS_FIELD_NUMBER: _builtins.int
     SIDE_INPUTS_FIELD_NUMBER: _builtins.int
+    PAYLOADS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job to run."""
     @_builtins.property
@@ -549,16 +558,21 @@ class ForwardRequest(_message.Message):
     def side_inputs(self) -> _containers.MessageMap[_builtins.str, _common_pb2.Tensor]:
         """Side inputs by name, as in TrainStepRequest."""
 
+    @_builtins.property
+    def payloads(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """The raw bytes of the tensors above, as in TrainStepRequest."""
+
     def __init__(
         self,
         *,
         job_id: _builtins.str = ...,
         inputs: _common_pb2.Tensor | None = ...,
         side_inputs: _abc.Mapping[_builtins.str, _common_pb2.Tensor] | None = ...,
+        payloads: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "job_id", b"job_id", "side_inputs", b"side_inputs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "job_id", b"job_id", "payloads", b"payloads", "side_inputs", b"side_inputs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -450,6 +450,7 @@ class RunStepRequest(_message.Message):
     GREEDY_FIELD_NUMBER: _builtins.int
     MICROBATCH_OFFSET_FIELD_NUMBER: _builtins.int
     REPLICAS_FIELD_NUMBER: _builtins.int
+    PAYLOADS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     plan_epoch: _builtins.int
@@ -504,6 +505,12 @@ class RunStepRequest(_message.Message):
     def replicas(self) -> Global___ReplicaGroup:
         """TRAIN with replicas: where this stage's gradient group meets."""
 
+    @_builtins.property
+    def payloads(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """The raw bytes of the tensors above (inputs, targets, side inputs) whose Tensor.payload
+        names them (see [Note: payload wire] in pipesvc/wire/payload_wire.py).
+        """
+
     def __init__(
         self,
         *,
@@ -521,10 +528,11 @@ class RunStepRequest(_message.Message):
         greedy: _builtins.bool = ...,
         microbatch_offset: _builtins.int = ...,
         replicas: Global___ReplicaGroup | None = ...,
+        payloads: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "replicas", b"replicas"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["caches", b"caches", "commit", b"commit", "greedy", b"greedy", "inputs", b"inputs", "job_id", b"job_id", "loss_weights", b"loss_weights", "microbatch_offset", b"microbatch_offset", "mode", b"mode", "num_microbatches", b"num_microbatches", "plan_epoch", b"plan_epoch", "replicas", b"replicas", "run_id", b"run_id", "side_inputs", b"side_inputs", "targets", b"targets"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["caches", b"caches", "commit", b"commit", "greedy", b"greedy", "inputs", b"inputs", "job_id", b"job_id", "loss_weights", b"loss_weights", "microbatch_offset", b"microbatch_offset", "mode", b"mode", "num_microbatches", b"num_microbatches", "payloads", b"payloads", "plan_epoch", b"plan_epoch", "replicas", b"replicas", "run_id", b"run_id", "side_inputs", b"side_inputs", "targets", b"targets"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

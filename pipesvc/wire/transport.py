@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent import futures
-from typing import Any, TypeVar, overload
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast, overload
 
 import grpc
+from google.protobuf.descriptor import MethodDescriptor
+from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pipesvc.core.health import Health
@@ -36,6 +39,7 @@ def _message_options(limits: Limits) -> list[tuple[str, Any]]:
 
 _T = TypeVar("_T")
 _Req = TypeVar("_Req")
+_M = TypeVar("_M", bound=Message)
 NO_SECURITY = Security()
 DEFAULT_LIMITS = Limits()
 
@@ -114,6 +118,87 @@ def create_server(
     server.start()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     return server, port, health_servicer
+
+
+@dataclass(frozen=True, slots=True)
+class Codec:
+    """How one method's messages are (de)serialized when not by protobuf alone (None: as
+    generated)."""
+
+    request_deserializer: Callable[[bytes], Any] | None = None
+    response_serializer: Callable[[Any], bytes] | None = None
+
+
+def add_service(
+    add: Callable[[grpc.Server], None], server: grpc.Server, codecs: Mapping[str, Codec]
+) -> None:
+    """Registers the service that ``add`` (a generated ``add_*Servicer_to_server`` bound to
+    its servicer) registers, with the methods named in ``codecs`` using those (de)serializers:
+    [Note: frame wire] for Exchange, [Note: payload wire] for the requests that carry a batch.
+
+    Raises:
+        ValueError: ``codecs`` names a method the service does not have.
+    """
+
+    class _Capture:
+        def __init__(self) -> None:
+            self.service = ""
+            self.handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+
+        def add_generic_rpc_handlers(self, handlers: object) -> None:
+            pass
+
+        def add_registered_method_handlers(
+            self, service: str, handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]
+        ) -> None:
+            self.service, self.handlers = service, dict(handlers)
+
+    capture = _Capture()
+    # The generated function only calls the two registration methods _Capture has.
+    add(cast(grpc.Server, capture))
+    handlers = capture.handlers
+    for name, codec in codecs.items():
+        if name not in handlers:
+            raise ValueError(f"service {capture.service} has no method {name!r}")
+        handlers[name] = _with_codec(handlers[name], codec)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(capture.service, handlers),)
+    )
+    server.add_registered_method_handlers(capture.service, handlers)
+
+
+def _with_codec(
+    handler: grpc.RpcMethodHandler[Any, Any], codec: Codec
+) -> grpc.RpcMethodHandler[Any, Any]:
+    """``handler`` with ``codec``'s (de)serializers in place of the generated ones."""
+    kw = {
+        "request_deserializer": codec.request_deserializer or handler.request_deserializer,
+        "response_serializer": codec.response_serializer or handler.response_serializer,
+    }
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(handler.stream_stream, **kw)  # type: ignore[arg-type]
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(handler.stream_unary, **kw)  # type: ignore[arg-type]
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(handler.unary_stream, **kw)  # type: ignore[arg-type]
+    return grpc.unary_unary_rpc_method_handler(handler.unary_unary, **kw)  # type: ignore[arg-type]
+
+
+def unary_method(
+    channel: grpc.Channel,
+    method: MethodDescriptor,
+    request_serializer: Callable[[_Req], bytes],
+    response_class: type[_M],
+) -> grpc.UnaryUnaryMultiCallable[_Req, _M]:
+    """A unary method of ``channel`` whose requests ``request_serializer`` encodes (see [Note:
+    payload wire]); named by its descriptor (``coordinator_pb2.DESCRIPTOR.services_by_name
+    [...].methods_by_name[...]``), so a renamed method fails at import, not on the wire."""
+    path = f"/{method.containing_service.full_name}/{method.name}"
+    return channel.unary_unary(
+        path,
+        request_serializer=request_serializer,
+        response_deserializer=response_class.FromString,
+    )
 
 
 def open_channel(

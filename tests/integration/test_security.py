@@ -16,10 +16,14 @@ import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import pipesvc
+from pipesvc.coordinator.server import add_coordinator_service
 from pipesvc.coordinator.service import CoordinatorService
+from pipesvc.core.config import JobConfig, config_to_proto
 from pipesvc.core.limits import Limits
 from pipesvc.core.tensor_codec import encode
 from pipesvc.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
+from pipesvc.wire.payload_wire import TRAIN_STEP, Payloads
+from pipesvc.wire.rpc_status import ERROR_CLASS_KEY
 from pipesvc.wire.security import Security, TLSConfig
 from pipesvc.wire.transport import create_server, open_channel
 from tests.support.reference import PROBLEMS, Reference
@@ -212,7 +216,7 @@ def small_coordinator(tmp_path: Path) -> Iterator[str]:
     service.open()
     server, port, _ = create_server(
         "127.0.0.1:0",
-        [lambda s: coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(service, s)],
+        [lambda s: add_coordinator_service(service, s)],
         limits=limits,
     )
     try:
@@ -234,6 +238,34 @@ def test_oversized_message_and_tensor_are_refused(small_coordinator: str) -> Non
             stub.Forward(many, timeout=5)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "2000 elements" in (info.value.details() or "")
+
+
+def test_a_batch_beside_its_message_is_held_to_the_same_limits(small_coordinator: str) -> None:
+    """The client's encoding (payloads beside the message, see [Note: payload wire]): a tensor
+    over the limit and a request that names a payload it does not carry are refused with typed
+    errors, through the real server's parser."""
+    with pipesvc.connect(small_coordinator, timeout_s=5) as client:
+        info = coordinator_pb2.JobInfo(job_id="x", spec=config_to_proto(JobConfig(model="mlp")))
+        job = pipesvc.Job(client, info)
+        with pytest.raises(pipesvc.ResourceExhaustedError, match="2000 elements"):
+            job.train_step(torch.zeros(2000), torch.zeros(2000))
+        with pytest.raises(pipesvc.ResourceExhaustedError, match="2000 elements"):
+            job.forward(torch.zeros(2000))
+    payloads = Payloads()
+    inputs = payloads.tensor(torch.zeros(4))
+    inputs.payload = 3
+    message = coordinator_pb2.TrainStepRequest(job_id="x", inputs=inputs, targets=inputs)
+    with open_channel(small_coordinator) as channel:
+        call = channel.unary_unary("/pipesvc.v1.CoordinatorService/TrainStep")
+        for wire in (
+            TRAIN_STEP.serialize(TRAIN_STEP.outgoing(message, payloads)),
+            TRAIN_STEP.serialize(TRAIN_STEP.outgoing(message, payloads))[:-3],
+        ):
+            with pytest.raises(grpc.RpcError) as info:
+                call(wire, timeout=5)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            trailers = dict(info.value.trailing_metadata() or ())
+            assert trailers.get(ERROR_CLASS_KEY) == "WireFormatError", info.value.details()
 
 
 def test_concurrent_call_limit_keeps_health_answering(small_coordinator: str) -> None:
