@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import threading
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent import futures
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from pipesvc.coordinator.registry import StageRecord, StageRegistry
 from pipesvc.coordinator.replicas import Rendezvous
 from pipesvc.coordinator.stage_calls import Deadlines, call_stage
 from pipesvc.coordinator.state_db import StateDB
+from pipesvc.coordinator.train_stream import TrainStream
 from pipesvc.core.config import config_from_proto
 from pipesvc.core.health import Health
 from pipesvc.core.limits import Limits
@@ -76,6 +78,27 @@ def _batch_digest(request: coordinator_pb2.TrainStepRequest) -> str:
             digest.update(len(body).to_bytes(8, "little"))
             digest.update(body)
     return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def _batch_errors(
+    job: JobDriver, inputs: torch.Tensor, targets: torch.Tensor | None
+) -> Iterator[None]:
+    """Inside, an InvalidArgumentError leaves in terms of the batch the caller sent
+    (``_in_terms_of_the_batch``)."""
+    try:
+        yield
+    except InvalidArgumentError as exc:
+        better = _in_terms_of_the_batch(exc, job, inputs, targets)
+        if better is exc:
+            raise
+        raise better from exc
+
+
+def _train_reply(result: tuple[JobDriver, float, int]) -> coordinator_pb2.TrainStepResponse:
+    """The reply to a decided step: its loss, its step and the job as it is now."""
+    job, loss, step = result
+    return coordinator_pb2.TrainStepResponse(loss=loss, step=step, job=job.info())
 
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
@@ -299,30 +322,44 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
         """A request's side inputs, decoded (checked against the batch by the job)."""
         return {name: decode(tensor, self._codec) for name, tensor in side.items()}
 
-    @handle_errors
-    def TrainStep(
-        self, request: coordinator_pb2.TrainStepRequest, context: object
-    ) -> coordinator_pb2.TrainStepResponse:
+    def _prepare_train(
+        self, request: coordinator_pb2.TrainStepRequest
+    ) -> Callable[[], tuple[JobDriver, float, int]]:
+        """A training request decoded, checked and split (``JobDriver.prepare_step``); returns
+        the step, to run (``JobDriver.train_prepared``) now or, in a stream, when its turn
+        comes. Either part's batch errors name the batch as sent."""
         if not request.HasField("inputs") or not request.HasField("targets"):
             raise InvalidArgumentError("a training step needs both inputs and targets")
         inputs = decode(request.inputs, self._codec)
         targets = decode(request.targets, self._codec)
         side = self._side(request.side_inputs)
         job = self._job(request.job_id)
-        try:
-            loss, step = job.train_step(
-                inputs,
-                targets,
-                side,
-                request_id=request.request_id,
-                digest=lambda: _batch_digest(request),
-            )
-        except InvalidArgumentError as exc:
-            better = _in_terms_of_the_batch(exc, job, inputs, targets)
-            if better is exc:
-                raise
-            raise better from exc
-        return coordinator_pb2.TrainStepResponse(loss=loss, step=step, job=job.info())
+        with _batch_errors(job, inputs, targets):
+            prepared = job.prepare_step(inputs, targets, side, request_id=request.request_id)
+
+        def run() -> tuple[JobDriver, float, int]:
+            with _batch_errors(job, inputs, targets):
+                loss, step = job.train_prepared(prepared, lambda: _batch_digest(request))
+            return job, loss, step
+
+        return run
+
+    @handle_errors
+    def TrainStep(
+        self, request: coordinator_pb2.TrainStepRequest, context: object
+    ) -> coordinator_pb2.TrainStepResponse:
+        return _train_reply(self._prepare_train(request)())
+
+    @handle_errors
+    def Train(
+        self,
+        request_iterator: Iterator[coordinator_pb2.TrainStepRequest],
+        context: grpc.ServicerContext,
+    ) -> Iterator[coordinator_pb2.TrainStepResponse]:
+        """Training steps pipelined (see [Note: pipelined steps] in train_stream.py)."""
+        stream = TrainStream(request_iterator, prepare=self._prepare_train, reply=_train_reply)
+        context.add_callback(stream.stop)
+        yield from stream.replies()
 
     @handle_errors
     def Forward(
@@ -333,13 +370,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
         inputs = decode(request.inputs, self._codec)
         side = self._side(request.side_inputs)
         job = self._job(request.job_id)
-        try:
+        with _batch_errors(job, inputs, None):
             outputs = encode(job.forward(inputs, side))
-        except InvalidArgumentError as exc:
-            better = _in_terms_of_the_batch(exc, job, inputs, None)
-            if better is exc:
-                raise
-            raise better from exc
         return coordinator_pb2.ForwardResponse(outputs=outputs, job=job.info())
 
     @handle_errors
