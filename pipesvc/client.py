@@ -33,7 +33,6 @@ from pipesvc.core.plan import PipelineStage, plan_to_dicts
 from pipesvc.core.tensor_codec import decode, encode, named_frames, read_named_frames
 from pipesvc.errors import FailedPreconditionError, InvalidArgumentError, PipesvcError
 from pipesvc.observe.trace import StageTimeline, TraceEvent, write_trace_files
-from pipesvc.step_stream import StepStream
 from pipesvc.storage.checkpoint import (
     Manifest,
     read_layers,
@@ -46,6 +45,7 @@ from pipesvc.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from pipesvc.wire.diagnose import explain
 from pipesvc.wire.rpc_status import ERROR_CLASS_KEY, rpc_errors
 from pipesvc.wire.security import Security, TLSConfig
+from pipesvc.wire.step_stream import StepStream
 from pipesvc.wire.transport import open_channel
 
 _Req = TypeVar("_Req")
@@ -477,7 +477,7 @@ class Job:
         guarantees are ``train_step``'s, step by step: each step commits on every stage or on
         none, under a request id of its own, and one whose reply was lost to a coordinator
         restart or a dropped connection is sent again under it (see [Note: stream
-        reconnect] in ``pipesvc/step_stream.py``).
+        reconnect] in ``pipesvc/wire/step_stream.py``).
 
         ``steps``: stop after that many steps (None: when ``batches`` runs out). ``progress``:
         show a tqdm progress bar with the latest loss.

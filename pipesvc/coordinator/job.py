@@ -36,8 +36,9 @@ step log, the step is never decided: its prepared run is aborted on every stage 
 (``StepLogError``), and nothing is committed anywhere.
 
 [Note: step request ids] A client may retry a step whose reply it lost (or that failed after
-the step was decided, e.g. writing the job's row). Each TrainStep carries a client-chosen
-request id, the same on every retry; once a step is decided, its result (step, loss, and a
+the step was decided, e.g. writing the job's row). Each TrainStep (and each step of a Train
+stream, see [Note: pipelined steps] in train_stream.py) carries a client-chosen request id,
+the same on every retry; once a step is decided, its result (step, loss, and a
 digest of the batch) is kept under that id in ``JobState.results`` and written to the state
 database in the same transaction as the row that records the step as decided, so it survives
 a coordinator restart exactly when the step does. A request whose id is remembered is not run:
@@ -165,6 +166,7 @@ class JobDriver:
         self._last_loss = (0, 0.0)  # (step, loss) of the newest run phase that succeeded
         self._decided_at = 0.0  # when the newest step was decided (for the idle flush)
         self._lock = FairLock()  # calls take turns (see fair_lock.py)
+        self._stopping = False  # set by wait_idle: the coordinator is stopping
         self.generation = JobGeneration(
             job_id=job_id,
             config=config,
@@ -421,6 +423,11 @@ class JobDriver:
         state = self.state
         with self._lock:
             self._check_open()
+            if self._stopping:
+                raise StageUnavailableError(
+                    f"job {self.job_id}: the coordinator is stopping; send the step again to "
+                    "its successor (under the same request id)"
+                )
             first = state.results.get(request_id) if request_id else None
             if first is not None:
                 return self._repeated(first, digest())
@@ -736,6 +743,7 @@ class JobDriver:
         restarted coordinator also finds an unflushed commit, see ``Recovery.reconcile``), for
         a graceful coordinator stop."""
         with self._lock:
+            self._stopping = True  # no step starts after this one (a stream's next, say)
             if self.state.closed:
                 return
             try:

@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
@@ -133,6 +134,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self._jobs: dict[str, JobDriver] = {}
         self._lock = threading.Lock()
         self._db: StateDB | None = None
+        self._streams: set[TrainStream[Any, Any, Any]] = set()
+        """The Train calls running (interrupted by ``shutdown``)."""
+        self._stopping = False
 
     def open(self) -> None:
         """Opens the state database and reads back the jobs and stages of a previous run."""
@@ -357,9 +361,30 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
         context: grpc.ServicerContext,
     ) -> Iterator[coordinator_pb2.TrainStepResponse]:
         """Training steps pipelined (see [Note: pipelined steps] in train_stream.py)."""
-        stream = TrainStream(request_iterator, prepare=self._prepare_train, reply=_train_reply)
+        stream: TrainStream[
+            coordinator_pb2.TrainStepRequest,
+            tuple[JobDriver, float, int],
+            coordinator_pb2.TrainStepResponse,
+        ] = TrainStream(request_iterator, prepare=self._prepare_train, reply=_train_reply)
         context.add_callback(stream.stop)
-        yield from stream.replies()
+        with self._lock:
+            if self._stopping:
+                stream.interrupt()
+            self._streams.add(stream)
+        try:
+            if not stream.interrupted:
+                yield from stream.replies()
+        except Exception:
+            if not stream.interrupted:
+                raise  # a step's own error; one of a stopping coordinator ends as below
+        finally:
+            with self._lock:
+                self._streams.discard(stream)
+        if stream.interrupted:  # as a lost call, which the client sends again (no error class)
+            context.set_code(grpc.StatusCode.UNAVAILABLE)
+            context.set_details(
+                "the coordinator is stopping; send the unreplied steps again to its successor"
+            )
 
     @handle_errors
     def Forward(
@@ -463,8 +488,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
         return coordinator_pb2.CloseJobResponse()
 
     def shutdown(self) -> None:
-        """Waits for steps in flight, then closes channels; jobs stay, to resume on restart."""
+        """Waits for steps in flight, then closes channels; jobs stay, to resume on restart.
+        Training streams start no step after this (see [Note: pipelined steps])."""
         with self._lock:
+            self._stopping = True
+            for stream in self._streams:
+                stream.interrupt()
             jobs = list(self._jobs.values())
         for job in jobs:
             job.wait_idle()

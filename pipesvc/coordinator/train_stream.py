@@ -3,8 +3,8 @@
 [Note: pipelined steps] With ``TrainStep`` the stages wait, between two steps, for the reply to
 reach the client, the client to encode its next batch and send it, and the coordinator to
 decode, check and split it. ``Train`` takes that off the path: the client streams its batches
-ahead (``pipesvc.train_stream``, at most ``TRAIN_WINDOW`` unreplied), and the coordinator runs
-three threads per call:
+ahead (``pipesvc.wire.step_stream``, at most ``TRAIN_WINDOW`` unreplied), and the coordinator
+runs three threads per call:
 
 - a reader decodes, checks and splits each request as it arrives (``JobDriver.prepare_step``,
   which touches nothing of the job's), so step N+1 is ready while step N runs;
@@ -22,7 +22,9 @@ it; the worker runs nothing after it, and steps the reader prepared beyond it ar
 (never logged, never run). A cancelled call (the client went away or stopped iterating) lets
 the step running finish (a step is decided whole or aborted whole) and runs no further one;
 a client that reconnects sends its unreplied steps again under the same request ids, and a
-step that was decided is answered with its first result.
+step that was decided is answered with its first result. A coordinator that stops gracefully
+interrupts its streams the same way before it waits for the job's last step and closes its
+database, and ends each as UNAVAILABLE, which the client takes as a lost call.
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ class TrainStream(Generic[_Request, _Result, _Reply]):
         self._prepare = prepare
         self._reply = reply
         self._stopped = threading.Event()
+        self.interrupted = False
+        """Stopped by ``interrupt`` (the coordinator stopping)."""
         self._prepared: queue.Queue[Step[_Result] | BaseException | _End] = queue.Queue(
             PREPARED_AHEAD
         )
@@ -81,6 +85,12 @@ class TrainStream(Generic[_Request, _Result, _Reply]):
     def stop(self) -> None:
         """No step starts after this (the one running finishes); for a cancelled call."""
         self._stopped.set()
+
+    def interrupt(self) -> None:
+        """``stop`` for a coordinator that is stopping: ``interrupted`` tells the call to end
+        as unavailable, so the client sends its unreplied steps again to the next one."""
+        self.interrupted = True
+        self.stop()
 
     def replies(self) -> Iterator[_Reply]:
         """Each step's reply as it is decided; raises the failed step's error, then ends."""

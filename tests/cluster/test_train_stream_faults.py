@@ -1,11 +1,13 @@
-"""``job.train`` through faults: a stage killed and a coordinator killed in the middle of a
-stream still give every step exactly once, with the one-process oracle's losses and weights
-(see [Note: stream reconnect] in pipesvc/step_stream.py).
+"""``job.train`` through faults: a stage killed in the middle of a stream, and a coordinator
+killed between two of its steps, still give every step exactly once, with the one-process
+oracle's losses and weights (see [Note: stream reconnect] in pipesvc/wire/step_stream.py).
 """
 
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -44,19 +46,29 @@ def test_a_stage_killed_mid_stream_costs_no_step(tmp_path: Path, when: str) -> N
         run.check_weights()
 
 
-def test_a_coordinator_killed_mid_stream_applies_each_step_once() -> None:
-    """The coordinator is killed after the fifth loss, with the next steps sent and maybe
-    running or decided: the client reconnects to the restarted one, sends its unreplied steps
-    again under their request ids, and every step is applied exactly once, in order."""
+def test_a_coordinator_killed_between_two_steps_of_a_stream_loses_none() -> None:
+    """The coordinator is killed after the sixth loss, while the client is still reading its
+    next batch (so no step is in flight): the client's call fails, it opens one to the
+    restarted coordinator, which reconciles with the stages, and every step is applied once,
+    in order, with the one-process oracle's losses."""
     with pipesvc.LocalCluster(num_stages=2, threads_per_stage=1) as cluster:
         client = cluster.connect()
         run = Run.start(client, checkpoint_every=4)
         batches = _batches()
+        restarted = threading.Event()
+
+        def held_back() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            for number, batch in enumerate(batches):
+                if number == 6:
+                    assert restarted.wait(120)
+                yield batch
+
         losses = []
-        for number, loss in enumerate(run.job.train(batches), start=1):
+        for number, loss in enumerate(run.job.train(held_back()), start=1):
             losses.append(loss)
-            if number == 5:
+            if number == 6:
                 cluster.restart_coordinator(kill=True)
+                restarted.set()
         assert losses == pytest.approx(
             [run.reference.step(x, y) for x, y in batches], rel=1e-5, abs=1e-6
         )

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import pipesvc
-from pipesvc.step_stream import TRAIN_WINDOW
+from pipesvc.wire.step_stream import TRAIN_WINDOW
 from tests.support.reference import PROBLEMS, Problem, Reference
 
 ADAMW = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1}

@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from pipesvc.errors import InvalidArgumentError, PipesvcError, StageUnavailableError
-from pipesvc.step_stream import StepStream
 from pipesvc.v1 import coordinator_pb2
+from pipesvc.wire.step_stream import StepStream
 
 
 class _Lost(grpc.RpcError):
