@@ -11,10 +11,12 @@ Models (so small that a step is mostly overhead), batch 64 in 4 micro-batches, M
 - torch: ``bench/pipeline.py``'s baseline (``PipelineStage`` + ``ScheduleGPipe`` /
   ``Schedule1F1B`` over gloo, one process per stage), given these models and batches.
 - pipesvc: ``LocalCluster(num_stages=N, threads_per_stage=1)``; ``job.train_step`` timed from
-  the client, each step on its own, once with checkpoints off (``checkpoint_every=0``) and
-  once at the default interval (every 10 steps).
+  the client, each step on its own, and ``job.train`` (pipelined steps over one stream), timed
+  from the start of each of its streams to its last loss, the two taking turns on the same job
+  in chunks of ``CHUNK`` steps so that both see the same load; once with checkpoints off
+  (``checkpoint_every=0``) and once every 10 steps.
 
-The breakdown of a pipesvc step (ms per step, mean over the timed steps) lines up three
+The breakdown of a pipesvc ``train_step`` (ms per step, mean over its timed steps) lines up three
 clocks of one host (``time.time_ns()``):
 
 - own figures: the client's call (``client``); the coordinator's ``pipesvc_step_seconds``
@@ -35,7 +37,7 @@ clocks of one host (``time.time_ns()``):
   writes and fsyncs a file and its directory) and ``db*`` (``StateDB.put_job`` of a job
   record), each timed in this process on the cluster's file system.
 
-Usage: ``python bench/overhead.py [--quick]``
+Usage: ``python bench/overhead.py [--quick] [--models tiny,mlp]``
 """
 
 from __future__ import annotations
@@ -66,6 +68,10 @@ from pipesvc.observe.trace import StageTimeline  # noqa: E402
 
 BATCH, NUM_MICROBATCHES, LR = 64, 4, 1e-3
 WARMUP_STEPS = 5
+SCHEDULES = ("gpipe", "1f1b")
+"""The schedules timed (``pipeline.py`` has more; torch's run as the same names)."""
+CHUNK = 25
+"""``train_step`` and ``job.train`` take turns in chunks of this many steps."""
 CHECKPOINT_EVERY = 10
 """A fixed ``checkpoint_every`` (the default cadence is set by cost: bench/checkpoints.py)."""
 TINY = base.Workload("tiny", "bench-mlp", {"width": 32, "depth": 4}, "mse", 4)
@@ -105,10 +111,13 @@ def torch_steps_per_s(w: base.Workload, schedule: str, world: int, num_steps: in
 
 @dataclass(frozen=True)
 class PipesvcRun:
-    """One job's timed steps: per-step client times (ms) and the breakdown's columns."""
+    """One job's timed steps: per-step client times (ms) of ``train_step`` and the
+    breakdown's columns; ``job.train``'s steps/s and ms between losses."""
 
     step_ms: list[float]
     breakdown: dict[str, float]
+    train_rate: float
+    train_ms: list[float]
 
 
 def _coordinator_seconds(metrics_url: str) -> tuple[float, float]:
@@ -125,43 +134,61 @@ def _checkpoint_log_s(log: Path, job_id: str, steps: range) -> float:
     return sum(float(m[2]) for m in found if m and int(m[1]) in steps)
 
 
-def _spans(timelines: list[StageTimeline], steps: range) -> dict[str, float]:
-    """Per-step means (ms) of the stages' window and their summed compute, wait and send."""
+def _spans(
+    timelines: list[StageTimeline], steps: range, only: set[int] | None = None
+) -> dict[str, float]:
+    """Per-step means (ms) of the stages' window and their summed compute, wait and send,
+    over ``steps`` (those in ``only``, if given)."""
     totals = dict.fromkeys(("window", "compute", "wait", "send"), 0.0)
-    for step in steps:
+    chosen = [s for s in steps if only is None or s in only]
+    for step in chosen:
         events = [e for t in timelines for e in t.events if e.step == step]
         totals["window"] += max(e.end_ns for e in events) - min(e.start_ns for e in events)
         for e in events:
             kind = "compute" if e.name in ("forward", "backward", "weight") else e.name
             totals[kind] += e.end_ns - e.start_ns
-    return {k: v / 1e6 / len(steps) for k, v in totals.items()}
+    return {k: v / 1e6 / len(chosen) for k, v in totals.items()}
 
 
 def time_job(job: pipesvc.Job, w: base.Workload, num_steps: int, cluster: Any) -> PipesvcRun:
-    """Warms up, times ``num_steps`` steps one by one and gathers the breakdown."""
+    """Warms up, then times ``num_steps`` steps sent one by one with ``train_step`` and
+    ``num_steps`` through ``job.train``, in alternating chunks of ``CHUNK`` (so that both see
+    the same load), and gathers the breakdown of the ``train_step`` ones."""
     x, y = _batch(w)
     for _ in range(WARMUP_STEPS):
         job.train_step(x, y)
-    first = job.step + 1
-    coord_before = _coordinator_seconds(cluster.metrics_url)
-    calls: list[tuple[int, int]] = []
-    for _ in range(num_steps):
-        start = time.time_ns()
-        job.train_step(x, y)
-        calls.append((start, time.time_ns()))
-    coord_after = _coordinator_seconds(cluster.metrics_url)
-    steps = range(first, job.step + 1)
+    list(job.train([(x, y)] * WARMUP_STEPS))
+    chunk = min(CHUNK, num_steps)
+    calls: dict[int, tuple[int, int]] = {}  # train_step's step -> its call's start and end
+    coord_s, coord_n = 0.0, 0.0
+    train_s, train_ms = 0.0, []
+    for _ in range(max(1, num_steps // chunk)):
+        before_sum, before_count = _coordinator_seconds(cluster.metrics_url)
+        for _ in range(chunk):
+            start = time.time_ns()
+            job.train_step(x, y)
+            calls[job.step] = (start, time.time_ns())
+        after_sum, after_count = _coordinator_seconds(cluster.metrics_url)
+        coord_s, coord_n = coord_s + after_sum - before_sum, coord_n + after_count - before_count
+        began = last = time.perf_counter()
+        for _ in job.train([(x, y)] * chunk):
+            now = time.perf_counter()
+            train_ms.append((now - last) * 1e3)
+            last = now
+        train_s += last - began
+    steps = sorted(calls)
     timelines = job.timelines()
     windows = {}
     for step in steps:
         events = [e for t in timelines for e in t.events if e.step == step]
         windows[step] = (min(e.start_ns for e in events), max(e.end_ns for e in events))
     n = len(steps)
-    client_ms = [(end - start) / 1e6 for start, end in calls]
-    before = sum(windows[s][0] - c[0] for s, c in zip(steps, calls, strict=True)) / 1e6 / n
-    after = sum(c[1] - windows[s][1] for s, c in zip(steps, calls, strict=True)) / 1e6 / n
-    coord_ms = (coord_after[0] - coord_before[0]) * 1e3 / (coord_after[1] - coord_before[1])
-    ckpt_ms = _checkpoint_log_s(cluster.log_dir / "coordinator.log", job.id, steps) * 1e3 / n
+    client_ms = [(calls[s][1] - calls[s][0]) / 1e6 for s in steps]
+    before = sum(windows[s][0] - calls[s][0] for s in steps) / 1e6 / n
+    after = sum(calls[s][1] - windows[s][1] for s in steps) / 1e6 / n
+    coord_ms = coord_s * 1e3 / coord_n
+    ckpt_ms = _checkpoint_log_s(cluster.log_dir / "coordinator.log", job.id, range(1, job.step + 1))
+    ckpt_ms = ckpt_ms * 1e3 / job.step  # checkpoints come with both kinds of step alike
     breakdown = {
         "client": statistics.fmean(client_ms),
         "coord": coord_ms,
@@ -169,9 +196,9 @@ def time_job(job: pipesvc.Job, w: base.Workload, num_steps: int, cluster: Any) -
         "ckpt log": ckpt_ms,
         "before": before,
         "after": after,
-        **_spans(timelines, steps),
+        **_spans(timelines, range(steps[0], steps[-1] + 1), only=set(steps)),
     }
-    return PipesvcRun(client_ms, breakdown)
+    return PipesvcRun(client_ms, breakdown, len(train_ms) / train_s, train_ms)
 
 
 class _Cluster(pipesvc.LocalCluster):
@@ -200,7 +227,7 @@ def measure_pipesvc(num_stages: int, num_steps: int) -> dict[tuple[str, str, int
     ) as cluster:
         client = cluster.connect()
         for w in WORKLOADS.values():
-            for schedule in base.SCHEDULES:
+            for schedule in SCHEDULES:
                 for every in (0, CHECKPOINT_EVERY):
                     job = client.create_job(
                         model=w.model,
@@ -261,8 +288,14 @@ def percentile(values: list[float], q: float) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="30 timed steps instead of 200")
+    parser.add_argument(
+        "--models", default="tiny,mlp", help="comma-separated models to time (default: both)"
+    )
     args = parser.parse_args()
     num_steps = 30 if args.quick else 200
+    chosen = args.models.split(",")
+    for name in set(WORKLOADS) - set(chosen):
+        del WORKLOADS[name]
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p
     )  # for the stage processes, which import bench.bench_models
@@ -276,13 +309,14 @@ def main() -> None:
     rate_rows = [["model", "schedule", "stages", "torch steps/s", "torch ms"]]
     for label in ("off", f"every {CHECKPOINT_EVERY}"):
         rate_rows[0] += [f"pipesvc ckpt {label} steps/s", "ms", "p50 ms", "p99 ms", "/torch"]
+        rate_rows[0] += ["train steps/s", "ms", "p50 ms", "p99 ms", "/torch"]
     cols = ["client", "coord", "outside coord", "ckpt log", "before", "window", "after"]
     cols += ["compute", "wait", "send"]
     parts_rows = [["model", "schedule", "stages", "ckpt", *cols, "steplog*", "db*"]]
     errors = {}
     for p in base.STAGE_COUNTS:
         for w in WORKLOADS.values():
-            for schedule in base.SCHEDULES:
+            for schedule in SCHEDULES:
                 theirs = torch_steps_per_s(w, schedule, p, num_steps)
                 if isinstance(theirs, str):
                     errors[f"{w.name}, {schedule} x {p}"] = theirs
@@ -297,6 +331,10 @@ def main() -> None:
                     rate = 1e3 / statistics.fmean(run.step_ms)
                     ratio = "n/a" if isinstance(theirs, str) else f"{rate / theirs:.2f}"
                     quantiles = [f"{percentile(run.step_ms, q):.2f}" for q in (0.5, 0.99)]
+                    row += [f"{rate:.1f}", f"{1e3 / rate:.2f}", *quantiles, ratio]
+                    rate = run.train_rate
+                    ratio = "n/a" if isinstance(theirs, str) else f"{rate / theirs:.2f}"
+                    quantiles = [f"{percentile(run.train_ms, q):.2f}" for q in (0.5, 0.99)]
                     row += [f"{rate:.1f}", f"{1e3 / rate:.2f}", *quantiles, ratio]
                     cells = [f"{run.breakdown[c]:.2f}" for c in cols]
                     store = [f"{storage[f'steplog {w.name}']:.2f}", f"{storage['db']:.2f}"]

@@ -16,8 +16,9 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any, TypeVar, cast, overload
 
@@ -45,7 +46,8 @@ from pipesvc.wire.diagnose import explain
 from pipesvc.wire.payload_wire import FORWARD, TRAIN_STEP, Outgoing, Payloads
 from pipesvc.wire.rpc_status import ERROR_CLASS_KEY, rpc_errors
 from pipesvc.wire.security import Security, TLSConfig
-from pipesvc.wire.transport import open_channel, unary_method
+from pipesvc.wire.step_stream import StepStream
+from pipesvc.wire.transport import open_channel, stream_method, unary_method
 
 _Req = TypeVar("_Req")
 _Resp = TypeVar("_Resp")
@@ -66,6 +68,31 @@ def _lost_in_transport(error: grpc.RpcError) -> bool:
     trailing = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
     entries = cast("Iterable[tuple[str, str | bytes]]", trailing or ())
     return not any(key == ERROR_CLASS_KEY for key, _ in entries)
+
+
+def _own_deadline(error: grpc.RpcError) -> bool:
+    """The call reached its own deadline (not a deadline error of the coordinator's)."""
+    if not hasattr(error, "code") or error.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+        return False
+    trailing = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    entries = cast("Iterable[tuple[str, str | bytes]]", trailing or ())
+    return not any(key == ERROR_CLASS_KEY for key, _ in entries)
+
+
+def _with_progress(losses: Iterator[float], total: int | None) -> Iterator[float]:
+    """``losses`` under a tqdm progress bar showing the latest one."""
+    from tqdm import tqdm  # type: ignore[import-untyped]
+
+    bar = tqdm(total=total, unit="step")
+    try:
+        for loss in losses:
+            bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
+            bar.update(1)
+            yield loss
+    finally:
+        bar.close()
+        if hasattr(losses, "close"):
+            losses.close()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -116,6 +143,12 @@ class Client:
         self._train_step = unary_method(
             self._channel,
             service.methods_by_name["TrainStep"],
+            TRAIN_STEP.serialize,
+            coordinator_pb2.TrainStepResponse,
+        )
+        self._train = stream_method(
+            self._channel,
+            service.methods_by_name["Train"],
             TRAIN_STEP.serialize,
             coordinator_pb2.TrainStepResponse,
         )
@@ -403,9 +436,7 @@ class Job:
                 before its commit began, nothing changed; if it failed during the commit, the
                 step is in the step log and the job's next call completes it on every stage.
         """
-        request = _train_request(
-            self.id, inputs, targets, attention_mask, request_id or uuid.uuid4().hex
-        )
+        request = self._train_request(inputs, targets, attention_mask, request_id)
         client = self._client
         deadline = time.monotonic() + client.timeout_s
         for attempt in range(TRAIN_STEP_RETRIES + 1):
@@ -428,6 +459,107 @@ class Job:
         else:  # a coordinator from before replies carried the job
             self.step = reply.step
         return float(reply.loss)
+
+    def _train_request(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        request_id: str | None,
+    ) -> Outgoing[coordinator_pb2.TrainStepRequest]:
+        """A training step's request (the one place a step's tensors are encoded, their bytes
+        beside the message), under ``request_id`` or a new random one."""
+        return _train_request(
+            self.id, inputs, targets, attention_mask, request_id or uuid.uuid4().hex
+        )
+
+    def _batch_request(self, batch: Any) -> coordinator_pb2.TrainStepRequest:
+        """The request of one of ``train``'s batches: an ``(inputs, targets)`` pair, or a
+        mapping with ``inputs``, ``targets`` and optionally ``attention_mask``.
+
+        Raises:
+            InvalidArgumentError: the batch is neither, or holds something not a tensor.
+        """
+        if isinstance(batch, Mapping):
+            unknown = sorted(set(batch) - {"inputs", "targets", "attention_mask"})
+            if unknown or "inputs" not in batch or "targets" not in batch:
+                raise InvalidArgumentError(
+                    f"a batch given as a mapping has keys {sorted(batch)}; expected 'inputs', "
+                    "'targets' and optionally 'attention_mask'"
+                )
+            parts = (batch["inputs"], batch["targets"], batch.get("attention_mask"))
+        elif isinstance(batch, tuple | list) and len(batch) == 2:
+            parts = (batch[0], batch[1], None)
+        else:
+            raise InvalidArgumentError(
+                f"a batch is an (inputs, targets) pair or a mapping with 'inputs' and "
+                f"'targets'; got {type(batch).__name__}"
+                + (f" of length {len(batch)}" if isinstance(batch, tuple | list) else "")
+            )
+        for name, tensor in zip(("inputs", "targets", "attention_mask"), parts, strict=True):
+            if tensor is not None and not isinstance(tensor, torch.Tensor):
+                raise InvalidArgumentError(
+                    f"a batch's {name} is a {type(tensor).__name__}; expected a torch.Tensor"
+                )
+        return self._train_request(parts[0], parts[1], parts[2], None)
+
+    def train(
+        self, batches: Iterable[Any], *, steps: int | None = None, progress: bool = False
+    ) -> Iterator[float]:
+        """Trains on each of ``batches`` in turn, pipelined; yields each step's loss, in order,
+        as the step commits.
+
+        A batch is an ``(inputs, targets)`` pair as ``train_step`` takes them, or a mapping
+        with ``inputs``, ``targets`` and optionally ``attention_mask``. Batches are read on a
+        background thread and sent ahead (at most ``TRAIN_WINDOW`` without a reply), so the
+        coordinator holds the next step when one is decided and starts it at once (see [Note:
+        pipelined steps] in ``pipesvc/coordinator/train_stream.py``); the losses, weights and
+        guarantees are ``train_step``'s, step by step: each step commits on every stage or on
+        none, under a request id of its own, and one whose reply was lost to a coordinator
+        restart or a dropped connection is sent again under it (see [Note: stream
+        reconnect] in ``pipesvc/wire/step_stream.py``).
+
+        ``steps``: stop after that many steps (None: when ``batches`` runs out). ``progress``:
+        show a tqdm progress bar with the latest loss.
+
+        Stopping early (``break`` out of a ``for`` over it, or ``close()``) sends nothing more:
+        the steps already sent (at most ``TRAIN_WINDOW``) finish, each committing whole, and
+        count in ``job.step``; no step of the stream starts after that, so the next call sees
+        the job as the stream left it.
+
+        Raises (when the failed step's turn comes, after the losses of the steps before it;
+        no later step runs):
+            InvalidArgumentError: a batch is malformed or does not fit the model or the job.
+            StepAbortedError, PipesvcError: as ``train_step``.
+        """
+        if steps is not None and steps < 0:
+            raise InvalidArgumentError(f"steps={steps}; expected a count of steps >= 0, or None")
+        source: Iterator[Any] = iter(batches) if steps is None else islice(batches, steps)
+        client = self._client
+
+        def on_reply(reply: coordinator_pb2.TrainStepResponse) -> None:
+            self._update(reply.job)
+            self.step = reply.step  # the job may be a step further already
+
+        def retryable(error: grpc.RpcError, progressed: bool) -> bool:
+            return _lost_in_transport(error) or (progressed and _own_deadline(error))
+
+        stream = StepStream(
+            source,
+            make_request=self._batch_request,
+            open_call=lambda requests: client._train(requests, timeout=client.timeout_s),
+            on_reply=on_reply,
+            convert=client._convert,
+            retryable=retryable,
+            retries=TRAIN_STEP_RETRIES,
+            pause_s=RETRY_PAUSE_S,
+        )
+        if not progress:
+            return iter(stream)
+        total = steps
+        if isinstance(batches, Sized):
+            total = len(batches) if steps is None else min(steps, len(batches))
+        return _with_progress(iter(stream), total)
 
     def refresh(self) -> Job:
         """Re-reads the job's plan, step and recovery count (to see other clients' calls)."""

@@ -36,8 +36,9 @@ step log, the step is never decided: its prepared run is aborted on every stage 
 (``StepLogError``), and nothing is committed anywhere.
 
 [Note: step request ids] A client may retry a step whose reply it lost (or that failed after
-the step was decided, e.g. writing the job's row). Each TrainStep carries a client-chosen
-request id, the same on every retry; once a step is decided, its result (step, loss, and a
+the step was decided, e.g. writing the job's row). Each TrainStep (and each step of a Train
+stream, see [Note: pipelined steps] in train_stream.py) carries a client-chosen request id,
+the same on every retry; once a step is decided, its result (step, loss, and a
 digest of the batch) is kept under that id in ``JobState.results`` and written to the state
 database in the same transaction as the row that records the step as decided, so it survives
 a coordinator restart exactly when the step does. A request whose id is remembered is not run:
@@ -103,6 +104,18 @@ MAX_REQUEST_ID = 128
 """The longest request id a TrainStep may carry (see [Note: step request ids])."""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class PreparedStep:
+    """A training step checked and split, not run yet (``JobDriver.prepare_step``)."""
+
+    batch: RunBatch
+    """Its micro-batches."""
+    logged: LoggedBatch
+    """What the step log keeps of it."""
+    request_id: str
+    """The client's id for it (empty: none; see [Note: step request ids])."""
+
+
 class JobDriver:
     """A planned job: its stages (``group``), its counters (``state``), the ``recovery`` that
     rebuilds them, and the lock that serialises its steps."""
@@ -153,6 +166,7 @@ class JobDriver:
         self._last_loss = (0, 0.0)  # (step, loss) of the newest run phase that succeeded
         self._decided_at = 0.0  # when the newest step was decided (for the idle flush)
         self._lock = FairLock()  # calls take turns (see fair_lock.py)
+        self._stopping = False  # set by wait_idle: the coordinator is stopping
         self.generation = JobGeneration(
             job_id=job_id,
             config=config,
@@ -324,6 +338,46 @@ class JobDriver:
         self._decided_at = time.monotonic()
         return loss
 
+    def prepare_step(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        side: Mapping[str, torch.Tensor] | None = None,
+        *,
+        request_id: str = "",
+    ) -> PreparedStep:
+        """A training step checked and split into micro-batches, ready for ``train_prepared``;
+        touches nothing of the job's (no lock), so the next step of a stream is prepared while
+        one runs (see [Note: pipelined steps]).
+
+        Raises:
+            InvalidArgumentError: the batch does not fit the job, or the request id is too long.
+            FailedPreconditionError: the job is an inference job.
+        """
+        if len(request_id) > MAX_REQUEST_ID:
+            raise InvalidArgumentError(
+                f"request id {request_id[:32]!r}... has {len(request_id)} characters; at most "
+                f"{MAX_REQUEST_ID} are allowed"
+            )
+        if not trains(self.config.optimizer):
+            raise FailedPreconditionError(
+                f"job {self.job_id} is an inference job (created with optimizer=None): it holds "
+                "no gradients or optimizer state and cannot train; create a job with an "
+                "optimizer to train"
+            )
+        if inputs.dim() == 0 or targets.dim() == 0 or inputs.shape[0] != targets.shape[0]:
+            raise InvalidArgumentError(
+                f"inputs {list(inputs.shape)} and targets {list(targets.shape)} need the same "
+                "batch size in dimension 0"
+            )
+        side = dict(side or {})
+        microbatch.check_side(inputs, side)
+        return PreparedStep(
+            batch=RunBatch.split(inputs, targets, side, self.config.step_microbatches),
+            logged=LoggedBatch(inputs, targets, side),
+            request_id=request_id,
+        )
+
     def train_step(
         self,
         inputs: torch.Tensor,
@@ -352,28 +406,28 @@ class JobDriver:
             ResourceExhaustedError, PlanError: recovery is impossible (too little memory, no
                 stage left); the message says why.
         """
-        if len(request_id) > MAX_REQUEST_ID:
-            raise InvalidArgumentError(
-                f"request id {request_id[:32]!r}... has {len(request_id)} characters; at most "
-                f"{MAX_REQUEST_ID} are allowed"
-            )
-        if not trains(self.config.optimizer):
-            raise FailedPreconditionError(
-                f"job {self.job_id} is an inference job (created with optimizer=None): it holds "
-                "no gradients or optimizer state and cannot train; create a job with an "
-                "optimizer to train"
-            )
-        if inputs.dim() == 0 or targets.dim() == 0 or inputs.shape[0] != targets.shape[0]:
-            raise InvalidArgumentError(
-                f"inputs {list(inputs.shape)} and targets {list(targets.shape)} need the same "
-                "batch size in dimension 0"
-            )
-        side = dict(side or {})
-        microbatch.check_side(inputs, side)
-        batch = RunBatch.split(inputs, targets, side, self.config.step_microbatches)
+        prepared = self.prepare_step(inputs, targets, side, request_id=request_id)
+        return self.train_prepared(prepared, digest)
+
+    def train_prepared(
+        self, prepared: PreparedStep, digest: Callable[[], str] = str
+    ) -> tuple[float, int]:
+        """Runs a step ``prepare_step`` made and decides it on every stage; returns (loss,
+        step). ``train_step`` and a stream of steps (``pipesvc.coordinator.train_stream``)
+        share it, so every step goes through the same guarantees.
+
+        Raises:
+            as ``train_step``.
+        """
+        batch, request_id = prepared.batch, prepared.request_id
         state = self.state
         with self._lock:
             self._check_open()
+            if self._stopping:
+                raise StageUnavailableError(
+                    f"job {self.job_id}: the coordinator is stopping; send the step again to "
+                    "its successor (under the same request id)"
+                )
             first = state.results.get(request_id) if request_id else None
             if first is not None:
                 return self._repeated(first, digest())
@@ -390,7 +444,7 @@ class JobDriver:
                 if state.step >= target:  # a recovery finished the step's commit by replay
                     assert self._last_loss[0] == target, (self._last_loss, target)
                     return self._last_loss[1]
-                return self._train_once(batch, LoggedBatch(inputs, targets, side))
+                return self._train_once(batch, prepared.logged)
 
             loss = self._resilient(attempt, f"step {target}")
             if digested is not None:
@@ -689,6 +743,7 @@ class JobDriver:
         restarted coordinator also finds an unflushed commit, see ``Recovery.reconcile``), for
         a graceful coordinator stop."""
         with self._lock:
+            self._stopping = True  # no step starts after this one (a stream's next, say)
             if self.state.closed:
                 return
             try:

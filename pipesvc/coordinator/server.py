@@ -24,13 +24,14 @@ logger = logging.getLogger(__name__)
 
 
 def add_coordinator_service(service: CoordinatorService, server: grpc.Server) -> None:
-    """Registers the coordinator service on ``server``, TrainStep's and Forward's tensors
+    """Registers the coordinator service on ``server``, TrainStep's, Train's and Forward's tensors
     parsed as views of the received bytes (see [Note: payload wire])."""
     add_service(
         lambda s: coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(service, s),
         server,
         {
             "TrainStep": Codec(request_deserializer=TRAIN_STEP.parse),
+            "Train": Codec(request_deserializer=TRAIN_STEP.parse),
             "Forward": Codec(request_deserializer=FORWARD.parse),
         },
     )

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
@@ -20,6 +22,7 @@ from pipesvc.coordinator.replicas import Rendezvous
 from pipesvc.coordinator.stage_calls import Deadlines, call_stage
 from pipesvc.coordinator.state_db import StateDB
 from pipesvc.coordinator.step_request import forward_batch, train_batch
+from pipesvc.coordinator.train_stream import TrainStream
 from pipesvc.core.config import config_from_proto
 from pipesvc.core.health import Health
 from pipesvc.core.limits import Limits
@@ -64,6 +67,27 @@ def _in_terms_of_the_batch(
     return type(error)(f"{sent}, run as {m} micro-batches of {size}: {error}")
 
 
+@contextlib.contextmanager
+def _batch_errors(
+    job: JobDriver, inputs: torch.Tensor, targets: torch.Tensor | None
+) -> Iterator[None]:
+    """Inside, an InvalidArgumentError leaves in terms of the batch the caller sent
+    (``_in_terms_of_the_batch``)."""
+    try:
+        yield
+    except InvalidArgumentError as exc:
+        better = _in_terms_of_the_batch(exc, job, inputs, targets)
+        if better is exc:
+            raise
+        raise better from exc
+
+
+def _train_reply(result: tuple[JobDriver, float, int]) -> coordinator_pb2.TrainStepResponse:
+    """The reply to a decided step: its loss, its step and the job as it is now."""
+    job, loss, step = result
+    return coordinator_pb2.TrainStepResponse(loss=loss, step=step, job=job.info())
+
+
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
     """Registers stages and drives jobs; holds no model weights."""
 
@@ -96,6 +120,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self._jobs: dict[str, JobDriver] = {}
         self._lock = threading.Lock()
         self._db: StateDB | None = None
+        self._streams: set[TrainStream[Any, Any, Any]] = set()
+        """The Train calls running (interrupted by ``shutdown``)."""
+        self._stopping = False
 
     def open(self) -> None:
         """Opens the state database and reads back the jobs and stages of a previous run."""
@@ -281,6 +308,30 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
             jobs = [j for j in self._jobs.values() if not j.closed]
         return coordinator_pb2.ListJobsResponse(jobs=[j.info() for j in jobs])
 
+    def _prepare_train(
+        self,
+        request: Incoming[coordinator_pb2.TrainStepRequest]
+        | coordinator_pb2.TrainStepRequest
+        | WireFormatError,
+    ) -> Callable[[], tuple[JobDriver, float, int]]:
+        """A training request decoded (served with payload_wire's parser, see
+        coordinator.server), checked and split (``JobDriver.prepare_step``); returns the step,
+        to run (``JobDriver.train_prepared``) now or, in a stream, when its turn comes. Either
+        part's batch errors name the batch as sent."""
+        batch = train_batch(request, self._codec)
+        job = self._job(batch.job_id)
+        with _batch_errors(job, batch.inputs, batch.targets):
+            prepared = job.prepare_step(
+                batch.inputs, batch.targets, batch.side, request_id=batch.request_id
+            )
+
+        def run() -> tuple[JobDriver, float, int]:
+            with _batch_errors(job, batch.inputs, batch.targets):
+                loss, step = job.train_prepared(prepared, batch.digest)
+            return job, loss, step
+
+        return run
+
     @handle_errors
     def TrainStep(
         self,
@@ -289,23 +340,43 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
         | WireFormatError,
         context: object,
     ) -> coordinator_pb2.TrainStepResponse:
-        # Served with payload_wire's parser (see coordinator.server.add_coordinator_service).
-        batch = train_batch(request, self._codec)
-        job = self._job(batch.job_id)
+        return _train_reply(self._prepare_train(request)())
+
+    @handle_errors
+    def Train(
+        self,
+        request_iterator: Iterator[
+            Incoming[coordinator_pb2.TrainStepRequest]
+            | coordinator_pb2.TrainStepRequest
+            | WireFormatError
+        ],
+        context: grpc.ServicerContext,
+    ) -> Iterator[coordinator_pb2.TrainStepResponse]:
+        """Training steps pipelined (see [Note: pipelined steps] in train_stream.py)."""
+        stream: TrainStream[
+            coordinator_pb2.TrainStepRequest,
+            tuple[JobDriver, float, int],
+            coordinator_pb2.TrainStepResponse,
+        ] = TrainStream(request_iterator, prepare=self._prepare_train, reply=_train_reply)
+        context.add_callback(stream.stop)
+        with self._lock:
+            if self._stopping:
+                stream.interrupt()
+            self._streams.add(stream)
         try:
-            loss, step = job.train_step(
-                batch.inputs,
-                batch.targets,
-                batch.side,
-                request_id=batch.request_id,
-                digest=batch.digest,
+            if not stream.interrupted:
+                yield from stream.replies()
+        except Exception:
+            if not stream.interrupted:
+                raise  # a step's own error; one of a stopping coordinator ends as below
+        finally:
+            with self._lock:
+                self._streams.discard(stream)
+        if stream.interrupted:  # as a lost call, which the client sends again (no error class)
+            context.set_code(grpc.StatusCode.UNAVAILABLE)
+            context.set_details(
+                "the coordinator is stopping; send the unreplied steps again to its successor"
             )
-        except InvalidArgumentError as exc:
-            better = _in_terms_of_the_batch(exc, job, batch.inputs, batch.targets)
-            if better is exc:
-                raise
-            raise better from exc
-        return coordinator_pb2.TrainStepResponse(loss=loss, step=step, job=job.info())
 
     @handle_errors
     def Forward(
@@ -317,13 +388,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
     ) -> coordinator_pb2.ForwardResponse:
         batch = forward_batch(request, self._codec)
         job = self._job(batch.job_id)
-        try:
+        with _batch_errors(job, batch.inputs, None):
             outputs = encode(job.forward(batch.inputs, batch.side))
-        except InvalidArgumentError as exc:
-            better = _in_terms_of_the_batch(exc, job, batch.inputs, None)
-            if better is exc:
-                raise
-            raise better from exc
         return coordinator_pb2.ForwardResponse(outputs=outputs, job=job.info())
 
     @handle_errors
@@ -415,8 +481,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
         return coordinator_pb2.CloseJobResponse()
 
     def shutdown(self) -> None:
-        """Waits for steps in flight, then closes channels; jobs stay, to resume on restart."""
+        """Waits for steps in flight, then closes channels; jobs stay, to resume on restart.
+        Training streams start no step after this (see [Note: pipelined steps])."""
         with self._lock:
+            self._stopping = True
+            for stream in self._streams:
+                stream.interrupt()
             jobs = list(self._jobs.values())
         for job in jobs:
             job.wait_idle()

@@ -66,6 +66,11 @@ class CoordinatorServiceStub:
                 request_serializer=pipesvc_dot_v1_dot_coordinator__pb2.TrainStepRequest.SerializeToString,
                 response_deserializer=pipesvc_dot_v1_dot_coordinator__pb2.TrainStepResponse.FromString,
                 _registered_method=True)
+        self.Train = channel.stream_stream(
+                '/pipesvc.v1.CoordinatorService/Train',
+                request_serializer=pipesvc_dot_v1_dot_coordinator__pb2.TrainStepRequest.SerializeToString,
+                response_deserializer=pipesvc_dot_v1_dot_coordinator__pb2.TrainStepResponse.FromString,
+                _registered_method=True)
         self.Forward = channel.unary_unary(
                 '/pipesvc.v1.CoordinatorService/Forward',
                 request_serializer=pipesvc_dot_v1_dot_coordinator__pb2.ForwardRequest.SerializeToString,
@@ -149,6 +154,16 @@ class CoordinatorServiceServicer:
 
     def TrainStep(self, request, context):
         """One training step on a mini-batch; returns the mean loss after the commit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Train(self, request_iterator, context):
+        """Training steps pipelined: the client streams mini-batches ahead (each with its own
+        request id, as for TrainStep) and gets each step's reply, in order, as it commits. The
+        coordinator prepares the next step while one runs; a failed step ends the stream with its
+        error, after the replies of the steps before it, and no later step runs.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -242,6 +257,11 @@ def add_CoordinatorServiceServicer_to_server(servicer, server):
             ),
             'TrainStep': grpc.unary_unary_rpc_method_handler(
                     servicer.TrainStep,
+                    request_deserializer=pipesvc_dot_v1_dot_coordinator__pb2.TrainStepRequest.FromString,
+                    response_serializer=pipesvc_dot_v1_dot_coordinator__pb2.TrainStepResponse.SerializeToString,
+            ),
+            'Train': grpc.stream_stream_rpc_method_handler(
+                    servicer.Train,
                     request_deserializer=pipesvc_dot_v1_dot_coordinator__pb2.TrainStepRequest.FromString,
                     response_serializer=pipesvc_dot_v1_dot_coordinator__pb2.TrainStepResponse.SerializeToString,
             ),
@@ -447,6 +467,33 @@ class CoordinatorService:
             request,
             target,
             '/pipesvc.v1.CoordinatorService/TrainStep',
+            pipesvc_dot_v1_dot_coordinator__pb2.TrainStepRequest.SerializeToString,
+            pipesvc_dot_v1_dot_coordinator__pb2.TrainStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Train(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pipesvc.v1.CoordinatorService/Train',
             pipesvc_dot_v1_dot_coordinator__pb2.TrainStepRequest.SerializeToString,
             pipesvc_dot_v1_dot_coordinator__pb2.TrainStepResponse.FromString,
             options,

@@ -46,6 +46,12 @@ class CoordinatorServiceStub:
     """Every open job, oldest first (to find the jobs holding stages and close them)."""
     TrainStep: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.TrainStepRequest, _coordinator_pb2.TrainStepResponse]
     """One training step on a mini-batch; returns the mean loss after the commit."""
+    Train: _grpc.StreamStreamMultiCallable[_coordinator_pb2.TrainStepRequest, _coordinator_pb2.TrainStepResponse]
+    """Training steps pipelined: the client streams mini-batches ahead (each with its own
+    request id, as for TrainStep) and gets each step's reply, in order, as it commits. The
+    coordinator prepares the next step while one runs; a failed step ends the stream with its
+    error, after the replies of the steps before it, and no later step runs.
+    """
     Forward: _grpc.UnaryUnaryMultiCallable[_coordinator_pb2.ForwardRequest, _coordinator_pb2.ForwardResponse]
     """Inference on a batch, micro-batched through the pipeline."""
     Generate: _grpc.UnaryStreamMultiCallable[_coordinator_pb2.GenerateRequest, _coordinator_pb2.GenerateResponse]
@@ -84,6 +90,12 @@ class CoordinatorServiceAsyncStub(CoordinatorServiceStub):
     """Every open job, oldest first (to find the jobs holding stages and close them)."""
     TrainStep: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.TrainStepRequest, _coordinator_pb2.TrainStepResponse]  # type: ignore[assignment]
     """One training step on a mini-batch; returns the mean loss after the commit."""
+    Train: _aio.StreamStreamMultiCallable[_coordinator_pb2.TrainStepRequest, _coordinator_pb2.TrainStepResponse]  # type: ignore[assignment]
+    """Training steps pipelined: the client streams mini-batches ahead (each with its own
+    request id, as for TrainStep) and gets each step's reply, in order, as it commits. The
+    coordinator prepares the next step while one runs; a failed step ends the stream with its
+    error, after the replies of the steps before it, and no later step runs.
+    """
     Forward: _aio.UnaryUnaryMultiCallable[_coordinator_pb2.ForwardRequest, _coordinator_pb2.ForwardResponse]  # type: ignore[assignment]
     """Inference on a batch, micro-batched through the pipeline."""
     Generate: _aio.UnaryStreamMultiCallable[_coordinator_pb2.GenerateRequest, _coordinator_pb2.GenerateResponse]  # type: ignore[assignment]
@@ -155,6 +167,18 @@ class CoordinatorServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_coordinator_pb2.TrainStepResponse, _abc.Awaitable[_coordinator_pb2.TrainStepResponse]]:
         """One training step on a mini-batch; returns the mean loss after the commit."""
+
+    @_abc_1.abstractmethod
+    def Train(
+        self,
+        request_iterator: _MaybeAsyncIterator[_coordinator_pb2.TrainStepRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_coordinator_pb2.TrainStepResponse], _abc.AsyncIterator[_coordinator_pb2.TrainStepResponse]]:
+        """Training steps pipelined: the client streams mini-batches ahead (each with its own
+        request id, as for TrainStep) and gets each step's reply, in order, as it commits. The
+        coordinator prepares the next step while one runs; a failed step ends the stream with its
+        error, after the replies of the steps before it, and no later step runs.
+        """
 
     @_abc_1.abstractmethod
     def Forward(

@@ -201,6 +201,22 @@ def unary_method(
     )
 
 
+def stream_method(
+    channel: grpc.Channel,
+    method: MethodDescriptor,
+    request_serializer: Callable[[_Req], bytes],
+    response_class: type[_M],
+) -> grpc.StreamStreamMultiCallable[_Req, _M]:
+    """A bidirectional streaming method of ``channel`` whose requests ``request_serializer``
+    encodes, named by its descriptor as for ``unary_method``."""
+    path = f"/{method.containing_service.full_name}/{method.name}"
+    return channel.stream_stream(
+        path,
+        request_serializer=request_serializer,
+        response_deserializer=response_class.FromString,
+    )
+
+
 def open_channel(
     address: str, security: Security = NO_SECURITY, limits: Limits = DEFAULT_LIMITS
 ) -> grpc.Channel:

@@ -75,6 +75,7 @@ STATE_RPCS = [
     r for r in COORDINATOR_RPCS + STAGE_RPCS if r.request_streaming and not r.response_streaming
 ]
 DATA_RPCS = [r for r in STAGE_RPCS if r.request_streaming and r.response_streaming]
+TRAIN_RPCS = [r for r in COORDINATOR_RPCS if r.request_streaming and r.response_streaming]
 STREAM_SETTINGS = settings(FUZZ_SETTINGS, max_examples=80)
 """Request streams carry the most validation (framing, routing, all-or-nothing), so more."""
 
@@ -314,7 +315,7 @@ def fuzz_one(fuzz: Harness, rpc: Rpc, data: st.DataObject, address: str = "") ->
     check_job_unchanged(fuzz, before)
 
 
-# -- the tests, in order: unary calls, state streams, data streams, then a real step ------------
+# -- the tests, in order: unary calls, state and training streams, data streams, a real step ----
 
 
 @pytest.mark.parametrize("rpc", UNARY_COORDINATOR_RPCS, ids=lambda r: r.id)
@@ -340,6 +341,15 @@ def test_servers_survive_fuzzed_state_streams(fuzz: Harness, rpc: Rpc, data: st.
     fuzz_one(fuzz, rpc, data)
 
 
+@pytest.mark.parametrize("rpc", TRAIN_RPCS, ids=lambda r: r.id)
+@STREAM_SETTINGS
+@given(data=st.data())
+def test_coordinator_survives_fuzzed_training_streams(
+    fuzz: Harness, rpc: Rpc, data: st.DataObject
+) -> None:
+    fuzz_one(fuzz, rpc, data)
+
+
 @pytest.mark.parametrize("rank", [0, 1], ids=["first-stage", "last-stage"])
 @pytest.mark.parametrize("rpc", DATA_RPCS, ids=lambda r: r.id)
 @STREAM_SETTINGS
@@ -354,7 +364,10 @@ def test_stage_survives_fuzzed_data_streams(
 @pytest.mark.parametrize(
     ("servicer", "fuzzed"),
     [
-        (coordinator_pb2_grpc.CoordinatorServiceServicer, UNARY_COORDINATOR_RPCS + STATE_RPCS),
+        (
+            coordinator_pb2_grpc.CoordinatorServiceServicer,
+            UNARY_COORDINATOR_RPCS + STATE_RPCS + TRAIN_RPCS,
+        ),
         (stage_pb2_grpc.StageServiceServicer, UNARY_STAGE_RPCS + STATE_RPCS + DATA_RPCS),
     ],
 )

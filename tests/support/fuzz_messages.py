@@ -802,6 +802,12 @@ def _bases(t: Target) -> dict[str, Strategy[list[Message]]]:
         "coordinator.Forward": _one(
             payloads_beside(st.builds(c.ForwardRequest, job_id=job, inputs=tensors(t)))
         ),
+        "coordinator.Train": st.lists(
+            payloads_beside(
+                st.builds(c.TrainStepRequest, job_id=job, inputs=tensors(t), targets=tensors(t))
+            ),
+            max_size=3,
+        ),
         "coordinator.GetState": _one(st.builds(c.GetJobStateRequest, job_id=job, kind=kinds)),
         "coordinator.LoadState": _framed_requests(t, c.LoadJobStateRequest),
         "coordinator.CloseJob": _one(st.builds(c.CloseJobRequest, job_id=job)),
@@ -989,7 +995,7 @@ def _safe_message(rpc_id: str, request: Any, t: Target) -> bool:
         return not real
     if rpc_id == "stage.Assign":
         return not _may_assign(request)
-    if rpc_id == "coordinator.TrainStep":
+    if rpc_id in ("coordinator.TrainStep", "coordinator.Train"):
         return not (real and _would_train(request, t))
     if rpc_id in ("stage.RunStep", "stage.Abort"):
         # Run ids belong to the coordinator: a run the stage accepts, or an abort of one,

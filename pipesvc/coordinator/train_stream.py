@@ -1,0 +1,157 @@
+"""One ``Train`` call on the coordinator: a client's stream of training steps, pipelined.
+
+[Note: pipelined steps] With ``TrainStep`` the stages wait, between two steps, for the reply to
+reach the client, the client to encode its next batch and send it, and the coordinator to
+decode, check and split it. ``Train`` takes that off the path: the client streams its batches
+ahead (``pipesvc.wire.step_stream``, at most ``TRAIN_WINDOW`` unreplied), and the coordinator
+runs three threads per call:
+
+- a reader decodes, checks and splits each request as it arrives (``JobDriver.prepare_step``,
+  which touches nothing of the job's), so step N+1 is ready while step N runs;
+- a worker runs the prepared steps one after another through ``JobDriver.train_prepared``,
+  the same function ``TrainStep`` uses: the job's lock per step, the step log, the decision,
+  the database row and the remembered request id, so every guarantee of ``TrainStep`` holds
+  step by step (see [Note: commit], [Note: recovery], [Note: step request ids] in job.py). The
+  moment step N is decided (its row written) the worker dispatches step N+1's run, which
+  carries N's commit (see [Note: deferred commit]);
+- the call's own thread builds and sends each reply, in order, while the worker is already
+  running the next step.
+
+A step that fails ends the call with its typed error after the replies of the steps before
+it; the worker runs nothing after it, and steps the reader prepared beyond it are dropped
+(never logged, never run). A cancelled call (the client went away or stopped iterating) lets
+the step running finish (a step is decided whole or aborted whole) and runs no further one;
+a client that reconnects sends its unreplied steps again under the same request ids, and a
+step that was decided is answered with its first result. A coordinator that stops gracefully
+interrupts its streams the same way before it waits for the job's last step and closes its
+database, and ends each as UNAVAILABLE, which the client takes as a lost call.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
+
+logger = logging.getLogger(__name__)
+
+PREPARED_AHEAD = 4
+"""Steps the reader prepares ahead of the worker at most (a client sends fewer: this bounds
+what a client that ignores the window can make the coordinator hold)."""
+
+_Result = TypeVar("_Result")
+_Reply = TypeVar("_Reply")
+_Request = TypeVar("_Request")
+
+Step = Callable[[], _Result]
+"""A prepared step: runs it and returns its result."""
+
+
+class _End:
+    """The end of a queue's items."""
+
+
+_END = _End()
+
+
+class TrainStream(Generic[_Request, _Result, _Reply]):
+    """A stream of training steps: ``prepare`` turns each request into a step (raising if it
+    is invalid), the steps run one after another, and ``replies()`` yields ``reply`` of each
+    result, in order, raising the first error at the step that failed."""
+
+    def __init__(
+        self,
+        requests: Iterator[_Request],
+        *,
+        prepare: Callable[[_Request], Step[_Result]],
+        reply: Callable[[_Result], _Reply],
+        name: str = "train",
+    ) -> None:
+        self._requests = requests
+        self._prepare = prepare
+        self._reply = reply
+        self._stopped = threading.Event()
+        self.interrupted = False
+        """Stopped by ``interrupt`` (the coordinator stopping)."""
+        self._prepared: queue.Queue[Step[_Result] | BaseException | _End] = queue.Queue(
+            PREPARED_AHEAD
+        )
+        self._results: queue.Queue[_Result | BaseException | _End] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, name=f"{name}-reader", daemon=True)
+        self._worker = threading.Thread(target=self._work, name=f"{name}-worker", daemon=True)
+
+    def stop(self) -> None:
+        """No step starts after this (the one running finishes); for a cancelled call."""
+        self._stopped.set()
+
+    def interrupt(self) -> None:
+        """``stop`` for a coordinator that is stopping: ``interrupted`` tells the call to end
+        as unavailable, so the client sends its unreplied steps again to the next one."""
+        self.interrupted = True
+        self.stop()
+
+    def replies(self) -> Iterator[_Reply]:
+        """Each step's reply as it is decided; raises the failed step's error, then ends."""
+        self._reader.start()
+        self._worker.start()
+        try:
+            while True:
+                item = self._results.get()
+                if isinstance(item, _End):
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield self._reply(item)
+        finally:
+            self.stop()
+
+    def _put(self, item: Step[_Result] | BaseException | _End) -> bool:
+        """Queues a prepared step for the worker; False once the stream is stopped."""
+        while not self._stopped.is_set():
+            try:
+                self._prepared.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _read(self) -> None:
+        try:
+            for request in self._requests:
+                try:
+                    step = self._prepare(request)
+                except Exception as exc:  # this step's error, raised when its turn comes
+                    self._put(exc)
+                    return
+                if not self._put(step):
+                    return
+        except Exception as exc:  # the call ended under the reader (cancelled, or gone)
+            if not self._stopped.is_set():
+                logger.info("a training stream ended while reading: %s", exc)
+        finally:
+            self._put(_END)
+
+    def _work(self) -> None:
+        try:
+            while not self._stopped.is_set():
+                try:
+                    item = self._prepared.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if isinstance(item, _End):
+                    return
+                if isinstance(item, BaseException) or self._stopped.is_set():
+                    if isinstance(item, BaseException):
+                        self._results.put(item)
+                    return
+                try:
+                    result = item()
+                except Exception as exc:
+                    self._results.put(exc)
+                    return
+                self._results.put(result)
+        finally:
+            self._stopped.set()  # the reader stops queueing steps nobody will run
+            self._results.put(_END)

@@ -1,0 +1,137 @@
+"""``StepStream`` against a fake ``Train`` call: losses in order, unreplied steps sent again
+under their request ids after a lost call (each applied once), a bad batch raised at its step
+with nothing after it sent, a coordinator's error raised after the losses before it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from pipesvc.errors import InvalidArgumentError, PipesvcError, StageUnavailableError
+from pipesvc.v1 import coordinator_pb2
+from pipesvc.wire.step_stream import StepStream
+
+
+class _Lost(grpc.RpcError):
+    def __init__(self, retry: bool) -> None:
+        self.retry = retry
+
+
+class _Coordinator:
+    """Applies each request id once (a repeat gets its first result) and fails a call after
+    ``fail_after`` replies, with the step of the failing reply applied or not."""
+
+    def __init__(self, fail_after: int | None = None, *, applied: bool = True, retry: bool = True):
+        self.fail_after = fail_after
+        self.applied_before_failing = applied
+        self.retry = retry
+        self.results: dict[str, tuple[int, float]] = {}
+        self.applied: list[str] = []
+        self.calls = 0
+
+    def open(self, requests: Iterator[coordinator_pb2.TrainStepRequest]) -> _Call:
+        self.calls += 1
+        return _Call(self, requests, fail=self.fail_after if self.calls == 1 else None)
+
+    def apply(self, request: coordinator_pb2.TrainStepRequest) -> coordinator_pb2.TrainStepResponse:
+        if request.request_id not in self.results:
+            self.applied.append(request.request_id)
+            step = len(self.applied)
+            self.results[request.request_id] = (step, float(request.job_id))
+        step, loss = self.results[request.request_id]
+        return coordinator_pb2.TrainStepResponse(loss=loss, step=step)
+
+
+class _Call:
+    def __init__(
+        self,
+        coordinator: _Coordinator,
+        requests: Iterator[coordinator_pb2.TrainStepRequest],
+        fail: int | None,
+    ) -> None:
+        self.coordinator, self.requests, self.fail, self.replied = coordinator, requests, fail, 0
+
+    def __iter__(self) -> _Call:
+        return self
+
+    def __next__(self) -> coordinator_pb2.TrainStepResponse:
+        request = next(self.requests)  # StopIteration: the client half-closed
+        if self.fail is not None and self.replied == self.fail:
+            if self.coordinator.applied_before_failing:
+                self.coordinator.apply(request)  # decided, its reply lost
+            raise _Lost(self.coordinator.retry)
+        self.replied += 1
+        return self.coordinator.apply(request)
+
+    def cancel(self) -> None:
+        pass
+
+
+def _stream(coordinator: _Coordinator, batches: Iterator[int], **kw: object) -> StepStream:
+    def make_request(batch: int) -> coordinator_pb2.TrainStepRequest:
+        if batch < 0:
+            raise InvalidArgumentError(f"batch {batch} is bad")
+        return coordinator_pb2.TrainStepRequest(job_id=str(batch), request_id=f"id-{batch}")
+
+    replies: list[int] = kw.pop("replies", [])  # type: ignore[assignment]
+    return StepStream(
+        batches,
+        make_request=make_request,
+        open_call=coordinator.open,
+        on_reply=lambda reply: replies.append(reply.step),
+        convert=lambda error: StageUnavailableError("lost"),
+        retryable=lambda error, progressed: isinstance(error, _Lost) and error.retry,
+        retries=2,
+        pause_s=0.0,
+    )
+
+
+@pytest.mark.parametrize("applied", [True, False], ids=["reply-lost", "never-applied"])
+def test_a_lost_call_sends_the_unreplied_steps_again_and_each_applies_once(applied: bool) -> None:
+    coordinator = _Coordinator(fail_after=3, applied=applied)
+    replies: list[int] = []
+    losses = list(_stream(coordinator, iter(range(10)), replies=replies))
+    assert losses == [float(i) for i in range(10)]
+    assert coordinator.calls == 2
+    assert coordinator.applied == [f"id-{i}" for i in range(10)]  # once each, in order
+    assert replies == list(range(1, 11))
+
+
+def test_a_bad_batch_is_raised_at_its_step_and_nothing_after_it_is_read() -> None:
+    coordinator = _Coordinator()
+    read: list[int] = []
+
+    def batches() -> Iterator[int]:
+        for batch in (0, 1, 2, -1, 4, 5):
+            read.append(batch)
+            yield batch
+
+    losses: list[float] = []
+    with pytest.raises(InvalidArgumentError, match="batch -1"):
+        for loss in _stream(coordinator, batches()):
+            losses.append(loss)
+    assert losses == [0.0, 1.0, 2.0]
+    assert coordinator.applied == ["id-0", "id-1", "id-2"]
+    assert read == [0, 1, 2, -1]
+
+
+def test_a_coordinator_error_is_raised_after_the_losses_before_it() -> None:
+    coordinator = _Coordinator(fail_after=2, applied=False, retry=False)
+    losses: list[float] = []
+    with pytest.raises(PipesvcError, match="lost"):
+        for loss in _stream(coordinator, iter(range(6))):
+            losses.append(loss)
+    assert losses == [0.0, 1.0]
+    assert coordinator.calls == 1
+
+
+def test_stopping_early_sends_nothing_more() -> None:
+    coordinator = _Coordinator()
+    replies: list[int] = []
+    stream = iter(_stream(coordinator, iter(range(100)), replies=replies))
+    assert [next(stream), next(stream)] == [0.0, 1.0]
+    stream.close()  # type: ignore[attr-defined]
+    assert coordinator.applied == ["id-0", "id-1"]
+    assert replies == [1, 2]
