@@ -473,7 +473,7 @@ class Job:
             self.id, inputs, targets, attention_mask, request_id or uuid.uuid4().hex
         )
 
-    def _batch_request(self, batch: Any) -> coordinator_pb2.TrainStepRequest:
+    def _batch_request(self, batch: Any) -> Outgoing[coordinator_pb2.TrainStepRequest]:
         """The request of one of ``train``'s batches: an ``(inputs, targets)`` pair, or a
         mapping with ``inputs``, ``targets`` and optionally ``attention_mask``.
 

@@ -566,6 +566,15 @@ class Recovery:
             consistent = False  # its gradient scale was not saved: replay the step instead
         self._needs_reconcile = False
         state.run_id = max([state.run_id, *(i.last_run_id for i in infos)], default=state.run_id)
+        # A coordinator killed while it sent a run leaves it on the stages it reached, where it
+        # may still wait for a neighbour the run never reached (its whole receive deadline, with
+        # the stage's run lock held, so every later call would wait behind it). The newest run
+        # any stage started is not decided unless it is a behind stage's pending one (decided
+        # runs are committed below): it is aborted everywhere first, which wakes its waits.
+        decided = {i.pending_run_id for i in infos if i.pending_run_id and i.step < state.step}
+        newest = max((i.last_run_id for i in infos), default=0)
+        if newest and newest not in decided and all(i.job_id == group.job_id for i in infos):
+            group.abort(newest)
         if consistent:
             ahead = max((i.pending_run_id for i in infos if i.step == state.step), default=0)
             if ahead:  # a run of the next step, never decided

@@ -354,7 +354,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
     ) -> Iterator[coordinator_pb2.TrainStepResponse]:
         """Training steps pipelined (see [Note: pipelined steps] in train_stream.py)."""
         stream: TrainStream[
-            coordinator_pb2.TrainStepRequest,
+            Incoming[coordinator_pb2.TrainStepRequest]
+            | coordinator_pb2.TrainStepRequest
+            | WireFormatError,
             tuple[JobDriver, float, int],
             coordinator_pb2.TrainStepResponse,
         ] = TrainStream(request_iterator, prepare=self._prepare_train, reply=_train_reply)

@@ -29,12 +29,14 @@ import grpc
 
 from pipesvc.errors import InternalError, PipesvcError
 from pipesvc.v1 import coordinator_pb2
+from pipesvc.wire.payload_wire import Outgoing
 
 TRAIN_WINDOW = 2
 """Steps sent ahead without a reply: the one running and the next, already on the
 coordinator (decoded, checked, split) when the running one is decided."""
 
-Request = coordinator_pb2.TrainStepRequest
+Request = Outgoing[coordinator_pb2.TrainStepRequest]
+"""A step as sent: its message and its tensors' bytes beside it (see [Note: payload wire])."""
 Reply = coordinator_pb2.TrainStepResponse
 
 

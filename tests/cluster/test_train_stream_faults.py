@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
 import pipesvc
+from pipesvc.v1 import stage_pb2, stage_pb2_grpc
 from tests.support.faults import MLP, Run
 
 NUM_STEPS = 12
@@ -79,3 +82,50 @@ def test_a_coordinator_killed_between_two_steps_of_a_stream_loses_none() -> None
             assert run.job.step == NUM_STEPS
             run.step()
             run.check_weights()
+
+
+def test_a_run_a_killed_coordinator_left_on_one_stage_does_not_block_its_successor() -> None:
+    """A coordinator killed while it sent a run reached only the last stage, which waits for
+    activations that will never come, holding its run lock. The restarted coordinator aborts
+    that run when it reconciles, so the next step runs at once (before, it waited out the
+    stage's receive deadline of minutes, past this client's 60 s) and stays exact."""
+    with pipesvc.LocalCluster(num_stages=2, threads_per_stage=1) as cluster:
+        client = cluster.connect(timeout_s=60)
+        run = Run.start(client, checkpoint_every=0)
+        for _ in range(3):
+            run.step()
+        run.job.refresh()  # flushes the deferred commit: the stages are idle at step 3
+        last = run.job.plan[-1].address
+        with grpc.insecure_channel(last) as channel:
+            stub = stage_pb2_grpc.StageServiceStub(channel)
+            info = stub.Info(stage_pb2.InfoRequest(), timeout=5)
+            orphan = stage_pb2.RunStepRequest(
+                job_id=run.job.id,
+                plan_epoch=info.plan_epoch,
+                run_id=info.last_run_id + 1,
+                mode=stage_pb2.INFER,
+                num_microbatches=1,
+            )
+            errors: list[grpc.RpcError] = []
+
+            def send() -> None:
+                try:
+                    stub.RunStep(orphan, timeout=600)
+                except grpc.RpcError as exc:
+                    errors.append(exc)
+
+            sender = threading.Thread(target=send)
+            sender.start()
+            deadline = time.monotonic() + 30
+            while stub.Info(stage_pb2.InfoRequest(), timeout=5).last_run_id < orphan.run_id:
+                assert time.monotonic() < deadline, "the orphan run never started"
+                time.sleep(0.05)
+            client.close()
+            cluster.restart_coordinator(kill=True)
+            with cluster.connect(timeout_s=60) as successor:
+                run.job = successor.get_job(run.job.id)
+                for _ in range(2):
+                    run.step()
+                run.check_weights()
+            sender.join(30)
+            assert not sender.is_alive() and len(errors) == 1, errors
