@@ -570,10 +570,14 @@ class Recovery:
         # may still wait for a neighbour the run never reached (its whole receive deadline, with
         # the stage's run lock held, so every later call would wait behind it). The newest run
         # any stage started is not decided unless it is a behind stage's pending one (decided
-        # runs are committed below): it is aborted everywhere first, which wakes its waits.
+        # runs are committed below), and stages that disagree on their newest run show that it
+        # did not reach them all: it is aborted everywhere first, which wakes its waits. (A run
+        # that reached every stage finished there: prepared, it is aborted below as before.)
         decided = {i.pending_run_id for i in infos if i.pending_run_id and i.step < state.step}
-        newest = max((i.last_run_id for i in infos), default=0)
-        if newest and newest not in decided and all(i.job_id == group.job_id for i in infos):
+        started = {i.last_run_id for i in infos}
+        newest = max(started, default=0)
+        ours = all(i.job_id == group.job_id for i in infos)
+        if len(started) > 1 and newest not in decided and ours:
             group.abort(newest)
         if consistent:
             ahead = max((i.pending_run_id for i in infos if i.step == state.step), default=0)
