@@ -19,16 +19,17 @@ def test_readme_python_example_runs(
     namespace: dict[str, object] = {}
     exec(compile(blocks[0], "README.md", "exec"), namespace)  # our own README, not input
     assert (tmp_path / "ckpt" / "manifest.json").exists()
-    assert namespace["again"].step == 1  # type: ignore[attr-defined]
+    assert namespace["again"].step == 11  # type: ignore[attr-defined]
     assert len(namespace["again"].plan) == 2  # type: ignore[attr-defined]
-    # It shows that it worked: the job, the step's loss, the output and the resumed job.
+    # It shows that it worked: the job, the step's loss, the step after ``job.train``'s ten,
+    # the output and the resumed job.
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 5, lines
+    assert len(lines) == 6, lines
     assert re.fullmatch(
         r"Job\(id='\w+', model='mlp', step=0, .*plan=\[\[0, \d+\) at .*\], recoveries=0\)", lines[0]
     )
     assert re.fullmatch(r"step 1: loss \d+\.\d{4}", lines[1]), lines[1]
-    assert lines[2:] == ["outputs (4, 8)", "resumed at step 1 on 2 stages", "True"]
+    assert lines[2:] == ["step 11", "outputs (4, 8)", "resumed at step 11 on 2 stages", "True"]
 
 
 def test_every_test_file_the_docs_name_exists() -> None:
