@@ -207,7 +207,7 @@ class Client:
         input_shape: Sequence[int] | None = None,
         input_dtype: str = "float32",
         trainable: Sequence[str] | None = None,
-        wire_dtype: str | None = None,
+        wire_dtype: str | Mapping[str, str | None] | None = None,
         precision: str = "fp32",
         virtual_stages: int = 1,
         data_parallel: int = 1,

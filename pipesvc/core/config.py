@@ -29,8 +29,12 @@ MAX_VIRTUAL_STAGES = 16
 """Most layer ranges one stage may hold."""
 PRECISIONS = ("fp32", "bf16-mixed", "bf16")
 """How a job's layers compute and store numbers (``JobConfig.precision``)."""
-WIRE_DTYPES = ("bfloat16", "float16")
-"""Dtypes activations and gradients may cross links in (``JobConfig.wire_dtype``)."""
+WIRE_DTYPES = ("bfloat16", "float16", "int8", "int4")
+"""Codecs activations and gradients may cross links in (``JobConfig.wire_dtype``): two float
+dtypes and two blockwise quantizations (see [Note: blockwise quantization] in
+``pipesvc.core.quant``)."""
+WIRE_ROLES = ("activations", "gradients")
+"""What crosses a link: the forward's activations and the backward's gradients."""
 
 
 def _default_optimizer() -> dict[str, Any]:
@@ -88,12 +92,16 @@ class JobConfig:
     """Glob patterns (``fnmatch``) over parameter names, the keys of ``Job.state_dict()`` (a
     Hugging Face model's own names): only matching parameters train; the rest get no
     gradient and no optimizer state. None: every parameter trains."""
-    wire_dtype: str | None = None
-    """``bfloat16`` or ``float16``: activations and gradients cross the links between stages
-    in this dtype and are cast back on arrival (the layers still compute in ``precision``).
-    Halves the bytes on the wire; the result equals one process with the same casts at the
-    stage boundaries (see [Note: wire dtype] in ``pipesvc.stage.runtime``). None: the compute
-    dtype (bfloat16 under the bf16 precisions, which only ``bfloat16`` or None may name)."""
+    wire_dtype: str | Mapping[str, str | None] | None = None
+    """How activations and gradients cross the links between stages: ``bfloat16`` or
+    ``float16`` (cast, and cast back on arrival), ``int8`` or ``int4`` (blockwise absmax, one
+    float32 scale per 64 elements; see [Note: blockwise quantization] in ``pipesvc.core.quant``),
+    or per role, ``{"activations": "int8", "gradients": "bfloat16"}`` (a role left out or None
+    crosses exact). The layers still compute in ``precision``; the result equals one process
+    that applies the same codec at the same stage boundaries (see [Note: wire dtype] in
+    ``pipesvc.stage.runtime``). None: the compute dtype (bfloat16 under the bf16 precisions,
+    which refuse float16). Kept in its canonical text form: a codec's name, or
+    ``"activations=int8,gradients=bfloat16"`` when the roles differ (``wire_codecs`` reads it)."""
     virtual_stages: int = 1
     """Layer ranges each stage holds (see [Note: virtual stages] in
     ``pipesvc.core.schedule``): the model is cut into ``num_stages * virtual_stages`` ranges
@@ -173,15 +181,12 @@ class JobConfig:
                 f"precision {self.precision!r} is not supported; expected one of "
                 f"{', '.join(PRECISIONS)}"
             )
-        if self.wire_dtype is not None and self.wire_dtype not in WIRE_DTYPES:
-            raise InvalidArgumentError(
-                f"wire_dtype {self.wire_dtype!r} is not supported; expected one of "
-                f"{', '.join(WIRE_DTYPES)} or None"
-            )
-        if self.precision != "fp32" and self.wire_dtype not in (None, "bfloat16"):
+        object.__setattr__(self, "wire_dtype", _canonical_wire(self.wire_dtype))
+        if self.precision != "fp32" and "float16" in self.wire_codecs:
             raise InvalidArgumentError(
                 f"wire_dtype {self.wire_dtype!r} with precision {self.precision!r}: the bf16 "
-                "precisions send bfloat16 already; leave wire_dtype None or 'bfloat16'"
+                "precisions cannot send float16 (its 5 exponent bits would clip bfloat16 "
+                "values); use 'bfloat16', 'int8' or 'int4'"
             )
         if self.clip_grad_norm is not None and not (
             isinstance(self.clip_grad_norm, int | float)
@@ -192,6 +197,15 @@ class JobConfig:
             raise InvalidArgumentError(
                 f"clip_grad_norm ({self.clip_grad_norm!r}) must be a positive finite number"
             )
+
+    @property
+    def wire_codecs(self) -> tuple[str | None, str | None]:
+        """(activations, gradients): the codec each crosses links in, None for exact (the
+        compute dtype; under the bf16 precisions that is bfloat16, so never None)."""
+        codecs = _roles(self.wire_dtype)
+        if self.precision == "fp32":
+            return codecs
+        return (codecs[0] or "bfloat16", codecs[1] or "bfloat16")
 
     @property
     def step_microbatches(self) -> int:
@@ -300,6 +314,51 @@ _JSON_ON_THE_WIRE = ("model_args", "optimizer")
 """Mapping fields the wire carries as JSON text, in ``<name>_json``."""
 _EMPTY_ON_THE_WIRE_MEANS_DEFAULT = ("input_dtype", "precision", "data_parallel", "virtual_stages")
 """Fields added to the wire after the first clients: an older client's spec leaves them empty."""
+
+
+def _canonical_wire(value: object) -> str | None:
+    """``JobConfig.wire_dtype`` in its text form (a name, or ``activations=..,gradients=..``).
+
+    Raises:
+        InvalidArgumentError: an unknown codec or role, or a value of the wrong type.
+    """
+    expected = f"expected one of {', '.join(WIRE_DTYPES)} or None, or a mapping of {WIRE_ROLES}"
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        unknown = sorted(str(k) for k in value if k not in WIRE_ROLES)
+        if unknown:
+            raise InvalidArgumentError(
+                f"wire_dtype has no role {unknown[0]!r}; the roles are {', '.join(WIRE_ROLES)}"
+            )
+        roles = tuple(value.get(r) for r in WIRE_ROLES)
+        for codec in roles:
+            if codec is not None and codec not in WIRE_DTYPES:
+                raise InvalidArgumentError(
+                    f"wire_dtype codec {codec!r} is not supported; {expected}"
+                )
+        if roles[0] == roles[1]:
+            return roles[0]
+        return ",".join(f"{r}={c or 'exact'}" for r, c in zip(WIRE_ROLES, roles, strict=True))
+    if isinstance(value, str):
+        if value in WIRE_DTYPES:
+            return value
+        if "=" in value:  # the text form of a mapping (from the wire or a database row)
+            pairs = [part.partition("=") for part in value.split(",")]
+            return _canonical_wire({k: (None if c == "exact" else c) for k, _, c in pairs})
+    raise InvalidArgumentError(f"wire_dtype {value!r} is not supported; {expected}")
+
+
+def _roles(text: str | Mapping[str, str | None] | None) -> tuple[str | None, str | None]:
+    """(activations, gradients) of a canonical ``wire_dtype``."""
+    if text is None or isinstance(text, Mapping):
+        assert text is None, "wire_dtype is canonical after __post_init__"
+        return (None, None)
+    if "=" not in text:
+        return (text, text)
+    codecs = dict(part.split("=") for part in text.split(","))
+    a, g = (codecs[r] for r in WIRE_ROLES)
+    return (None if a == "exact" else a, None if g == "exact" else g)
 
 
 def wire_field_name(name: str) -> str:

@@ -60,6 +60,14 @@ def packed_bytes(numel: int, codec: str, block: int = DEFAULT_BLOCK) -> int:
     return scales * SCALE_BYTES + codes
 
 
+def wire_bytes(numel: int, codec: str) -> int:
+    """Bytes ``numel`` floating-point elements take on a link with ``codec`` (a quantizing
+    codec, scales included and blob head left out, or a float dtype's name)."""
+    if codec in CODE_BITS:
+        return packed_bytes(numel, codec)
+    return numel * torch.empty((), dtype=getattr(torch, codec)).element_size()
+
+
 @dataclass(frozen=True, slots=True)
 class Packed:
     """A tensor packed by ``quantize``: what crosses the wire besides its shape and dtype."""
@@ -191,3 +199,108 @@ def through_wire(
         x, activations, gradients, block
     )
     return result
+
+
+# -- one tensor on a link -----------------------------------------------------------------------
+#
+# [Note: packed blob] On a link whose codec quantizes, every tensor crosses as one uint8 tensor
+# that describes itself, so the links, frames and shared memory carry it unchanged: an 8-byte
+# head (magic ``PQ``, version, kind, log2 of the block, dtype, number of dimensions, zero),
+# each dimension as an int64, then for a quantized tensor its float32 scales and its codes, and
+# for a tensor that is not quantized (not floating point) its bytes as they are. The receiver
+# checks the head and that the declared shape accounts for every byte before it decodes
+# anything, so a blob can never make it allocate more than its declared shape.
+
+_MAGIC = b"PQ"
+_VERSION = 1
+_HEAD = 8
+_KINDS = ("raw", "int8", "int4")
+_DTYPES = (
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
+MAX_BLOB_DIMS = 8
+
+
+def to_blob(x: torch.Tensor, codec: str, block: int = DEFAULT_BLOCK) -> torch.Tensor:
+    """``x`` as the uint8 tensor a link with ``codec`` carries (see [Note: packed blob]):
+    quantized when floating point, as it is otherwise."""
+    if x.dtype not in _DTYPES:
+        raise InvalidArgumentError(f"a tensor of dtype {x.dtype} cannot cross a link")
+    if x.dim() > MAX_BLOB_DIMS:
+        raise InvalidArgumentError(
+            f"a tensor with {x.dim()} dimensions cannot cross a link; at most {MAX_BLOB_DIMS}"
+        )
+    quantized = x.is_floating_point()
+    kind = _KINDS.index(codec) if quantized else 0
+    head = bytearray(_MAGIC)
+    head += bytes((_VERSION, kind, block.bit_length() - 1, _DTYPES.index(x.dtype), x.dim(), 0))
+    dims = torch.tensor(list(x.shape), dtype=torch.int64).view(torch.uint8)
+    parts = [torch.frombuffer(head, dtype=torch.uint8), dims]
+    if quantized:
+        packed = quantize(x, codec, block)
+        parts += [packed.scales.view(torch.uint8), packed.codes.view(torch.uint8)]
+    else:
+        parts.append(x.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8))
+    return torch.cat(parts)
+
+
+def from_blob(blob: torch.Tensor, max_elements: int = 1 << 31) -> torch.Tensor:
+    """The tensor a blob made by ``to_blob`` stands for (a dequantized float keeps its sent
+    dtype; the caller casts it to its compute dtype).
+
+    Raises:
+        WireFormatError: the blob is not one, or its parts do not match its declared shape.
+    """
+    if blob.dtype != torch.uint8 or blob.dim() != 1 or blob.numel() < _HEAD:
+        raise WireFormatError(
+            f"expected a packed tensor (1-D uint8 of at least {_HEAD} bytes) on a link whose "
+            f"codec quantizes; got {blob.dtype} of shape {list(blob.shape)}"
+        )
+    head = bytes(blob[:_HEAD].tolist())
+    version, kind, log_block, dtype, ndim = head[2], head[3], head[4], head[5], head[6]
+    if head[:2] != _MAGIC or version != _VERSION or kind >= len(_KINDS) or dtype >= len(_DTYPES):
+        raise WireFormatError(f"packed tensor has a bad head {head.hex()}")
+    if ndim > MAX_BLOB_DIMS or blob.numel() < _HEAD + 8 * ndim:
+        raise WireFormatError(f"packed tensor declares {ndim} dimensions in {blob.numel()} bytes")
+    shape = tuple(blob[_HEAD : _HEAD + 8 * ndim].clone().view(torch.int64).tolist())
+    if any(d < 0 for d in shape):
+        raise WireFormatError(f"packed tensor declares a negative dimension in {list(shape)}")
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel > max_elements:
+        raise WireFormatError(
+            f"packed tensor declares {numel} elements; at most {max_elements} are accepted"
+        )
+    body = blob[_HEAD + 8 * ndim :]
+    target = _DTYPES[dtype]
+    if _KINDS[kind] == "raw":
+        size = torch.empty((), dtype=target).element_size()
+        if body.numel() != numel * size:
+            raise WireFormatError(
+                f"packed {target} tensor of shape {list(shape)} needs {numel * size} bytes; "
+                f"got {body.numel()}"
+            )
+        return body.clone().view(target).reshape(shape)
+    codec, block = _KINDS[kind], 1 << log_block
+    if block not in BLOCKS or not target.is_floating_point:
+        raise WireFormatError(f"packed tensor declares block {block} and dtype {target}")
+    scales, code_bytes = packed_sizes(numel, codec, block)
+    if body.numel() != scales * SCALE_BYTES + code_bytes:
+        raise WireFormatError(
+            f"packed {codec} tensor of shape {list(shape)} with block {block} needs "
+            f"{scales * SCALE_BYTES + code_bytes} bytes; got {body.numel()}"
+        )
+    scale_part = body[: scales * SCALE_BYTES].clone().view(torch.float32)
+    code_part = body[scales * SCALE_BYTES :]
+    codes = code_part.view(torch.int8) if codec == "int8" else code_part
+    return dequantize(Packed(codec, block, shape, scale_part, codes), target)

@@ -20,6 +20,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from pipesvc.core import quant
+
 RECENT = 0.1
 """Weight of a new sample once a mean has 1 / RECENT samples."""
 
@@ -78,16 +80,16 @@ class StageProfiler:
             self._send_rate = _Mean()
 
     def layer(
-        self, index: int, seconds: float, output: torch.Tensor, wire: torch.dtype | None = None
+        self, index: int, seconds: float, output: torch.Tensor, wire: str | None = None
     ) -> None:
         """A layer's forward time; its output's size as it would cross a link (in ``wire``,
-        the dtype floating-point tensors are sent in, when the job sets one)."""
-        size = output.element_size()
+        the codec floating-point activations are sent in, when the job sets one)."""
+        size = output.numel() * output.element_size()
         if wire is not None and output.is_floating_point():
-            size = torch.empty((), dtype=wire).element_size()
+            size = quant.wire_bytes(output.numel(), wire)
         with self._lock:
             self._forward.setdefault(index, _Mean()).add(seconds)
-            self._bytes[index] = output.numel() * size
+            self._bytes[index] = size
 
     def needs_flops(self, index: int) -> bool:
         """Whether layer ``index``'s operations are still to be counted (once per plan: a

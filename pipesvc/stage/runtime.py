@@ -47,13 +47,17 @@ recognised by its text (``_out_of_memory``). An optimizer step that runs out is 
 (a stage fault, recovered from), since it may have updated some parameters.
 
 [Note: wire dtype] ``JobConfig.wire_dtype`` sends activations and gradients between stages in
-bfloat16 or float16 under any precision: a stage casts its output (and, in backward, its
-input's gradient) to that dtype before sending, and the receiver casts an arriving activation
-back to its compute dtype (float32, or bfloat16 under ``bf16``; under ``bf16-mixed`` autocast
-takes it as it is) and a gradient to its output's dtype. The numbers are those of one process
-that runs ``t.to(wire).to(compute)`` on each boundary's activation, through which autograd
-casts the gradient the same way. float16 keeps 10 bits of mantissa against bfloat16's 7 but
-only 5 of exponent: gradients below about 6e-8 flush to zero (no loss scaling here).
+a codec of their own, per role (``JobConfig.wire_codecs``), under any precision: a stage encodes
+its output (and, in backward, its input's gradient) before sending, and the receiver decodes
+it. A float codec (bfloat16, float16) is a cast: the receiver casts an arriving activation back
+to its compute dtype (float32, or bfloat16 under ``bf16``; under ``bf16-mixed`` autocast takes
+it as it is) and a gradient to its output's dtype. A quantizing codec (int8, int4) sends every
+tensor as a packed blob (see [Note: packed blob] in ``pipesvc.core.quant``) that the receiver
+decodes to the dtype it was sent in. The numbers are those of one process that runs
+``quant.through_wire(t, activations, gradients)`` on each boundary's activation (for a float
+codec on both roles that is ``t.to(wire).to(compute)``, through which autograd casts the
+gradient the same way). float16 keeps 10 bits of mantissa against bfloat16's 7 but only 5 of
+exponent: gradients below about 6e-8 flush to zero (no loss scaling here).
 """
 
 from __future__ import annotations
@@ -69,11 +73,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipesvc.core import quant
 from pipesvc.core.config import JobConfig
 from pipesvc.core.loss import compute_loss
 from pipesvc.core.optim import build_optimizer, trains
 from pipesvc.core.tying import StageTies
-from pipesvc.errors import FailedPreconditionError, InvalidArgumentError, StageOutOfMemoryError
+from pipesvc.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    StageOutOfMemoryError,
+    WireFormatError,
+)
 from pipesvc.models import (
     batch_statistics,
     build_layers,
@@ -152,8 +162,12 @@ class StageRuntime:
             )
         self._layers = [entry for chunk in self._chunk_layers for entry in chunk]
         self._autocast = config.precision == "bf16-mixed"
-        wire = config.wire_dtype or ("bfloat16" if config.precision != "fp32" else None)
-        self._wire_dtype: torch.dtype | None = getattr(torch, wire) if wire else None
+        self._codecs = config.wire_codecs  # (activations, gradients); see [Note: wire dtype]
+        act = self._codecs[0]
+        # The float dtype activations arrive in, cast back on arrival (None: quantized or exact).
+        self._wire_float: torch.dtype | None = (
+            getattr(torch, act) if act is not None and act not in quant.CODE_BITS else None
+        )
         self._compute_dtype = torch.bfloat16 if config.precision == "bf16" else torch.float32
         # Keys "{global layer}.{param}" match build(...).state_dict() (DESIGN section 4).
         self.module = nn.ModuleDict({str(index): layer for index, layer, _ in self._layers})
@@ -280,11 +294,24 @@ class StageRuntime:
             self.module.train(training)
             self._training = training
 
-    def _to_wire(self, t: torch.Tensor) -> torch.Tensor:
-        """What is sent to a neighbour: bfloat16 under the bf16 precisions."""
-        if self._wire_dtype is None or not t.is_floating_point():
+    @staticmethod
+    def _to_wire(t: torch.Tensor, codec: str | None) -> torch.Tensor:
+        """What is sent to a neighbour with ``codec`` (see [Note: wire dtype])."""
+        if codec is None:
             return t
-        return t.detach().to(self._wire_dtype)
+        if codec in quant.CODE_BITS:
+            return quant.to_blob(t.detach(), codec)  # every tensor: see [Note: packed blob]
+        return t.detach().to(getattr(torch, codec)) if t.is_floating_point() else t
+
+    @staticmethod
+    def _from_wire(t: torch.Tensor, codec: str | None) -> torch.Tensor:
+        """What a neighbour sent with ``codec``, as it stands (a quantized one decoded)."""
+        if codec is None or codec not in quant.CODE_BITS:
+            return t
+        try:
+            return quant.from_blob(t)
+        except WireFormatError as exc:
+            raise InvalidArgumentError(f"a tensor from a neighbour stage: {exc}") from exc
 
     def first_virtual(self, chunk: int) -> bool:
         """Whether ``chunk`` here is the model's first virtual stage (it takes the inputs)."""
@@ -357,7 +384,7 @@ class StageRuntime:
                     f"{x.dtype}: {exc}"
                 ) from exc
             if microbatch is not None:  # a training forward (see pipesvc.stage.profiler)
-                self.profiler.layer(index, time.perf_counter() - started, x, self._wire_dtype)
+                self.profiler.layer(index, time.perf_counter() - started, x, self._codecs[0])
                 if isinstance(counter, FlopCount):
                     self.profiler.counted(index, counter.total)
         return x
@@ -389,9 +416,13 @@ class StageRuntime:
                 f"model {self.config.model!r} takes no side input {unknown[0]!r}; it takes "
                 f"{list(self.features.side_inputs) or 'none'}"
             )
+        if not self.first_virtual(chunk):
+            x = self._from_wire(x, self._codecs[0])
         x = x.to(self.device)
         if x.is_floating_point() and (
-            self.config.precision == "bf16" or (x.dtype == self._wire_dtype and not self._autocast)
+            self.config.precision == "bf16"
+            or (self._codecs[0] in quant.CODE_BITS and not self._autocast)
+            or (x.dtype == self._wire_float and not self._autocast)
         ):
             x = x.to(self._compute_dtype)  # see [Note: wire dtype]
         self._set_mode(training)
@@ -399,7 +430,7 @@ class StageRuntime:
         if not training:
             with torch.no_grad():
                 out = self._apply(x, None, side, cache, chunk=chunk)
-            return out if last else self._to_wire(out)
+            return out if last else self._to_wire(out, self._codecs[0])
         if not self.first_virtual(chunk):
             if not x.is_floating_point():
                 raise InvalidArgumentError(
@@ -414,7 +445,7 @@ class StageRuntime:
             self._deferred[key] = deferred
         self._saved[key] = (x, y)
         self.max_live = max(self.max_live, len(self._saved))
-        return y if last else self._to_wire(y)
+        return y if last else self._to_wire(y, self._codecs[0])
 
     def loss(self, microbatch: int, target: torch.Tensor, weight: float) -> torch.Tensor:
         """Last stage: the weighted loss of micro-batch ``microbatch``, kept for backward."""
@@ -453,7 +484,9 @@ class StageRuntime:
         if not y.requires_grad:
             # Nothing before this point trains (a first stage whose layers are all frozen, as
             # the embedding under LoRA): there is no gradient to compute or send.
-            return None if first else torch.zeros_like(x)
+            return None if first else self._to_wire(torch.zeros_like(x), self._codecs[1])
+        if grad_output is not None:
+            grad_output = self._from_wire(grad_output, self._codecs[1])
         if grad_output is not None and grad_output.shape != y.shape:
             raise InvalidArgumentError(
                 f"gradient of shape {list(grad_output.shape)} for an output of shape "
@@ -468,7 +501,7 @@ class StageRuntime:
             self._backward_s[key] = time.perf_counter() - started
         else:
             self.profiler.backward(time.perf_counter() - started)
-        return None if first or x.grad is None else self._to_wire(x.grad)
+        return None if first or x.grad is None else self._to_wire(x.grad, self._codecs[1])
 
     def backward_weight(self, microbatch: int, chunk: int = 0) -> None:
         """``W`` of a split backward: adds the weight gradients its ``B`` left to the

@@ -1,6 +1,6 @@
-"""``wire_dtype``: activations and gradients cross links in bfloat16 or float16, and training
-equals one process that makes the same casts at the stage boundaries (see [Note: wire dtype]
-in pipesvc/stage/runtime.py)."""
+"""``wire_dtype``: activations and gradients cross links in bfloat16, float16, int8 or int4,
+one codec or one per role, and training equals one process that applies the same codecs at the
+stage boundaries (see [Note: wire dtype] in pipesvc/stage/runtime.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import torch
 
 import pipesvc
 from pipesvc import models
+from pipesvc.core import quant
+from pipesvc.core.config import config_from_dict, config_from_proto, config_to_dict, config_to_proto
 from pipesvc.core.microbatch import loss_weights, split
 from tests.support.reference import PROBLEMS, loss_fn
 
@@ -17,10 +19,13 @@ STEPS = 3
 
 
 def _one_process(
-    wire: torch.dtype | None, boundaries: set[int], batches: list[tuple[torch.Tensor, torch.Tensor]]
+    wire: tuple[str | None, str | None],
+    boundaries: set[int],
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The gpt in one process, SGD over the job's micro-batches, each activation that leaves
-    layer ``i - 1`` for a boundary ``i`` cast to ``wire`` and back."""
+    layer ``i - 1`` for a boundary ``i`` passed through ``wire``'s codecs (activations,
+    gradients)."""
     problem = PROBLEMS["gpt"]
     model = models.build(problem.model, seed=3, **problem.model_args)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -32,8 +37,8 @@ def _one_process(
         for xm, ym, w in zip(xs, ys, loss_weights([len(t) for t in xs]), strict=True):
             out = xm
             for index, layer in enumerate(model):
-                if index in boundaries and wire is not None:
-                    out = out.to(wire).to(torch.float32)
+                if index in boundaries:
+                    out = quant.through_wire(out, *wire)
                 out = layer(out)
             loss = loss_fn(problem.loss, out, ym) * w
             loss.backward()
@@ -43,8 +48,21 @@ def _one_process(
     return losses, {k: v.detach() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("wire", ["bfloat16", "float16"])
-def test_training_equals_one_process_with_the_same_casts(client: pipesvc.Client, wire: str) -> None:
+CODECS: list[str | dict[str, str | None]] = [
+    "bfloat16",
+    "float16",
+    "int8",
+    "int4",
+    {"activations": "int8", "gradients": "bfloat16"},
+    {"activations": "int4"},
+    {"gradients": "int8"},
+]
+
+
+@pytest.mark.parametrize("wire", CODECS, ids=str)
+def test_training_equals_one_process_with_the_same_codecs(
+    client: pipesvc.Client, wire: str | dict[str, str | None]
+) -> None:
     problem = PROBLEMS["gpt"]
     batches = [problem.batch(8, seed=step) for step in range(STEPS)]
     with client.create_job(
@@ -61,12 +79,16 @@ def test_training_equals_one_process_with_the_same_casts(client: pipesvc.Client,
         losses = [job.train_step(x, y) for x, y in batches]
         weights = job.state_dict()
         boundaries = {s.start_layer for s in job.plan[1:]}
-    expected_losses, expected = _one_process(getattr(torch, wire), boundaries, batches)
+        codecs = job.config.wire_codecs
+    assert codecs == (
+        (wire, wire) if isinstance(wire, str) else (wire.get("activations"), wire.get("gradients"))
+    )
+    expected_losses, expected = _one_process(codecs, boundaries, batches)
     assert losses == pytest.approx(expected_losses, rel=1e-5)
     for key, value in expected.items():
         torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-6, msg=key)
     # The casts happened: without them, one process ends elsewhere.
-    _, uncast = _one_process(None, boundaries, batches)
+    _, uncast = _one_process((None, None), boundaries, batches)
     assert any(
         not torch.allclose(weights[key], value, rtol=1e-5, atol=1e-6)
         for key, value in uncast.items()
@@ -74,7 +96,25 @@ def test_training_equals_one_process_with_the_same_casts(client: pipesvc.Client,
 
 
 def test_wire_dtype_is_checked() -> None:
-    with pytest.raises(pipesvc.InvalidArgumentError, match="wire_dtype 'int8' is not supported"):
-        pipesvc.JobConfig(model="mlp", wire_dtype="int8")
-    with pytest.raises(pipesvc.InvalidArgumentError, match="send bfloat16 already"):
+    with pytest.raises(pipesvc.InvalidArgumentError, match="wire_dtype 'int3' is not supported"):
+        pipesvc.JobConfig(model="mlp", wire_dtype="int3")
+    with pytest.raises(pipesvc.InvalidArgumentError, match="no role 'weights'"):
+        pipesvc.JobConfig(model="mlp", wire_dtype={"weights": "int8"})
+    with pytest.raises(pipesvc.InvalidArgumentError, match="codec 'fp8' is not supported"):
+        pipesvc.JobConfig(model="mlp", wire_dtype={"activations": "fp8"})
+    with pytest.raises(pipesvc.InvalidArgumentError, match="cannot send float16"):
         pipesvc.JobConfig(model="mlp", wire_dtype="float16", precision="bf16-mixed")
+    with pytest.raises(pipesvc.InvalidArgumentError, match="cannot send float16"):
+        pipesvc.JobConfig(model="mlp", wire_dtype={"gradients": "float16"}, precision="bf16")
+
+
+def test_wire_dtype_per_role_is_kept_in_one_text_form_that_round_trips() -> None:
+    config = pipesvc.JobConfig(model="mlp", wire_dtype={"activations": "int8"})
+    assert config.wire_dtype == "activations=int8,gradients=exact"
+    assert config.wire_codecs == ("int8", None)
+    assert config_from_proto(config_to_proto(config)) == config
+    assert config_from_dict(config_to_dict(config)) == config
+    same = pipesvc.JobConfig(model="mlp", wire_dtype={"activations": "int4", "gradients": "int4"})
+    assert same.wire_dtype == "int4"
+    mixed = pipesvc.JobConfig(model="mlp", wire_dtype={"activations": "int8"}, precision="bf16")
+    assert mixed.wire_codecs == ("int8", "bfloat16")  # the bf16 precisions never send float32
