@@ -28,6 +28,7 @@ import torch
 from pipesvc.core.config import JobConfig, config_from_proto, config_to_dict, config_to_proto
 from pipesvc.core.health import Health
 from pipesvc.core.limits import parse_bytes
+from pipesvc.core.link_codecs import Link, links
 from pipesvc.core.optim import DEFAULT_OPTIMIZER, NO_OPTIMIZER
 from pipesvc.core.plan import PipelineStage, plan_to_dicts
 from pipesvc.core.tensor_codec import decode, encode, named_frames, read_named_frames
@@ -395,6 +396,13 @@ class Job:
         self.recoveries = info.recoveries
         self.checkpoint_step = info.checkpoint_step
 
+    @property
+    def links(self) -> list[Link]:
+        """Each link between the stages of replica 0, in rank order, with the codecs its
+        activations and gradients cross in: the job's ``wire_dtype`` between hosts, exact on
+        one host (see [Note: codecs per link] in ``pipesvc.core.link_codecs``)."""
+        return links(self.config, [s for s in self.plan if s.replica == 0])
+
     def __repr__(self) -> str:
         ranges = ", ".join(
             f"[{s.start_layer}, {s.end_layer}) at {s.address}"
@@ -402,10 +410,14 @@ class Job:
             + (f" (chunk {s.chunk})" if self.config.virtual_stages > 1 else "")
             for s in self.plan
         )
+        ranks = len({s.rank for s in self.plan})
+        described = [link.describe(ranks) for link in self.links]
         return (
             f"Job(id={self.id!r}, model={self.config.model!r}, step={self.step}, "
             f"schedule={self.config.schedule!r}, num_microbatches={self.config.num_microbatches}, "
-            f"plan=[{ranges}], recoveries={self.recoveries})"
+            f"plan=[{ranges}], recoveries={self.recoveries}"
+            + (f", links=[{'; '.join(described)}]" if self.config.wire_dtype else "")
+            + ")"
         )
 
     def train_step(

@@ -60,6 +60,7 @@ class LocalCluster:
         stage_args: Sequence[str] = (),
         coordinator_args: Sequence[str] = (),
         listen: str = "127.0.0.1:0",
+        separate_hosts: bool = False,
     ) -> None:
         if num_stages < 1:
             raise ValueError(f"num_stages ({num_stages}) must be at least 1")
@@ -86,6 +87,11 @@ class LocalCluster:
         self.coordinator_args = list(coordinator_args)
         self.listen = listen
         """The coordinator's HOST:PORT (port 0: any free one; ``address`` has the real one)."""
+        self.separate_hosts = separate_hosts
+        """Each stage listens on a loopback address of its own (127.0.0.2, 127.0.0.3, ...;
+        Linux routes all of 127/8 to the loopback device), so the links between stages count
+        as links between hosts: the job's ``wire_dtype`` applies to them (see [Note: codecs
+        per link] in ``pipesvc.core.link_codecs``). Shared memory still joins them."""
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._procs: list[subprocess.Popen[bytes]] = []
         self.address = ""
@@ -151,7 +157,7 @@ class LocalCluster:
             "--coordinator",
             self.address,
             "--listen",
-            "127.0.0.1:0",
+            f"127.0.0.{2 + self._stage_count}:0" if self.separate_hosts else "127.0.0.1:0",
             "--threads",
             str(self.threads_per_stage),
         ]

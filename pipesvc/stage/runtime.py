@@ -75,6 +75,7 @@ from torch import nn
 
 from pipesvc.core import quant
 from pipesvc.core.config import JobConfig
+from pipesvc.core.link_codecs import Codecs
 from pipesvc.core.loss import compute_loss
 from pipesvc.core.optim import build_optimizer, trains
 from pipesvc.core.tying import StageTies
@@ -121,6 +122,7 @@ class StageRuntime:
         device: torch.device,
         ties: StageTies | None = None,
         chunks: list[tuple[int, int]] | None = None,
+        links: tuple[Codecs, Codecs] | None = None,
     ) -> None:
         self.config = config
         self.start_layer = start_layer
@@ -162,8 +164,10 @@ class StageRuntime:
             )
         self._layers = [entry for chunk in self._chunk_layers for entry in chunk]
         self._autocast = config.precision == "bf16-mixed"
-        self._codecs = config.wire_codecs  # (activations, gradients); see [Note: wire dtype]
-        act = self._codecs[0]
+        # The codecs of the links in and out (see [Note: codecs per link]); without a plan,
+        # the job's on both.
+        self._up, self._down = links or (config.wire_codecs, config.wire_codecs)
+        act = self._up[0]
         # The float dtype activations arrive in, cast back on arrival (None: quantized or exact).
         self._wire_float: torch.dtype | None = (
             getattr(torch, act) if act is not None and act not in quant.CODE_BITS else None
@@ -384,7 +388,9 @@ class StageRuntime:
                     f"{x.dtype}: {exc}"
                 ) from exc
             if microbatch is not None:  # a training forward (see pipesvc.stage.profiler)
-                self.profiler.layer(index, time.perf_counter() - started, x, self._codecs[0])
+                self.profiler.layer(
+                    index, time.perf_counter() - started, x, self.config.wire_codecs[0]
+                )
                 if isinstance(counter, FlopCount):
                     self.profiler.counted(index, counter.total)
         return x
@@ -417,11 +423,11 @@ class StageRuntime:
                 f"{list(self.features.side_inputs) or 'none'}"
             )
         if not self.first_virtual(chunk):
-            x = self._from_wire(x, self._codecs[0])
+            x = self._from_wire(x, self._up[0])
         x = x.to(self.device)
         if x.is_floating_point() and (
             self.config.precision == "bf16"
-            or (self._codecs[0] in quant.CODE_BITS and not self._autocast)
+            or (self._up[0] in quant.CODE_BITS and not self._autocast)
             or (x.dtype == self._wire_float and not self._autocast)
         ):
             x = x.to(self._compute_dtype)  # see [Note: wire dtype]
@@ -430,7 +436,7 @@ class StageRuntime:
         if not training:
             with torch.no_grad():
                 out = self._apply(x, None, side, cache, chunk=chunk)
-            return out if last else self._to_wire(out, self._codecs[0])
+            return out if last else self._to_wire(out, self._down[0])
         if not self.first_virtual(chunk):
             if not x.is_floating_point():
                 raise InvalidArgumentError(
@@ -445,7 +451,7 @@ class StageRuntime:
             self._deferred[key] = deferred
         self._saved[key] = (x, y)
         self.max_live = max(self.max_live, len(self._saved))
-        return y if last else self._to_wire(y, self._codecs[0])
+        return y if last else self._to_wire(y, self._down[0])
 
     def loss(self, microbatch: int, target: torch.Tensor, weight: float) -> torch.Tensor:
         """Last stage: the weighted loss of micro-batch ``microbatch``, kept for backward."""
@@ -484,9 +490,9 @@ class StageRuntime:
         if not y.requires_grad:
             # Nothing before this point trains (a first stage whose layers are all frozen, as
             # the embedding under LoRA): there is no gradient to compute or send.
-            return None if first else self._to_wire(torch.zeros_like(x), self._codecs[1])
+            return None if first else self._to_wire(torch.zeros_like(x), self._up[1])
         if grad_output is not None:
-            grad_output = self._from_wire(grad_output, self._codecs[1])
+            grad_output = self._from_wire(grad_output, self._down[1])
         if grad_output is not None and grad_output.shape != y.shape:
             raise InvalidArgumentError(
                 f"gradient of shape {list(grad_output.shape)} for an output of shape "
@@ -501,7 +507,7 @@ class StageRuntime:
             self._backward_s[key] = time.perf_counter() - started
         else:
             self.profiler.backward(time.perf_counter() - started)
-        return None if first or x.grad is None else self._to_wire(x.grad, self._codecs[1])
+        return None if first or x.grad is None else self._to_wire(x.grad, self._up[1])
 
     def backward_weight(self, microbatch: int, chunk: int = 0) -> None:
         """``W`` of a split backward: adds the weight gradients its ``B`` left to the

@@ -22,7 +22,9 @@ import torch
 from pipesvc import models
 from pipesvc.core.config import JobConfig, config_from_proto, parse_json_object
 from pipesvc.core.limits import MAX_MICROBATCHES
+from pipesvc.core.link_codecs import stage_codecs
 from pipesvc.core.microbatch import CacheRef, MicrobatchCaches
+from pipesvc.core.plan import PipelineStage
 from pipesvc.core.tensor_codec import decode, encode, named_frames, read_named_frames
 from pipesvc.core.tying import stage_ties
 from pipesvc.errors import (
@@ -266,6 +268,9 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
             device=self._options.device,
             ties=ties,
             chunks=chunks,
+            links=stage_codecs(
+                config, [PipelineStage.from_proto(p) for p in request.plan], stage.rank
+            ),
         )
         tied = None
         if runtime.ties.peers:

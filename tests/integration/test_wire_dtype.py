@@ -1,8 +1,13 @@
-"""``wire_dtype``: activations and gradients cross links in bfloat16, float16, int8 or int4,
-one codec or one per role, and training equals one process that applies the same codecs at the
-stage boundaries (see [Note: wire dtype] in pipesvc/stage/runtime.py)."""
+"""``wire_dtype``: activations and gradients cross the links between hosts in bfloat16,
+float16, int8 or int4, one codec or one per role, links on one host stay exact, and training
+equals one process that applies the same codecs at the same stage boundaries (see [Note: wire
+dtype] in pipesvc/stage/runtime.py and [Note: codecs per link] in pipesvc/core/link_codecs.py).
+The stages of ``hosts`` listen on loopback addresses of their own, so their links count as
+links between hosts."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -11,11 +16,42 @@ import pipesvc
 from pipesvc import models
 from pipesvc.core import quant
 from pipesvc.core.config import config_from_dict, config_from_proto, config_to_dict, config_to_proto
+from pipesvc.core.link_codecs import Link
 from pipesvc.core.microbatch import loss_weights, split
 from tests.support.reference import PROBLEMS, loss_fn
 
 NUM_MICROBATCHES = 4
 STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[pipesvc.Client]:
+    with (
+        pipesvc.LocalCluster(num_stages=3, threads_per_stage=1, separate_hosts=True) as cluster,
+        pipesvc.connect(cluster.address, timeout_s=120) as connected,
+    ):
+        yield connected
+
+
+def _train(
+    client: pipesvc.Client,
+    wire: str | dict[str, str | None],
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[list[float], dict[str, torch.Tensor], list[Link], set[int]]:
+    problem = PROBLEMS["gpt"]
+    with client.create_job(
+        model=problem.model,
+        model_args=problem.model_args,
+        seed=3,
+        num_stages=3,
+        num_microbatches=NUM_MICROBATCHES,
+        optimizer={"name": "sgd", "lr": 0.1},
+        loss=problem.loss,
+        partition="uniform",
+        wire_dtype=wire,
+    ) as job:
+        losses = [job.train_step(x, y) for x, y in batches]
+        return losses, job.state_dict(), job.links, {s.start_layer for s in job.plan[1:]}
 
 
 def _one_process(
@@ -60,29 +96,15 @@ CODECS: list[str | dict[str, str | None]] = [
 
 
 @pytest.mark.parametrize("wire", CODECS, ids=str)
-def test_training_equals_one_process_with_the_same_codecs(
-    client: pipesvc.Client, wire: str | dict[str, str | None]
+def test_training_equals_one_process_with_the_same_codecs_between_hosts(
+    hosts: pipesvc.Client, wire: str | dict[str, str | None]
 ) -> None:
-    problem = PROBLEMS["gpt"]
-    batches = [problem.batch(8, seed=step) for step in range(STEPS)]
-    with client.create_job(
-        model=problem.model,
-        model_args=problem.model_args,
-        seed=3,
-        num_stages=3,
-        num_microbatches=NUM_MICROBATCHES,
-        optimizer={"name": "sgd", "lr": 0.1},
-        loss=problem.loss,
-        partition="uniform",
-        wire_dtype=wire,
-    ) as job:
-        losses = [job.train_step(x, y) for x, y in batches]
-        weights = job.state_dict()
-        boundaries = {s.start_layer for s in job.plan[1:]}
-        codecs = job.config.wire_codecs
-    assert codecs == (
+    batches = [PROBLEMS["gpt"].batch(8, seed=step) for step in range(STEPS)]
+    losses, weights, links, boundaries = _train(hosts, wire, batches)
+    codecs = (
         (wire, wire) if isinstance(wire, str) else (wire.get("activations"), wire.get("gradients"))
     )
+    assert [(link.between_hosts, link.codecs) for link in links] == [(True, codecs)] * 2
     expected_losses, expected = _one_process(codecs, boundaries, batches)
     assert losses == pytest.approx(expected_losses, rel=1e-5)
     for key, value in expected.items():
@@ -93,6 +115,16 @@ def test_training_equals_one_process_with_the_same_codecs(
         not torch.allclose(weights[key], value, rtol=1e-5, atol=1e-6)
         for key, value in uncast.items()
     )
+
+
+def test_links_on_one_host_stay_exact(client: pipesvc.Client) -> None:
+    batches = [PROBLEMS["gpt"].batch(8, seed=step) for step in range(STEPS)]
+    losses, weights, links, boundaries = _train(client, "int4", batches)
+    assert [(link.between_hosts, link.codecs) for link in links] == [(False, (None, None))] * 2
+    expected_losses, expected = _one_process((None, None), boundaries, batches)
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+    for key, value in expected.items():
+        torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
 def test_wire_dtype_is_checked() -> None:

@@ -108,3 +108,51 @@ def test_packed_parts_that_disagree_with_the_shape_are_refused_before_decoding()
     ):
         with pytest.raises(WireFormatError):
             quant.dequantize(bad)
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize(
+    "x",
+    [
+        torch.randn(5, 7, 3),
+        torch.randn(2, 3).bfloat16(),
+        torch.randn(0, 4),
+        torch.arange(12).view(3, 4),
+        torch.tensor([True, False]),
+        torch.randint(0, 255, (9,), dtype=torch.uint8),
+    ],
+    ids=["float32", "bfloat16", "empty", "int64", "bool", "uint8"],
+)
+def test_a_blob_stands_for_its_tensor(codec: str, x: torch.Tensor) -> None:
+    blob = quant.to_blob(x, codec)
+    assert blob.dtype == torch.uint8 and blob.dim() == 1
+    back = quant.from_blob(blob)
+    assert back.dtype == x.dtype and back.shape == x.shape
+    expected = quant.roundtrip(x, codec) if x.is_floating_point() else x
+    assert torch.equal(back, expected)
+
+
+def test_a_blob_is_no_bigger_than_its_packed_tensor_and_a_head() -> None:
+    x = torch.randn(4096, 256)
+    blob = quant.to_blob(x, "int8")
+    assert blob.numel() == 8 + 2 * 8 + quant.packed_bytes(x.numel(), "int8")
+
+
+def test_malformed_blobs_are_refused_before_anything_is_allocated() -> None:
+    good = quant.to_blob(torch.randn(4, 64), "int8")
+    huge = good.clone()
+    huge[8:16] = torch.tensor([1 << 40], dtype=torch.int64).view(torch.uint8)
+    bad_magic = good.clone()
+    bad_magic[0] = 0
+    for bad in (
+        good[:-1],  # a code missing
+        torch.cat([good, good[:4]]),  # bytes beyond the declared shape
+        huge,  # a shape far beyond the bytes sent
+        bad_magic,
+        good[:5],  # shorter than a head
+        good.view(torch.int8),  # not uint8
+    ):
+        with pytest.raises(WireFormatError):
+            quant.from_blob(bad)
+    with pytest.raises(WireFormatError, match="at most 100"):
+        quant.from_blob(good, max_elements=100)
