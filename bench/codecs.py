@@ -1,0 +1,175 @@
+"""Codecs on the wire, measured: their error by block size, and what they do to training.
+
+``--blocks`` (pure, a few seconds): the relative RMS error of int8 and int4 (see [Note:
+blockwise quantization] in ``pipesvc/core/quant.py``) on 4096 x 256 float32 tensors of four
+kinds (Gaussian, ReLU'd Gaussian, Student-t with 3 degrees of freedom, Gaussian with every 64th
+channel 20x larger), with the bytes per element each block size costs, scales included.
+
+``--quality`` (the default): the built-in ``gpt`` of the demo (character level, 4 blocks of
+width 128, on the pydoc text that ships with Python; AdamW as the demo, gradient clipping 1.0)
+trained through pipesvc for ``--steps`` steps (300) on 2 stages that listen on two loopback
+addresses of their own (``LocalCluster(separate_hosts=True)``), so their link is a link
+between hosts and takes the job's codec (see [Note: codecs per link] in
+``pipesvc/core/link_codecs.py``). Every run sees the same batches from the same seed. Rows:
+float32 (the baseline), bfloat16, int8 and int4 on both roles, and int8 and int4 activations
+with bfloat16 or int8 gradients. Columns: final loss (the mean of the last 20 steps, so one
+batch's luck does not decide), its ratio to float32's, the gap's percent, and the tensor bytes
+the stages sent per step (their ``pipesvc_bytes_total`` counters would say the same; here from
+the codec's own arithmetic on the activation's size). The curves, smoothed over 10 steps, go to
+``--png`` (``bench-codecs.png``).
+
+Usage: ``python bench/codecs.py [--blocks] [--steps 300] [--codecs float32,int8,...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pipesvc.core import quant
+from pipesvc.demo import OPTIMIZER, SEQUENCE_LENGTH, CharCorpus
+from pipesvc.local_cluster import LocalCluster
+
+RUNS: dict[str, str | dict[str, str] | None] = {
+    "float32": None,
+    "bfloat16": "bfloat16",
+    "int8": "int8",
+    "int4": "int4",
+    "int8/bf16": {"activations": "int8", "gradients": "bfloat16"},
+    "int4/bf16": {"activations": "int4", "gradients": "bfloat16"},
+}
+"""Row name -> ``wire_dtype`` (a row ``a/g`` sends activations in ``a``, gradients in ``g``)."""
+TAIL = 20
+"""Steps the final loss is averaged over."""
+
+
+def blocks() -> None:
+    torch.manual_seed(0)
+    kinds = {
+        "gaussian": torch.randn(4096, 256),
+        "relu": torch.relu(torch.randn(4096, 256)),
+        "student-t(3)": torch.distributions.StudentT(3.0).sample((4096, 256)),
+        "outlier channels": torch.randn(4096, 256)
+        * torch.where(torch.arange(256) % 64 == 0, 20.0, 1.0),
+    }
+    sizes = (16, 32, 64, 128, 256)
+    for codec in ("int8", "int4"):
+        print(f"\n{codec}: relative RMS error by block size (bytes per element)")
+        header = " | ".join(
+            f"{b} ({quant.packed_bytes(4096 * 256, codec, b) / (4096 * 256):.3f} B)" for b in sizes
+        )
+        print(f"| tensor | {header} |")
+        print("|---" * (len(sizes) + 1) + "|")
+        for name, x in kinds.items():
+            errors = []
+            for b in sizes:
+                y = quant.roundtrip(x, codec, b)
+                errors.append(f"{float((y - x).norm() / x.norm()) * 100:.2f}%")
+            print(f"| {name} | " + " | ".join(errors) + " |")
+
+
+def quality(steps: int, names: list[str], png: str) -> None:
+    corpus = CharCorpus.from_python_docs()
+    model_args = {
+        "vocab_size": corpus.vocab_size,
+        "block_size": SEQUENCE_LENGTH,
+        "embed_dim": 128,
+        "num_heads": 4,
+        "num_blocks": 4,
+    }
+    batch, micro = 32, 8
+    curves: dict[str, list[float]] = {}
+    seconds: dict[str, float] = {}
+    with LocalCluster(num_stages=2, separate_hosts=True) as cluster, cluster.connect() as client:
+        for name in names:
+            generator = torch.Generator().manual_seed(0)
+            batches = [corpus.batch(batch, generator) for _ in range(steps)]
+            with client.create_job(
+                model="gpt",
+                model_args=model_args,
+                seed=0,
+                num_stages=2,
+                num_microbatches=micro,
+                optimizer=OPTIMIZER,
+                loss="cross_entropy",
+                partition="parameters",
+                clip_grad_norm=1.0,
+                wire_dtype=RUNS[name],
+                checkpoint_every=0,
+            ) as job:
+                assert all(link.between_hosts for link in job.links), job.links
+                started = time.perf_counter()
+                curves[name] = list(job.train(batches, progress=sys.stderr.isatty()))
+                seconds[name] = time.perf_counter() - started
+            print(f"{name}: {steps} steps in {seconds[name]:.0f} s", file=sys.stderr)
+    # The activation crossing the link: batch x sequence x width per step, both ways.
+    numel = batch * SEQUENCE_LENGTH * int(model_args["embed_dim"])  # type: ignore[call-overload]
+    base = sum(curves["float32"][-TAIL:]) / TAIL if "float32" in curves else None
+    print(f"\ngpt on the pydoc text, 2 stages on two hosts, {steps} steps")
+    print("| codec (act/grad) | final loss | x float32 | gap | MB/step sent |")
+    print("|---|---|---|---|---|")
+    for name, losses in curves.items():
+        final = sum(losses[-TAIL:]) / TAIL
+        codecs = RUNS[name]
+        act, grad = (
+            (codecs, codecs)
+            if not isinstance(codecs, dict)
+            else (codecs["activations"], codecs["gradients"])
+        )
+        sent = sum(quant.wire_bytes(numel, c) if c else numel * 4 for c in (act, grad)) / 1e6
+        ratio = f"{final / base:.4f}" if base else "-"
+        gap = f"{(final / base - 1) * 100:+.2f}%" if base else "-"
+        print(f"| {name} | {final:.4f} | {ratio} | {gap} | {sent:.2f} |")
+    Path(png).with_suffix(".json").write_text(json.dumps(curves))
+    _plot(curves, png, steps)
+    print(f"\ncurves: {png} (and the numbers in {Path(png).with_suffix('.json')})")
+
+
+def _plot(curves: dict[str, list[float]], png: str, steps: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(8, 5))
+    for name, losses in curves.items():
+        smooth = [
+            sum(losses[max(0, i - 9) : i + 1]) / len(losses[max(0, i - 9) : i + 1])
+            for i in range(len(losses))
+        ]
+        axis.plot(range(1, len(losses) + 1), smooth, label=name)
+    axis.set_xlabel("step")
+    axis.set_ylabel("training loss (mean of 10 steps)")
+    axis.set_title(f"gpt through 2 stages on two hosts, codec on their link ({steps} steps)")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(png, format="png")
+    plt.close(figure)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", action="store_true", help="only the block-size table")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--codecs", default=",".join(RUNS), help=f"rows, of {', '.join(RUNS)}")
+    parser.add_argument("--png", default="bench-codecs.png")
+    args = parser.parse_args()
+    if args.blocks:
+        blocks()
+        return
+    names = [n.strip() for n in args.codecs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in RUNS]
+    if unknown:
+        parser.error(f"unknown codec row {unknown[0]!r}; expected some of {', '.join(RUNS)}")
+    quality(args.steps, names, args.png)
+
+
+if __name__ == "__main__":
+    main()
