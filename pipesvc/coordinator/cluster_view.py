@@ -16,6 +16,7 @@ import grpc
 
 from pipesvc.coordinator.job import JobDriver
 from pipesvc.coordinator.registry import StageRegistry
+from pipesvc.core.link_codecs import links
 from pipesvc.core.plan import PipelineStage
 from pipesvc.observe.trace import COMPUTE_EVENTS
 from pipesvc.v1 import common_pb2, stage_pb2
@@ -148,6 +149,16 @@ def _job_view(
         "step": job.step,
         "num_layers": len(job.layers),
         "stages": stages,
+        "links": [
+            {
+                "from": link.source,
+                "to": link.target % max(1, len({s.rank for s in plan})),
+                "between_hosts": link.between_hosts,
+                "activations": link.codecs[0] or "exact",
+                "gradients": link.codecs[1] or "exact",
+            }
+            for link in links(job.config, [s for s in plan if s.replica == 0])
+        ],
         "run_ms": (run_end - origin) / 1e6,
         "timeline": timeline,
     }

@@ -324,6 +324,13 @@ function render(data) {
       }
       jobs.appendChild(bar);
     }
+    // Each link's codecs (see [Note: codecs per link] in pipesvc/core/link_codecs.py).
+    if (job.links.some(l => l.activations !== "exact" || l.gradients !== "exact")) {
+      const where = l => l.between_hosts ? " (between hosts)" : " (one host)";
+      jobs.appendChild(el("p", {class: "links"}, "links: " + job.links.map(l =>
+        "rank " + l.from + " \u2192 " + l.to + where(l) + ": activations " + l.activations +
+        ", gradients " + l.gradients).join("; ")));
+    }
     const table = el("table");
     row(table, ["rank", "stage", "step ms", "busy ms", "wait ms", "idle ms", "RSS MiB",
                 "send MB/s"], true);

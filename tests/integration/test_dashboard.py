@@ -57,6 +57,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, pip
             threads_per_stage=1,
             token_file=token_file,
             coordinator_args=["--http-port", "0"],
+            separate_hosts=True,
         ) as cluster,
         pipesvc.connect(cluster.address, token=TOKEN) as client,
         client.create_job(
@@ -65,6 +66,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, pip
             num_stages=3,
             loss=problem.loss,
             partition="uniform",
+            wire_dtype={"activations": "int8", "gradients": "bfloat16"},
         ) as job,
     ):
         for step in range(3):
@@ -93,6 +95,17 @@ def test_the_json_shows_stages_plans_and_the_last_step(trained: tuple[str, pipes
     names = {(e["rank"], e["name"]) for e in view["timeline"]}
     assert {(r, n) for r in range(3) for n in ("forward", "backward")} <= names
     assert all(0 <= e["start_ms"] <= e["end_ms"] <= view["run_ms"] for e in view["timeline"])
+    # Each link's codecs: the stages listen on loopback addresses of their own.
+    assert view["links"] == [
+        {
+            "from": r,
+            "to": r + 1,
+            "between_hosts": True,
+            "activations": "int8",
+            "gradients": "bfloat16",
+        }
+        for r in range(2)
+    ]
 
 
 @pytest.mark.skipif(
@@ -127,6 +140,7 @@ def test_the_page_renders_the_cluster_in_chromium(
         assert f"rank {stage.rank} [{stage.start_layer}, {stage.end_layer})" in dom
     assert f'data-job="{job.id}"' in dom and dom.count('class="lane"') == 3
     assert "3 stages, 1 jobs" in dom
+    assert "rank 1 \u2192 2 (between hosts): activations int8, gradients bfloat16" in dom
     out = REPO / "test-output"
     out.mkdir(exist_ok=True)
     shot = out / "dashboard.png"
