@@ -78,8 +78,17 @@ from typing import IO, Any, ClassVar
 REPO_ROOT = Path(__file__).resolve().parents[1]
 COORDINATOR_PORT, STAGE_PORT, METRICS_PORT, TCP_PORT, GLOO_PORT = 7071, 50051, 9464, 5201, 29500
 DEFAULT_RATES = "10gbit,1gbit,100mbit"
-RUNS = ("torch", "float32", "bfloat16")
-"""The rows of each link: torch, then pipesvc with each wire dtype."""
+CODECS: dict[str, str | dict[str, str] | None] = {
+    "float32": None,
+    "bfloat16": "bfloat16",
+    "int8": "int8",
+    "int8/bf16": {"activations": "int8", "gradients": "bfloat16"},
+    "int4": "int4",
+}
+"""pipesvc's rows by name, with the ``wire_dtype`` each job gets (``a/g``: activations in
+``a``, gradients in ``g``)."""
+RUNS = ("torch", *CODECS)
+"""The rows of each link by default: torch, then pipesvc with each codec (``--codecs``)."""
 MIN_BURST_BYTES = 64 * 1024
 TBF_LATENCY = "50ms"
 WORKLOAD = "act"
@@ -418,13 +427,13 @@ def _wait_for_stages(client: Any, count: int) -> None:
         time.sleep(0.2)
 
 
-def pipesvc_client(coordinator: str, schedule: str, counters: str) -> None:
-    """Creates the float32 job on the first pair of stages (the only ones registered yet),
-    says so (``{"created": ...}``) and waits for the second pair, on which it creates the
-    bfloat16 job; then serves rounds: reads ``{"run": "float32", "steps": N}`` lines on stdin,
-    answers one JSON line each on stdout.
+def pipesvc_client(coordinator: str, schedule: str, counters: str, runs: Sequence[str]) -> None:
+    """Creates the first run's job on the first pair of stages (the only ones registered
+    yet), says so (``{"created": ...}``) and waits for the next pair, on which it creates the
+    next run's job, and so on; then serves rounds: reads ``{"run": "float32", "steps": N}``
+    lines on stdin, answers one JSON line each on stdout.
 
-    A stage serves one job at a time: two pairs keep both jobs warm between rounds."""
+    A stage serves one job at a time: a pair per run keeps every job warm between rounds."""
     sys.path.insert(0, str(REPO_ROOT))
     import torch
 
@@ -441,7 +450,7 @@ def pipesvc_client(coordinator: str, schedule: str, counters: str) -> None:
     x, y = base._batch(w)
     client = pipesvc.connect(coordinator, timeout_s=600)
     jobs, first_loss = {}, {}
-    for pair, run in enumerate(RUNS[1:]):
+    for pair, run in enumerate(runs):
         _wait_for_stages(client, 2 * (pair + 1))
         job = client.create_job(
             model=w.model,
@@ -453,7 +462,7 @@ def pipesvc_client(coordinator: str, schedule: str, counters: str) -> None:
             loss=w.loss,
             partition="uniform",
             checkpoint_every=0,
-            wire_dtype=None if run == "float32" else run,
+            wire_dtype=CODECS[run],
         )
         plan = [(s.start_layer, s.end_layer) for s in job.plan]
         if plan != uniform(w.num_layers, 2):  # the torch ranks slice the model this way
@@ -535,6 +544,8 @@ class Bench:
     def __init__(self, args: argparse.Namespace, logs: Path) -> None:
         self.args = args
         self.logs = logs
+        self.runs: list[str] = args.codecs.split(",")
+        """pipesvc's runs, one pair of stages each."""
         self.topo = Topology(str(os.getpid()))
         self.procs = Processes()
         self._client: subprocess.Popen[str] | None = None
@@ -560,8 +571,8 @@ class Bench:
         return open(self.logs / f"{name}.log", "w")
 
     def _start_stages(self, pair: int) -> None:
-        """A stage on each of ``a`` and ``b``, on the shaped link's address; ``pair`` 0 and 1
-        (ports 50051 and 50052) serve the float32 and the bfloat16 job."""
+        """A stage on each of ``a`` and ``b``, on the shaped link's address; ``pair`` k (port
+        50051 + k) serves the job of the k-th pipesvc run."""
         topo = self.topo
         port = STAGE_PORT + pair
         for host in ("a", "b"):
@@ -588,7 +599,7 @@ class Bench:
             ns["c"],
             [sys.executable, __file__, "--client", topo.coordinator,
              "--schedule", self.args.schedule,
-             "--counters", f"{ns['a']}:{topo.shaped_dev}"],
+             "--counters", f"{ns['a']}:{topo.shaped_dev}", "--codecs", ",".join(self.runs)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log("client"),
         )  # fmt: skip
         out = self._client.stdout
@@ -600,9 +611,10 @@ class Bench:
             self._lines.put(None)
 
         threading.Thread(target=read, daemon=True).start()
-        self._answer("created", timeout_s=300)  # the float32 job, on the first pair
-        self._start_stages(1)
-        self._answer("created", timeout_s=300)
+        self._answer("created", timeout_s=300)  # the first run's job, on the first pair
+        for pair in range(1, len(self.runs)):
+            self._start_stages(pair)
+            self._answer("created", timeout_s=300)
         ready = self._answer("ready", timeout_s=300)
         if any(ready["shm"]):
             raise RuntimeError(f"the stages use shared memory across hosts: {ready}")
@@ -721,8 +733,7 @@ def result_rows(rate: Rate, samples: dict[str, list[Sample]]) -> list[list[str]]
     the rounds' own ratios (round i's run against round i's torch)."""
     rows = []
     torch_rates = [s.steps_per_s for s in samples["torch"]]
-    for run in RUNS:
-        got = samples[run]
+    for run, got in samples.items():
         rates = [s.steps_per_s for s in got]
         ratios = [s / t for s, t in zip(rates, torch_rates, strict=True)]
         wire = statistics.median(s.wire_bytes for s in got)
@@ -781,9 +792,10 @@ def run_bench(args: argparse.Namespace, rates: list[Rate]) -> None:
                     ]
                 )
                 print(f"{rate.label}: raw TCP {mbit:.0f} Mbit/s", flush=True)
-                samples: dict[str, list[Sample]] = {run: [] for run in RUNS}
+                runs = ("torch", *bench.runs)
+                samples: dict[str, list[Sample]] = {run: [] for run in runs}
                 for round_index in range(args.rounds):
-                    for run in _rotated(RUNS, round_index):
+                    for run in _rotated(runs, round_index):
                         sample = (
                             bench.torch_round(args.steps)
                             if run == "torch"
@@ -817,7 +829,8 @@ def run_bench(args: argparse.Namespace, rates: list[Rate]) -> None:
         f"\nTraining across it: 8 x (Linear(256, 256) + ReLU), batch 4096 in 8 micro-batches, "
         f"MSE, SGD, 2 stages ({args.schedule}), one per host; {args.rounds} interleaved "
         f"round(s) of 1 (pipesvc) or 3 (torch) warm-up and {args.steps} timed steps; medians. "
-        f"float32 activations and gradients are 8.39 MB per step (4.19 MB in bfloat16).\n"
+        f"float32 activations and gradients are 8.39 MB per step (4.19 MB in bfloat16, "
+        f"2.23 MB in int8 and 1.18 MB in int4, scales included).\n"
     )
     _print_table(table)
     losses = ", ".join(f"{k} {v:.5f}" for k, v in bench.first_loss.items())
@@ -831,6 +844,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"))
+    parser.add_argument(
+        "--codecs", default=",".join(CODECS), help=f"pipesvc's rows, of {', '.join(CODECS)}"
+    )
     hidden = argparse.SUPPRESS
     parser.add_argument("--client", help=hidden)
     parser.add_argument("--counters", help=hidden)
@@ -841,7 +857,7 @@ def main() -> None:
     parser.add_argument("--bytes", type=int, help=hidden)
     args = parser.parse_args()
     if args.client:
-        pipesvc_client(args.client, args.schedule, args.counters)
+        pipesvc_client(args.client, args.schedule, args.counters, args.codecs.split(","))
     elif args.torch_rank is not None:
         torch_rank(args.torch_rank, args.address, args.schedule, args.steps, args.counters)
     elif args.tcp_sink:
@@ -851,6 +867,9 @@ def main() -> None:
     else:
         if args.quick:
             args.rounds, args.steps = 1, 3
+        unknown = [c for c in args.codecs.split(",") if c not in CODECS]
+        if unknown:
+            parser.error(f"unknown codec row {unknown[0]!r}; expected some of {', '.join(CODECS)}")
         rates = [Rate.parse(text) for text in args.rates.split(",")]
         reason = why_not_runnable()
         if reason:
