@@ -26,8 +26,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -75,48 +77,37 @@ def blocks() -> None:
             print(f"| {name} | " + " | ".join(errors) + " |")
 
 
-def quality(steps: int, names: list[str], png: str) -> None:
-    corpus = CharCorpus.from_python_docs()
-    model_args = {
-        "vocab_size": corpus.vocab_size,
-        "block_size": SEQUENCE_LENGTH,
-        "embed_dim": 128,
-        "num_heads": 4,
-        "num_blocks": 4,
-    }
-    batch, micro = 32, 8
+def _runs(
+    cluster: LocalCluster, names: list[str], job: dict[str, Any], batches: list[Any]
+) -> dict[str, list[float]]:
+    """Each named codec's losses over ``batches``, one job each on ``cluster``."""
     curves: dict[str, list[float]] = {}
-    seconds: dict[str, float] = {}
-    with LocalCluster(num_stages=2, separate_hosts=True) as cluster, cluster.connect() as client:
+    with cluster.connect() as client:
         for name in names:
-            generator = torch.Generator().manual_seed(0)
-            batches = [corpus.batch(batch, generator) for _ in range(steps)]
-            with client.create_job(
-                model="gpt",
-                model_args=model_args,
-                seed=0,
-                num_stages=2,
-                num_microbatches=micro,
-                optimizer=OPTIMIZER,
-                loss="cross_entropy",
-                partition="parameters",
-                clip_grad_norm=1.0,
-                wire_dtype=RUNS[name],
-                checkpoint_every=0,
-            ) as job:
-                assert all(link.between_hosts for link in job.links), job.links
+            with client.create_job(**job, wire_dtype=RUNS[name], checkpoint_every=0) as created:
+                assert all(link.between_hosts for link in created.links), created.links
                 started = time.perf_counter()
-                curves[name] = list(job.train(batches, progress=sys.stderr.isatty()))
-                seconds[name] = time.perf_counter() - started
-            print(f"{name}: {steps} steps in {seconds[name]:.0f} s", file=sys.stderr)
-    # The activation crossing the link: batch x sequence x width per step, both ways.
-    numel = batch * SEQUENCE_LENGTH * int(model_args["embed_dim"])  # type: ignore[call-overload]
-    base = sum(curves["float32"][-TAIL:]) / TAIL if "float32" in curves else None
-    print(f"\ngpt on the pydoc text, 2 stages on two hosts, {steps} steps")
+                curves[name] = list(created.train(batches, progress=sys.stderr.isatty()))
+            took = time.perf_counter() - started
+            print(f"{name}: {len(batches)} steps in {took:.0f} s", file=sys.stderr, flush=True)
+    return curves
+
+
+def _final(losses: list[float]) -> float:
+    """The mean of the last ``TAIL`` losses."""
+    tail = losses[-TAIL:]
+    return sum(tail) / len(tail)
+
+
+def _report(title: str, curves: dict[str, list[float]], numel: int, png: str) -> None:
+    """The table of final losses (``numel``: elements of the activation crossing the link per
+    step), the curves' PNG and their numbers as JSON beside it."""
+    base = _final(curves["float32"]) if "float32" in curves else None
+    print(f"\n{title}")
     print("| codec (act/grad) | final loss | x float32 | gap | MB/step sent |")
     print("|---|---|---|---|---|")
     for name, losses in curves.items():
-        final = sum(losses[-TAIL:]) / TAIL
+        final = _final(losses)
         codecs = RUNS[name]
         act, grad = (
             (codecs, codecs)
@@ -128,11 +119,94 @@ def quality(steps: int, names: list[str], png: str) -> None:
         gap = f"{(final / base - 1) * 100:+.2f}%" if base else "-"
         print(f"| {name} | {final:.4f} | {ratio} | {gap} | {sent:.2f} |")
     Path(png).with_suffix(".json").write_text(json.dumps(curves))
-    _plot(curves, png, steps)
+    _plot(curves, png, title)
     print(f"\ncurves: {png} (and the numbers in {Path(png).with_suffix('.json')})")
 
 
-def _plot(curves: dict[str, list[float]], png: str, steps: int) -> None:
+def quality(steps: int, names: list[str], png: str) -> None:
+    corpus = CharCorpus.from_python_docs()
+    model_args = {
+        "vocab_size": corpus.vocab_size,
+        "block_size": SEQUENCE_LENGTH,
+        "embed_dim": 128,
+        "num_heads": 4,
+        "num_blocks": 4,
+    }
+    batch, micro = 32, 8
+    generator = torch.Generator().manual_seed(0)
+    batches = [corpus.batch(batch, generator) for _ in range(steps)]
+    job = {
+        "model": "gpt",
+        "model_args": model_args,
+        "seed": 0,
+        "num_stages": 2,
+        "num_microbatches": micro,
+        "optimizer": OPTIMIZER,
+        "loss": "cross_entropy",
+        "partition": "parameters",
+        "clip_grad_norm": 1.0,
+    }
+    with LocalCluster(num_stages=2, separate_hosts=True) as cluster:
+        curves = _runs(cluster, names, job, batches)
+    _report(
+        f"gpt on the pydoc text, 2 stages on two hosts, {steps} steps",
+        curves,
+        batch * SEQUENCE_LENGTH * 128,
+        png,
+    )
+
+
+def llama(steps: int, names: list[str], png: str) -> None:
+    """``bench/hf.py``'s ~110M Llama (random, from its config) fine-tuned with LoRA (r 8 on
+    the attention's q and v projections, AdamW lr 1e-3) on the pydoc text as bytes (token ids
+    0-255), 8 rows of 128 tokens in 4 micro-batches, 2 stages on two hosts."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from bench.hf import CONFIG
+
+    text = CharCorpus.from_python_docs()
+    data = torch.tensor(list("".join(text.chars[i] for i in text.data.tolist()).encode()))
+    generator = torch.Generator().manual_seed(0)
+    rows, length, micro = 8, 128, 4
+    batches = []
+    for _ in range(steps):
+        starts = torch.randint(0, len(data) - length - 1, (rows,), generator=generator)
+        x = torch.stack([data[s : s + length] for s in starts.tolist()])
+        batches.append((x, x.clone()))  # causal_lm shifts the labels itself
+    with tempfile.TemporaryDirectory(prefix="pipesvc-bench-codecs-") as tmp:
+        directory = str(Path(tmp) / "llama")
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **CONFIG))
+        model.save_pretrained(directory)
+        del model
+        job = {
+            "model": "bench-llama",
+            "model_args": {
+                "lora": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+            },
+            "loss": "causal_lm",
+            "optimizer": {"name": "adamw", "lr": 1e-3},
+            "num_stages": 2,
+            "num_microbatches": micro,
+            "input_shape": [rows // micro, length],
+            "input_dtype": "int64",
+        }
+        with LocalCluster(
+            num_stages=2,
+            threads_per_stage=1,
+            separate_hosts=True,
+            hf_models={"bench-llama": directory},
+        ) as cluster:
+            curves = _runs(cluster, names, job, batches)
+    _report(
+        f"~110M Llama, LoRA fine-tune on the pydoc bytes, 2 stages on two hosts, {steps} steps",
+        curves,
+        rows * length * int(CONFIG["hidden_size"]),
+        png,
+    )
+
+
+def _plot(curves: dict[str, list[float]], png: str, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -147,7 +221,7 @@ def _plot(curves: dict[str, list[float]], png: str, steps: int) -> None:
         axis.plot(range(1, len(losses) + 1), smooth, label=name)
     axis.set_xlabel("step")
     axis.set_ylabel("training loss (mean of 10 steps)")
-    axis.set_title(f"gpt through 2 stages on two hosts, codec on their link ({steps} steps)")
+    axis.set_title(title, fontsize=10)
     axis.legend()
     figure.tight_layout()
     figure.savefig(png, format="png")
@@ -157,7 +231,8 @@ def _plot(curves: dict[str, list[float]], png: str, steps: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", action="store_true", help="only the block-size table")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--llama", action="store_true", help="the Llama LoRA run instead")
+    parser.add_argument("--steps", type=int, help="default: 300 (gpt), 100 (--llama)")
     parser.add_argument("--codecs", default=",".join(RUNS), help=f"rows, of {', '.join(RUNS)}")
     parser.add_argument("--png", default="bench-codecs.png")
     args = parser.parse_args()
@@ -168,7 +243,10 @@ def main() -> None:
     unknown = [n for n in names if n not in RUNS]
     if unknown:
         parser.error(f"unknown codec row {unknown[0]!r}; expected some of {', '.join(RUNS)}")
-    quality(args.steps, names, args.png)
+    if args.llama:
+        llama(args.steps or 100, names, args.png)
+    else:
+        quality(args.steps or 300, names, args.png)
 
 
 if __name__ == "__main__":
