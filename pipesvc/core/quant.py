@@ -231,8 +231,8 @@ MAX_BLOB_DIMS = 8
 
 
 def to_blob(x: torch.Tensor, codec: str, block: int = DEFAULT_BLOCK) -> torch.Tensor:
-    """``x`` as the uint8 tensor a link with ``codec`` carries (see [Note: packed blob]):
-    quantized when floating point, as it is otherwise."""
+    """``x`` as the uint8 tensor, in host memory, that a link with ``codec`` carries (see
+    [Note: packed blob]): quantized when floating point, as it is otherwise."""
     if x.dtype not in _DTYPES:
         raise InvalidArgumentError(f"a tensor of dtype {x.dtype} cannot cross a link")
     if x.dim() > MAX_BLOB_DIMS:
@@ -246,8 +246,8 @@ def to_blob(x: torch.Tensor, codec: str, block: int = DEFAULT_BLOCK) -> torch.Te
     dims = torch.tensor(list(x.shape), dtype=torch.int64).view(torch.uint8)
     parts = [torch.frombuffer(head, dtype=torch.uint8), dims]
     if quantized:
-        packed = quantize(x, codec, block)
-        parts += [packed.scales.view(torch.uint8), packed.codes.view(torch.uint8)]
+        packed = quantize(x, codec, block)  # on x's device; what crosses is in host memory
+        parts += [packed.scales.cpu().view(torch.uint8), packed.codes.cpu().view(torch.uint8)]
     else:
         parts.append(x.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8))
     return torch.cat(parts)
