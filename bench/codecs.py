@@ -11,12 +11,17 @@ trained through pipesvc for ``--steps`` steps (300) on 2 stages that listen on t
 addresses of their own (``LocalCluster(separate_hosts=True)``), so their link is a link
 between hosts and takes the job's codec (see [Note: codecs per link] in
 ``pipesvc/core/link_codecs.py``). Every run sees the same batches from the same seed. Rows:
-float32 (the baseline), bfloat16, int8 and int4 on both roles, and int8 and int4 activations
-with bfloat16 or int8 gradients. Columns: final loss (the mean of the last 20 steps, so one
-batch's luck does not decide), its ratio to float32's, the gap's percent, and the tensor bytes
-the stages sent per step (their ``pipesvc_bytes_total`` counters would say the same; here from
-the codec's own arithmetic on the activation's size). The curves, smoothed over 10 steps, go to
-``--png`` (``bench-codecs.png``).
+float32 (the baseline), bfloat16, int8 and int4 on both roles, int8 and int4 activations with
+bfloat16 gradients, and float32 again with the same batches in another order (``reordered``:
+the noise floor, how far two runs that differ only by chance end apart). Columns: the final
+training loss (the mean of the last 20 steps), the loss of the final weights on 16 held-out
+batches (in one process, no codec: the model's quality), each with its ratio to float32's, and
+the tensor bytes crossing the link per step (the codec's arithmetic on the activation's size;
+the stages' ``pipesvc_bytes_total`` counters say the same). The curves, smoothed over 10
+steps, go to ``--png`` (``bench-codecs.png``), their numbers to a JSON file beside it.
+
+``--llama``: ``bench/hf.py``'s ~110M Llama (random, from its config) fine-tuned with LoRA for
+``--steps`` (100) steps on the same text as bytes, the same codecs; the final training loss.
 
 Usage: ``python bench/codecs.py [--blocks] [--steps 300] [--codecs float32,int8,...]``.
 """
@@ -28,6 +33,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +41,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pipesvc import models
 from pipesvc.core import quant
+from pipesvc.core.loss import compute_loss
 from pipesvc.demo import OPTIMIZER, SEQUENCE_LENGTH, CharCorpus
 from pipesvc.local_cluster import LocalCluster
 
@@ -50,6 +58,9 @@ RUNS: dict[str, str | dict[str, str] | None] = {
 """Row name -> ``wire_dtype`` (a row ``a/g`` sends activations in ``a``, gradients in ``g``)."""
 TAIL = 20
 """Steps the final loss is averaged over."""
+NOISE = " (reordered)"
+"""The float32 row again with the same batches in another order: how far two runs that differ
+only by chance end apart, the floor under which a codec's gap means nothing."""
 
 
 def blocks() -> None:
@@ -78,19 +89,28 @@ def blocks() -> None:
 
 
 def _runs(
-    cluster: LocalCluster, names: list[str], job: dict[str, Any], batches: list[Any]
-) -> dict[str, list[float]]:
-    """Each named codec's losses over ``batches``, one job each on ``cluster``."""
+    cluster: LocalCluster,
+    names: list[str],
+    job: dict[str, Any],
+    batches: dict[str, list[Any]],
+    evaluate: Callable[[dict[str, torch.Tensor]], float] | None = None,
+) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Each named codec's losses over its ``batches``, one job each on ``cluster``, and with
+    ``evaluate`` the held-out loss of the weights each ends with."""
     curves: dict[str, list[float]] = {}
+    evals: dict[str, float] = {}
     with cluster.connect() as client:
         for name in names:
-            with client.create_job(**job, wire_dtype=RUNS[name], checkpoint_every=0) as created:
+            codec = RUNS[name.removesuffix(NOISE)]
+            with client.create_job(**job, wire_dtype=codec, checkpoint_every=0) as created:
                 assert all(link.between_hosts for link in created.links), created.links
                 started = time.perf_counter()
-                curves[name] = list(created.train(batches, progress=sys.stderr.isatty()))
-            took = time.perf_counter() - started
-            print(f"{name}: {len(batches)} steps in {took:.0f} s", file=sys.stderr, flush=True)
-    return curves
+                curves[name] = list(created.train(batches[name], progress=sys.stderr.isatty()))
+                took = time.perf_counter() - started
+                if evaluate is not None:
+                    evals[name] = evaluate(created.state_dict())
+            print(f"{name}: {len(curves[name])} steps in {took:.0f} s", file=sys.stderr, flush=True)
+    return curves, evals
 
 
 def _final(losses: list[float]) -> float:
@@ -99,26 +119,34 @@ def _final(losses: list[float]) -> float:
     return sum(tail) / len(tail)
 
 
-def _report(title: str, curves: dict[str, list[float]], numel: int, png: str) -> None:
+def _report(
+    title: str, curves: dict[str, list[float]], evals: dict[str, float], numel: int, png: str
+) -> None:
     """The table of final losses (``numel``: elements of the activation crossing the link per
     step), the curves' PNG and their numbers as JSON beside it."""
     base = _final(curves["float32"]) if "float32" in curves else None
+    base_eval = evals.get("float32")
     print(f"\n{title}")
-    print("| codec (act/grad) | final loss | x float32 | gap | MB/step sent |")
-    print("|---|---|---|---|---|")
+    columns = "| codec (act/grad) | final train loss | x float32 |"
+    if evals:
+        columns += " held-out loss | x float32 |"
+    print(columns + " MB/step sent |")
+    print("|---" * (columns.count("|") - 1 + 1) + "|")
     for name, losses in curves.items():
         final = _final(losses)
-        codecs = RUNS[name]
+        codecs = RUNS[name.removesuffix(NOISE)]
         act, grad = (
             (codecs, codecs)
             if not isinstance(codecs, dict)
             else (codecs["activations"], codecs["gradients"])
         )
         sent = sum(quant.wire_bytes(numel, c) if c else numel * 4 for c in (act, grad)) / 1e6
-        ratio = f"{final / base:.4f}" if base else "-"
-        gap = f"{(final / base - 1) * 100:+.2f}%" if base else "-"
-        print(f"| {name} | {final:.4f} | {ratio} | {gap} | {sent:.2f} |")
-    Path(png).with_suffix(".json").write_text(json.dumps(curves))
+        cells = [name, f"{final:.4f}", f"{final / base:.4f}" if base else "-"]
+        if evals:
+            held = evals[name]
+            cells += [f"{held:.4f}", f"{held / base_eval:.4f}" if base_eval else "-"]
+        print("| " + " | ".join([*cells, f"{sent:.2f}"]) + " |")
+    Path(png).with_suffix(".json").write_text(json.dumps({"curves": curves, "held_out": evals}))
     _plot(curves, png, title)
     print(f"\ncurves: {png} (and the numbers in {Path(png).with_suffix('.json')})")
 
@@ -134,7 +162,12 @@ def quality(steps: int, names: list[str], png: str) -> None:
     }
     batch, micro = 32, 8
     generator = torch.Generator().manual_seed(0)
-    batches = [corpus.batch(batch, generator) for _ in range(steps)]
+    ordered = [corpus.batch(batch, generator) for _ in range(steps)]
+    held_out = [corpus.batch(batch, torch.Generator().manual_seed(10**6)) for _ in range(16)]
+    # The noise floor: float32 again, the same batches in another order.
+    shuffled = [ordered[i] for i in torch.randperm(steps, generator=generator).tolist()]
+    names = [*names, "float32" + NOISE] if "float32" in names else names
+    batches = {name: shuffled if name.endswith(NOISE) else ordered for name in names}
     job = {
         "model": "gpt",
         "model_args": model_args,
@@ -146,11 +179,21 @@ def quality(steps: int, names: list[str], png: str) -> None:
         "partition": "parameters",
         "clip_grad_norm": 1.0,
     }
+
+    def evaluate(weights: dict[str, torch.Tensor]) -> float:
+        model = models.build("gpt", seed=0, **model_args)
+        model.load_state_dict(weights)
+        model.eval()
+        with torch.no_grad():
+            losses = [float(compute_loss("cross_entropy", model(x), y)) for x, y in held_out]
+        return sum(losses) / len(losses)
+
     with LocalCluster(num_stages=2, separate_hosts=True) as cluster:
-        curves = _runs(cluster, names, job, batches)
+        curves, evals = _runs(cluster, names, job, batches, evaluate)
     _report(
         f"gpt on the pydoc text, 2 stages on two hosts, {steps} steps",
         curves,
+        evals,
         batch * SEQUENCE_LENGTH * 128,
         png,
     )
@@ -197,10 +240,11 @@ def llama(steps: int, names: list[str], png: str) -> None:
             separate_hosts=True,
             hf_models={"bench-llama": directory},
         ) as cluster:
-            curves = _runs(cluster, names, job, batches)
+            curves, _ = _runs(cluster, names, job, {name: batches for name in names})
     _report(
         f"~110M Llama, LoRA fine-tune on the pydoc bytes, 2 stages on two hosts, {steps} steps",
         curves,
+        {},
         rows * length * int(CONFIG["hidden_size"]),
         png,
     )
