@@ -237,7 +237,7 @@ ILLEGAL: dict[str, tuple[Setup, Illegal]] = {
     "decided with a commit pending": (decide, lambda led: led.decided(led.begin_run(), None)),
     "decided for a stale run": (lambda led: led.begin_run(), lambda led: led.decided(0, None)),
     "decided past the replay target": (
-        lambda led: (decide(led), led.rebuilding(), led.restored(1)),
+        lambda led: rebuilt(led, decide(led).step),
         lambda led: led.decided(led.begin_run(), None),
     ),
     "a snapshot with no commit pending": (lambda led: None, lambda led: led.snapshot_due()),
@@ -255,7 +255,7 @@ ILLEGAL: dict[str, tuple[Setup, Illegal]] = {
         lambda led: led.restored(led.step + 1),
     ),
     "replayed short of the target": (
-        lambda led: (decide(led), decide_after(led), led.rebuilding(), led.restored(0)),
+        lambda led: (decide(led), decide_after(led), rebuilt(led, 0)),
         lambda led: led.replayed(),
     ),
     "replayed outside a rebuild": (lambda led: None, lambda led: led.replayed()),
@@ -263,6 +263,13 @@ ILLEGAL: dict[str, tuple[Setup, Illegal]] = {
     "loaded with a commit pending": (decide, lambda led: led.loaded(0)),
     "loaded during a rebuild": (lambda led: led.rebuilding(), lambda led: led.loaded(0)),
 }
+
+
+def rebuilt(ledger: Ledger, step: int) -> int:
+    """A rebuild under way, restored at ``step``; returns its target."""
+    target = ledger.rebuilding()
+    ledger.restored(step)
+    return target
 
 
 def decide_after(ledger: Ledger) -> PendingCommit:
@@ -334,7 +341,7 @@ def test_a_row_persisted_reads_back_the_same_counters_and_results(db: StateDB) -
 # -- one writer --------------------------------------------------------------------------------
 
 
-def _assignments(tree: ast.AST) -> Iterator[ast.expr]:
+def _assignments(tree: ast.AST) -> Iterator[ast.Attribute]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign):
             targets: list[ast.expr] = list(node.targets)
