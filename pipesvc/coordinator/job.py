@@ -18,7 +18,7 @@ committed: every stage reaches it, or recovery brings them all there before any 
 
 [Note: deferred commit] The commit of a decided step is not a round trip of its own: the
 coordinator counts the step, writes the job's row (the durable record that it is decided; a
-restarted coordinator commits or replays it, see ``Recovery.reconcile``), replies, and keeps
+restarted coordinator commits or replays it, see ``reconcile.reconcile``), replies, and keeps
 the commit as ``Ledger.pending``. The next run (training or inference) carries it in its
 RunStep, and each stage applies it before the run starts (``StepRunner.run``). A call that must
 see committed weights (state reads, checkpoints, load_state, GetJob, a graceful stop) flushes it
@@ -658,7 +658,7 @@ class JobDriver:
     def wait_idle(self) -> None:
         """Blocks until no step is in flight, then flushes a deferred commit (taking the
         checkpoint its step is due) and lets a background checkpoint finish (best effort: a
-        restarted coordinator also finds an unflushed commit, see ``Recovery.reconcile``), for
+        restarted coordinator also finds an unflushed commit, see ``reconcile.reconcile``), for
         a graceful coordinator stop."""
         with self._lock:
             self._stopping = True  # no step starts after this one (a stream's next, say)

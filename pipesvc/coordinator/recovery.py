@@ -1,6 +1,7 @@
 """Rebuilding a job's stages from durable state: a new plan and assignment, the checkpoint
 restored, the logged steps replayed (see [Note: recovery] in job.py); and what leads to a
-rebuild: a lost stage, a leaving one, a coordinator restart (reconciling).
+rebuild: a lost stage, a leaving one, a coordinator restart (``reconcile.reconcile`` decides
+whether the stages can be adopted as they are).
 
 ``Recovery`` takes what it needs explicitly: the stage group (plan, epoch, assignment), the
 ``Ledger`` (the step state; every change of it is a ledger transition, see [Note: step
@@ -14,13 +15,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from typing import Any
 
 from pipesvc.coordinator import planner
 from pipesvc.coordinator.checkpointer import Checkpointer
 from pipesvc.coordinator.job_storage import JobStorage
 from pipesvc.coordinator.ledger import Ledger
-from pipesvc.coordinator.stage_calls import StageLostError, call_stage, health_of
+from pipesvc.coordinator.reconcile import reconcile
+from pipesvc.coordinator.stage_calls import StageLostError, health_of
 from pipesvc.coordinator.stage_group import StageGroup
 from pipesvc.coordinator.step_runner import FINAL_ERRORS, StepRunner
 from pipesvc.core.health import Health
@@ -30,7 +31,7 @@ from pipesvc.core.tensor_codec import named_frames
 from pipesvc.errors import PipesvcError
 from pipesvc.observe.metrics import Metrics
 from pipesvc.storage.checkpoint import read_layers, read_manifest
-from pipesvc.v1 import common_pb2, stage_pb2
+from pipesvc.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ __all__ = ["FINAL_ERRORS", "JobStorage", "Recovery"]
 
 class Recovery:
     """Rebuilding a job's stages: recovery from lost stages, migration off leaving ones, and
-    reconciling after a coordinator restart."""
+    after a coordinator restart when reconciling finds the stages disagree with the row."""
 
     def __init__(
         self,
@@ -67,7 +68,10 @@ class Recovery:
         """Finishes a pending reconcile; raises StageLostError if a stage is unreachable, and
         moves layers off stages that are leaving."""
         if self._needs_reconcile:
-            self.reconcile()
+            self._needs_reconcile = False
+            without = reconcile(self.group, self._ledger)
+            if without is not None:
+                self.rebuild(without)
         self._checkpoints.finish(wait=False)
         # Between back-to-back steps the watchdog of the last step has just seen every stage;
         # a fresh health round trip per step would only add latency.
@@ -195,91 +199,3 @@ class Recovery:
         for step in range(self._ledger.step + 1, target + 1):
             logged = self._storage.log.read(step)
             self._runner.replay(RunBatch.split(logged.inputs, logged.targets, logged.side, m))
-
-    # -- after a coordinator restart -----------------------------------------------------------
-
-    def reconcile(self) -> None:
-        """After a coordinator restart: adopt the stages as they are, or rebuild."""
-        group, ledger, registry = self.group, self._ledger, self.group.registry
-        deadline = time.monotonic() + group.deadlines.reconcile_s
-        addresses = group.addresses
-        known = set()
-        while time.monotonic() < deadline:
-            known = {r.address for r in registry.all() if r.alive}
-            if set(addresses) <= known:
-                break
-            time.sleep(0.2)
-        consistent = set(addresses) <= known
-        infos: list[Any] = []
-        if consistent:
-            try:
-                infos = group.call_all(
-                    lambda stub: stub.Info, lambda s: stage_pb2.InfoRequest(), 5.0
-                )
-            except PipesvcError:
-                consistent = False
-        # The row's step is decided (see [Note: deferred commit] in job.py); a stage one step
-        # behind holds it prepared, with its commit not yet flushed, or did not get there.
-        consistent = consistent and all(
-            i.job_id == group.job_id
-            and i.plan_epoch == group.epoch
-            and (i.step == ledger.step or (i.step == ledger.step - 1 and i.pending_run_id))
-            for i in infos
-        )
-        behind = (
-            [(s, i) for s, i in zip(group.servers, infos, strict=True) if i.step < ledger.step]
-            if consistent
-            else []
-        )
-        if behind and group.config.clip_grad_norm is not None:
-            consistent = False  # its gradient scale was not saved: replay the step instead
-        self._needs_reconcile = False
-        ledger.adopt_runs([i.last_run_id for i in infos])
-        # A coordinator killed while it sent a run leaves it on the stages it reached, where it
-        # may still wait for a neighbour the run never reached (its whole receive deadline, with
-        # the stage's run lock held, so every later call would wait behind it). The newest run
-        # any stage started is not decided unless it is a behind stage's pending one (decided
-        # runs are committed below), and stages that disagree on their newest run show that it
-        # did not reach them all: it is aborted everywhere first, which wakes its waits. (A run
-        # that reached every stage finished there: prepared, it is aborted below as before.)
-        decided = {i.pending_run_id for i in infos if i.pending_run_id and i.step < ledger.step}
-        started = {i.last_run_id for i in infos}
-        newest = max(started, default=0)
-        ours = all(i.job_id == group.job_id for i in infos)
-        if len(started) > 1 and newest not in decided and ours:
-            group.abort(newest)
-        if consistent:
-            ahead = max((i.pending_run_id for i in infos if i.step == ledger.step), default=0)
-            if ahead:  # a run of the next step, never decided
-                group.abort(ahead)
-            try:
-                for stage, info in behind:
-                    request = stage_pb2.CommitRequest(
-                        job_id=group.job_id, plan_epoch=group.epoch, run_id=info.pending_run_id
-                    )
-                    call_stage(
-                        registry,
-                        stage,
-                        lambda stub: stub.Commit,
-                        request,
-                        group.deadlines.control_s,
-                    )
-            except PipesvcError as exc:
-                logger.warning("job %s: committing the decided step failed: %s", group.job_id, exc)
-                consistent = False
-        if consistent:
-            registry.claim(addresses, group.job_id)
-            for stage in group.servers:
-                registry.place(
-                    stage.address,
-                    rank=stage.rank,
-                    start_layer=stage.start_layer,
-                    end_layer=stage.end_layer,
-                )
-            logger.info(
-                "job %s: resumed with its stages as they were (step %d)", group.job_id, ledger.step
-            )
-            return
-        logger.warning("job %s: stages disagree with the saved state; rebuilding", group.job_id)
-        registry.claim([a for a in addresses if a in known], group.job_id)
-        self.rebuild(set(addresses) - known)
