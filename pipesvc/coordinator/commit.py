@@ -28,8 +28,10 @@ import logging
 import time
 from collections.abc import Sequence
 
+from pipesvc.coordinator.job_state import PendingCommit
 from pipesvc.coordinator.registry import StageRegistry
 from pipesvc.coordinator.stage_calls import Deadlines, StageLostError, call_all, where
+from pipesvc.coordinator.stage_group import StageGroup
 from pipesvc.core.plan import PipelineStage
 from pipesvc.errors import PipesvcError, StageUnavailableError
 from pipesvc.v1 import stage_pb2
@@ -152,3 +154,27 @@ def _laggards(
             f"or step {step - 1} with run {request.run_id} pending"
         )
     return laggards
+
+
+class GroupCommitter:
+    """Sends a job's pending commit to every stage of its plan as it is now (the ledger's
+    ``Committer``): the one place an explicit Commit of a decided step goes out."""
+
+    def __init__(self, group: StageGroup) -> None:
+        self._group = group
+
+    def commit(self, pending: PendingCommit, *, after_failed_run: bool) -> None:
+        """``commit_all`` of ``pending`` over the group's stages.
+
+        Raises:
+            StageLostError, CommitIncompleteError: as ``commit_all``.
+        """
+        group = self._group
+        commit_all(
+            group.registry,
+            group.servers,
+            pending.request(group.job_id, group.epoch),
+            step=pending.step,
+            deadlines=group.deadlines,
+            after_failed_run=after_failed_run,
+        )

@@ -1,8 +1,10 @@
 """One job on the coordinator: driving its steps and commits, and its lifecycle.
 
-A job is composed of its stages with their plan and epoch (``StageGroup``), its counters
-(``JobState``, which maps to its database row) and the ``Recovery`` that rebuilds the stages
-from durable state; ``JobDriver`` runs steps over them under one lock.
+A job is composed of its stages with their plan and epoch (``StageGroup``), the one writer of
+its step state and database row (``Ledger``, see [Note: step ledger] in ledger.py), its
+checkpoints (``Checkpointer``: cadence, snapshots, the background writer), the ``StepRunner``
+that runs its run phases and steps, and the ``Recovery`` that rebuilds the stages from durable
+state; ``JobDriver`` takes calls over them under one lock.
 
 The coordinator runs no model code: it plans from a stage's description of the model and moves
 only micro-batch inputs, targets, losses and outputs.
@@ -16,15 +18,17 @@ committed: every stage reaches it, or recovery brings them all there before any 
 
 [Note: deferred commit] The commit of a decided step is not a round trip of its own: the
 coordinator counts the step, writes the job's row (the durable record that it is decided; a
-restarted coordinator commits or replays it, see ``Recovery.reconcile``), replies, and keeps
-the commit in ``JobState.pending``. The next run (training or inference) carries it in its
-RunStep, and each stage applies it before the run starts. A call that must see committed
-weights (state reads, checkpoints, load_state, GetJob, a graceful stop) flushes it first with
-an explicit Commit (``Recovery.flush``); maintenance flushes it once the job has been idle for
-``IDLE_FLUSH_S``. A run that carried it and failed is aborted and the commit settled where it
-is still pending (``Recovery.settle``); when that cannot reach every stage, or a stage is lost
-first, the step is the replay target, exactly as for a failed Commit. Measured on a tiny model
-over 2 stages this took the ~1.4 ms Commit round off every step (see bench/README.md).
+restarted coordinator commits or replays it, see ``reconcile.reconcile``), replies, and keeps
+the commit as ``Ledger.pending``. The next run (training or inference) carries it in its
+RunStep, and each stage applies it before the run starts (``StepRunner.run``). A call that must
+see committed weights (state reads, checkpoints, load_state, GetJob, a graceful stop) flushes it
+first with an explicit Commit (``Ledger.flush``, or ``Checkpointer.flush`` when the step is due
+a checkpoint); maintenance flushes it once the job has been idle for ``IDLE_FLUSH_S``. A run
+that carried it and failed is aborted and the commit settled where it is still pending
+(``Ledger.settle``); when that cannot reach every stage, or a stage is lost first
+(``Ledger.lost``), the step is the replay target, exactly as for a failed Commit. Measured on
+a tiny model over 2 stages this took the ~1.4 ms Commit round off every step (see
+bench/README.md).
 
 [Note: recovery] Before it is decided, a step's batch goes to the write-ahead step log. When a
 stage is lost (or a step fails for a reason that is not the caller's), the job gets a new plan
@@ -53,7 +57,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent import futures
@@ -62,17 +65,22 @@ from typing import Any
 import torch
 
 from pipesvc.coordinator import planner
+from pipesvc.coordinator.checkpointer import Checkpointer
+from pipesvc.coordinator.commit import GroupCommitter
 from pipesvc.coordinator.fair_lock import FairLock
-from pipesvc.coordinator.job_state import JobState, PendingCommit
+from pipesvc.coordinator.job_state import JobState
+from pipesvc.coordinator.job_storage import JobStorage
+from pipesvc.coordinator.ledger import Ledger
 from pipesvc.coordinator.rebalance import Decision, Replanner
-from pipesvc.coordinator.recovery import FINAL_ERRORS, JobStorage, Recovery
+from pipesvc.coordinator.recovery import Recovery
 from pipesvc.coordinator.registry import StageRegistry
 from pipesvc.coordinator.replicas import Rendezvous, RunReplies
 from pipesvc.coordinator.serving import JobGeneration
-from pipesvc.coordinator.stage_calls import Deadlines, StageLostError
+from pipesvc.coordinator.stage_calls import Deadlines
 from pipesvc.coordinator.stage_group import StageGroup
 from pipesvc.coordinator.state_db import MAX_STEP, JobRecord, StepResult
-from pipesvc.coordinator.step_log import LoggedBatch, StepLogError
+from pipesvc.coordinator.step_log import LoggedBatch
+from pipesvc.coordinator.step_runner import StepRunner
 from pipesvc.core import microbatch
 from pipesvc.core.config import JobConfig, config_from_dict, config_to_proto
 from pipesvc.core.microbatch import RunBatch
@@ -117,8 +125,9 @@ class PreparedStep:
 
 
 class JobDriver:
-    """A planned job: its stages (``group``), its counters (``state``), the ``recovery`` that
-    rebuilds them, and the lock that serialises its steps."""
+    """A planned job: its stages (``group``), its step state (``ledger``), its checkpoints, the
+    runner of its steps, the ``recovery`` that rebuilds its stages, and the lock that
+    serialises its calls."""
 
     def __init__(
         self,
@@ -131,7 +140,7 @@ class JobDriver:
         deadlines: Deadlines,
         storage: JobStorage,
         epoch: int = 1,
-        state: JobState | None = None,
+        record: JobRecord | None = None,
         needs_reconcile: bool = False,
         metrics: Metrics = NO_METRICS,
         rendezvous: Rendezvous | None = None,
@@ -139,7 +148,6 @@ class JobDriver:
         self._metrics = metrics
         self.job_id = job_id
         self.layers = layers
-        self._storage = storage
         self._pool = futures.ThreadPoolExecutor(max_workers=16)
         self.group = StageGroup(
             job_id=job_id,
@@ -152,19 +160,42 @@ class JobDriver:
             pool=self._pool,
             rendezvous=rendezvous,
         )
-        self.state = state or JobState()
-        self.recovery = Recovery(
-            group=self.group,
+        self.state = JobState.from_record(record) if record is not None else JobState()
+        self.ledger = Ledger(
+            shape=self.group,
             state=self.state,
-            storage=storage,
+            db=storage.db,
+            committer=GroupCommitter(self.group),
+            step=record.step if record is not None else 0,
+            run_id=record.run_id if record is not None else 0,
+            checkpoint_step=record.checkpoint_step if record is not None else -1,
+        )
+        self.checkpoints = Checkpointer(
+            group=self.group, ledger=self.ledger, storage=storage, pool=self._pool
+        )
+        self.runner = StepRunner(
+            group=self.group,
+            ledger=self.ledger,
+            checkpoints=self.checkpoints,
+            log=storage.log,
             metrics=metrics,
-            replay=lambda batch: self._train_once(batch, None),
-            needs_reconcile=needs_reconcile,
             pool=self._pool,
         )
-        self.replanner = Replanner(group=self.group, recovery=self.recovery)
-        self._last_loss = (0, 0.0)  # (step, loss) of the newest run phase that succeeded
-        self._decided_at = 0.0  # when the newest step was decided (for the idle flush)
+        self.recovery = Recovery(
+            group=self.group,
+            ledger=self.ledger,
+            checkpoints=self.checkpoints,
+            runner=self.runner,
+            storage=storage,
+            metrics=metrics,
+            needs_reconcile=needs_reconcile,
+        )
+        self.replanner = Replanner(
+            group=self.group,
+            ledger=self.ledger,
+            checkpoints=self.checkpoints,
+            recovery=self.recovery,
+        )
         self._lock = FairLock()  # calls take turns (see fair_lock.py)
         self._stopping = False  # set by wait_idle: the coordinator is stopping
         self.generation = JobGeneration(
@@ -172,7 +203,7 @@ class JobDriver:
             config=config,
             group=self.group,
             resilient=self._generate_steps,
-            run=self._run,
+            run=self.runner.run,
             metrics=metrics,
             orphans=needs_reconcile,
         )
@@ -190,7 +221,7 @@ class JobDriver:
     @property
     def step(self) -> int:
         """Steps committed on the stages as they are now."""
-        return self.state.step
+        return self.ledger.step
 
     @property
     def closed(self) -> bool:
@@ -201,7 +232,7 @@ class JobDriver:
 
     def record(self) -> JobRecord:
         """The job's database row."""
-        return self.recovery.record()
+        return self.ledger.record()
 
     @classmethod
     def from_record(
@@ -225,118 +256,13 @@ class JobDriver:
             deadlines=deadlines,
             storage=storage,
             epoch=record.epoch,
-            state=JobState.from_record(record),
+            record=record,
             needs_reconcile=True,
             metrics=metrics,
             rendezvous=rendezvous,
         )
 
     # -- calls ---------------------------------------------------------------------------------
-
-    def _run(self, mode: stage_pb2.RunMode.ValueType, batch: RunBatch) -> tuple[int, RunReplies]:
-        """One run phase on every stage under a new run id, carrying the pending commit (see
-        [Note: deferred commit]); aborted everywhere if it fails.
-
-        If a run that carried a commit fails, the commit is settled (completed where it is
-        still pending; if that fails, the step becomes the replay target); after a final-class
-        error the run is then tried once more without it, so that a refused commit is not
-        reported as the run's fault.
-        """
-        state = self.state
-        if state.pending is not None and not all(self.group.shares(mode, len(batch.inputs))):
-            # A replica sits this run out, so it cannot carry the commit: flushed first.
-            self.recovery.flush()
-        carried = state.pending
-        try:
-            return self._run_once(mode, batch, carried)
-        except PipesvcError as exc:
-            if carried is None:
-                raise
-            if isinstance(exc, StageLostError):
-                # A stage is gone: recovery rebuilds every stage to the decided step.
-                state.pending = None
-                state.replay_target = max(state.replay_target or 0, carried.step)
-                raise
-            logger.warning(
-                "job %s: a run carrying the commit of step %d failed: %s; settling the commit",
-                self.job_id,
-                carried.step,
-                exc,
-            )
-            self.recovery.settle(carried, after_failed_run=True)
-            if not isinstance(exc, FINAL_ERRORS):
-                raise  # a fault of a stage or link: recovered from as for any run
-        # A final-class error may have been the carried commit's (settled now), not the run's:
-        # the run goes once more on its own, and a caller's error repeats.
-        return self._run_once(mode, batch, None)
-
-    def _run_once(
-        self, mode: stage_pb2.RunMode.ValueType, batch: RunBatch, carried: PendingCommit | None
-    ) -> tuple[int, RunReplies]:
-        state = self.state
-        state.run_id += 1
-        run_id = state.run_id
-        training = mode == stage_pb2.TRAIN
-        what = f"run {run_id} (step {state.step + 1})" if training else f"inference run {run_id}"
-        commit = carried.carried() if carried is not None else None
-        if carried is not None and carried.snapshot:
-            # Each stage holds one snapshot: the previous checkpoint must be read first.
-            self.recovery.finish_checkpoint(wait=True)
-        try:
-            replies = self.group.run_step(run_id, mode, batch, what=what, commit=commit)
-        except PipesvcError as exc:
-            self._metrics.inc("steps_aborted_total")
-            if mode == stage_pb2.TRAIN:
-                state.gradients_valid = False
-            lost = exc.addresses if isinstance(exc, StageLostError) else set()
-            self.group.abort(run_id, lost=lost)
-            raise
-        if carried is not None:
-            state.pending = None
-            state.gradients_valid = True
-            if carried.snapshot:
-                self.recovery.stream_snapshot(carried.step)
-        return run_id, replies
-
-    # -- steps ---------------------------------------------------------------------------------
-
-    def _train_once(self, batch: RunBatch, log: LoggedBatch | None) -> float:
-        state = self.state
-        # The write-ahead log entry is written while the stages compute, and before any commit.
-        logged = self._pool.submit(self._storage.log.write, state.step + 1, log) if log else None
-        try:
-            run_id, replies = self._run(stage_pb2.TRAIN, batch)
-        except BaseException:
-            if logged is not None:  # the run's error is the one to report; the entry is
-                futures.wait([logged])  # rewritten before the step is ever decided
-            raise
-        if logged is not None:
-            try:
-                logged.result()
-            except Exception as exc:
-                # Without its batch in the log the step cannot be decided (recovery could not
-                # replay it): its run is aborted on every stage now, so none commits it.
-                self._metrics.inc("steps_aborted_total")
-                state.gradients_valid = False
-                self.group.abort(run_id)
-                raise StepLogError(
-                    f"job {self.job_id}: step {state.step + 1} was aborted on every stage and "
-                    f"nothing was committed: its batch could not be written to the step log at "
-                    f"{str(self._storage.log.root)!r} ({type(exc).__name__}: {exc}); check the "
-                    "coordinator's --state-dir (free space, permissions) and send the step again"
-                ) from exc
-        loss = float(sum(replies.losses))
-        self._last_loss = (state.step + 1, loss)
-        grad_scale = None
-        if self.config.clip_grad_norm is not None:
-            total = math.sqrt(replies.grad_norm_sq)
-            grad_scale = min(1.0, self.config.clip_grad_norm / (total + 1e-6))
-        # Every stage holds the step prepared and its batch is in the step log: it is decided.
-        # Its commit goes with the next run, or is flushed (see [Note: deferred commit]).
-        state.step += 1
-        state.pending = PendingCommit(step=state.step, run_id=run_id, grad_scale=grad_scale)
-        self._decided_at = time.monotonic()
-        return loss
 
     def prepare_step(
         self,
@@ -420,7 +346,7 @@ class JobDriver:
             as ``train_step``.
         """
         batch, request_id = prepared.batch, prepared.request_id
-        state = self.state
+        state, ledger, runner = self.state, self.ledger, self.runner
         with self._lock:
             self._check_open()
             if self._stopping:
@@ -431,20 +357,20 @@ class JobDriver:
             first = state.results.get(request_id) if request_id else None
             if first is not None:
                 return self._repeated(first, digest())
-            if state.committed_step >= MAX_STEP:
+            if ledger.committed_step >= MAX_STEP:
                 raise FailedPreconditionError(
-                    f"job {self.job_id} is at step {state.committed_step}, the largest the "
+                    f"job {self.job_id} is at step {ledger.committed_step}, the largest the "
                     "coordinator's database holds; load a state with a smaller step to train on"
                 )
             started = time.monotonic()
-            target = state.step + 1
+            target = ledger.step + 1
             digested = self._pool.submit(digest) if request_id else None  # off the step's path
 
             def attempt() -> float:
-                if state.step >= target:  # a recovery finished the step's commit by replay
-                    assert self._last_loss[0] == target, (self._last_loss, target)
-                    return self._last_loss[1]
-                return self._train_once(batch, prepared.logged)
+                if ledger.step >= target:  # a recovery finished the step's commit by replay
+                    assert runner.last_loss[0] == target, (runner.last_loss, target)
+                    return runner.last_loss[1]
+                return runner.train(batch, prepared.logged)
 
             loss = self._resilient(attempt, f"step {target}")
             if digested is not None:
@@ -452,29 +378,20 @@ class JobDriver:
                     request_id=request_id, step=target, loss=loss, digest=digested.result()
                 )
                 state.remember(result)
-            self.recovery.persist()  # with the result: decided and remembered at once
+            ledger.persist()  # with the result: decided and remembered at once
             self._metrics.inc("steps_committed_total")
             took = time.monotonic() - started
             self._metrics.observe("step_seconds", took)
             logger.info(
                 "job %s: step %d committed, loss %.6f",
                 self.job_id,
-                state.step,
+                ledger.step,
                 loss,
-                extra={"job": self.job_id, "step": state.step},
+                extra={"job": self.job_id, "step": ledger.step},
             )
-            cadence = self.recovery.cadence
-            cadence.step_took(took)
-            due = cadence.due(state.step) or self.recovery.log_over_bound()
-            if due and state.pending is not None:
-                cadence.asked(state.step)
-                # The run that carries this step's commit has the stages snapshot their state,
-                # which then streams to a checkpoint while later steps train (see [Note:
-                # snapshot checkpoint] in stage/engine.py); with no such run, the flush of the
-                # commit reads the stages instead.
-                state.pending = dataclasses.replace(state.pending, snapshot=True)
+            self.checkpoints.after_step(took)  # a snapshot if the step is due a checkpoint
             self._rebalance_if_due(took)
-            return loss, state.step
+            return loss, ledger.step
 
     def _repeated(self, first: StepResult, digest: str) -> tuple[float, int]:
         """The reply to a step whose request id the job remembers (see [Note: step request
@@ -490,7 +407,7 @@ class JobDriver:
                 "a new request id"
             )
         if any(r is first for r in self.state.unsaved):
-            self.recovery.persist()
+            self.ledger.persist()
         logger.info(
             "job %s: request %s repeats step %d; returning its result without running it",
             self.job_id,
@@ -529,7 +446,7 @@ class JobDriver:
         ``rebalance`` job: measures and moves when the settler says so (see [Note: settling]
         in core/settle.py and [Note: replan] in rebalance.py). A failed measurement or move
         is logged and training goes on."""
-        step, config, group = self.state.step, self.config, self.group
+        step, config, group = self.ledger.step, self.config, self.group
         if config.partition != "throughput" and not config.rebalance:
             return
         settler = self.replanner.settler
@@ -587,7 +504,7 @@ class JobDriver:
                 # Micro-batches for every replica of the plan at the time (one may be dropped).
                 m = self.config.num_microbatches * len(self.group.pipelines)
                 batch = RunBatch.split(inputs, None, side, min(m, inputs.shape[0]))
-                return self._run(stage_pb2.INFER, batch)[1]
+                return self.runner.run(stage_pb2.INFER, batch)[1]
 
             replies = self._resilient(attempt, "forward")
         return torch.cat([decode(t) for t in replies.outputs], dim=0)
@@ -615,7 +532,7 @@ class JobDriver:
         recovery = self.recovery
         # A rebuild left unfinished (a commit that did not reach every stage, or a recovery
         # that gave up mid-replay) is finished before anything else touches the stages.
-        lost: set[str] | None = set() if self.state.replay_target is not None else None
+        lost: set[str] | None = set() if self.ledger.replay_target is not None else None
         last: PipesvcError | None = None
         for _ in range(MAX_RECOVERIES_PER_CALL + 1):
             try:
@@ -646,8 +563,8 @@ class JobDriver:
         """
         with self._lock:
             self._check_open()
-            self._resilient(self.recovery.flush, "reading state")
-            if kind == common_pb2.GRADIENTS and not self.state.gradients_valid:
+            self._resilient(self.checkpoints.flush, "reading state")
+            if kind == common_pb2.GRADIENTS and not self.ledger.gradients_valid:
                 return
             yield from self.group.stream_state(kind)
 
@@ -656,7 +573,7 @@ class JobDriver:
 
         ``step`` (None: the job's stays) sets the committed-step counter. A step below the
         job's starts a new lineage: the checkpoint of the loaded state replaces every newer
-        one, and the logged steps after it are dropped (see ``Recovery.start_lineage``).
+        one, and the logged steps after it are dropped (see ``Checkpointer.start_lineage``).
 
         Raises:
             InvalidArgumentError: unknown or missing keys, a shape or dtype mismatch, or a
@@ -669,9 +586,9 @@ class JobDriver:
             )
         with self._lock:
             self._check_open()
-            self._resilient(self.recovery.flush, "loading state")
+            self._resilient(self.checkpoints.flush, "loading state")
             count = self.group.load_state(frames, step)
-            self.recovery.start_lineage(step)  # recovery must restore the loaded state
+            self.checkpoints.start_lineage(step)  # recovery must restore the loaded state
             return count
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -686,10 +603,11 @@ class JobDriver:
         with self._lock:
             if self.state.closed:
                 return
-            if self.state.pending is not None and self.state.pending.snapshot:
+            pending = self.ledger.pending
+            if pending is not None and pending.snapshot:
                 try:
-                    self.recovery.flush()
-                    self.recovery.finish_checkpoint(wait=True)
+                    self.checkpoints.flush()
+                    self.checkpoints.finish(wait=True)
                 except PipesvcError as exc:
                     logger.warning("job %s: the last checkpoint failed: %s", self.job_id, exc)
             self.state.closed = True
@@ -698,7 +616,7 @@ class JobDriver:
             self.group.registry.release(self.job_id)
             if self.group.rendezvous is not None:
                 self.group.rendezvous.forget(self.job_id)  # see [Note: store keys]
-            self.recovery.persist()
+            self.ledger.persist()
             self._pool.shutdown(wait=False)
 
     def maintain(self) -> None:
@@ -720,8 +638,8 @@ class JobDriver:
             self._lock.release()
 
     def _flush_if_idle(self) -> None:
-        if time.monotonic() - self._decided_at >= IDLE_FLUSH_S:
-            self.recovery.flush()
+        if time.monotonic() - self.ledger.decided_at >= IDLE_FLUSH_S:
+            self.checkpoints.flush()
 
     def settle(self) -> None:
         """Flushes a deferred commit, so that the stages themselves are at ``step`` (for a
@@ -732,25 +650,25 @@ class JobDriver:
         if not self._lock.acquire(timeout=SETTLE_WAIT_S):
             return
         try:
-            if not self.state.closed and self.state.pending is not None:
-                self._resilient(self.recovery.flush, "settling the last step")
+            if not self.state.closed and self.ledger.pending is not None:
+                self._resilient(self.checkpoints.flush, "settling the last step")
         finally:
             self._lock.release()
 
     def wait_idle(self) -> None:
         """Blocks until no step is in flight, then flushes a deferred commit (taking the
         checkpoint its step is due) and lets a background checkpoint finish (best effort: a
-        restarted coordinator also finds an unflushed commit, see ``Recovery.reconcile``), for
+        restarted coordinator also finds an unflushed commit, see ``reconcile.reconcile``), for
         a graceful coordinator stop."""
         with self._lock:
             self._stopping = True  # no step starts after this one (a stream's next, say)
             if self.state.closed:
                 return
             try:
-                self.recovery.flush()  # with a checkpoint, if its step is due one
+                self.checkpoints.flush()  # with a checkpoint, if its step is due one
             except PipesvcError as exc:
                 logger.warning("job %s: flushing the last commit failed: %s", self.job_id, exc)
-            self.recovery.finish_checkpoint(wait=True)
+            self.checkpoints.finish(wait=True)
 
     def trace(self, max_runs: int) -> coordinator_pb2.JobTrace:
         """Every stage's recent timed actions."""
@@ -771,10 +689,10 @@ class JobDriver:
             spec=config_to_proto(self.config),
             plan_epoch=self.group.epoch,
             plan=self.group.plan_protos(),
-            step=self.state.step,
+            step=self.ledger.step,
             num_layers=len(self.layers),
             recoveries=self.state.recoveries,
-            checkpoint_step=max(self.state.checkpoint_step, 0),
+            checkpoint_step=max(self.ledger.checkpoint_step, 0),
         )
 
 
@@ -813,6 +731,6 @@ def create_job(
     except PipesvcError:
         driver.close()
         raise
-    driver.recovery.persist()
+    driver.ledger.persist()
     logger.info("job %s: planned %s over %s", job_id, config.model, driver.group.describe())
     return driver

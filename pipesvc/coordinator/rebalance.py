@@ -36,6 +36,8 @@ from concurrent import futures
 from dataclasses import dataclass
 
 from pipesvc.coordinator import placement, planner
+from pipesvc.coordinator.checkpointer import Checkpointer
+from pipesvc.coordinator.ledger import Ledger
 from pipesvc.coordinator.recovery import Recovery
 from pipesvc.coordinator.registry import StageRecord
 from pipesvc.coordinator.stage_group import StageGroup
@@ -83,8 +85,12 @@ class Decision:
 class Replanner:
     """Measures the stages of one job and moves its layers (called with the job's lock held)."""
 
-    def __init__(self, *, group: StageGroup, recovery: Recovery) -> None:
+    def __init__(
+        self, *, group: StageGroup, ledger: Ledger, checkpoints: Checkpointer, recovery: Recovery
+    ) -> None:
         self._group = group
+        self._ledger = ledger
+        self._checkpoints = checkpoints
         self._recovery = recovery
         self.settler = Settler(Policy())
         """When this job measures and whether it moves by itself (see [Note: settling])."""
@@ -184,12 +190,12 @@ class Replanner:
             group.config = dataclasses.replace(group.config, partition=decision.partition)
         if decision.plan != group.plan:
             self._move(decision.plan)
-        self._recovery.persist()
+        self._ledger.persist()
 
     def _move(self, plan: list[PipelineStage]) -> None:
         group, registry = self._group, self._group.registry
         old = list(group.plan)
-        self._recovery.checkpoint()  # commits the decided step first
+        self._checkpoints.checkpoint()  # commits the decided step first
         kept = {s.address for s in plan}
         joining = [s for s in plan if s.address not in {o.address for o in old}]
         if joining and not registry.claim([s.address for s in joining], group.job_id):
@@ -197,7 +203,7 @@ class Replanner:
         logger.warning(
             "job %s: moving to a new plan at step %d: %s",
             group.job_id,
-            self._recovery.state.step,
+            self._ledger.step,
             ", ".join(f"[{s.start_layer}, {s.end_layer}) on {s.address}" for s in plan),
         )
         planner.place(registry, plan)

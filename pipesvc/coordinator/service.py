@@ -16,7 +16,7 @@ import torch
 
 from pipesvc.coordinator import planner
 from pipesvc.coordinator.job import JobDriver, create_job
-from pipesvc.coordinator.recovery import JobStorage
+from pipesvc.coordinator.job_storage import JobStorage
 from pipesvc.coordinator.registry import StageRecord, StageRegistry
 from pipesvc.coordinator.replicas import Rendezvous
 from pipesvc.coordinator.stage_calls import Deadlines, call_stage

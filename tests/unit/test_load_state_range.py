@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pipesvc.coordinator.job import JobDriver
-from pipesvc.coordinator.recovery import JobStorage
+from pipesvc.coordinator.job_storage import JobStorage
 from pipesvc.coordinator.registry import StageRegistry
 from pipesvc.coordinator.stage_calls import Deadlines
 from pipesvc.coordinator.state_db import StateDB

@@ -58,6 +58,8 @@ PURE_IN_SERVERS = (
     "pipesvc.coordinator.generation",
     "pipesvc.coordinator.placement",
     "pipesvc.coordinator.job_state",
+    "pipesvc.coordinator.job_storage",
+    "pipesvc.coordinator.ledger",
     "pipesvc.coordinator.step_log",
 )
 """The step engine and its parts, and the coordinator's pure planning and state: testable in one
