@@ -643,7 +643,8 @@ class JobDriver:
 
     def settle(self) -> None:
         """Flushes a deferred commit, so that the stages themselves are at ``step`` (for a
-        caller that reads the job's description and then looks at its stages); a failure is
+        caller that reads the job's description and then looks at its stages), and counts a
+        background checkpoint that has reached the disk; a failure is
         recovered from like any call's. Gives up if another call holds the job for longer
         than ``SETTLE_WAIT_S`` (maintenance holds it for a moment; a step's run carries the
         commit anyway, and a description read should not wait out a long step or recovery)."""
@@ -652,6 +653,10 @@ class JobDriver:
         try:
             if not self.state.closed and self.ledger.pending is not None:
                 self._resilient(self.checkpoints.flush, "settling the last step")
+            if not self.state.closed:
+                # A checkpoint written in the background counts once it is on disk, not only
+                # when the next step looks (the description reports ``checkpoint_step``).
+                self.checkpoints.finish(wait=False)
         finally:
             self._lock.release()
 

@@ -6,6 +6,7 @@ four-stage cluster (``client`` in conftest.py)."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 import pytest
@@ -110,7 +111,11 @@ def test_virtual_stages_train_like_one_process(
         x, _ = problem.batch(5, seed=99)
         with torch.no_grad():
             torch.testing.assert_close(job.forward(x), reference.model(x), **WEIGHT_TOL)
-        assert job.refresh().checkpoint_step == 2
+        # The checkpoint of step 2 streams in the background: it shows once it is on disk.
+        deadline = time.monotonic() + 60
+        while job.refresh().checkpoint_step != 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert job.checkpoint_step == 2
         infos = [stage_info(s.address) for s in plan if s.chunk == 0]
         assert [(i.rank, i.step) for i in infos] == [(r, len(BATCH_SIZES)) for r in range(stages)]
 
