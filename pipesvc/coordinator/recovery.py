@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from pipesvc.coordinator import planner
-from pipesvc.coordinator.commit import commit_all
 from pipesvc.coordinator.job_state import JobState, PendingCommit
 from pipesvc.coordinator.stage_calls import StageLostError, call_stage, health_of
 from pipesvc.coordinator.stage_group import StageGroup
@@ -167,12 +166,9 @@ class Recovery:
                 pending.step,
             )
         try:
-            commit_all(
-                group.registry,
-                group.servers,
+            group.commit(
                 pending.request(group.job_id, group.epoch),
                 step=pending.step,
-                deadlines=group.deadlines,
                 after_failed_run=after_failed_run,
             )
         except PipesvcError:
