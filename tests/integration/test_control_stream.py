@@ -31,6 +31,7 @@ from pipesvc.errors import (
     PipesvcError,
     ResourceExhaustedError,
     StepAbortedError,
+    UnauthenticatedError,
     WireFormatError,
 )
 from pipesvc.stage.server import add_stage_service
@@ -39,6 +40,7 @@ from pipesvc.v1 import common_pb2, stage_pb2
 from pipesvc.wire.control_wire import Kind, identity, reply_error, request_bytes
 from pipesvc.wire.payload_wire import Payloads
 from pipesvc.wire.rpc_status import ERROR_CLASS_KEY
+from pipesvc.wire.security import Security
 from pipesvc.wire.transport import check_health, create_server, open_channel
 from tests.support.reference import PROBLEMS, Reference
 from tests.support.stage_probe import stage_info
@@ -74,20 +76,25 @@ def _name_stage_thread() -> None:
 def start_stage() -> Iterator[Callable[..., Stage]]:
     started: list[Stage] = []
 
-    def start(*, serve_control: bool = True, limits: Limits | None = None) -> Stage:
+    def start(
+        *, serve_control: bool = True, limits: Limits | None = None, token: str | None = None
+    ) -> Stage:
         limits = limits or Limits()
+        security = Security(token=token)
         options = StageOptions(
             address="",
             device=torch.device("cpu"),
             memory_bytes=1 << 30,
             limits=limits,
             recv_timeout_s=120.0,
+            security=security,
         )
         service = StageService(options)
         server, port, _ = create_server(
             "127.0.0.1:0",
             [lambda s: add_stage_service(service, s, serve_control=serve_control)],
             limits=limits,
+            security=security,
             thread_initializer=_name_stage_thread,
         )
         options.address = f"127.0.0.1:{port}"
@@ -318,6 +325,22 @@ def test_a_stage_without_control_gets_the_unary_calls(
     assert stage_info(old.address).step == 3
     assert registry.control.opened == 1  # tried once, then unary calls only
     assert stage_info(old.address).control_streams_opened == 0
+
+
+def test_a_stream_needs_the_token(start_stage: Callable[..., Stage]) -> None:
+    """A stage with a token refuses a stream without it, typed as a unary call's refusal; the
+    coordinator's channel adds it to streams as to every call."""
+    stage = start_stage(token="s3cret")
+    abort = stage_pb2.AbortRequest(job_id="j", plan_epoch=1, run_id=1)
+    for token, expected in ((None, UnauthenticatedError), ("s3cret", NotFoundError)):
+        registry = StageRegistry(security=Security(token=token))
+        try:
+            future = registry.control.send(
+                stage.address, job_id="j", epoch=1, kind="abort", message=abort, timeout_s=10.0
+            )
+            assert type(future.exception(timeout=10.0)) is expected
+        finally:
+            registry.close()
 
 
 def _raw_stream(address: str) -> tuple[Any, Callable[[bytes | None], None]]:
