@@ -247,6 +247,7 @@ def _cmd_stage(args: argparse.Namespace) -> int:
             limits=_limits(args),
             shm_bytes=0 if args.shm_bytes.strip() == "0" else parse_bytes(args.shm_bytes),
             duplicate_sends=args.duplicate_sends,
+            serve_control=not args.no_control_stream,
             fault_kill=FaultKill.parse(args.fault_kill) if args.fault_kill else None,
             metrics=_metrics(args),
             kv_budget_bytes=parse_bytes(args.kv_budget),
@@ -731,6 +732,8 @@ def build_parser() -> argparse.ArgumentParser:
         help=_help(_field_docs(StageOptions).get("session_idle_s", "")),
     )
     p.add_argument("--duplicate-sends", action="store_true", help=argparse.SUPPRESS)
+    # Version-skew tests: a stage without the Control stream, as one built before it.
+    p.add_argument("--no-control-stream", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--fault-kill", help=argparse.SUPPRESS)
     _add_metrics_flag(p)
     _add_security_flags(p)

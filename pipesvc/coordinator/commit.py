@@ -27,14 +27,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from pipesvc.coordinator.job_state import PendingCommit
 from pipesvc.coordinator.registry import StageRegistry
 from pipesvc.coordinator.stage_calls import Deadlines, StageLostError, call_all, where
-from pipesvc.coordinator.stage_group import StageGroup
 from pipesvc.core.plan import PipelineStage
 from pipesvc.errors import PipesvcError, StageUnavailableError
 from pipesvc.v1 import stage_pb2
+
+if TYPE_CHECKING:  # stage_group imports this module's commit_all
+    from pipesvc.coordinator.stage_group import StageGroup
 
 logger = logging.getLogger(__name__)
 
@@ -164,17 +167,15 @@ class GroupCommitter:
         self._group = group
 
     def commit(self, pending: PendingCommit, *, after_failed_run: bool) -> None:
-        """``commit_all`` of ``pending`` over the group's stages.
+        """``pending`` committed on the group's stages over their Control streams, checked
+        and retried as ``commit_all`` does (``StageGroup.commit``).
 
         Raises:
             StageLostError, CommitIncompleteError: as ``commit_all``.
         """
         group = self._group
-        commit_all(
-            group.registry,
-            group.servers,
+        group.commit(
             pending.request(group.job_id, group.epoch),
             step=pending.step,
-            deadlines=group.deadlines,
             after_failed_run=after_failed_run,
         )

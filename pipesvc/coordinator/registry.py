@@ -14,16 +14,19 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import grpc
+from google.protobuf.message import Message
 
+from pipesvc.coordinator.control_stream import ControlStreams
 from pipesvc.core.health import Health
 from pipesvc.core.limits import Limits
 from pipesvc.errors import InvalidArgumentError
 from pipesvc.v1 import stage_pb2, stage_pb2_grpc
+from pipesvc.wire.control_wire import Kind
 from pipesvc.wire.payload_wire import RUN_STEP, Outgoing
 from pipesvc.wire.security import Security
 from pipesvc.wire.transport import health_status, open_channel, split_address, unary_method
@@ -70,8 +73,16 @@ class StageRegistry:
     _changed: threading.Condition = field(init=False)
     """Notified when a stage registers or a job frees its stages (on ``_lock``)."""
 
+    control: ControlStreams = field(init=False)
+    """The jobs' Control streams to these stages (see [Note: control stream])."""
+
     def __post_init__(self) -> None:
         self._changed = threading.Condition(self._lock)
+        self.control = ControlStreams(
+            channel=self._channel,
+            unary=self._unary,
+            max_message_bytes=self.limits.max_message_bytes,
+        )
 
     def register(self, record: StageRecord) -> bool:
         """Adds or refreshes a stage (its address is its identity); True if it is new or was
@@ -92,7 +103,10 @@ class StageRegistry:
                 record.start_layer, record.end_layer = old.start_layer, old.end_layer
             self._records[record.address] = record
             self._changed.notify_all()
-            return old is None or not old.alive
+            new = old is None or not old.alive
+        if new:  # perhaps restarted as a newer stage: it may serve Control now
+            self.control.forget(record.address)
+        return new
 
     def all(self) -> list[StageRecord]:
         """Every record, in registration order."""
@@ -152,14 +166,16 @@ class StageRegistry:
             if record is not None:
                 record.job_id = ""
                 record.alive = False
+        self.control.close(address=address)
 
     def release(self, job_id: str) -> None:
-        """Frees every stage serving ``job_id``."""
+        """Frees every stage serving ``job_id``, and closes the job's Control streams."""
         with self._lock:
             for record in self._records.values():
                 if record.job_id == job_id:
                     record.job_id = ""
             self._changed.notify_all()
+        self.control.close(job_id=job_id)
 
     def forget_unseen(self, older_than_s: float, keep: Collection[str] = ()) -> list[str]:
         """Forgets the stages that have not registered for ``older_than_s``, except those
@@ -176,34 +192,55 @@ class StageRegistry:
                 del self._records[address]
                 # Not closed here: a health check may be using it; it closes once unreferenced.
                 self._channels.pop(address, None)
+        for address in gone:
+            self.control.close(address=address)
+            self.control.forget(address)
         return gone
 
-    def stub(self, address: str) -> stage_pb2_grpc.StageServiceStub:
-        """A stub on the (cached) channel to ``address``."""
+    def _channel(self, address: str) -> grpc.Channel:
+        """The (cached) channel to ``address``."""
         with self._lock:
             if address not in self._channels:
                 self._channels[address] = open_channel(address, self.security, self.limits)
-            return stage_pb2_grpc.StageServiceStub(self._channels[address])
+            return self._channels[address]
+
+    def stub(self, address: str) -> stage_pb2_grpc.StageServiceStub:
+        """A stub on the (cached) channel to ``address``."""
+        return stage_pb2_grpc.StageServiceStub(self._channel(address))
 
     def run_step(self, address: str) -> RunStepMethod:
         """RunStep on the (cached) channel to ``address``, its tensors' bytes appended beside
         the message (see [Note: payload wire])."""
-        with self._lock:
-            if address not in self._channels:
-                self._channels[address] = open_channel(address, self.security, self.limits)
-            channel = self._channels[address]
+        channel = self._channel(address)
         return unary_method(channel, RUN_STEP_METHOD, RUN_STEP.serialize, stage_pb2.RunStepResponse)
+
+    def _unary(
+        self,
+        address: str,
+        kind: Kind,
+        message: Message,
+        payloads: Sequence[memoryview],
+        timeout_s: float,
+    ) -> grpc.Future[Any]:
+        """A control message as its unary call, for a stage without Control."""
+        if kind == "run":
+            assert isinstance(message, stage_pb2.RunStepRequest)
+            run: Any = self.run_step(address).future
+            return run(Outgoing(message, payloads), timeout=timeout_s)  # type: ignore[no-any-return]
+        stub = self.stub(address)
+        if kind == "commit":
+            assert isinstance(message, stage_pb2.CommitRequest)
+            return stub.Commit.future(message, timeout=timeout_s)
+        assert isinstance(message, stage_pb2.AbortRequest)
+        return stub.Abort.future(message, timeout=timeout_s)
 
     def health(self, address: str, timeout_s: float) -> Health:
         """The health of the stage at ``address``, checked on the cached channel."""
-        with self._lock:
-            if address not in self._channels:
-                self._channels[address] = open_channel(address, self.security, self.limits)
-            channel = self._channels[address]
-        return health_status(channel, timeout_s)
+        return health_status(self._channel(address), timeout_s)
 
     def close(self) -> None:
-        """Closes every channel."""
+        """Closes every Control stream and every channel."""
+        self.control.close()
         with self._lock:
             for channel in self._channels.values():
                 channel.close()

@@ -14,14 +14,19 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, TypeAlias, TypeVar, overload
+from typing import Any, Protocol, TypeAlias, TypeVar, overload
 
 import grpc
 
 from pipesvc.coordinator.registry import StageRegistry
 from pipesvc.core.health import Health
 from pipesvc.core.plan import PipelineStage
-from pipesvc.errors import PipesvcError, StageUnavailableError, StepAbortedError
+from pipesvc.errors import (
+    PipelineTimeoutError,
+    PipesvcError,
+    StageUnavailableError,
+    StepAbortedError,
+)
 from pipesvc.v1 import stage_pb2_grpc
 from pipesvc.wire.rpc_status import error_from_rpc, rpc_errors
 from pipesvc.wire.transport import call
@@ -31,6 +36,7 @@ logger = logging.getLogger(__name__)
 StageStub: TypeAlias = stage_pb2_grpc.StageServiceStub
 _Req = TypeVar("_Req")
 _Resp = TypeVar("_Resp")
+_Co = TypeVar("_Co", covariant=True)
 # A string: grpc's classes are generic only in its stubs, not at run time.
 UnaryMethod: TypeAlias = "Callable[[StageStub], grpc.UnaryUnaryMultiCallable[_Req, _Resp]]"
 """Picks a unary method off a stub (``lambda stub: stub.Commit``): mypy then checks the
@@ -204,27 +210,71 @@ def call_all(
         StageLostError: the watchdog declared a stage lost (pending calls are cancelled).
         PipesvcError: the first root-cause error of any stage, naming it.
     """
-    cond = threading.Condition()
-    calls: dict[int, grpc.Future[_Resp]] = {}  # by index into ``plan``
-    for index, stage in enumerate(plan):
+    calls: list[Reply[_Resp]] = []
+    for stage in plan:
         method, request = make(registry.stub(stage.address), stage)
-        future = method.future(request, timeout=timeout_s)
+        calls.append(method.future(request, timeout=timeout_s))
+    return gather(registry, plan, calls, deadlines=deadlines, what=what)
+
+
+class Reply(Protocol[_Co]):
+    """The future of one stage's reply: a unary call's ``grpc.Future``, or a Control stream
+    message's ``concurrent.futures.Future`` (see [Note: control stream] in control_stream.py)."""
+
+    def done(self) -> bool: ...
+    def cancelled(self) -> bool: ...
+    def cancel(self) -> bool: ...
+    def result(self, timeout: float | None = None) -> _Co: ...
+    def exception(self, timeout: float | None = None) -> BaseException | None: ...
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None: ...
+
+
+def gather(
+    registry: StageRegistry,
+    plan: Sequence[PipelineStage],
+    calls: Sequence[Reply[_Resp]],
+    *,
+    deadlines: Deadlines | None = None,
+    what: str = "",
+    timeout_s: float | None = None,
+) -> list[_Resp]:
+    """Waits for ``calls`` (one per stage of ``plan``, in its order) as ``call_all`` does:
+    under the watchdog with ``deadlines``, returning on the first failure; the replies in the
+    order of ``plan``. ``timeout_s`` is the deadline of futures that have none of their own
+    (a Control stream's): past it the pending ones are cancelled and the first of them fails
+    as a unary call past its deadline would.
+
+    Raises:
+        StageLostError: the watchdog declared a stage lost (pending calls are cancelled).
+        PipelineTimeoutError: ``timeout_s`` passed with calls pending.
+        PipesvcError: the first root-cause error of any stage, naming it.
+    """
+    cond = threading.Condition()
+    for future in calls:
         future.add_done_callback(lambda _f: _notify(cond))
-        calls[index] = future
     failures: dict[int, int] = {}
-    next_check = time.monotonic() + (deadlines.health_interval_s if deadlines else 0)
+    started = time.monotonic()
+    next_check = started + (deadlines.health_interval_s if deadlines else 0)
+    ends_at = None if timeout_s is None else started + timeout_s
     while True:
         with cond:
-            pending = [r for r, f in calls.items() if not f.done()]
-            failed = [r for r, f in calls.items() if f.done() and _error(f) is not None]
+            pending = [r for r, f in enumerate(calls) if not f.done()]
+            failed = [r for r, f in enumerate(calls) if f.done() and _error(f) is not None]
             if not pending or failed:
                 break
-            cond.wait(timeout=0.25 if deadlines else None)
-        if deadlines and time.monotonic() >= next_check:
+            cond.wait(timeout=0.25 if deadlines or ends_at is not None else None)
+        now = time.monotonic()
+        if ends_at is not None and now >= ends_at:
+            late = [r for r, f in enumerate(calls) if not f.done()]
+            if late:
+                for pending_call in calls:
+                    pending_call.cancel()
+                raise _named(PipelineTimeoutError("Deadline Exceeded"), plan[late[0]])
+        if deadlines and now >= next_check:
             next_check = time.monotonic() + deadlines.health_interval_s
             lost = _watch(registry, plan, pending, failures, deadlines)
             if lost:
-                for pending_call in calls.values():
+                for pending_call in calls:
                     pending_call.cancel()
                 names = ", ".join(where(plan[r]) for r in lost)
                 raise StageLostError(
@@ -232,7 +282,7 @@ def call_all(
                     f"it was still running there",
                     {plan[r].address for r in lost},
                 )
-    errors = [(r, _error(calls[r])) for r in sorted(calls) if calls[r].done()]
+    errors = [(r, _error(f)) for r, f in enumerate(calls) if f.done()]
     found = [(r, e) for r, e in errors if e is not None]
     if found:
         # The root cause is the first error that is not a consequence of an abort.
@@ -241,7 +291,7 @@ def call_all(
         )
         assert root is not None
         raise _named(root, plan[index])
-    return [calls[i].result() for i in range(len(plan))]
+    return [f.result() for f in calls]
 
 
 def _notify(cond: threading.Condition) -> None:
@@ -249,12 +299,14 @@ def _notify(cond: threading.Condition) -> None:
         cond.notify_all()
 
 
-def _error(future: grpc.Future[Any]) -> PipesvcError | None:
+def _error(future: Reply[Any]) -> PipesvcError | None:
     if future.cancelled():
         return StepAbortedError("the call was cancelled")
     exc = future.exception()
     if exc is None:
         return None
+    if isinstance(exc, PipesvcError):  # a Control stream's reply, typed already
+        return exc
     if isinstance(exc, grpc.RpcError):
         return error_from_rpc(exc)
     return StageUnavailableError(str(exc))

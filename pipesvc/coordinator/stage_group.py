@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent import futures
 from typing import Any, TypeVar
 
+from google.protobuf.message import Message
+
+from pipesvc.coordinator.commit import commit_all
 from pipesvc.coordinator.registry import StageRegistry
 from pipesvc.coordinator.replicas import Rendezvous, RunReplies
 from pipesvc.coordinator.stage_calls import (
     Deadlines,
+    StageLostError,
     UnaryMethod,
     call_all,
     call_stage,
+    gather,
     health_of,
     stream_stage,
     where,
@@ -26,9 +32,15 @@ from pipesvc.core.loss import loss_units
 from pipesvc.core.microbatch import RunBatch
 from pipesvc.core.plan import PipelineStage, replicas_of, servers_of
 from pipesvc.core.tensor_codec import payload_view
-from pipesvc.errors import FailedPreconditionError, PipesvcError
+from pipesvc.errors import (
+    FailedPreconditionError,
+    PipelineTimeoutError,
+    PipesvcError,
+    StepAbortedError,
+)
 from pipesvc.v1 import common_pb2, stage_pb2
-from pipesvc.wire.payload_wire import RUN_STEP, Outgoing, Payloads
+from pipesvc.wire.control_wire import Kind
+from pipesvc.wire.payload_wire import Payloads
 
 _Req = TypeVar("_Req")
 _Resp = TypeVar("_Resp")
@@ -57,8 +69,8 @@ class StageGroup:
         self.config = config
         self.layers = layers
         self.plan = plan
-        self.epoch = epoch
         self.registry = registry
+        self._epoch = epoch
         self.deadlines = deadlines
         self._pool = pool
         self.rendezvous = rendezvous
@@ -66,6 +78,18 @@ class StageGroup:
         self.generation = 0
         """Bumped by every abort: a later run's gradient groups are new (see [Note: gradient
         group] in ``pipesvc.stage.replica_group``)."""
+
+    @property
+    def epoch(self) -> int:
+        """The plan epoch every call goes out under."""
+        return self._epoch
+
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:
+        """A new plan epoch: the job's Control streams of the old one close (see [Note:
+        control stream]); the next call opens new ones."""
+        self._epoch = epoch
+        self.registry.control.close_other_epochs(self.job_id, epoch)
 
     @property
     def pipelines(self) -> list[list[PipelineStage]]:
@@ -179,7 +203,7 @@ class StageGroup:
         share_of = {p[0].replica: share for p, share in zip(pipelines, shares, strict=True)}
         last = len(pipelines[0]) - 1
 
-        def request(stage: PipelineStage) -> Outgoing[stage_pb2.RunStepRequest]:
+        def request(stage: PipelineStage) -> tuple[stage_pb2.RunStepRequest, list[memoryview]]:
             share = share_of[stage.replica]
             part = slice(share.start, share.stop)
             is_last = stage.rank == last
@@ -203,7 +227,7 @@ class StageGroup:
                 microbatch_offset=share.start,
                 replicas=group,
             )
-            return RUN_STEP.outgoing(message, payloads)
+            return message, payloads.views
 
         # A replica with no share (a batch smaller than the replicas, or generation) sits the
         # run out; a carried commit must reach every stage, so the caller flushed it first.
@@ -211,13 +235,12 @@ class StageGroup:
         assert commit is None or len(taking_part) == len(pipelines), "flush the commit first"
         stages = [s for p in taking_part for s in p]
         deadlines = self.deadlines
-        replies = call_all(
-            self.registry,
-            stages,
-            lambda stub, s: (self.registry.run_step(s.address), request(s)),
-            deadlines.step_s,
-            deadlines=deadlines,
-            what=what,
+        calls = []
+        for stage in stages:
+            message, views = request(stage)
+            calls.append(self._send(stage, "run", message, views, deadlines.step_s))
+        replies: list[stage_pb2.RunStepResponse] = gather(
+            self.registry, stages, calls, deadlines=deadlines, what=what, timeout_s=deadlines.step_s
         )
         by_replica: list[list[stage_pb2.RunStepResponse]] = []
         index = 0
@@ -242,32 +265,100 @@ class StageGroup:
             )
         return self.rendezvous.spec(self.job_id, self.epoch, self.generation)
 
+    def _send(
+        self,
+        stage: PipelineStage,
+        kind: Kind,
+        message: Message,
+        payloads: Sequence[memoryview],
+        timeout_s: float,
+    ) -> futures.Future[Any]:
+        """``message`` to ``stage`` on the job's Control stream (see [Note: control stream])."""
+        return self.registry.control.send(
+            stage.address,
+            job_id=self.job_id,
+            epoch=self.epoch,
+            kind=kind,
+            message=message,
+            payloads=payloads,
+            timeout_s=timeout_s,
+        )
+
+    def commit(
+        self, request: stage_pb2.CommitRequest, *, step: int, after_failed_run: bool = False
+    ) -> None:
+        """Commits ``request.run_id`` (training step ``step``) on every stage, over the
+        Control streams and under the health watchdog; returns once every stage reports the
+        step (see [Note: commit invariant] in commit.py). A first round that fails for any
+        reason but a lost stage goes on as ``commit_all`` does: it asks every stage where it
+        is and commits again where the run is still pending (``after_failed_run``: only that).
+
+        Raises:
+            StageLostError: a stage stopped answering health checks (it is to be replaced).
+            CommitIncompleteError: some stage could not be brought to the step.
+        """
+        if not after_failed_run:
+            servers = self.servers
+            deadlines = self.deadlines
+            calls = [self._send(s, "commit", request, (), deadlines.control_s) for s in servers]
+            try:
+                gather(
+                    self.registry,
+                    servers,
+                    calls,
+                    deadlines=deadlines,
+                    what=f"commit of step {step}",
+                    timeout_s=deadlines.control_s,
+                )
+                return
+            except StageLostError:
+                raise
+            except PipesvcError as exc:
+                logger.warning(
+                    "commit of step %d failed: %s; committing again where it is pending", step, exc
+                )
+                # Its other commits land before the stages are asked where they are.
+                futures.wait(calls, timeout=deadlines.control_s)
+        commit_all(
+            self.registry,
+            self.servers,
+            request,
+            step=step,
+            deadlines=self.deadlines,
+            after_failed_run=True,
+        )
+
     def abort(self, run_id: int, *, lost: Collection[str] = ()) -> None:
         """Aborts run ``run_id`` on every stage at once (best effort on each: it may be dead),
         except the ``lost`` addresses: a stage the watchdog found stopped would only make the
-        abort wait for its deadline before recovery could start."""
+        abort wait for its deadline before recovery could start. The abort goes on each
+        stage's Control stream, where it overtakes the run if that still computes."""
         request = stage_pb2.AbortRequest(job_id=self.job_id, plan_epoch=self.epoch, run_id=run_id)
         self.generation += 1
-
-        def abort_one(stage: PipelineStage) -> None:
-            try:
-                call_stage(
-                    self.registry, stage, lambda stub: stub.Abort, request, self.deadlines.abort_s
-                )
-            except PipesvcError as exc:
-                logger.warning(
-                    "job %s: abort of run %d on %s failed: %s",
-                    self.job_id,
-                    run_id,
-                    where(stage),
-                    exc,
-                )
-
         alive = [s for s in self.servers if s.address not in lost]
-        list(self._pool.map(abort_one, alive))
+        timeout_s = self.deadlines.abort_s
+        calls = [(s, self._send(s, "abort", request, (), timeout_s)) for s in alive]
+        ends_at = time.monotonic() + timeout_s
+        for stage, call in calls:
+            try:
+                call.result(timeout=max(0.0, ends_at - time.monotonic()))
+            except futures.TimeoutError:
+                call.cancel()
+                error: Exception = PipelineTimeoutError("Deadline Exceeded")
+            except futures.CancelledError:
+                error = StepAbortedError("the call was cancelled")
+            except PipesvcError as exc:
+                error = exc
+            else:
+                continue
+            logger.warning(
+                "job %s: abort of run %d on %s failed: %s", self.job_id, run_id, where(stage), error
+            )
 
     def release(self, stage: PipelineStage) -> None:
-        """Tells a stage to drop this job (best effort: it may be gone)."""
+        """Tells a stage to drop this job (best effort: it may be gone), closing the job's
+        Control stream to it first."""
+        self.registry.control.close(job_id=self.job_id, address=stage.address)
         try:
             call_stage(
                 self.registry,

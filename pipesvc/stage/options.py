@@ -36,6 +36,9 @@ class StageOptions:
     """Token and TLS for the channels this stage opens to its neighbour."""
     duplicate_sends: bool = False
     """Fault injection for tests: send every activation and gradient twice."""
+    serve_control: bool = True
+    """False for version-skew tests: serve no Control stream, as a stage built before it (the
+    coordinator falls back to unary calls)."""
     fault_kill: FaultKill | None = None
     """Fault injection for tests: SIGKILL this stage at a chosen point."""
     metrics: Metrics = field(default_factory=Metrics)

@@ -18,6 +18,7 @@ from pipesvc.errors import StageUnavailableError
 from pipesvc.stage.frame_wire import parse, serialize
 from pipesvc.stage.service import StageOptions, StageService
 from pipesvc.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2_grpc
+from pipesvc.wire.control_wire import parse_request, reply_bytes
 from pipesvc.wire.diagnose import explain
 from pipesvc.wire.payload_wire import RUN_STEP
 from pipesvc.wire.rpc_status import rpc_errors
@@ -53,17 +54,25 @@ def device_memory_bytes(device: torch.device) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def add_stage_service(servicer: stage_pb2_grpc.StageServiceServicer, server: grpc.Server) -> None:
+def add_stage_service(
+    servicer: stage_pb2_grpc.StageServiceServicer,
+    server: grpc.Server,
+    *,
+    serve_control: bool = True,
+) -> None:
     """Registers the stage service on ``server`` with Exchange's frames (see [Note: frame
-    wire]) and RunStep's tensors (see [Note: payload wire]) (de)serialized without copying
-    payloads through protobuf."""
+    wire]) and the tensors of RunStep and Control runs (see [Note: payload wire])
+    (de)serialized without copying payloads through protobuf. Without ``serve_control`` the
+    stage has no Control method, as one built before it (a seam for version-skew tests)."""
     add_service(
         lambda s: stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, s),
         server,
         {
             "Exchange": Codec(request_deserializer=parse, response_serializer=serialize),
             "RunStep": Codec(request_deserializer=RUN_STEP.parse),
+            "Control": Codec(request_deserializer=parse_request, response_serializer=reply_bytes),
         },
+        without=() if serve_control else ("Control",),
     )
 
 
@@ -183,7 +192,7 @@ def run_stage(
     service = StageService(options)
     server, port, health = create_server(
         listen,
-        [lambda s: add_stage_service(service, s)],
+        [lambda s: add_stage_service(service, s, serve_control=options.serve_control)],
         security=options.security,
         limits=options.limits,
         thread_initializer=_same_threads(torch.get_num_threads()),

@@ -15,6 +15,7 @@ import math
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from concurrent import futures
 
 import grpc
 import torch
@@ -36,6 +37,7 @@ from pipesvc.errors import (
     WireFormatError,
 )
 from pipesvc.stage.assignment import Assignment
+from pipesvc.stage.control import ControlServer
 from pipesvc.stage.engine import Carried, RunInputs
 from pipesvc.stage.frame_wire import OutFrame
 from pipesvc.stage.links import UpstreamLink
@@ -45,13 +47,16 @@ from pipesvc.stage.replica_group import GroupSpec, ReplicaGroup
 from pipesvc.stage.runtime import StageRuntime
 from pipesvc.stage.tied_link import TiedLink
 from pipesvc.v1 import common_pb2, stage_pb2, stage_pb2_grpc
+from pipesvc.wire.control_wire import Reply, Unreadable, failed, ok
 from pipesvc.wire.payload_wire import RUN_STEP, Incoming
-from pipesvc.wire.rpc_status import abort_with, handle_errors
+from pipesvc.wire.rpc_status import abort_with, handle_errors, to_pipesvc
 from pipesvc.wire.transport import open_channel, split_address
 
 __all__ = ["StageOptions", "StageService"]
 
 logger = logging.getLogger(__name__)
+CONTROL_WORKERS = 16
+"""Threads that handle Control streams' messages, over every stream of the stage."""
 MAX_CALIBRATE_S = 5.0
 """The longest calibration a Profile call may ask for."""
 
@@ -152,6 +157,16 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
         self._lock = threading.Lock()
         self._job: Assignment | None = None
         self._channels: dict[str, grpc.Channel] = {}
+        self._control_opened = 0
+        self._control_open = 0
+        threads = torch.get_num_threads()
+        self._control_pool = futures.ThreadPoolExecutor(
+            max_workers=CONTROL_WORKERS,
+            thread_name_prefix="control",
+            # As the server's request threads (see stage.server._same_threads): a run computes
+            # here with the process's torch thread count.
+            initializer=lambda: torch.set_num_threads(threads),
+        )
 
     @property
     def holds_job(self) -> bool:
@@ -405,6 +420,9 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
             if sessions is not None:  # a read only: expiry has its own timer
                 info.sessions = len(sessions.sessions())
                 info.cache_bytes = sessions.total_bytes()
+        with self._lock:
+            info.control_streams_opened = self._control_opened
+            info.control_streams_open = self._control_open
         return info
 
     # -- runs --------------------------------------------------------------------------------
@@ -416,7 +434,10 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
         context: object,
     ) -> stage_pb2.RunStepResponse:
         # Served with payload_wire's parser (see stage.server.add_stage_service).
-        incoming = RUN_STEP.received(received)
+        return self._run_step(RUN_STEP.received(received))
+
+    def _run_step(self, incoming: Incoming[stage_pb2.RunStepRequest]) -> stage_pb2.RunStepResponse:
+        """A run, as RunStep and a Control stream's run message carry it."""
         request, payloads = incoming.message, incoming.payloads
         job = self._current(request.job_id, request.plan_epoch)
         rt = job.runtime
@@ -539,15 +560,72 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
 
     @handle_errors
     def Commit(self, request: stage_pb2.CommitRequest, context: object) -> stage_pb2.CommitResponse:
+        return self._commit(request)
+
+    def _commit(self, request: stage_pb2.CommitRequest) -> stage_pb2.CommitResponse:
+        """A commit, as Commit and a Control stream's commit message carry it."""
         job = self._current(request.job_id, request.plan_epoch)
         scale = request.grad_scale if request.HasField("grad_scale") else None
         return stage_pb2.CommitResponse(step=job.engine.commit(request.run_id, scale))
 
     @handle_errors
     def Abort(self, request: stage_pb2.AbortRequest, context: object) -> stage_pb2.AbortResponse:
+        return self._abort(request)
+
+    def _abort(self, request: stage_pb2.AbortRequest) -> stage_pb2.AbortResponse:
+        """An abort, as Abort and a Control stream's abort message carry it."""
         job = self._current(request.job_id, request.plan_epoch)
         job.engine.abort(request.run_id)
         return stage_pb2.AbortResponse()
+
+    # Served with control_wire's codec (see stage.server.add_stage_service): it is given parsed
+    # messages and yields Reply, not ControlReply.
+    @handle_errors
+    def Control(  # type: ignore[override]
+        self,
+        request_iterator: Iterable[Incoming[stage_pb2.ControlRequest] | Unreadable],
+        context: grpc.ServicerContext,
+    ) -> Iterator[Reply]:
+        """Runs, commits and aborts of the coordinator over one long-lived stream (see [Note:
+        control stream] in pipesvc/coordinator/control_stream.py), each handled by the code
+        of its unary call, concurrently."""
+        with self._lock:
+            self._control_opened += 1
+            self._control_open += 1
+        try:
+            yield from ControlServer(self._control_one, self._control_pool).serve(
+                request_iterator, context
+            )
+        finally:
+            with self._lock:
+                self._control_open -= 1
+
+    def _control_one(self, received: Incoming[stage_pb2.ControlRequest]) -> Reply:
+        """One control message's reply: what its unary call would return or end with."""
+        message = received.message
+        kind = message.WhichOneof("kind")
+        try:
+            if kind == "run":
+                run = message.run
+                payloads = received.payloads
+                if run.payloads:  # a peer that put them in the run itself (plain protobuf)
+                    if payloads:
+                        raise InvalidArgumentError(
+                            f"control message {message.id} carries payloads both in its run "
+                            "and beside it; expected one place"
+                        )
+                    payloads = tuple(memoryview(p) for p in run.payloads)
+                return ok(message.id, "run", self._run_step(Incoming(run, payloads)))
+            if kind == "commit":
+                return ok(message.id, "commit", self._commit(message.commit))
+            if kind == "abort":
+                return ok(message.id, "abort", self._abort(message.abort))
+            raise InvalidArgumentError(
+                f"control message {message.id} carries no run, commit or abort (an unknown "
+                "kind from a newer coordinator?)"
+            )
+        except Exception as exc:
+            return failed(message.id, to_pipesvc(exc, f"Control ({kind or 'unknown'})"))
 
     # -- state -------------------------------------------------------------------------------
 

@@ -1097,6 +1097,8 @@ class StageInfo(_message.Message):
     UPSTREAM_SHM_FIELD_NUMBER: _builtins.int
     SESSIONS_FIELD_NUMBER: _builtins.int
     CACHE_BYTES_FIELD_NUMBER: _builtins.int
+    CONTROL_STREAMS_OPENED_FIELD_NUMBER: _builtins.int
+    CONTROL_STREAMS_OPEN_FIELD_NUMBER: _builtins.int
     address: _builtins.str
     """host:port of the stage."""
     device: _builtins.str
@@ -1142,6 +1144,9 @@ class StageInfo(_message.Message):
     sessions: _builtins.int
     """Generation sessions holding key/value caches here, and their bytes."""
     cache_bytes: _builtins.int
+    control_streams_opened: _builtins.int
+    """Control streams opened on this stage since it started, and open now (any job)."""
+    control_streams_open: _builtins.int
     @_builtins.property
     def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Models this stage can build."""
@@ -1178,10 +1183,12 @@ class StageInfo(_message.Message):
         upstream_shm: _builtins.bool = ...,
         sessions: _builtins.int = ...,
         cache_bytes: _builtins.int = ...,
+        control_streams_opened: _builtins.int = ...,
+        control_streams_open: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "cache_bytes", b"cache_bytes", "device", b"device", "downstream_shm", b"downstream_shm", "end_layer", b"end_layer", "job_id", b"job_id", "last_run_id", b"last_run_id", "max_live_activations", b"max_live_activations", "memory_bytes", b"memory_bytes", "microbatches_per_s", b"microbatches_per_s", "models", b"models", "num_duplicates_dropped", b"num_duplicates_dropped", "num_parameters", b"num_parameters", "num_stale_dropped", b"num_stale_dropped", "num_threads", b"num_threads", "parameter_names", b"parameter_names", "pending_run_id", b"pending_run_id", "pid", b"pid", "plan_epoch", b"plan_epoch", "rank", b"rank", "rss_bytes", b"rss_bytes", "sessions", b"sessions", "start_layer", b"start_layer", "step", b"step", "upstream_shm", b"upstream_shm"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "cache_bytes", b"cache_bytes", "control_streams_open", b"control_streams_open", "control_streams_opened", b"control_streams_opened", "device", b"device", "downstream_shm", b"downstream_shm", "end_layer", b"end_layer", "job_id", b"job_id", "last_run_id", b"last_run_id", "max_live_activations", b"max_live_activations", "memory_bytes", b"memory_bytes", "microbatches_per_s", b"microbatches_per_s", "models", b"models", "num_duplicates_dropped", b"num_duplicates_dropped", "num_parameters", b"num_parameters", "num_stale_dropped", b"num_stale_dropped", "num_threads", b"num_threads", "parameter_names", b"parameter_names", "pending_run_id", b"pending_run_id", "pid", b"pid", "plan_epoch", b"plan_epoch", "rank", b"rank", "rss_bytes", b"rss_bytes", "sessions", b"sessions", "start_layer", b"start_layer", "step", b"step", "upstream_shm", b"upstream_shm"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1475,3 +1482,150 @@ class ReleaseSessionResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReleaseSessionResponse: _TypeAlias = ReleaseSessionResponse  # noqa: Y015
+
+@_typing.final
+class ControlRequest(_message.Message):
+    """One message of a Control stream: a run, a commit or an abort, under an id the reply carries."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    RUN_FIELD_NUMBER: _builtins.int
+    COMMIT_FIELD_NUMBER: _builtins.int
+    ABORT_FIELD_NUMBER: _builtins.int
+    PAYLOADS_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    """Chosen by the coordinator, unique on the stream; the reply carries it."""
+    @_builtins.property
+    def run(self) -> Global___RunStepRequest:
+        """What a RunStep carries; its tensors' bytes are this message's payloads."""
+
+    @_builtins.property
+    def commit(self) -> Global___CommitRequest:
+        """What a Commit carries."""
+
+    @_builtins.property
+    def abort(self) -> Global___AbortRequest:
+        """What an Abort carries."""
+
+    @_builtins.property
+    def payloads(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """The raw bytes of the run's tensors whose Tensor.payload names them (see [Note: payload
+        wire] in pipesvc/wire/payload_wire.py): beside the message, as for a RunStep.
+        """
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        run: Global___RunStepRequest | None = ...,
+        commit: Global___CommitRequest | None = ...,
+        abort: Global___AbortRequest | None = ...,
+        payloads: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "commit", b"commit", "kind", b"kind", "run", b"run"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "commit", b"commit", "id", b"id", "kind", b"kind", "payloads", b"payloads", "run", b"run"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["run", "commit", "abort"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___ControlRequest: _TypeAlias = ControlRequest  # noqa: Y015
+
+@_typing.final
+class ControlReply(_message.Message):
+    """The reply to one ControlRequest: the same id, and its response or its error."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    RUN_FIELD_NUMBER: _builtins.int
+    COMMIT_FIELD_NUMBER: _builtins.int
+    ABORT_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    id: _builtins.int
+    @_builtins.property
+    def run(self) -> Global___RunStepResponse: ...
+    @_builtins.property
+    def commit(self) -> Global___CommitResponse: ...
+    @_builtins.property
+    def abort(self) -> Global___AbortResponse: ...
+    @_builtins.property
+    def error(self) -> Global___ControlError:
+        """The call failed: what the unary call would have ended with."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.int = ...,
+        run: Global___RunStepResponse | None = ...,
+        commit: Global___CommitResponse | None = ...,
+        abort: Global___AbortResponse | None = ...,
+        error: Global___ControlError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "commit", b"commit", "error", b"error", "result", b"result", "run", b"run"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "commit", b"commit", "error", b"error", "id", b"id", "result", b"result", "run", b"run"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["run", "commit", "abort", "error"]  # noqa: Y015
+    _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
+
+Global___ControlReply: _TypeAlias = ControlReply  # noqa: Y015
+
+@_typing.final
+class ControlError(_message.Message):
+    """A failed control message, as a unary call's status: code, message and trailing metadata."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    TRAILING_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    """The gRPC status code (its number, e.g. 9 for FAILED_PRECONDITION)."""
+    message: _builtins.str
+    """The status message."""
+    @_builtins.property
+    def trailing(self) -> _containers.RepeatedCompositeFieldContainer[Global___MetadataEntry]:
+        """The trailing metadata the unary call would carry (the error class, lost sessions)."""
+
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+        trailing: _abc.Iterable[Global___MetadataEntry] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "trailing", b"trailing"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ControlError: _TypeAlias = ControlError  # noqa: Y015
+
+@_typing.final
+class MetadataEntry(_message.Message):
+    """One key and value of call metadata."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    value: _builtins.str
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        value: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MetadataEntry: _TypeAlias = MetadataEntry  # noqa: Y015

@@ -112,6 +112,11 @@ class StageServiceStub:
                 request_serializer=pipesvc_dot_v1_dot_stage__pb2.ProfileRequest.SerializeToString,
                 response_deserializer=pipesvc_dot_v1_dot_stage__pb2.StageProfile.FromString,
                 _registered_method=True)
+        self.Control = channel.stream_stream(
+                '/pipesvc.v1.StageService/Control',
+                request_serializer=pipesvc_dot_v1_dot_stage__pb2.ControlRequest.SerializeToString,
+                response_deserializer=pipesvc_dot_v1_dot_stage__pb2.ControlReply.FromString,
+                _registered_method=True)
 
 
 class StageServiceServicer:
@@ -232,6 +237,16 @@ class StageServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Control(self, request_iterator, context):
+        """The coordinator's control of one job on this stage: opened once per job, stage and plan
+        epoch and kept open, it carries runs, commits and aborts (each what RunStep, Commit and
+        Abort carry), and their replies matched by id. Handled concurrently: an abort overtakes a
+        run in progress. See [Note: control stream] in pipesvc/coordinator/control_stream.py.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -309,6 +324,11 @@ def add_StageServiceServicer_to_server(servicer, server):
                     servicer.Profile,
                     request_deserializer=pipesvc_dot_v1_dot_stage__pb2.ProfileRequest.FromString,
                     response_serializer=pipesvc_dot_v1_dot_stage__pb2.StageProfile.SerializeToString,
+            ),
+            'Control': grpc.stream_stream_rpc_method_handler(
+                    servicer.Control,
+                    request_deserializer=pipesvc_dot_v1_dot_stage__pb2.ControlRequest.FromString,
+                    response_serializer=pipesvc_dot_v1_dot_stage__pb2.ControlReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -718,6 +738,33 @@ class StageService:
             '/pipesvc.v1.StageService/Profile',
             pipesvc_dot_v1_dot_stage__pb2.ProfileRequest.SerializeToString,
             pipesvc_dot_v1_dot_stage__pb2.StageProfile.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Control(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pipesvc.v1.StageService/Control',
+            pipesvc_dot_v1_dot_stage__pb2.ControlRequest.SerializeToString,
+            pipesvc_dot_v1_dot_stage__pb2.ControlReply.FromString,
             options,
             channel_credentials,
             insecure,

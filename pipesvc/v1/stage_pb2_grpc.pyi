@@ -82,6 +82,12 @@ class StageServiceStub:
     """How fast this stage runs its layers and sends to its neighbour, measured from its own
     training runs, and optionally its speed on a fixed matrix product (for the planner).
     """
+    Control: _grpc.StreamStreamMultiCallable[_stage_pb2.ControlRequest, _stage_pb2.ControlReply]
+    """The coordinator's control of one job on this stage: opened once per job, stage and plan
+    epoch and kept open, it carries runs, commits and aborts (each what RunStep, Commit and
+    Abort carry), and their replies matched by id. Handled concurrently: an abort overtakes a
+    run in progress. See [Note: control stream] in pipesvc/coordinator/control_stream.py.
+    """
 
 @_typing.type_check_only
 class StageServiceAsyncStub(StageServiceStub):
@@ -133,6 +139,12 @@ class StageServiceAsyncStub(StageServiceStub):
     Profile: _aio.UnaryUnaryMultiCallable[_stage_pb2.ProfileRequest, _stage_pb2.StageProfile]  # type: ignore[assignment]
     """How fast this stage runs its layers and sends to its neighbour, measured from its own
     training runs, and optionally its speed on a fixed matrix product (for the planner).
+    """
+    Control: _aio.StreamStreamMultiCallable[_stage_pb2.ControlRequest, _stage_pb2.ControlReply]  # type: ignore[assignment]
+    """The coordinator's control of one job on this stage: opened once per job, stage and plan
+    epoch and kept open, it carries runs, commits and aborts (each what RunStep, Commit and
+    Abort carry), and their replies matched by id. Handled concurrently: an abort overtakes a
+    run in progress. See [Note: control stream] in pipesvc/coordinator/control_stream.py.
     """
 
 class StageServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -272,6 +284,18 @@ class StageServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_stage_pb2.StageProfile, _abc.Awaitable[_stage_pb2.StageProfile]]:
         """How fast this stage runs its layers and sends to its neighbour, measured from its own
         training runs, and optionally its speed on a fixed matrix product (for the planner).
+        """
+
+    @_abc_1.abstractmethod
+    def Control(
+        self,
+        request_iterator: _MaybeAsyncIterator[_stage_pb2.ControlRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_stage_pb2.ControlReply], _abc.AsyncIterator[_stage_pb2.ControlReply]]:
+        """The coordinator's control of one job on this stage: opened once per job, stage and plan
+        epoch and kept open, it carries runs, commits and aborts (each what RunStep, Commit and
+        Abort carry), and their replies matched by id. Handled concurrently: an abort overtakes a
+        run in progress. See [Note: control stream] in pipesvc/coordinator/control_stream.py.
         """
 
 def add_StageServiceServicer_to_server(servicer: StageServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

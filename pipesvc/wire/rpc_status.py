@@ -74,10 +74,24 @@ def error_from_rpc(error: grpc.RpcError, where: str = "") -> PipesvcError:
     """
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = (error.details() if hasattr(error, "details") else None) or str(code)
-    name, lost = "", ""
     trailing = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
     # grpc's entries are (key, value) named tuples; the stubs call them a non-iterable class.
-    for key, value in cast("Iterable[tuple[str, str | bytes]]", trailing or ()):
+    return error_from_status(
+        code, details, cast("Iterable[tuple[str, str | bytes]]", trailing or ()), where
+    )
+
+
+def error_from_status(
+    code: grpc.StatusCode,
+    details: str,
+    trailing: Iterable[tuple[str, str | bytes]],
+    where: str = "",
+) -> PipesvcError:
+    """The PipesvcError of a call that ended with status ``code``, message ``details`` and
+    ``trailing`` metadata: a failed call's, or one a control stream carried back (see [Note:
+    control stream] in pipesvc/coordinator/control_stream.py)."""
+    name, lost = "", ""
+    for key, value in trailing:
         if key == ERROR_CLASS_KEY:
             name = str(value)
         elif key == LOST_SESSIONS_KEY:
@@ -88,6 +102,15 @@ def error_from_rpc(error: grpc.RpcError, where: str = "") -> PipesvcError:
     if issubclass(cls, errors.SessionCacheLostError):
         return cls(details, [s for s in lost.split(",") if s])
     return cls(details)
+
+
+def error_metadata(error: PipesvcError) -> list[tuple[str, str]]:
+    """The trailing metadata a call that fails with ``error`` carries: its class name, and a
+    ``SessionCacheLostError``'s sessions."""
+    metadata = [(ERROR_CLASS_KEY, type(error).__name__)]
+    if isinstance(error, errors.SessionCacheLostError) and error.sessions:
+        metadata.append((LOST_SESSIONS_KEY, ",".join(error.sessions)))
+    return metadata
 
 
 @contextlib.contextmanager
@@ -118,11 +141,13 @@ def abort_with(context: grpc.ServicerContext, error: PipesvcError) -> None:
 
 
 def _abort(context: grpc.ServicerContext, error: PipesvcError) -> None:
-    metadata = [(ERROR_CLASS_KEY, type(error).__name__)]
-    if isinstance(error, errors.SessionCacheLostError) and error.sessions:
-        metadata.append((LOST_SESSIONS_KEY, ",".join(error.sessions)))
-    context.set_trailing_metadata(tuple(metadata))
+    context.set_trailing_metadata(tuple(error_metadata(error)))
     context.abort(status_code(error), str(error))
+
+
+def to_pipesvc(exc: Exception, method: str) -> PipesvcError:
+    """``exc`` as a typed error: itself, or an InternalError naming ``method`` (logged)."""
+    return _to_pipesvc(exc, method)
 
 
 def _to_pipesvc(exc: Exception, method: str) -> PipesvcError:

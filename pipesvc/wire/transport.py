@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast, overload
@@ -130,14 +130,20 @@ class Codec:
 
 
 def add_service(
-    add: Callable[[grpc.Server], None], server: grpc.Server, codecs: Mapping[str, Codec]
+    add: Callable[[grpc.Server], None],
+    server: grpc.Server,
+    codecs: Mapping[str, Codec],
+    *,
+    without: Collection[str] = (),
 ) -> None:
     """Registers the service that ``add`` (a generated ``add_*Servicer_to_server`` bound to
     its servicer) registers, with the methods named in ``codecs`` using those (de)serializers:
     [Note: frame wire] for Exchange, [Note: payload wire] for the requests that carry a batch.
+    The methods named in ``without`` are left out (a peer calling one gets UNIMPLEMENTED, as
+    from a server built before it existed).
 
     Raises:
-        ValueError: ``codecs`` names a method the service does not have.
+        ValueError: ``codecs`` or ``without`` names a method the service does not have.
     """
 
     class _Capture:
@@ -161,6 +167,9 @@ def add_service(
         if name not in handlers:
             raise ValueError(f"service {capture.service} has no method {name!r}")
         handlers[name] = _with_codec(handlers[name], codec)
+    for name in without:
+        if handlers.pop(name, None) is None:
+            raise ValueError(f"service {capture.service} has no method {name!r}")
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(capture.service, handlers),)
     )
