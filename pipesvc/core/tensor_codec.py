@@ -207,12 +207,16 @@ def _read_only(view: memoryview, header: common_pb2.TensorHeader) -> torch.Tenso
     ``torch.frombuffer`` warns on a read-only buffer (the received bytes of a request are a
     ``bytes`` object); a read-only numpy array imported through DLPack is the same memory
     without the warning, and the capsule keeps ``view`` (so the received bytes) alive for as
-    long as the tensor lives."""
+    long as the tensor lives. Bytes that do not start at a multiple of the dtype's item size
+    are copied: kernels may assume natural alignment (vectorized loops that peel to an
+    aligned address), and a misaligned view could fault."""
     dtype = _TO_TORCH[header.dtype]
     shape = tuple(header.shape)
     if not len(view):
         return torch.empty(shape, dtype=dtype)
     raw = from_dlpack(numpy.frombuffer(view, dtype=numpy.uint8))
+    if raw.data_ptr() % _ITEMSIZE[header.dtype]:
+        raw = raw.clone()
     return raw.view(dtype).reshape(shape)
 
 
@@ -267,12 +271,30 @@ def decode(
 
 
 class FrameAssembler:
-    """Reassembles one framed tensor, checking order and sizes frame by frame."""
+    """Reassembles one framed tensor, checking order and sizes frame by frame.
 
-    def __init__(self, header: common_pb2.TensorHeader, limits: CodecLimits = DEFAULT_LIMITS):
+    [Note: borrowed frames] With ``borrow`` a tensor that came in one frame is a view of that
+    frame's received bytes, with no copy (a 1 MiB copy, with the zeroing of a fresh buffer,
+    cost about as much CPU as gRPC's own handling of the message). The receiver must own those
+    bytes alone, as the Exchange stream's parser does (``pipesvc.stage.frame_wire.parse``: the
+    message's ``bytes`` object is referenced by nothing else once gRPC hands it over), since
+    the tensor may be written to by the model (an in-place op) and keeps the whole message
+    alive while it lives. A tensor of several frames is copied into one buffer, which is not
+    zeroed first (every byte is written by a frame before the tensor is returned).
+    """
+
+    def __init__(
+        self,
+        header: common_pb2.TensorHeader,
+        limits: CodecLimits = DEFAULT_LIMITS,
+        *,
+        borrow: bool = False,
+    ):
         check_header(header, limits)
         self._header = header
-        self._buffer = bytearray(header.num_bytes)
+        self._borrow = borrow and header.num_frames == 1
+        self._raw = torch.empty(0 if self._borrow else header.num_bytes, dtype=torch.uint8)
+        self._buffer = memoryview(self._raw.numpy())  # type: ignore[arg-type]
         self._filled = 0
         self._next_frame = 0
 
@@ -291,6 +313,13 @@ class FrameAssembler:
             raise WireFormatError(f"frame {frame_index} arrived after the tensor was complete")
         if frame_index != self._next_frame:
             raise WireFormatError(f"frame {frame_index} arrived; expected {self._next_frame}")
+        if self._borrow:
+            if len(data) != self._header.num_bytes:
+                raise WireFormatError(
+                    f"frame carries {len(data)} bytes; header says {self._header.num_bytes}"
+                )
+            self._next_frame = 1
+            return _read_only(memoryview(data), self._header)
         end = self._filled + len(data)
         if end > len(self._buffer):
             raise WireFormatError(
@@ -305,7 +334,7 @@ class FrameAssembler:
             raise WireFormatError(
                 f"frames carried {self._filled} bytes; header says {self._header.num_bytes}"
             )
-        return _from_buffer(self._buffer, self._header)
+        return view_as_header(self._raw, self._header)
 
 
 def named_frames(
