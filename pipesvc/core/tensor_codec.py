@@ -40,7 +40,19 @@ _ITEMSIZE: dict[common_pb2.DType.ValueType, int] = {
 _BIT_VIEW: dict[torch.dtype, torch.dtype] = {torch.bfloat16: torch.int16}
 
 DEFAULT_FRAME_BYTES = 1 << 20
-"""Payload bytes per frame on streams (1 MiB)."""
+"""Payload bytes per frame of named tensors (state transfers; 1 MiB)."""
+
+STREAM_FRAME_BYTES = 16 << 20
+"""Payload bytes per frame on an Exchange stream between stages (16 MiB).
+
+[Note: stream frame size] Each frame is one gRPC message, and each message costs the sending and
+the receiving process several thread hand-offs (gRPC's and pipesvc's) whatever its size, while a
+tensor that fits one frame is received without a copy (see [Note: borrowed frames]); a tensor
+of several frames is copied into one buffer. Measured with ``bench/paired_transport.py`` (see
+bench/README.md), 16 MiB frames cost about a tenth less CPU per round trip than 1 MiB frames
+at 4 and 8 MiB. Larger frames would add latency before a tensor's first byte leaves (the
+serializer and gRPC each copy a frame once) and hold more memory in flight. A stage's frames
+also stay within half its gRPC message limit (see ``pipesvc.core.limits.Limits.codec``)."""
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("pipesvc's wire format is little-endian; this host is big-endian")
@@ -58,6 +70,9 @@ class CodecLimits:
     """Most dimensions."""
     max_frames: int = 1 << 16
     """Most frames one tensor may be split into."""
+    max_frame_bytes: int = STREAM_FRAME_BYTES
+    """Payload bytes per frame this side sends on a stream (what it receives is bounded by
+    gRPC's message limit)."""
 
 
 DEFAULT_LIMITS = CodecLimits()
