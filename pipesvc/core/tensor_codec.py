@@ -285,6 +285,9 @@ def decode(
     return _from_buffer(bytearray(message.data), header)
 
 
+_NO_BYTES = torch.empty(0, dtype=torch.uint8)
+
+
 class FrameAssembler:
     """Reassembles one framed tensor, checking order and sizes frame by frame.
 
@@ -308,8 +311,11 @@ class FrameAssembler:
         check_header(header, limits)
         self._header = header
         self._borrow = borrow and header.num_frames == 1
-        self._raw = torch.empty(0 if self._borrow else header.num_bytes, dtype=torch.uint8)
-        self._buffer = memoryview(self._raw.numpy())  # type: ignore[arg-type]
+        self._raw = _NO_BYTES
+        self._buffer = memoryview(b"")
+        if not self._borrow:
+            self._raw = torch.empty(header.num_bytes, dtype=torch.uint8)
+            self._buffer = memoryview(self._raw.numpy())  # type: ignore[arg-type]
         self._filled = 0
         self._next_frame = 0
 

@@ -169,8 +169,9 @@ class Sender:
         header, payloads = frame_views(tensor, self._frame_bytes)
         self._metrics.inc("bytes_total", header.num_bytes, direction="sent", kind=key.direction)
         for index, data in enumerate(payloads):
-            frame = stage_pb2.DataFrame(id=ident, frame_index=index)
             if index == 0:
-                frame.header.CopyFrom(header)
+                frame = stage_pb2.DataFrame(id=ident, frame_index=0, header=header)
+            else:
+                frame = stage_pb2.DataFrame(id=ident, frame_index=index)
             self._metrics.inc("frames_total", direction="sent", kind=key.direction)
             yield OutFrame(frame, data)
