@@ -222,17 +222,23 @@ def _read_only(view: memoryview, header: common_pb2.TensorHeader) -> torch.Tenso
     ``torch.frombuffer`` warns on a read-only buffer (the received bytes of a request are a
     ``bytes`` object); a read-only numpy array imported through DLPack is the same memory
     without the warning, and the capsule keeps ``view`` (so the received bytes) alive for as
-    long as the tensor lives. Bytes that do not start at a multiple of the dtype's item size
-    are copied: kernels may assume natural alignment (vectorized loops that peel to an
-    aligned address), and a misaligned view could fault."""
+    long as the tensor lives."""
     dtype = _TO_TORCH[header.dtype]
     shape = tuple(header.shape)
     if not len(view):
         return torch.empty(shape, dtype=dtype)
     raw = from_dlpack(numpy.frombuffer(view, dtype=numpy.uint8))
-    if raw.data_ptr() % _ITEMSIZE[header.dtype]:
-        raw = raw.clone()
     return raw.view(dtype).reshape(shape)
+
+
+def _borrowed(view: memoryview, header: common_pb2.TensorHeader) -> torch.Tensor:
+    """``_read_only``, except that bytes not starting at a multiple of the dtype's item size
+    are copied: kernels may assume natural alignment (vectorized loops that peel to an
+    aligned address), and a misaligned view could fault."""
+    tensor = _read_only(view, header)
+    if tensor.data_ptr() % _ITEMSIZE[header.dtype]:
+        tensor = tensor.clone()
+    return tensor
 
 
 def decode(
@@ -340,7 +346,7 @@ class FrameAssembler:
                     f"frame carries {len(data)} bytes; header says {self._header.num_bytes}"
                 )
             self._next_frame = 1
-            return _read_only(memoryview(data), self._header)
+            return _borrowed(memoryview(data), self._header)
         end = self._filled + len(data)
         if end > len(self._buffer):
             raise WireFormatError(
