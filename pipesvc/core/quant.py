@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pipesvc.core.tensor_codec import torch_dtype, wire_dtype
 from pipesvc.errors import InvalidArgumentError, WireFormatError
 
 CODE_BITS = {"int8": 8, "int4": 4}
@@ -205,7 +206,8 @@ def through_wire(
 #
 # [Note: packed blob] On a link whose codec quantizes, every tensor crosses as one uint8 tensor
 # that describes itself, so the links, frames and shared memory carry it unchanged: an 8-byte
-# head (magic ``PQ``, version, kind, log2 of the block, dtype, number of dimensions, zero),
+# head (magic ``PQ``, version, kind, log2 of the block, dtype as common.proto's DType,
+# number of dimensions, zero),
 # each dimension as an int64, then for a quantized tensor its float32 scales and its codes, and
 # for a tensor that is not quantized (not floating point) its bytes as they are. The receiver
 # checks the head and that the declared shape accounts for every byte before it decodes
@@ -215,26 +217,16 @@ _MAGIC = b"PQ"
 _VERSION = 1
 _HEAD = 8
 _KINDS = ("raw", "int8", "int4")
-_DTYPES = (
-    torch.float32,
-    torch.bfloat16,
-    torch.float16,
-    torch.float64,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-)
 MAX_BLOB_DIMS = 8
 
 
 def to_blob(x: torch.Tensor, codec: str, block: int = DEFAULT_BLOCK) -> torch.Tensor:
     """``x`` as the uint8 tensor, in host memory, that a link with ``codec`` carries (see
     [Note: packed blob]): quantized when floating point, as it is otherwise."""
-    if x.dtype not in _DTYPES:
-        raise InvalidArgumentError(f"a tensor of dtype {x.dtype} cannot cross a link")
+    try:
+        dtype = wire_dtype(x.dtype)  # the DType enum value of common.proto
+    except WireFormatError as exc:
+        raise InvalidArgumentError(str(exc)) from None
     if x.dim() > MAX_BLOB_DIMS:
         raise InvalidArgumentError(
             f"a tensor with {x.dim()} dimensions cannot cross a link; at most {MAX_BLOB_DIMS}"
@@ -242,7 +234,7 @@ def to_blob(x: torch.Tensor, codec: str, block: int = DEFAULT_BLOCK) -> torch.Te
     quantized = x.is_floating_point()
     kind = _KINDS.index(codec) if quantized else 0
     head = bytearray(_MAGIC)
-    head += bytes((_VERSION, kind, block.bit_length() - 1, _DTYPES.index(x.dtype), x.dim(), 0))
+    head += bytes((_VERSION, kind, block.bit_length() - 1, dtype, x.dim(), 0))
     dims = torch.tensor(list(x.shape), dtype=torch.int64).view(torch.uint8)
     parts = [torch.frombuffer(head, dtype=torch.uint8), dims]
     if quantized:
@@ -267,8 +259,9 @@ def from_blob(blob: torch.Tensor, max_elements: int = 1 << 31) -> torch.Tensor:
         )
     head = bytes(blob[:_HEAD].tolist())
     version, kind, log_block, dtype, ndim = head[2], head[3], head[4], head[5], head[6]
-    if head[:2] != _MAGIC or version != _VERSION or kind >= len(_KINDS) or dtype >= len(_DTYPES):
+    if head[:2] != _MAGIC or version != _VERSION or kind >= len(_KINDS):
         raise WireFormatError(f"packed tensor has a bad head {head.hex()}")
+    target = torch_dtype(dtype)
     if ndim > MAX_BLOB_DIMS or blob.numel() < _HEAD + 8 * ndim:
         raise WireFormatError(f"packed tensor declares {ndim} dimensions in {blob.numel()} bytes")
     shape = tuple(blob[_HEAD : _HEAD + 8 * ndim].clone().view(torch.int64).tolist())
@@ -282,7 +275,6 @@ def from_blob(blob: torch.Tensor, max_elements: int = 1 << 31) -> torch.Tensor:
             f"packed tensor declares {numel} elements; at most {max_elements} are accepted"
         )
     body = blob[_HEAD + 8 * ndim :]
-    target = _DTYPES[dtype]
     if _KINDS[kind] == "raw":
         size = torch.empty((), dtype=target).element_size()
         if body.numel() != numel * size:

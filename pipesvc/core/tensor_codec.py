@@ -91,6 +91,18 @@ def wire_dtype(dtype: torch.dtype) -> common_pb2.DType.ValueType:
         raise WireFormatError(f"dtype {dtype} cannot be sent; expected one of {known}") from None
 
 
+def torch_dtype(value: int) -> torch.dtype:
+    """The torch dtype a DType enum value stands for.
+
+    Raises:
+        WireFormatError: the value names no dtype.
+    """
+    try:
+        return _TO_TORCH[value]  # type: ignore[index]
+    except KeyError:
+        raise WireFormatError(f"dtype {value} is not a DType this side knows") from None
+
+
 def _host_view(tensor: torch.Tensor) -> memoryview:
     """The tensor's bytes in host memory: a view, no copy, of a contiguous CPU tensor."""
     flat = tensor.detach()
