@@ -16,6 +16,7 @@ from types import TracebackType
 from pipesvc.client import Client
 from pipesvc.core.health import Health
 from pipesvc.errors import PipesvcError, StageUnavailableError
+from pipesvc.owner import owner_environ
 from pipesvc.stage.malloc import stage_environ
 from pipesvc.wire.security import Security
 
@@ -108,7 +109,7 @@ class LocalCluster:
             [sys.executable, "-m", "pipesvc", *args],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=env,
+            env=owner_environ(env),
         )
         log.close()
         self._procs.append(proc)
