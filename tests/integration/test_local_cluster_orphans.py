@@ -10,9 +10,12 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
+
+from pipesvc.owner import OWNER_PID_ENV, owner_environ
 
 OWNER = """
 import json, os, sys, threading, time
@@ -95,3 +98,21 @@ def test_the_cluster_goes_when_its_owner_is_killed(signum: int, on: str) -> None
         for pid in pids:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_child_whose_owner_died_before_it_started_watching_exits_at_once(
+    tmp_path: Path,
+) -> None:
+    # Its parent (this process) is not the owner it was given: the owner is gone already.
+    env = owner_environ()
+    env[OWNER_PID_ENV] = str(os.getppid())
+    args = ["coordinator", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path)]
+    done = subprocess.run(
+        [sys.executable, "-m", "pipesvc", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1
+    assert "the process that started it is gone" in done.stderr
