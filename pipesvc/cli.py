@@ -25,6 +25,7 @@ from pipesvc.core.schedule import schedule_names
 from pipesvc.errors import PipesvcError
 from pipesvc.observe import logs
 from pipesvc.observe.metrics import NO_METRICS, Metrics
+from pipesvc.owner import follow_owner
 from pipesvc.wire.security import Security
 
 logger = logging.getLogger("pipesvc")
@@ -860,6 +861,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         reexec_with_tunables(sys.argv[1:] if argv is None else list(argv))
     logs.install(args.log_level, args.log_format)
+    if not follow_owner():
+        print(f"pipesvc {args.command}: the process that started it is gone", file=sys.stderr)
+        return 1
     try:
         return int(args.func(args))
     except PipesvcError as exc:

@@ -16,6 +16,7 @@ from types import TracebackType
 from pipesvc.client import Client
 from pipesvc.core.health import Health
 from pipesvc.errors import PipesvcError, StageUnavailableError
+from pipesvc.owner import owner_environ
 from pipesvc.stage.malloc import stage_environ
 from pipesvc.wire.security import Security
 
@@ -32,7 +33,19 @@ class LocalCluster:
     """Starts ``pipesvc coordinator`` and ``num_stages`` ``pipesvc stage`` processes.
 
     On ``__enter__`` it waits until every stage is registered and SERVING; on exit, or on an
-    error while starting, it stops every process it started (SIGTERM, then SIGKILL).
+    error while starting, it stops every process it started (SIGTERM, then SIGKILL). If the
+    process that owns the cluster dies without either (SIGKILL, a crash, SIGTERM with the
+    default handler), each child stops on its own ([Note: owned processes] in
+    ``pipesvc.owner``).
+
+    [Note: no signal handler in LocalCluster] It does not catch SIGTERM to run ``close``: a
+    handler is process-wide state that belongs to the application (it may have its own, or
+    install one after the block starts and so replace ours; a handler that raises lands in
+    whatever code the main thread runs, and one that only sets a flag is never looked at by
+    user code), only the main thread may install one, and it would still do nothing for
+    SIGKILL or a crash. The children watching their owner covers every way it can die, and an
+    application that wants a clean ``close`` on SIGTERM turns the signal into an exception or
+    a return (``pipesvc up`` does) so ``__exit__`` runs.
 
     ``models`` are modules every stage imports (``--models``); ``hf_models`` maps a name to a
     Hugging Face model directory every stage serves under that name (``--hf-model``).
@@ -108,7 +121,7 @@ class LocalCluster:
             [sys.executable, "-m", "pipesvc", *args],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=env,
+            env=owner_environ(env),
         )
         log.close()
         self._procs.append(proc)
