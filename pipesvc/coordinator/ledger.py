@@ -62,7 +62,6 @@ from pipesvc.coordinator.job_state import JobState, PendingCommit
 from pipesvc.coordinator.state_db import JobRecord, StateDB
 from pipesvc.core.config import JobConfig, config_to_dict
 from pipesvc.core.plan import PipelineStage, plan_to_dicts
-from pipesvc.errors import PipesvcError
 from pipesvc.v1 import stage_pb2
 
 
@@ -285,7 +284,7 @@ class Ledger:
         self._pending = None
         try:
             self._committer.commit(pending, after_failed_run=after_failed_run)
-        except PipesvcError:
+        except BaseException:
             # The step is decided: before any later call the stages are rebuilt to it (see
             # [Note: commit invariant] in commit.py).
             self._replay_target = max(self._replay_target or 0, pending.step)
