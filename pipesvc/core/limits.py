@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipesvc.core.tensor_codec import CodecLimits
+from pipesvc.core.tensor_codec import STREAM_FRAME_BYTES, CodecLimits
 from pipesvc.errors import InvalidArgumentError
 
 MAX_MICROBATCHES = 4096
@@ -90,4 +90,5 @@ class Limits:
             max_tensor_bytes=self.max_tensor_bytes,
             max_elements=self.max_tensor_elements,
             max_frames=self.max_frames_per_tensor,
+            max_frame_bytes=max(1, min(STREAM_FRAME_BYTES, self.max_message_bytes // 2)),
         )

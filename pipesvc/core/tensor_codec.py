@@ -40,7 +40,19 @@ _ITEMSIZE: dict[common_pb2.DType.ValueType, int] = {
 _BIT_VIEW: dict[torch.dtype, torch.dtype] = {torch.bfloat16: torch.int16}
 
 DEFAULT_FRAME_BYTES = 1 << 20
-"""Payload bytes per frame on streams (1 MiB)."""
+"""Payload bytes per frame of named tensors (state transfers; 1 MiB)."""
+
+STREAM_FRAME_BYTES = 16 << 20
+"""Payload bytes per frame on an Exchange stream between stages (16 MiB).
+
+[Note: stream frame size] Each frame is one gRPC message, and each message costs the sending and
+the receiving process several thread hand-offs (gRPC's and pipesvc's) whatever its size, while a
+tensor that fits one frame is received without a copy (see [Note: borrowed frames]); a tensor
+of several frames is copied into one buffer. Measured with ``bench/paired_transport.py`` (see
+bench/README.md), 16 MiB frames cost about a tenth less CPU per round trip than 1 MiB frames
+at 4 and 8 MiB. Larger frames would add latency before a tensor's first byte leaves (the
+serializer and gRPC each copy a frame once) and hold more memory in flight. A stage's frames
+also stay within half its gRPC message limit (see ``pipesvc.core.limits.Limits.codec``)."""
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("pipesvc's wire format is little-endian; this host is big-endian")
@@ -58,6 +70,9 @@ class CodecLimits:
     """Most dimensions."""
     max_frames: int = 1 << 16
     """Most frames one tensor may be split into."""
+    max_frame_bytes: int = STREAM_FRAME_BYTES
+    """Payload bytes per frame this side sends on a stream (what it receives is bounded by
+    gRPC's message limit)."""
 
 
 DEFAULT_LIMITS = CodecLimits()
@@ -228,6 +243,16 @@ def _read_only(view: memoryview, header: common_pb2.TensorHeader) -> torch.Tenso
     return raw.view(dtype).reshape(shape)
 
 
+def _borrowed(view: memoryview, header: common_pb2.TensorHeader) -> torch.Tensor:
+    """``_read_only``, except that bytes not starting at a multiple of the dtype's item size
+    are copied: kernels may assume natural alignment (vectorized loops that peel to an
+    aligned address), and a misaligned view could fault."""
+    tensor = _read_only(view, header)
+    if tensor.data_ptr() % _ITEMSIZE[header.dtype]:
+        tensor = tensor.clone()
+    return tensor
+
+
 def decode(
     message: common_pb2.Tensor,
     limits: CodecLimits = DEFAULT_LIMITS,
@@ -278,13 +303,37 @@ def decode(
     return _from_buffer(bytearray(message.data), header)
 
 
-class FrameAssembler:
-    """Reassembles one framed tensor, checking order and sizes frame by frame."""
+_NO_BYTES = torch.empty(0, dtype=torch.uint8)
 
-    def __init__(self, header: common_pb2.TensorHeader, limits: CodecLimits = DEFAULT_LIMITS):
+
+class FrameAssembler:
+    """Reassembles one framed tensor, checking order and sizes frame by frame.
+
+    [Note: borrowed frames] With ``borrow`` a tensor that came in one frame is a view of that
+    frame's received bytes, with no copy (a 1 MiB copy, with the zeroing of a fresh buffer,
+    cost about as much CPU as gRPC's own handling of the message). The receiver must own those
+    bytes alone, as the Exchange stream's parser does (``pipesvc.stage.frame_wire.parse``: the
+    message's ``bytes`` object is referenced by nothing else once gRPC hands it over), since
+    the tensor may be written to by the model (an in-place op) and keeps the whole message
+    alive while it lives. A tensor of several frames is copied into one buffer, which is not
+    zeroed first (every byte is written by a frame before the tensor is returned).
+    """
+
+    def __init__(
+        self,
+        header: common_pb2.TensorHeader,
+        limits: CodecLimits = DEFAULT_LIMITS,
+        *,
+        borrow: bool = False,
+    ):
         check_header(header, limits)
         self._header = header
-        self._buffer = bytearray(header.num_bytes)
+        self._borrow = borrow and header.num_frames == 1
+        self._raw = _NO_BYTES
+        self._buffer = memoryview(b"")
+        if not self._borrow:
+            self._raw = torch.empty(header.num_bytes, dtype=torch.uint8)
+            self._buffer = memoryview(self._raw.numpy())  # type: ignore[arg-type]
         self._filled = 0
         self._next_frame = 0
 
@@ -303,6 +352,13 @@ class FrameAssembler:
             raise WireFormatError(f"frame {frame_index} arrived after the tensor was complete")
         if frame_index != self._next_frame:
             raise WireFormatError(f"frame {frame_index} arrived; expected {self._next_frame}")
+        if self._borrow:
+            if len(data) != self._header.num_bytes:
+                raise WireFormatError(
+                    f"frame carries {len(data)} bytes; header says {self._header.num_bytes}"
+                )
+            self._next_frame = 1
+            return _borrowed(memoryview(data), self._header)
         end = self._filled + len(data)
         if end > len(self._buffer):
             raise WireFormatError(
@@ -317,7 +373,7 @@ class FrameAssembler:
             raise WireFormatError(
                 f"frames carried {self._filled} bytes; header says {self._header.num_bytes}"
             )
-        return _from_buffer(self._buffer, self._header)
+        return view_as_header(self._raw, self._header)
 
 
 def named_frames(

@@ -63,6 +63,7 @@ class _Link:
         on_delivered: Callable[[bool], None] | None = None,
     ) -> None:
         self._sender = Sender(
+            frame_bytes=limits.max_frame_bytes,
             peer=peer,
             run_aborted=mailbox.is_aborted,
             job_id=job_id,

@@ -147,7 +147,7 @@ class FrameReader:
         if frame.frame_index == 0:
             if self._pending is not None:
                 raise WireFormatError(f"{key} started before {self._pending[0]} was complete")
-            self._pending = (key, FrameAssembler(frame.header, self._limits))
+            self._pending = (key, FrameAssembler(frame.header, self._limits, borrow=True))
         if self._pending is None or self._pending[0] != key:
             raise WireFormatError(f"frame {frame.frame_index} of {key} without its frame 0")
         tensor = self._pending[1].add(frame.frame_index, data)

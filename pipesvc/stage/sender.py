@@ -14,7 +14,7 @@ from typing import TypeAlias
 
 import torch
 
-from pipesvc.core.tensor_codec import DEFAULT_FRAME_BYTES, frame_views
+from pipesvc.core.tensor_codec import STREAM_FRAME_BYTES, frame_views
 from pipesvc.errors import PipesvcError, StageUnavailableError, StepAbortedError
 from pipesvc.observe.metrics import NO_METRICS, Metrics
 from pipesvc.stage.frame_wire import OutFrame
@@ -55,8 +55,10 @@ class Sender:
         metrics: Metrics = NO_METRICS,
         peer: str = "the peer",
         run_aborted: Callable[[int], bool] = lambda run_id: False,
+        frame_bytes: int = STREAM_FRAME_BYTES,
     ) -> None:
         self._job_id = job_id
+        self._frame_bytes = frame_bytes
         self._peer = peer
         self._run_aborted = run_aborted
         self._ended = threading.Event()
@@ -164,11 +166,12 @@ class Sender:
 
     def _tensor_frames(self, key: MailKey, tensor: torch.Tensor) -> Iterator[OutFrame]:
         ident = microbatch_id(self._job_id, self._epoch, self._direction, key)
-        header, payloads = frame_views(tensor, DEFAULT_FRAME_BYTES)
+        header, payloads = frame_views(tensor, self._frame_bytes)
         self._metrics.inc("bytes_total", header.num_bytes, direction="sent", kind=key.direction)
         for index, data in enumerate(payloads):
-            frame = stage_pb2.DataFrame(id=ident, frame_index=index)
             if index == 0:
-                frame.header.CopyFrom(header)
+                frame = stage_pb2.DataFrame(id=ident, frame_index=0, header=header)
+            else:
+                frame = stage_pb2.DataFrame(id=ident, frame_index=index)
             self._metrics.inc("frames_total", direction="sent", kind=key.direction)
             yield OutFrame(frame, data)

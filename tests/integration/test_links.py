@@ -28,14 +28,15 @@ SIZES = [1, 1000, 3 << 20, 0, 5, (1 << 20) + 3]
 class _Echo(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
     """Echoes each activation back as a gradient through a real UpstreamLink."""
 
-    def __init__(self, shm_bytes: int) -> None:
+    def __init__(self, shm_bytes: int, limits: CodecLimits | None = None) -> None:
         self.shm_bytes = shm_bytes
+        self.limits = limits or CodecLimits()
         self.link: UpstreamLink | None = None
 
     def Exchange(self, requests: Iterator[Any], context: Any) -> Iterator[Any]:
         mailbox = Mailbox()
         link = UpstreamLink(
-            job_id="j", epoch=1, mailbox=mailbox, limits=CodecLimits(), shm_bytes=self.shm_bytes
+            job_id="j", epoch=1, mailbox=mailbox, limits=self.limits, shm_bytes=self.shm_bytes
         )
         self.link = link
 
@@ -90,6 +91,71 @@ def test_echo_is_exact_on_every_path(down_shm: int, up_shm: int) -> None:
         channel.close()
         server.stop(1).wait(5)
     assert _shm_files() - before == set()
+
+
+@pytest.mark.parametrize("frame_bytes", [1 << 10, 1 << 20, 3 << 20])
+def test_frames_of_any_size_carry_tensors_exactly(frame_bytes: int) -> None:
+    """Frames on a real stream, both ways, cut to ``max_frame_bytes``: tensors of one frame
+    (received without a copy) and of several (assembled) arrive equal to what was sent, in
+    order, and a received tensor can be written to without changing the next one."""
+    limits = CodecLimits(max_frame_bytes=frame_bytes)
+    echo = _Echo(0, limits)
+    server, port, _ = create_server("127.0.0.1:0", [lambda s: add_stage_service(echo, s)])
+    channel = open_channel(f"127.0.0.1:{port}")
+    mailbox = Mailbox()
+    link = DownstreamLink(
+        channel=channel,
+        address="echo",
+        job_id="j",
+        epoch=1,
+        mailbox=mailbox,
+        limits=limits,
+        shm_bytes=0,
+    )
+    try:
+        sent = [
+            torch.randn(n, generator=torch.Generator().manual_seed(i)) for i, n in enumerate(SIZES)
+        ]
+        for i, x in enumerate(sent):
+            link.send(MailKey(1, ACTIVATION, i), x)
+        for i, x in enumerate(sent):
+            got = mailbox.get(MailKey(1, GRADIENT, i), 30.0)
+            assert torch.equal(got, x * 2)
+            got.add_(1)  # the stage may write to what it received (an in-place op)
+            assert torch.equal(got, x * 2 + 1)
+        assert not link.uses_shm
+    finally:
+        link.close()
+        channel.close()
+        server.stop(1).wait(5)
+
+
+@pytest.mark.parametrize(
+    ("frame_bytes", "numel", "expected"),
+    [(16 << 20, 3 << 20, [12 << 20]), (1 << 20, 600_000, [1 << 20, 1 << 20, 302_848])],
+)
+def test_a_sender_cuts_tensors_into_frames_of_its_size(
+    frame_bytes: int, numel: int, expected: list[int]
+) -> None:
+    sender = Sender(job_id="j", epoch=1, direction=ACTIVATION, shm_bytes=0, frame_bytes=frame_bytes)
+    sender.put((MailKey(1, ACTIVATION, 0), torch.ones(numel)))
+    sender.put(None)
+    frames = [f for f in sender.frames() if isinstance(f, OutFrame)]
+    assert [len(f.data) for f in frames] == expected
+    assert [f.frame.frame_index for f in frames] == list(range(len(expected)))
+    assert frames[0].frame.header.num_frames == len(expected)
+
+
+@pytest.mark.parametrize(
+    ("message_bytes", "frame_bytes"),
+    [(256 << 20, 16 << 20), (8 << 20, 4 << 20), (1, 1)],
+)
+def test_a_stage_sends_frames_within_half_its_message_limit(
+    message_bytes: int, frame_bytes: int
+) -> None:
+    from pipesvc.core.limits import Limits
+
+    assert Limits(max_message_bytes=message_bytes).codec().max_frame_bytes == frame_bytes
 
 
 def _reader(reply: Sender, direction: str = ACTIVATION) -> FrameReader:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy
 import pytest
 from google.protobuf.message import DecodeError
 from hypothesis import given, settings
@@ -49,6 +50,19 @@ def test_payload_is_a_view_not_a_copy() -> None:
     wire = serialize(OutFrame(_frame(0, "j", True), memoryview(b"x" * 1000)))
     parsed = parse(wire)
     assert parsed.data.obj is wire
+
+
+@pytest.mark.parametrize("index", [0, 1, 2**32 - 1])
+@pytest.mark.parametrize("length", [0, 1, 1 << 20])
+def test_payload_starts_16_bytes_into_the_message(index: int, length: int) -> None:
+    # So that, received into a bytes object (16-byte aligned), the payload can be the tensor
+    # itself (see [Note: borrowed frames]).
+    data = bytes(range(256)) * (length // 256) + bytes(length % 256)
+    wire = serialize(OutFrame(_frame(index, "j", True), memoryview(data)))
+    assert wire[16 : 16 + length] == data
+    parsed = parse(wire)
+    assert parsed.frame.frame_index == index
+    assert numpy.frombuffer(parsed.data, dtype=numpy.uint8).ctypes.data % 16 == 0 or not length
 
 
 def test_control_frames_pass_through() -> None:

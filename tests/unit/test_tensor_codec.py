@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import numpy
 import pytest
 import torch
 
@@ -14,6 +15,7 @@ from pipesvc.core.tensor_codec import (
     decode,
     encode,
     encode_frames,
+    payload_view,
     wire_dtype,
 )
 from pipesvc.errors import PipesvcError, ResourceExhaustedError, WireFormatError
@@ -236,6 +238,60 @@ def test_assembler_rejects_frames_after_completion() -> None:
     assert result.tolist() == [1.0, 2.0, 3.0]
     with pytest.raises(WireFormatError, match="frame 1 arrived after"):
         assembler.add(1, b"")
+
+
+def _aligned_bytes(payload: bytes, offset: int) -> memoryview:
+    """``payload`` at ``offset`` bytes past a 16-byte boundary inside a fresh ``bytes``."""
+    base = numpy.frombuffer(bytes(16), dtype=numpy.uint8).ctypes.data % 16  # bytes' own
+    pad = (offset - base) % 16
+    return memoryview(bytes(pad) + payload)[pad:]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_borrowed_single_frame_is_the_received_bytes(dtype: torch.dtype) -> None:
+    tensor = sample(dtype, (4, 5))
+    header_, view = payload_view(tensor)
+    data = _aligned_bytes(view.tobytes(), 0)
+    result = FrameAssembler(header_, borrow=True).add(0, data)
+    assert result is not None
+    assert_same(result, tensor)
+    # no copy: the tensor's memory is the received message's
+    assert result.data_ptr() == numpy.frombuffer(data, dtype=numpy.uint8).ctypes.data
+
+
+def test_borrowed_frame_that_is_not_aligned_is_copied() -> None:
+    tensor = torch.arange(6, dtype=torch.float64)
+    header_, view = payload_view(tensor)
+    data = _aligned_bytes(view.tobytes(), 4)  # 4 past 16: misaligned for float64
+    result = FrameAssembler(header_, borrow=True).add(0, data)
+    assert result is not None
+    assert_same(result, tensor)
+    assert result.data_ptr() % 8 == 0
+    assert result.data_ptr() != numpy.frombuffer(data, dtype=numpy.uint8).ctypes.data
+
+
+def test_borrow_copies_a_tensor_of_several_frames_into_its_own_buffer() -> None:
+    tensor = torch.arange(12, dtype=torch.float32)
+    header_, frames = encode_frames(tensor, 16)
+    assembler = FrameAssembler(header_, borrow=True)
+    received = [bytes(frame) for frame in frames]
+    results = [assembler.add(i, frame) for i, frame in enumerate(received)]
+    result = results[-1]
+    assert result is not None and results[:-1] == [None, None]
+    assert_same(result, tensor)
+    result.add_(1)  # its own memory: the received frames are unchanged
+    assert received[0] == payload_view(torch.arange(4, dtype=torch.float32))[1].tobytes()
+
+
+@pytest.mark.parametrize("length", [11, 13])
+def test_borrowed_frame_of_the_wrong_length_is_refused(length: int) -> None:
+    with pytest.raises(WireFormatError, match=f"frame carries {length} bytes; header says 12"):
+        FrameAssembler(header(shape=(3,), num_bytes=12), borrow=True).add(0, b"\0" * length)
+
+
+def test_borrow_checks_the_header_before_anything_else() -> None:
+    with pytest.raises(ResourceExhaustedError):
+        FrameAssembler(header(shape=(2**20,)), CodecLimits(max_tensor_bytes=1 << 20), borrow=True)
 
 
 def test_assembler_checks_its_header() -> None:
