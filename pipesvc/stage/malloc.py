@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import logging
 import os
 import sys
@@ -69,6 +70,23 @@ def single_arena() -> bool:
 
 STAGE_GLIBC_TUNABLES = "glibc.malloc.tcache_count=0"
 """glibc tunables a stage process starts with (see ``stage_environ``)."""
+
+
+def give_back() -> bool:
+    """Hands the heap's free memory back to the system (glibc's ``malloc_trim(0)``, which
+    also releases free pages inside the heap, not only at its top), after a job's tensors
+    were dropped: with the high trim threshold above nothing else would, and the next job's
+    tensors, allocated in another order, may not fit the freed blocks and grow the heap beside
+    them (two copies' worth of resident memory through a reassign). Returns False where there
+    is no glibc."""
+    gc.collect()  # the dropped job's reference cycles, before its memory is given back
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return False
+    trim(0)
+    return True
 
 
 def stage_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -41,6 +41,7 @@ from pipesvc.stage.control import ControlServer
 from pipesvc.stage.engine import Carried, RunInputs
 from pipesvc.stage.frame_wire import OutFrame
 from pipesvc.stage.links import UpstreamLink
+from pipesvc.stage.malloc import give_back
 from pipesvc.stage.options import StageOptions
 from pipesvc.stage.profiler import calibrate
 from pipesvc.stage.replica_group import GroupSpec, ReplicaGroup
@@ -374,6 +375,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
                 self._job = None
         previous.close()
         self._close_channel(previous.downstream_address, downstream_address)
+        give_back()  # before the replacement's tensors are built (see malloc.give_back)
 
     @handle_errors
     def Release(
