@@ -62,6 +62,7 @@ from pipesvc.coordinator.job_state import JobState, PendingCommit
 from pipesvc.coordinator.state_db import JobRecord, StateDB
 from pipesvc.core.config import JobConfig, config_to_dict
 from pipesvc.core.plan import PipelineStage, plan_to_dicts
+from pipesvc.errors import PipesvcError
 from pipesvc.v1 import stage_pb2
 
 
@@ -284,7 +285,7 @@ class Ledger:
         self._pending = None
         try:
             self._committer.commit(pending, after_failed_run=after_failed_run)
-        except BaseException:
+        except PipesvcError:
             # The step is decided: before any later call the stages are rebuilt to it (see
             # [Note: commit invariant] in commit.py).
             self._replay_target = max(self._replay_target or 0, pending.step)

@@ -81,7 +81,7 @@ class StepRunner:
             self._checkpoints.flush()
         carried = ledger.pending
         try:
-            return self._run_once(mode, batch, carried)
+            ran = self._run_once(mode, batch, carried)
         except PipesvcError as exc:
             if carried is None:
                 raise
@@ -105,6 +105,12 @@ class StepRunner:
             ledger.settle(carried, after_failed_run=True)
             if not isinstance(exc, FINAL_ERRORS):
                 raise  # a fault of a stage or link: recovered from as for any run
+        else:
+            if carried is not None and carried.snapshot:
+                # Every stage applied the commit and holds its snapshot: it streams to a
+                # checkpoint while later steps train.
+                self._checkpoints.stream_snapshot(carried.step)
+            return ran
         # A final-class error may have been the carried commit's (settled now), not the run's:
         # the run goes once more on its own, and a caller's error repeats.
         return self._run_once(mode, batch, None)
@@ -128,8 +134,6 @@ class StepRunner:
             raise
         if carried is not None:
             ledger.carried(carried)
-            if carried.snapshot:
-                self._checkpoints.stream_snapshot(carried.step)
         return run_id, replies
 
     def train(self, batch: RunBatch, log: LoggedBatch | None) -> float:
