@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -55,6 +56,13 @@ def test_a_stage_that_fills_its_budget_holds_one_copy_through_a_recovery() -> No
         batch = torch.randn(4, WIDTH), torch.randn(4, WIDTH)
         for _ in range(3):
             job.train_step(*batch)
+        # The checkpoint of step 2 streams from the stages' snapshots in the background; the
+        # measure starts once it is on disk, so that a stream cut off by the kill below (its
+        # messages queued in the stage) is not counted as the reassign's memory.
+        deadline = time.monotonic() + 60
+        while job.refresh().checkpoint_step < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert job.checkpoint_step >= 2
         survivor, lost = (stage_info(s.address).pid for s in job.plan)
         held = status_bytes(survivor, "VmRSS")
         Path(f"/proc/{survivor}/clear_refs").write_text("5")  # VmHWM starts again from VmRSS
