@@ -20,6 +20,7 @@ from typing import Protocol
 from pipesvc.core import partition, schedule, throughput
 from pipesvc.core.config import JobConfig
 from pipesvc.core.health import Health
+from pipesvc.core.link_codecs import host_of
 from pipesvc.core.optim import NO_OPTIMIZER
 from pipesvc.core.plan import PipelineStage, check_plan, replicas_of, servers_of
 from pipesvc.errors import InvalidArgumentError, PlanError, ResourceExhaustedError
@@ -301,11 +302,6 @@ def _place_replicas(
     ]
     check_plan(plan, len(layers))
     return plan
-
-
-def host_of(address: str) -> str:
-    """The host part of ``host:port``."""
-    return address.rpartition(":")[0].strip("[]")
 
 
 def replica_layout(
