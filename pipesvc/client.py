@@ -775,6 +775,7 @@ class Job:
             max_shard_bytes=shard_bytes,
             # stages of an older release send no "dtype": then the config's is the default
             dtype=chosen or export.get("dtype"),
+            layout=export.get("layout"),
         )
 
     def timelines(self, max_runs: int = 0) -> list[StageTimeline]:

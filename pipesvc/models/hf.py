@@ -32,133 +32,167 @@ import copy
 import functools
 import inspect
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from pipesvc.errors import InvalidArgumentError
+from pipesvc.models import hf_body
 from pipesvc.models.hf_checkpoint import Checkpoint, part_of
+from pipesvc.models.hf_family import Family
 from pipesvc.models.lora import add_lora, check_lora
 from pipesvc.models.registry import CacheLayout, CacheTensors, LayerSpec, register_model
 
 
-@functools.lru_cache(maxsize=4)
-def _mask_functions() -> tuple[Any, Any, frozenset[str]]:
-    """transformers' causal and sliding-window mask builders and their parameter names (the
-    cache argument is ``cache`` in 5.x, ``past_key_values`` with ``cache_position`` before)."""
-    from transformers import masking_utils
+class Skeleton:
+    """The meta-device model a layer's shells copy (see [Note: the body's own code] in
+    ``hf_body.py``): shared by every layer of a model, never copied with one."""
 
-    causal = masking_utils.create_causal_mask
-    sliding = masking_utils.create_sliding_window_causal_mask
-    return causal, sliding, frozenset(inspect.signature(causal).parameters)
+    def __init__(self, model: nn.Module, family: Family) -> None:
+        self.model = model
+        self.family = family
+        self.body: nn.Module = part_of(model, family.body)
+        self.blocks: nn.ModuleList = part_of(model, family.blocks)
+        self.list_name = family.blocks.rpartition(".")[2]
+        self.head_name = family.head
+        self.body_name = family.body
+        params = inspect.signature(self.body.forward).parameters
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Skeleton:
+        return self
 
-def _attention_mask(
-    config: Any,
-    block_index: int,
-    hidden: torch.Tensor,
-    positions: torch.Tensor,
-    padding: torch.Tensor | None,
-    cache: Any,
-) -> torch.Tensor | None:
-    """Block ``block_index``'s attention mask, built as the family's own model builds it: the
-    causal mask (sliding-window where the config says so) with the ``padding`` mask, over the
-    ``cache``'s past positions and the new ones; None where plain causal attention computes the
-    same (no padding and no past, the ``sdpa`` path). Built before the block adds the new keys
-    to its cache, from that block's own cache layer (a stage holds only some of them)."""
-    causal, sliding, params = _mask_functions()
-    types = getattr(config, "layer_types", None)
-    if types:
-        window = types[block_index] == "sliding_attention"
-    else:
-        window = getattr(config, "sliding_window", None) is not None
-    if padding is None and cache is None and (not window or hidden.is_meta):
-        return None  # causal: sdpa's own causal path (and a description on meta is sizes only)
-    kwargs: dict[str, Any] = {
-        "config": config,
-        "inputs_embeds": hidden,
-        "attention_mask": padding,
-        "position_ids": positions,
-    }
-    kwargs["cache" if "cache" in params else "past_key_values"] = cache
-    if "layer_idx" in params:
-        kwargs["layer_idx"] = block_index
-    if "cache_position" in params:
-        past = cache.get_seq_length(block_index) if cache is not None else 0
-        kwargs["cache_position"] = torch.arange(past, past + hidden.shape[1], device=hidden.device)
-    mask: torch.Tensor | None = (sliding if window else causal)(**kwargs)
-    return mask
+    def body_shell(self, own: Mapping[str, nn.Module], *, shared: bool = False) -> nn.Module:
+        """The body with the decoder list as stubs, ``own``'s parts real, the rest absent
+        (``shared``: the skeleton's own modules without parameters, not copies)."""
+        modules: dict[str, nn.Module] = {}
+        for name, child in self.body.named_children():
+            if name == self.list_name:
+                modules[name] = hf_body.stubs(self.blocks)
+            elif name in own:
+                modules[name] = own[name]
+            elif shared and f"{self.body_name}.{name}" in self.family.shared:
+                modules[name] = child
+            else:
+                modules[name] = hf_body.Absent(child)
+        return hf_body.shell(self.body, modules)
+
+    def model_shell(self, own: Mapping[str, nn.Module], head: nn.Module) -> nn.Module:
+        """The whole causal LM around ``body_shell(own)``, with ``head`` as its head."""
+        modules: dict[str, nn.Module] = {}
+        for name, child in self.model.named_children():
+            if name == self.body_name:
+                modules[name] = self.body_shell(own)
+            elif name == self.head_name:
+                modules[name] = head
+            else:
+                modules[name] = hf_body.Absent(child)
+        return hf_body.shell(self.model, modules)
 
 
-def _call_block(
-    block: nn.Module,
-    hidden: torch.Tensor,
-    rotary: nn.Module | None,
-    where: tuple[Any, int],
-    padding: torch.Tensor | None,
-    positions: torch.Tensor | None,
-    cache: Any,
-) -> torch.Tensor:
-    params = inspect.signature(block.forward).parameters
-    batch, length = hidden.shape[0], hidden.shape[1]
-    if positions is None:  # training and plain forward: 0..T-1, as transformers' model uses
-        positions = torch.arange(length, device=hidden.device).unsqueeze(0)
-    positions = positions.to(hidden.device)
-    extra: dict[str, Any] = {}
-    if rotary is not None and "position_embeddings" in params:
-        extra["position_embeddings"] = rotary(hidden, positions.expand(batch, length))
-    if "position_ids" in params:
-        extra["position_ids"] = positions.expand(batch, length)
-    config, index = where
-    attention = _attention_mask(config, index, hidden, positions, padding, cache)
-    if cache is not None:
-        extra["cache" if "cache" in params else "past_key_values"] = cache
-        extra["use_cache"] = True
-        if "cache_position" in params:
-            past = cache.get_seq_length(index)
-            extra["cache_position"] = torch.arange(past, past + length, device=hidden.device)
-    out = block(hidden, attention_mask=attention, **extra)
-    result: torch.Tensor = out[0] if isinstance(out, tuple) else out
-    return result
+def _positions(length: int, past: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(past, past + length, device=device).unsqueeze(0)
 
 
-class Embedding(nn.Module):
-    """Token ids ``[B, T]`` -> hidden states ``[B, T, H]``."""
+def _cache_view(cache: Any, index: int) -> Any:
+    """``cache`` as block ``index``'s part of the body sees it: every layer of the same kind
+    answers with block ``index``'s own layer (a stage's cache holds only its own blocks', and
+    the body sizes each kind's mask from one layer of that kind); updates still land in the
+    real layers, which the view shares."""
+    layers = getattr(cache, "layers", None)
+    if not isinstance(layers, list):
+        return cache
+    grow = getattr(cache, "layer_class_to_replicate", None)
+    while grow is not None and len(layers) <= index:
+        layers.append(grow())  # made now, so the view and the cache hold the same object
+    if index >= len(layers):
+        return cache
+    own = layers[index]
+    view = copy.copy(cache)
+    view.layers = [own if type(layer) is type(own) else layer for layer in layers]
+    return view
 
-    def __init__(self, embed: nn.Module, positions: nn.Module | None, dropout: nn.Module | None):
+
+def _to_meta(value: Any) -> Any:
+    """``value`` with every tensor in it (in tuples, lists, dicts) on the meta device."""
+    if isinstance(value, torch.Tensor):
+        return value.to("meta")
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_meta(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_meta(v) for k, v in value.items()}
+    return value
+
+
+class _Part(nn.Module):
+    """A pipesvc layer made of some of the model's parts (see [Note: the body's own code])."""
+
+    def __init__(
+        self, skeleton: Skeleton, parts: Mapping[str, tuple[str, nn.Module]], shared: nn.ModuleDict
+    ) -> None:
         super().__init__()
-        self.embed = embed
-        self.positions = positions
-        self.dropout = dropout
+        self.skeleton = skeleton
+        self.paths = {local: path for local, (path, _) in parts.items()}
+        """Each child's local name -> its path in the model (``stored_names``)."""
+        for local, (_, module) in parts.items():
+            self.add_module(local, module)
+        self.shared = shared  # the body's modules without parameters, this layer's copies
+        self.paths["shared"] = skeleton.body_name
+
+    def _own(self) -> dict[str, nn.Module]:
+        """The body's attribute names -> this layer's modules for them."""
+        own: dict[str, nn.Module] = dict(self.shared.items())
+        for local, path in self.paths.items():
+            if local != "shared" and path.startswith(f"{self.skeleton.body_name}."):
+                own[path.rpartition(".")[2]] = getattr(self, local)
+        return own
+
+
+class Embedding(_Part):
+    """Token ids ``[B, T]`` -> hidden states ``[B, T, H]``: the body's code before its first
+    decoder layer."""
 
     side_inputs = ("position_ids",)
 
     def forward(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        hidden: torch.Tensor = self.embed(ids)
-        if self.positions is not None:
-            if position_ids is None:
-                position_ids = torch.arange(ids.shape[1], device=ids.device)
-            hidden = hidden + self.positions(position_ids.to(ids.device))
-        if self.dropout is not None:
-            hidden = self.dropout(hidden)
+        if ids.is_meta:  # describing: sizes only (the body's code reads values)
+            hidden: torch.Tensor = self.get_submodule("embed")(ids)
+            return hidden
+        if position_ids is None:
+            position_ids = _positions(ids.shape[1], 0, ids.device)
+        body = self.skeleton.body_shell(self._own())
+
+        def entered(index: int, hidden: torch.Tensor, args: Any, kwargs: Any) -> torch.Tensor:
+            hf_body.stop(hidden)
+            raise AssertionError  # stop raises
+
+        call = functools.partial(
+            body, input_ids=ids, position_ids=position_ids.to(ids.device), use_cache=False
+        )
+        hidden = hf_body.run(call, entered)
+        if not isinstance(hidden, torch.Tensor):
+            raise hf_body.not_reached("the embedding")
         return hidden
 
 
-class Block(nn.Module):
+class Block(_Part):
     """One decoder block: hidden states in and out, with the batch's padding mask as a side
     input (see [Note: Hugging Face layers])."""
 
     side_inputs = ("attention_mask", "position_ids")
     uses_cache = True
 
-    def __init__(self, block: nn.Module, rotary: nn.Module | None, config: Any, index: int) -> None:
-        super().__init__()
-        self.block = block
-        self.rotary = rotary  # computed buffers only: nothing stored, nothing trained
-        self.config = config  # read by the mask builders only
+    def __init__(
+        self,
+        skeleton: Skeleton,
+        parts: Mapping[str, tuple[str, nn.Module]],
+        shared: nn.ModuleDict,
+        index: int,
+    ) -> None:
+        super().__init__(skeleton, parts, shared)
         self.index = index
 
     def forward(
@@ -171,7 +205,8 @@ class Block(nn.Module):
         """``attention_mask`` covers the cached positions and the new ones (``[B, past + T]``),
         ``position_ids`` the new ones (``[B, T]``); ``cache`` (a ``transformers`` cache) holds
         the keys and values of earlier positions and takes this call's."""
-        past = cache.get_seq_length(self.index) if cache is not None else 0
+        view = _cache_view(cache, self.index) if cache is not None else None
+        past = view.get_seq_length(self.index) if view is not None else 0
         expected = (hidden.shape[0], past + hidden.shape[1])
         if attention_mask is not None and tuple(attention_mask.shape) != expected:
             raise InvalidArgumentError(
@@ -179,23 +214,76 @@ class Block(nn.Module):
                 f"shape {list(hidden.shape)} after {past} cached positions; expected "
                 f"{list(expected)}"
             )
-        where = (self.config, self.index)
-        return _call_block(
-            self.block, hidden, self.rotary, where, attention_mask, position_ids, cache
+        if position_ids is None:
+            position_ids = _positions(hidden.shape[1], past, hidden.device)
+        if hidden.is_meta:  # describing: the body's code on zeros, its arguments on meta
+            zeros = torch.zeros(hidden.shape, dtype=hidden.dtype)
+            positions = _positions(hidden.shape[1], 0, zeros.device)
+            args, kwargs = _to_meta(self._arguments(zeros, None, positions, None, described=True))
+        else:
+            args, kwargs = self._arguments(hidden, attention_mask, position_ids, view)
+        out = self.get_submodule("block")(hidden, *args, **kwargs)
+        result: torch.Tensor = out[0] if isinstance(out, tuple) else out
+        return result
+
+    def _arguments(
+        self,
+        hidden: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor,
+        view: Any,
+        *,
+        described: bool = False,
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """What the body passes to this decoder layer besides the hidden states (``described``:
+        computed with the skeleton's modules, whose buffers are real, for a layer on meta)."""
+        own = {} if described else self._own()
+        body = self.skeleton.body_shell(own, shared=described)
+        mine = self.index
+
+        def arguments(index: int, passed: torch.Tensor, args: Any, kwargs: Any) -> torch.Tensor:
+            if index == mine:
+                hf_body.stop((args, kwargs))
+            return passed
+
+        call = functools.partial(
+            body,
+            inputs_embeds=hidden.detach(),
+            attention_mask=attention_mask,
+            position_ids=position_ids.to(hidden.device),
+            use_cache=view is not None,
+            **{self.skeleton.cache_arg: view},
         )
+        found = hf_body.run(call, arguments)
+        if not isinstance(found, tuple):
+            raise hf_body.not_reached(f"decoder layer {mine}")
+        return found
 
 
-class Head(nn.Module):
-    """Final norm and LM head: hidden states -> logits ``[B, T, vocab]``."""
-
-    def __init__(self, norm: nn.Module, head: nn.Module) -> None:
-        super().__init__()
-        self.norm = norm
-        self.head = head
+class Head(_Part):
+    """Final norm and LM head: hidden states -> logits ``[B, T, vocab]``, with the causal LM's
+    own code after its body (logit soft-capping or scaling where the family has it)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits: torch.Tensor = self.head(self.norm(hidden))
-        return logits
+        if hidden.is_meta:  # describing: sizes only
+            logits: torch.Tensor = self.get_submodule("head")(hidden)
+            return logits
+        model = self.skeleton.model_shell(self._own(), self.get_submodule("head"))
+
+        def entered(index: int, passed: torch.Tensor, args: Any, kwargs: Any) -> torch.Tensor:
+            return hidden if index == 0 else passed
+
+        call = functools.partial(
+            model,
+            inputs_embeds=hidden.detach(),
+            position_ids=_positions(hidden.shape[1], 0, hidden.device),
+            use_cache=False,
+        )
+        out = hf_body.run(call, entered)
+        found = getattr(out, "logits", None)
+        if not isinstance(found, torch.Tensor):
+            raise hf_body.not_reached("the head")
+        return found
 
 
 def stored_names(
@@ -206,21 +294,13 @@ def stored_names(
     ``reading``: the name to read from the checkpoint, where a tied head is the embedding's
     tensor; otherwise the name in the model's ``state_dict()``, where the head has its own.
     """
-    family, last = ckpt.family, ckpt.num_blocks + 1
-    parts: dict[str, str | None]
-    if index == 0:
-        parts = {"embed": family.embed, "positions": family.positions, "dropout": family.dropout}
-    elif index == last:
-        head = family.embed if ckpt.tied and reading else family.head
-        parts = {"norm": family.norm, "head": head}
-    else:
-        parts = {"block": f"{family.blocks}.{index - 1}"}
+    paths: dict[str, str] = dict(cast(Any, layer).paths)
+    if index == ckpt.num_blocks + 1 and ckpt.tied and reading:
+        paths["head"] = ckpt.family.embed_path
     names = {}
     for local in layer.state_dict():
         part, _, rest = local.partition(".")
-        stored = parts[part]
-        assert stored is not None, local
-        names[local] = f"{stored}.{rest}"
+        names[local] = f"{paths[part]}.{rest}"
     return names
 
 
@@ -238,8 +318,9 @@ def export_info(
         "config": ckpt.raw_config,
         "dtype": ckpt.stored_dtype,
         "keys": model_keys(where, lora),
-        "embed_key": f"{ckpt.family.embed}.weight",
+        "embed_key": f"{ckpt.family.embed_path}.weight",
         "head_key": f"{ckpt.family.head}.weight",
+        "layout": ckpt.layout.as_dict(),
         "lora": dict(lora) if lora is not None else None,
     }
 
@@ -342,11 +423,6 @@ def tied_keys(directory: str | os.PathLike[str]) -> list[tuple[str, ...]]:
     return [("0.embed.weight", f"{ckpt.num_blocks + 1}.head.weight")]
 
 
-def _rotary(ckpt: Checkpoint) -> nn.Module | None:
-    path = ckpt.family.rotary
-    return copy.deepcopy(part_of(ckpt.meta_model, path)) if path is not None else None
-
-
 def build_hf_layer(
     directory: str, index: int, lora: Mapping[str, object] | None = None
 ) -> nn.Module:
@@ -360,22 +436,21 @@ def build_hf_layer(
     if not 0 <= index <= last:
         raise InvalidArgumentError(f"layer {index} is outside [0, {last}] of {directory!r}")
 
-    def part(path: str | None) -> nn.Module | None:
-        return copy.deepcopy(part_of(model, path)) if path is not None else None
+    def parts(named: Sequence[tuple[str, str]]) -> dict[str, tuple[str, nn.Module]]:
+        return {local: (path, copy.deepcopy(part_of(model, path))) for local, path in named}
 
+    skeleton = _skeleton(directory)
+    shared = nn.ModuleDict(
+        {path.rpartition(".")[2]: copy.deepcopy(part_of(model, path)) for path in family.shared}
+    )  # computed buffers only (rotary tables): nothing stored, nothing trained
     layer: nn.Module
     if index == 0:
-        embed = part(family.embed)
-        assert embed is not None
-        layer = Embedding(embed, part(family.positions), part(family.dropout))
+        layer = Embedding(skeleton, parts(family.embed), shared)
     elif index == last:
-        norm, head = part(family.norm), part(family.head)
-        assert norm is not None and head is not None
-        layer = Head(norm, head)
+        layer = Head(skeleton, parts((*family.norm, ("head", family.head))), shared)
     else:
-        block = part(f"{family.blocks}.{index - 1}")
-        assert block is not None
-        layer = Block(block, _rotary(ckpt), model.config, index - 1)
+        block = parts((("block", f"{family.blocks}.{index - 1}"),))
+        layer = Block(skeleton, block, shared, index - 1)
     device = torch.get_default_device()
     if device.type == "meta":
         layer = layer.to("meta")
@@ -399,6 +474,12 @@ def build_hf_layer(
 @functools.lru_cache(maxsize=16)
 def _checkpoint(directory: str) -> Checkpoint:
     return Checkpoint(directory)
+
+
+@functools.lru_cache(maxsize=16)
+def _skeleton(directory: str) -> Skeleton:
+    ckpt = _checkpoint(directory)
+    return Skeleton(ckpt.meta_model, ckpt.family)
 
 
 def hf_layer_specs(

@@ -20,7 +20,7 @@ import contextlib
 import functools
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from pipesvc.errors import InvalidArgumentError, NotFoundError
-from pipesvc.models.hf_family import FAMILIES
+from pipesvc.models.hf_convert import Layout, layout_of
+from pipesvc.models.hf_family import Family, find_family
 from pipesvc.models.rng import RNG_LOCK
 from pipesvc.storage.weights import read_header, read_tensors
 
@@ -68,13 +69,7 @@ class Checkpoint:
         self.raw_config = config
         """``config.json`` as written (what an export writes back)."""
         self.model_type = str(config.get("model_type", ""))
-        family = FAMILIES.get(self.model_type)
-        if family is None:
-            raise InvalidArgumentError(
-                f"{str(self.directory)!r}: model_type {self.model_type!r} is not supported; "
-                f"expected one of {', '.join(sorted(FAMILIES))}"
-            )
-        self.family = family
+        _check_causal_lm(self.directory, self.model_type)
         self.files = self._tensor_files()
 
     def _tensor_files(self) -> dict[str, Path]:
@@ -102,14 +97,29 @@ class Checkpoint:
 
     @functools.cached_property
     def config(self) -> Any:
-        """The ``transformers`` config, with the ``sdpa`` attention (causal without a mask)."""
+        """The ``transformers`` config (its attention implementation is the one
+        ``transformers`` picks for the family, as ``from_pretrained`` would)."""
         from transformers import AutoConfig  # optional dependency, imported when used
 
-        config = AutoConfig.from_pretrained(
-            str(self.directory), local_files_only=True, trust_remote_code=False
-        )
-        config._attn_implementation = "sdpa"
+        where = str(self.directory)
+        try:
+            config = AutoConfig.from_pretrained(
+                where, local_files_only=True, trust_remote_code=False
+            )
+        except (ValueError, KeyError) as exc:
+            raise InvalidArgumentError(
+                f"{where!r}: model_type {self.model_type!r} is not one transformers knows "
+                f"without remote code: {exc}"
+            ) from None
         return config
+
+    @functools.cached_property
+    def family(self) -> Family:
+        """Where the model's parts are (see [Note: recognising a family])."""
+        try:
+            return find_family(self.meta_model, self.model_type)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"{str(self.directory)!r}: {exc}") from None
 
     @functools.cached_property
     def meta_model(self) -> nn.Module:
@@ -139,9 +149,10 @@ class Checkpoint:
         return "float32"
 
     def prepare(self) -> None:
-        """Parses the config and builds the skeleton now (importing ``transformers`` and the
-        family's modelling code), so a bad config fails at start, not at the first job."""
-        _ = self.meta_model
+        """Parses the config, builds the skeleton and finds its parts now (importing
+        ``transformers`` and the family's modelling code), so a model that does not fit fails at
+        start, not at the first job."""
+        _ = self.family
 
     @property
     def num_blocks(self) -> int:
@@ -151,24 +162,55 @@ class Checkpoint:
     def tied(self) -> bool:
         return bool(getattr(self.config, "tie_word_embeddings", False))
 
-    def read(self, names: Mapping[str, str]) -> dict[str, torch.Tensor]:
-        """``{local name: checkpoint name}`` -> ``{local name: tensor}``, each file read once."""
-        names = {local: self._stored_name(stored) for local, stored in names.items()}
-        by_file: dict[Path, list[str]] = {}
-        for stored in names.values():
-            by_file.setdefault(self.files[stored], []).append(stored)
-        found: dict[str, torch.Tensor] = {}
-        for file, stored_names in by_file.items():
-            found.update(read_tensors(file, stored_names))
-        return {local: found[stored] for local, stored in names.items()}
+    @functools.cached_property
+    def layout(self) -> Layout:
+        """How the files store the model's tensors (see [Note: stored layouts]), with the
+        family's older names (``STORED_ALIASES``) as renamings."""
+        layout = layout_of(self.model_type)
+        aliases = tuple((f"{older}.", f"{path}.") for path, older in self.family.stored)
+        return Layout(layout.renamings + aliases, layout.merges)
 
-    def _stored_name(self, name: str) -> str:
+    def read(self, names: Mapping[str, str]) -> dict[str, torch.Tensor]:
+        """``{local name: model name}`` -> ``{local name: tensor}``, each file read once; a
+        tensor the files hold per expert is stacked from them (see [Note: stored layouts])."""
+        plans = {local: self._sources(name) for local, name in names.items()}
+        by_file: dict[Path, list[str]] = {}
+        for stored_names, _ in plans.values():
+            for stored in stored_names:
+                by_file.setdefault(self.files[stored], []).append(stored)
+        found: dict[str, torch.Tensor] = {}
+        for file, wanted in by_file.items():
+            found.update(read_tensors(file, list(dict.fromkeys(wanted))))
+        result = {}
+        for local, (stored_names, combine) in plans.items():
+            tensors = [found[stored] for stored in stored_names]
+            result[local] = combine(tensors) if combine is not None else tensors[0]
+        return result
+
+    def _sources(
+        self, name: str
+    ) -> tuple[list[str], Callable[[list[torch.Tensor]], torch.Tensor] | None]:
+        """The stored tensors that make the model tensor ``name``, and how to combine them."""
         if name in self.files:
-            return name
-        for path, older in self.family.stored:
-            if name.startswith(f"{path}.") and (alias := older + name[len(path) :]) in self.files:
-                return alias
+            return [name], None
+        if (renamed := self.layout.stored_name(name)) in self.files:
+            return [renamed], None
+        merged = self.layout.sources(name, self.files.__contains__)
+        if merged is not None:
+            return merged[0], merged[1]
         raise NotFoundError(f"{str(self.directory)!r} holds no tensor {name!r}")
+
+
+def _check_causal_lm(directory: Path, model_type: str) -> None:
+    """Refuses a ``model_type`` that ``transformers`` has no causal-LM class for."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise InvalidArgumentError(
+            f"{str(directory)!r}: model_type {model_type!r} has no causal-LM class in "
+            "transformers; expected a decoder-only language model (llama, gemma3_text, "
+            "mixtral, ...)"
+        )
 
 
 @contextlib.contextmanager

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from pipesvc.errors import InvalidArgumentError
+from pipesvc.models.hf_convert import Layout
 from pipesvc.models.lora import ADAPTER_MARK, check_lora
 from pipesvc.storage.publish import WRITER, Staging
 from pipesvc.storage.weights import save_weights
@@ -107,8 +108,13 @@ def write_model(
     head_key: str,
     max_shard_bytes: int = 5 << 30,
     dtype: str | torch.dtype | None = None,
+    layout: Mapping[str, Any] | None = None,
 ) -> None:
     """Writes ``state`` (the model's own keys) and ``config`` as a Hugging Face directory.
+
+    ``layout`` (``Layout.as_dict()``) names how the files hold the tensors: per expert where
+    the model stacks its experts (see [Note: stored layouts] in ``hf_convert.py``), as
+    ``save_pretrained`` writes them.
 
     ``embed_key`` and ``head_key`` name the input embedding's and the head's weights, for tied
     configs (see [Note: Hugging Face export]). Floating-point tensors are written in ``dtype``
@@ -133,6 +139,7 @@ def write_model(
             del tensors[head_key]
         else:
             config["tie_word_embeddings"] = False  # the copies differ: keep both
+    tensors = Layout.from_dict(layout).to_stored(tensors)
     shards = _shards(tensors, max_shard_bytes)
 
     def write(tmp: Path) -> None:

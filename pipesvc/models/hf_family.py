@@ -1,70 +1,164 @@
-"""Where the parts of each Hugging Face causal-LM family live in its ``transformers`` model.
+"""How a Hugging Face causal LM is cut into pipesvc layers, found from its structure.
 
-Decoder-only families share one shape: token embeddings (plus learned positions in GPT-2), one
-list of blocks, a final norm and the LM head. A family is an entry here, not new code.
+[Note: recognising a family] No table names the families. A ``transformers`` causal LM fits
+when its structure is the one nearly every decoder-only model has:
+
+- a *body*: one child of the ``*ForCausalLM`` holding a ``ModuleList`` of
+  ``config.num_hidden_layers`` decoder layers (``model.layers``, ``transformer.h``, ...);
+- the *head*: the module ``get_output_embeddings()`` returns, a child of the causal LM;
+- the body's other children, taken in the order its constructor registered them: those with
+  parameters registered before the list are the embedding side (the token embedding, which
+  ``get_input_embeddings()`` names, then for example GPT-2's learned positions), those
+  registered after it are the final norm. Children without parameters (rotary tables,
+  dropout) go to every layer that runs the body's code (see [Note: the body's own code] in
+  ``hf.py``).
+
+Anything else is refused with what does not fit: no decoder list, a token embedding outside the
+body, parameters outside the body and the head (multi-token prediction layers), parameters on
+the body itself. The registration order is how every ``transformers`` decoder-only model is
+written (embeddings, layers, norm); a body that registers its final norm before its layers would
+be cut wrongly, which the per-family tests against ``transformers`` would show.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from pipesvc.errors import InvalidArgumentError
+
+POSITIONS = "positions"
+"""The local name of a learned position table (an ``nn.Embedding`` beside the token one)."""
+
+STORED_ALIASES: dict[str, tuple[tuple[str, str], ...]] = {
+    "gpt_neox": (("lm_head", "embed_out"),),
+}
+"""(module path, older name in checkpoints) by ``model_type``: a tensor missing under the
+module's path is looked up under the older name (checkpoints written before ``transformers``
+renamed the part). Names only, never structure."""
 
 
 @dataclass(frozen=True, slots=True)
 class Family:
-    """Where the parts of a family's ``...ForCausalLM`` live (attribute paths from the top)."""
+    """Where the parts of one causal LM live (dotted paths from the top of the model)."""
 
-    embed: str
+    body: str
+    """The body: the child that holds the decoder layers."""
     blocks: str
-    norm: str
-    head: str = "lm_head"
-    positions: str | None = None
-    """Learned position embeddings added to the token embeddings (GPT-2)."""
-    dropout: str | None = None
-    """Dropout after the embedding, if the family has one."""
-    rotary: str | None = None
-    """The rotary embedding module, called with (hidden states, position ids)."""
+    """The ``ModuleList`` of decoder layers."""
+    embed: tuple[tuple[str, str], ...]
+    """(local name, path) of the embedding side's parts; the first is the token embedding."""
+    norm: tuple[tuple[str, str], ...]
+    """(local name, path) of the parts after the decoder layers (the final norm)."""
+    head: str
+    """The LM head."""
+    shared: tuple[str, ...]
+    """Paths of the body's children without parameters (rotary tables, dropout)."""
     stored: tuple[tuple[str, str], ...] = ()
-    """(module path, older name in checkpoints): a tensor missing under the module's path is
-    looked up under the older name (``transformers`` renames some parts on load)."""
+    """See ``STORED_ALIASES``."""
+
+    @property
+    def embed_path(self) -> str:
+        return self.embed[0][1]
+
+    @property
+    def norm_path(self) -> str | None:
+        return self.norm[0][1] if self.norm else None
+
+    def part_paths(self) -> dict[str, str]:
+        """Each body child's attribute name -> its path, for the parts with parameters."""
+        return {path.rpartition(".")[2]: path for _, path in (*self.embed, *self.norm)}
 
 
-def _llama_like(prefix: str = "model") -> Family:
+def _has_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _path_of(model: nn.Module, target: nn.Module) -> str | None:
+    return next((name for name, module in model.named_modules() if module is target), None)
+
+
+def find_family(model: nn.Module, model_type: str = "") -> Family:
+    """The parts of ``model`` (a ``*ForCausalLM``, on any device) as pipesvc cuts it.
+
+    Raises:
+        InvalidArgumentError: the structure does not fit (see [Note: recognising a family]);
+            the message names what does not fit.
+    """
+    kind = type(model).__name__
+    config: Any = getattr(model, "config", None)
+    count = getattr(config, "num_hidden_layers", None)
+    found = [
+        (name, child, list_name)
+        for name, child in model.named_children()
+        for list_name, inner in child.named_children()
+        if isinstance(inner, nn.ModuleList) and len(inner) == count and count
+    ]
+    if len(found) != 1:
+        raise InvalidArgumentError(
+            f"{kind} ({model_type!r}) does not fit: expected one child holding a list of "
+            f"num_hidden_layers={count} decoder layers; found {len(found)}"
+        )
+    body_name, body, list_name = found[0]
+    ask: Any = getattr(model, "get_output_embeddings", None)
+    head = ask() if callable(ask) else None
+    head_path = _path_of(model, head) if isinstance(head, nn.Module) else None
+    if head_path is None or "." in head_path:
+        raise InvalidArgumentError(
+            f"{kind} ({model_type!r}) does not fit: expected an LM head as a child of the "
+            f"model (get_output_embeddings()); found {head_path!r}"
+        )
+    ask = getattr(model, "get_input_embeddings", None)
+    embedding = ask() if callable(ask) else None
+    embed_name = next((n for n, c in body.named_children() if c is embedding), None)
+    if embed_name is None:
+        raise InvalidArgumentError(
+            f"{kind} ({model_type!r}) does not fit: its token embedding "
+            f"(get_input_embeddings()) is not a child of the body {body_name!r}"
+        )
+    outside = [
+        name
+        for name, child in model.named_children()
+        if name not in (body_name, head_path) and _has_parameters(child)
+    ]
+    if outside:
+        raise InvalidArgumentError(
+            f"{kind} ({model_type!r}) does not fit: it holds parameters outside its body "
+            f"{body_name!r} and head {head_path!r}: {', '.join(outside)}"
+        )
+    own = [name for name, _ in body.named_parameters(recurse=False)]
+    if own:
+        raise InvalidArgumentError(
+            f"{kind} ({model_type!r}) does not fit: its body holds parameters of its own "
+            f"({', '.join(own)}); expected them in its embedding, layers or norm"
+        )
+    embed: list[tuple[str, str]] = [("embed", f"{body_name}.{embed_name}")]
+    norm: list[tuple[str, str]] = []
+    shared: list[str] = []
+    after = False
+    for name, child in body.named_children():
+        path = f"{body_name}.{name}"
+        if name == list_name:
+            after = True
+        elif name == embed_name:
+            continue
+        elif not _has_parameters(child):
+            shared.append(path)
+        elif after:
+            norm.append(("norm" if not norm else name, path))
+        else:
+            local = POSITIONS if isinstance(child, nn.Embedding) else name
+            if any(local == taken for taken, _ in embed):
+                local = name
+            embed.append((local, path))
     return Family(
-        embed=f"{prefix}.embed_tokens",
-        blocks=f"{prefix}.layers",
-        norm=f"{prefix}.norm",
-        rotary=f"{prefix}.rotary_emb",
+        body=body_name,
+        blocks=f"{body_name}.{list_name}",
+        embed=tuple(embed),
+        norm=tuple(norm),
+        head=head_path,
+        shared=tuple(shared),
+        stored=STORED_ALIASES.get(model_type, ()),
     )
-
-
-FAMILIES: dict[str, Family] = {
-    "llama": _llama_like(),
-    "mistral": _llama_like(),
-    "qwen2": _llama_like(),
-    "qwen3": _llama_like(),
-    "gemma": _llama_like(),
-    "olmo": _llama_like(),
-    "phi": Family(
-        embed="model.embed_tokens",
-        blocks="model.layers",
-        norm="model.final_layernorm",
-        dropout="model.embed_dropout",
-        rotary="model.rotary_emb",
-    ),
-    "gpt_neox": Family(
-        embed="gpt_neox.embed_in",
-        blocks="gpt_neox.layers",
-        norm="gpt_neox.final_layer_norm",
-        dropout="gpt_neox.emb_dropout",
-        rotary="gpt_neox.rotary_emb",
-        stored=(("lm_head", "embed_out"),),
-    ),
-    "gpt2": Family(
-        embed="transformer.wte",
-        positions="transformer.wpe",
-        dropout="transformer.drop",
-        blocks="transformer.h",
-        norm="transformer.ln_f",
-    ),
-}
-"""Supported ``model_type`` values of ``config.json``. Same-shaped families need only an entry."""

@@ -13,20 +13,11 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipesvc.errors import InvalidArgumentError
 from pipesvc.models import registry
-from pipesvc.models.hf import hf_layer_specs, model_keys
+from pipesvc.models.hf import export_info, hf_layer_specs, model_keys
+from pipesvc.models.hf_checkpoint import Checkpoint
 from pipesvc.models.hf_export import merge_adapters, split_adapters, write_adapter, write_model
-from pipesvc.models.hf_family import FAMILIES
+from tests.support.hf_families import CONFIGS, VOCAB
 
-VOCAB = 64
-SIZES = {"vocab_size": VOCAB, "max_position_embeddings": 64}
-CONFIGS: dict[str, dict[str, Any]] = {
-    "llama": {**SIZES, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2},
-    "gpt_neox": {**SIZES, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                 "num_attention_heads": 4},
-    "gpt2": {"vocab_size": VOCAB, "n_positions": 64, "n_embd": 32, "n_layer": 2, "n_head": 4,
-             "bos_token_id": 0, "eos_token_id": 0},
-}  # fmt: skip
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 IDS = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
 
@@ -66,13 +57,18 @@ def test_an_exported_model_loads_with_the_same_logits(model_type: str, tmp_path:
     source = saved(model_type, tmp_path / "source")
     chain = trained_chain(source)
     state = model_state(chain, source)
-    family = FAMILIES[model_type]
+    info = export_info(source)
     out = tmp_path / "out"
     write_model(
-        state, config_of(source), out, embed_key=f"{family.embed}.weight",
-        head_key=f"{family.head}.weight", max_shard_bytes=40_000,
+        state, config_of(source), out, embed_key=info["embed_key"], head_key=info["head_key"],
+        max_shard_bytes=40_000, layout=info["layout"],
     )  # fmt: skip
     assert (out / "model.safetensors.index.json").exists()  # sharded
+    # The files name the tensors as save_pretrained does (per expert for mixture-of-experts
+    # models; a tied head is written because the trained copies differ).
+    written = set(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"])
+    published = set(Checkpoint(source).files)
+    assert written - published <= {"lm_head.weight"} and published <= written
     loaded = AutoModelForCausalLM.from_pretrained(out).eval()
     assert sorted(loaded.state_dict()) == sorted(state)
     with torch.no_grad():

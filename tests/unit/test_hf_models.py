@@ -18,32 +18,9 @@ from pipesvc.errors import InvalidArgumentError, NotFoundError
 from pipesvc.models import registry
 from pipesvc.models.hf import build_hf_layer, hf_layer_specs, register_hf_model, stored_names
 from pipesvc.models.hf_checkpoint import SINGLE_FILE, Checkpoint
-from pipesvc.models.hf_family import FAMILIES
 from pipesvc.models.lora import check_lora
 from pipesvc.storage.weights import read_tensors, save_weights
-
-VOCAB = 64
-SMALL = {"vocab_size": VOCAB, "max_position_embeddings": 64}
-CONFIGS: dict[str, dict[str, Any]] = {
-    # grouped-query attention: 4 query heads share 2 key/value heads
-    "llama": {**SMALL, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
-              "num_attention_heads": 4, "num_key_value_heads": 2},
-    "mistral": {**SMALL, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                "num_attention_heads": 4, "num_key_value_heads": 2},
-    "qwen2": {**SMALL, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 1},
-    # multi-query attention, a scaled embedding, tied head
-    "gemma": {**SMALL, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 8},
-    "phi": {**SMALL, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-            "num_attention_heads": 4},
-    # the head is stored under an older name ("embed_out")
-    "gpt_neox": {**SMALL, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                 "num_attention_heads": 4},
-    # learned positions, tied head
-    "gpt2": {"vocab_size": VOCAB, "n_positions": 64, "n_embd": 32, "n_layer": 3, "n_head": 4,
-             "bos_token_id": 0, "eos_token_id": 0},
-}  # fmt: skip
+from tests.support.hf_families import CONFIGS, VOCAB
 
 
 def save_model(model_type: str, directory: Path, *, shard: str | None = None) -> Any:
@@ -82,7 +59,8 @@ def test_layers_equal_transformers_forward_and_backward(model_type: str, tmp_pat
     # Every parameter of ours has a twin in transformers' model with the same gradient; a tied
     # head's gradient is one part of the tied weight's, so the two parts must add up to it.
     hf_grads = {n: p.grad for n, p in hf.named_parameters()}
-    embed = [n for n in hf_grads if n.endswith(FAMILIES[model_type].embed + ".weight")]
+    ckpt = Checkpoint(tmp_path)
+    embed = [n for n in hf_grads if n == ckpt.family.embed_path + ".weight"]
     tied = bool(hf.config.tie_word_embeddings)
     for index, layer in enumerate(ours):
         for name, param in layer.named_parameters():
@@ -93,20 +71,8 @@ def test_layers_equal_transformers_forward_and_backward(model_type: str, tmp_pat
                 embed_grad = ours[0].embed.weight.grad
                 assert torch.allclose(param.grad + embed_grad, hf_grads[embed[0]], atol=1e-6)
                 continue
-            twin = _twin(hf, model_type, index, name, len(ours) - 1)
+            twin = stored_names(ckpt, index, layer, reading=False)[name]
             assert torch.allclose(param.grad, hf_grads[twin], atol=1e-6), (index, name)
-
-
-def _twin(hf: Any, model_type: str, index: int, name: str, last: int) -> str:
-    family = FAMILIES[model_type]
-    part, _, rest = name.partition(".")
-    if index == 0:
-        path = {"embed": family.embed, "positions": family.positions}[part]
-    elif index == last:
-        path = {"norm": family.norm, "head": family.head}[part]
-    else:
-        path = f"{family.blocks}.{index - 1}"
-    return f"{path}.{rest}"
 
 
 def test_a_stage_reads_only_its_own_layers_bytes(tmp_path: Path) -> None:
@@ -203,8 +169,8 @@ def test_registering_the_same_directory_twice_is_allowed_another_is_not(tmp_path
 def test_bad_directories_are_refused_with_what_is_wrong(tmp_path: Path) -> None:
     with pytest.raises(NotFoundError, match="does not exist"):
         register_hf_model("hf-bad", tmp_path / "missing")
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
-    with pytest.raises(InvalidArgumentError, match="'bert' is not supported; expected one of"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    with pytest.raises(InvalidArgumentError, match="'t5' has no causal-LM class"):
         register_hf_model("hf-bad", tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(NotFoundError, match=r"neither model\.safetensors nor"):
@@ -217,6 +183,21 @@ def test_bad_directories_are_refused_with_what_is_wrong(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgumentError, match="must hold a JSON object"):
         register_hf_model("hf-bad", tmp_path)
     assert "hf-bad" not in registry.known_models()
+
+
+def test_a_model_of_another_shape_is_refused_with_what_does_not_fit(tmp_path: Path) -> None:
+    # BERT has a causal-LM class, but its layers sit two levels down (bert.encoder.layer).
+    config = AutoConfig.for_model(
+        "bert", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, is_decoder=True,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(
+        InvalidArgumentError, match=r"BertLMHeadModel \('bert'\) does not fit: expected one child "
+        r"holding a list of num_hidden_layers=2 decoder layers; found 0",
+    ):  # fmt: skip
+        register_hf_model("hf-bert", tmp_path)
+    assert "hf-bert" not in registry.known_models()
 
 
 def test_a_layer_index_outside_the_model_is_refused(tmp_path: Path) -> None:
