@@ -127,6 +127,18 @@ def _to_meta(value: Any) -> Any:
     return value
 
 
+def _seen(view: Any, index: int) -> int | None:
+    """The positions block ``index``'s cache holds (0 without a cache); None for a layer whose
+    cache keeps a state, not positions (linear attention)."""
+    if view is None:
+        return 0
+    try:
+        seen: int = view.get_seq_length(index)
+    except ValueError:
+        return None
+    return seen
+
+
 class _Part(nn.Module):
     """A pipesvc layer made of some of the model's parts (see [Note: the body's own code])."""
 
@@ -206,7 +218,9 @@ class Block(_Part):
         ``position_ids`` the new ones (``[B, T]``); ``cache`` (a ``transformers`` cache) holds
         the keys and values of earlier positions and takes this call's."""
         view = _cache_view(cache, self.index) if cache is not None else None
-        past = view.get_seq_length(self.index) if view is not None else 0
+        past = _seen(view, self.index)
+        if past is None:  # a layer that keeps no positions (linear attention): the mask's
+            past = attention_mask.shape[1] - hidden.shape[1] if attention_mask is not None else 0
         expected = (hidden.shape[0], past + hidden.shape[1])
         if attention_mask is not None and tuple(attention_mask.shape) != expected:
             raise InvalidArgumentError(
@@ -220,9 +234,15 @@ class Block(_Part):
             zeros = torch.zeros(hidden.shape, dtype=hidden.dtype)
             positions = _positions(hidden.shape[1], 0, zeros.device)
             args, kwargs = _to_meta(self._arguments(zeros, None, positions, None, described=True))
+            try:
+                out = self.get_submodule("block")(hidden, *args, **kwargs)
+            except (RuntimeError, NotImplementedError):
+                # Routing to experts depends on values, which meta tensors do not have: the
+                # block keeps its input's shape, and what it saves is counted up to there.
+                return hidden.clone()
         else:
             args, kwargs = self._arguments(hidden, attention_mask, position_ids, view)
-        out = self.get_submodule("block")(hidden, *args, **kwargs)
+            out = self.get_submodule("block")(hidden, *args, **kwargs)
         result: torch.Tensor = out[0] if isinstance(out, tuple) else out
         return result
 

@@ -151,8 +151,26 @@ class Checkpoint:
     def prepare(self) -> None:
         """Parses the config, builds the skeleton and finds its parts now (importing
         ``transformers`` and the family's modelling code), so a model that does not fit fails at
-        start, not at the first job."""
+        start, not at the first job.
+
+        Raises:
+            InvalidArgumentError: the model does not fit (see [Note: recognising a family]),
+                or its config asks for the router's auxiliary loss, which pipesvc does not
+                compute across stages.
+        """
         _ = self.family
+        config = self.config
+        if getattr(config, "output_router_logits", False) and getattr(
+            config, "router_aux_loss_coef", 0
+        ):
+            raise InvalidArgumentError(
+                f"{str(self.directory)!r}: config.json asks for the router's auxiliary loss "
+                f"(output_router_logits: true, router_aux_loss_coef: "
+                f"{config.router_aux_loss_coef}); it sums every layer's routing statistics over "
+                "the whole batch, which pipesvc does not compute across stages: set "
+                "output_router_logits to false (as published Mixtral, Qwen3-MoE and gpt-oss "
+                "configs do)"
+            )
 
     @property
     def num_blocks(self) -> int:

@@ -51,6 +51,9 @@ TESTED: dict[str, Tested] = {
             "n_head": 4,
             "bos_token_id": 0,
             "eos_token_id": 0,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
         },
     ),
     "phi3": Tested("fused qkv and gate/up projections", {**_SIZES, "pad_token_id": 0}),
@@ -153,7 +156,11 @@ TESTED: dict[str, Tested] = {
         "mixture of experts", {**_SIZES, "num_experts": 4, "num_experts_per_tok": 2}, named=False
     ),
     "exaone4": Tested("q/k norms, norms after attention and MLP", _SIZES, named=False),
-    "seed_oss": Tested("attention biases", {**_SIZES, "head_dim": 8}, named=False),
+    "seed_oss": Tested(
+        "attention biases",
+        {**_SIZES, "head_dim": 8, "attention_dropout": 0.0, "residual_dropout": 0.0},
+        named=False,
+    ),
 }
 """Every family the tests check against ``transformers``, by ``model_type``."""
 

@@ -99,12 +99,17 @@ def test_a_stage_reads_only_its_own_layers_bytes(tmp_path: Path) -> None:
     assert read < file_bytes / 4
 
 
-def test_describing_reads_no_tensor_and_counts_every_parameter(tmp_path: Path) -> None:
-    hf = save_model("llama", tmp_path)
-    register_hf_model("hf-describe", tmp_path)
+@pytest.mark.parametrize("model_type", ["llama", "mixtral"])
+def test_describing_reads_no_tensor_and_counts_every_parameter(
+    model_type: str, tmp_path: Path
+) -> None:
+    # Every expert of a mixture-of-experts layer counts, whichever a token is routed to.
+    hf = save_model(model_type, tmp_path)
+    name = f"hf-describe-{model_type}"
+    register_hf_model(name, tmp_path)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("pipesvc.models.hf_checkpoint.read_tensors", _refuse)
-        described = registry.describe("hf-describe", {}, input_shape=[2, 5], input_dtype="int64")
+        described = registry.describe(name, {}, input_shape=[2, 5], input_dtype="int64")
     assert described.num_layers == hf.config.num_hidden_layers + 2
     assert sum(described.parameter_counts) == sum(p.numel() for p in hf.parameters())
     assert all(layer.activation_bytes > 0 for layer in described.layers)
@@ -198,6 +203,17 @@ def test_a_model_of_another_shape_is_refused_with_what_does_not_fit(tmp_path: Pa
     ):  # fmt: skip
         register_hf_model("hf-bert", tmp_path)
     assert "hf-bert" not in registry.known_models()
+
+
+def test_a_config_asking_for_the_router_loss_is_refused_at_registration(
+    tmp_path: Path,
+) -> None:
+    save_model("mixtral", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "output_router_logits": True}))
+    with pytest.raises(InvalidArgumentError, match="asks for the router's auxiliary loss"):
+        register_hf_model("hf-router-loss", tmp_path)
+    assert "hf-router-loss" not in registry.known_models()
 
 
 def test_a_layer_index_outside_the_model_is_refused(tmp_path: Path) -> None:
