@@ -51,6 +51,7 @@ from pipesvc.core.link_codecs import (
     LinkMeasure,
     choose_auto,
     crosses_hosts,
+    host_of,
     link_codec_text,
     links,
     wire_fraction,
@@ -84,8 +85,10 @@ class Measurements:
     rates: list[throughput.StageRate]
     current_s: list[float]
     """The current plan's predicted seconds per micro-batch, per rank."""
-    measured_link: list[bool] = dataclasses.field(default_factory=list)
-    """Per candidate: whether its send rate was measured (the others have the median's)."""
+    link_rates: dict[frozenset[str], float] = dataclasses.field(default_factory=dict)
+    """The measured rate of the current plan's links between hosts, by the pair of hosts
+    they join (either way: a link's two directions have the same rate), the slowest where
+    several join the same pair; what ``wire_dtype="auto"`` decides by."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,8 +364,18 @@ def _measurements(
     )
     ranges = [(s.start_layer, s.end_layer) for s in plan]
     current_s = throughput.predict(costs, rates[: len(plan)], ranges)
-    measured_link = [p.send_bytes_per_s > 0 for p in profiles]
-    return Measurements(costs, stages, rates, current_s, measured_link)
+    link_rates: dict[frozenset[str], float] = {}
+    for rank, profile in enumerate(profiles[: len(plan) - 1]):
+        rate = profile.send_bytes_per_s
+        pair = _hosts(plan[rank].address, plan[rank + 1].address)
+        if rate > 0 and math.isfinite(rate) and len(pair) == 2:
+            link_rates[pair] = min(rate, link_rates.get(pair, math.inf))
+    return Measurements(costs, stages, rates, current_s, link_rates)
+
+
+def _hosts(a: str, b: str) -> frozenset[str]:
+    """The hosts a link between the stages at addresses ``a`` and ``b`` joins."""
+    return frozenset((host_of(a), host_of(b)))
 
 
 def decide_links(
@@ -370,8 +383,9 @@ def decide_links(
 ) -> list[PipelineStage]:
     """``plan`` (one pipeline, chunk 0 only) with each link's codecs and the reason fixed by
     the rule of [Note: automatic codecs] in ``pipesvc.core.link_codecs``, from ``measured``:
-    the stage at rank r's measured send rate is its link's, and each stage's compute is its
-    range's work at its speed."""
+    a link's rate is the one measured between its two hosts (in either direction: a plan that
+    reverses two stages still knows their link), and each stage's compute is its range's work
+    at its speed."""
     index = {record.address: i for i, record in enumerate(measured.stages)}
     costs = measured.costs
     compute = [
@@ -385,14 +399,12 @@ def decide_links(
         if rank == len(plan) - 1:
             decided.append(dataclasses.replace(stage, link_codec="", link_reason=""))
             continue
-        i = index[stage.address]
-        rate = measured.rates[i].link_bytes_per_s
-        known = i < len(measured.measured_link) and measured.measured_link[i]
+        after = plan[rank + 1].address
         codecs, why = choose_auto(
             LinkMeasure(
-                between_hosts=crosses_hosts(stage.address, plan[rank + 1].address),
+                between_hosts=crosses_hosts(stage.address, after),
                 boundary_bytes=costs.boundary_bytes[stage.end_layer - 1],
-                link_bytes_per_s=rate if known and math.isfinite(rate) else None,
+                link_bytes_per_s=measured.link_rates.get(_hosts(stage.address, after)),
                 compute_s=(compute[rank], compute[rank + 1]),
             )
         )

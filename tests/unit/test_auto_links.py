@@ -5,6 +5,8 @@ measurements made by hand, no gRPC."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from types import SimpleNamespace
 from typing import Any
 
@@ -37,7 +39,9 @@ def _measured(
         for _ in addresses
     ]
     costs = throughput.LayerCosts(work=[1.0] * layers, boundary_bytes=[BOUNDARY] * layers)
-    return Measurements(costs, stages, rates, [], [known] * len(addresses))
+    hosts = [a.rpartition(":")[0] for a in addresses]
+    measured = {frozenset(pair): link_bytes_per_s for pair in itertools.pairwise(hosts)}
+    return Measurements(costs, stages, rates, [], measured if known else {})
 
 
 def _plan(*addresses: str) -> list[PipelineStage]:
@@ -73,6 +77,19 @@ def test_a_slow_link_between_hosts_is_compressed_and_a_fast_one_is_not() -> None
     fast = decide_links(CONFIG, plan, _measured([s.address for s in plan], 1e9))
     assert fast[0].link_codec == "exact"
     assert fast[0].link_reason.startswith("auto: exact (not the bottleneck: link 1e+03 MB/s")
+
+
+def test_a_plan_that_reverses_two_stages_knows_their_links_rate() -> None:
+    # Measured from 10.0.0.1 to 10.0.0.2; the new plan sends from 10.0.0.2 to 10.0.0.1.
+    measured = _measured(["10.0.0.1:1", "10.0.0.2:1"], 1e6)
+    reversed_plan = _plan("10.0.0.2:1", "10.0.0.1:1")
+    decided = decide_links(CONFIG, reversed_plan, measured)
+    assert decided[0].link_codec == "activations=int8,gradients=bfloat16"
+    # A third host nobody measured a link to stays exact.
+    three = _measured(["10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"], 1e6)
+    three = dataclasses.replace(three, link_rates=measured.link_rates)
+    other = decide_links(CONFIG, _plan("10.0.0.3:1", "10.0.0.1:1"), three)
+    assert other[0].link_reason == "auto: exact (link not measured yet)"
 
 
 def test_one_host_and_unmeasured_links_stay_exact() -> None:
