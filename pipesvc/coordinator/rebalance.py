@@ -142,7 +142,7 @@ class Replanner:
                 if profile.send_bytes_per_s > 0:
                     profile.send_bytes_per_s = float(forced)
         measured = _measurements(group.plan, len(group.layers), stages, profiles)
-        if group.config.wire_dtype == WIRE_AUTO:  # the boundary bytes are exact; the links not
+        if _decides_links(group.config):  # the boundary bytes are exact; the links may not be
             rates = _with_codecs(
                 group.config, measured, group.plan, links(group.config, group.plan)
             )
@@ -185,7 +185,7 @@ class Replanner:
         predicted_s: list[float] = []
         if partition == "throughput":
             measured = self.measure()
-            if config.wire_dtype == WIRE_AUTO:
+            if _decides_links(config):
                 plan, predicted_s = self._auto_plan(config, measured)
             else:
                 plan, predicted_s = placement.throughput_plan(
@@ -412,6 +412,15 @@ def decide_links(
             dataclasses.replace(stage, link_codec=link_codec_text(codecs), link_reason=why)
         )
     return decided
+
+
+def _decides_links(config: JobConfig) -> bool:
+    """Whether a measurement of ``config``'s job decides its links' codecs: under
+    ``wire_dtype="auto"``, for a job of one pipeline with one range per stage (the jobs a
+    re-plan moves)."""
+    return (
+        config.wire_dtype == WIRE_AUTO and config.data_parallel == 1 and config.virtual_stages == 1
+    )
 
 
 def _itemsize(config: JobConfig) -> int:

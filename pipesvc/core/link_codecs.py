@@ -34,8 +34,16 @@ the codec it would get (see ``Replanner.choose``). The answer goes into the plan
 (``PipelineStage.link_codec`` and ``link_reason``): both ends of the link, the coordinator, the
 client and the one-process reference read it from there, it survives a coordinator restart with
 the plan, and it changes only with the plan, at a new plan epoch between two steps, never
-within a step. A recovery that re-places stages starts the new plan's links exact again (an
-unmeasured link) until the next measurement.
+within a step. A spare that takes a lost stage's place in the same cuts keeps the codecs of
+its links (so the replayed steps compute what they computed); a re-partition, by recovery or
+by a re-plan with another method, starts the new plan's links exact again until the next
+measurement. A job with replicas or virtual stages is never re-planned, so its links stay
+exact under ``auto``.
+
+What "measured rate" means is the weak part: the rate is each stage's ``send_bytes_per_s``
+(see ``pipesvc.stage.profiler``), which times the send call, a put into the sender's queue,
+not the link; on a real slow link it reads far too fast and ``auto`` stays exact (bench
+README, ``links.py``). The rule and the plumbing do not depend on where the rate comes from.
 """
 
 from __future__ import annotations
