@@ -84,9 +84,14 @@ CODECS: dict[str, str | dict[str, str] | None] = {
     "int8": "int8",
     "int8/bf16": {"activations": "int8", "gradients": "bfloat16"},
     "int4": "int4",
+    "auto": "auto",
 }
 """pipesvc's rows by name, with the ``wire_dtype`` each job gets (``a/g``: activations in
-``a``, gradients in ``g``)."""
+``a``, gradients in ``g``). ``auto`` re-plans for throughput before each round's timed steps
+(after ``AUTO_SETTLE_STEPS`` steps at the round's rate, so the stages' send rates follow it),
+which decides each link's codecs by its measured rate; the round prints what it chose."""
+AUTO_SETTLE_STEPS = 3
+"""Steps the ``auto`` row runs at a new rate before it re-plans (see ``CODECS``)."""
 RUNS = ("torch", *CODECS)
 """The rows of each link by default: torch, then pipesvc with each codec (``--codecs``)."""
 MIN_BURST_BYTES = 64 * 1024
@@ -494,6 +499,14 @@ def pipesvc_client(coordinator: str, schedule: str, counters: str, runs: Sequenc
         job, steps = jobs[request["run"]], int(request["steps"])
         addresses = plans[request["run"]]
         job.train_step(x, y)  # warm-up: the link's rate may just have changed
+        chose = None
+        if CODECS[request["run"]] == "auto":
+            for _ in range(AUTO_SETTLE_STEPS):
+                job.train_step(x, y)
+            job.replan("throughput")
+            chose = "; ".join(link.describe(2) for link in job.links)
+            addresses = plans[request["run"]] = [s.address for s in job.plan]
+            job.train_step(x, y)  # warm-up on the plan it chose
         sent_before = _scrape_sent_bytes(addresses)
         before = link_counters(netns, dev)
         started = time.perf_counter()
@@ -504,7 +517,9 @@ def pipesvc_client(coordinator: str, schedule: str, counters: str, runs: Sequenc
         sent_after = _scrape_sent_bytes(addresses)
         payload = None if sent_before is None or sent_after is None else sent_after - sent_before
         print(
-            json.dumps({"seconds": seconds, "marks": [before, after], "payload": payload}),
+            json.dumps(
+                {"seconds": seconds, "marks": [before, after], "payload": payload, "auto": chose}
+            ),
             flush=True,
         )
     for job in jobs.values():
@@ -703,6 +718,8 @@ class Bench:
         self._client.stdin.write(json.dumps({"run": run, "steps": steps}) + "\n")
         self._client.stdin.flush()
         answer = self._answer("seconds", timeout_s=max(300, 10 * steps))
+        if answer.get("auto"):
+            print(f"  auto chose: {answer['auto']}", flush=True)
         return _sample(steps, answer["seconds"], answer["marks"], answer["payload"])
 
     def close_client(self) -> None:

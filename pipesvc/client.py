@@ -400,7 +400,9 @@ class Job:
     def links(self) -> list[Link]:
         """Each link between the stages of replica 0, in rank order, with the codecs its
         activations and gradients cross in: the job's ``wire_dtype`` between hosts, exact on
-        one host (see [Note: codecs per link] in ``pipesvc.core.link_codecs``)."""
+        one host (see [Note: codecs per link] in ``pipesvc.core.link_codecs``); under
+        ``wire_dtype="auto"``, what the plan fixed for the link and why (``Link.reason``, see
+        [Note: automatic codecs])."""
         return links(self.config, [s for s in self.plan if s.replica == 0])
 
     def __repr__(self) -> str:

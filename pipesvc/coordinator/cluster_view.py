@@ -156,6 +156,7 @@ def _job_view(
                 "between_hosts": link.between_hosts,
                 "activations": link.codecs[0] or "exact",
                 "gradients": link.codecs[1] or "exact",
+                "reason": link.reason,
             }
             for link in links(job.config, [s for s in plan if s.replica == 0])
         ],

@@ -7,6 +7,7 @@ stages, claiming them); what the plan is, given the stages and their health, is 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -161,9 +162,32 @@ def replan(
         stages=records,
         job_id=job_id,
     )
+    new_plan = keep_link_codecs(plan, new_plan)
     registry.claim([s.address for s in new_plan if records[s.address].job_id != job_id], job_id)
     place(registry, new_plan)
     return new_plan
+
+
+def keep_link_codecs(
+    old: Sequence[PipelineStage], new: Sequence[PipelineStage]
+) -> list[PipelineStage]:
+    """``new`` with the link codecs ``old`` fixed (``wire_dtype="auto"``, see [Note: automatic
+    codecs] in ``pipesvc.core.link_codecs``) at the same (replica, rank, chunk), when the cuts
+    did not change: a spare that takes a lost stage's place keeps its links' codecs, so the
+    steps replayed after the recovery compute what they computed before. A re-partitioned
+    plan starts with the host rule (its boundaries moved, so nothing replays the same)."""
+    if [(s.start_layer, s.end_layer) for s in old] != [(s.start_layer, s.end_layer) for s in new]:
+        return list(new)
+    fixed = {(s.replica, s.rank, s.chunk): s for s in old}
+    result = []
+    for stage in new:
+        before = fixed.get((stage.replica, stage.rank, stage.chunk))
+        if before is not None and before.link_codec and not stage.link_codec:
+            stage = dataclasses.replace(
+                stage, link_codec=before.link_codec, link_reason=before.link_reason
+            )
+        result.append(stage)
+    return result
 
 
 def place(registry: StageRegistry, plan: Sequence[PipelineStage]) -> None:

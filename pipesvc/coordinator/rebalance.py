@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import os
 import statistics
 from concurrent import futures
 from dataclasses import dataclass
@@ -42,6 +44,18 @@ from pipesvc.coordinator.recovery import Recovery
 from pipesvc.coordinator.registry import StageRecord
 from pipesvc.coordinator.stage_group import StageGroup
 from pipesvc.core import throughput
+from pipesvc.core.config import WIRE_AUTO, JobConfig
+from pipesvc.core.link_codecs import (
+    Codecs,
+    Link,
+    LinkMeasure,
+    choose_auto,
+    crosses_hosts,
+    host_of,
+    link_codec_text,
+    links,
+    wire_fraction,
+)
 from pipesvc.core.plan import PipelineStage
 from pipesvc.core.settle import Policy, Settler
 from pipesvc.errors import FailedPreconditionError, PlanError
@@ -53,6 +67,12 @@ logger = logging.getLogger(__name__)
 CALIBRATE_S = 0.5
 """Seconds each stage times its calibration product (all stages at once, so stages sharing a
 host's cores measure the share they get while they all work)."""
+LINK_RATE_ENV = "PIPESVC_TEST_LINK_BYTES_PER_S"
+"""Tests only: when the coordinator's environment sets it, every stage that measured a send
+rate is taken to have measured this many bytes per second instead (a slow link on demand on
+one machine, so the choice of ``wire_dtype="auto"`` is deterministic)."""
+AUTO_ROUNDS = 3
+"""Plans the ``auto`` search tries at most (see ``Replanner.choose``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +85,10 @@ class Measurements:
     rates: list[throughput.StageRate]
     current_s: list[float]
     """The current plan's predicted seconds per micro-batch, per rank."""
+    link_rates: dict[frozenset[str], float] = dataclasses.field(default_factory=dict)
+    """The measured rate of the current plan's links between hosts, by the pair of hosts
+    they join (either way: a link's two directions have the same rate), the slowest where
+    several join the same pair; what ``wire_dtype="auto"`` decides by."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +136,20 @@ class Replanner:
         if free or any(not _operations(p) for p in profiles):
             stages += free
             profiles = self._profile(stages, CALIBRATE_S)
-        return _measurements(group.plan, len(group.layers), stages, profiles)
+        forced = os.environ.get(LINK_RATE_ENV)
+        if forced:
+            for profile in profiles:
+                if profile.send_bytes_per_s > 0:
+                    profile.send_bytes_per_s = float(forced)
+        measured = _measurements(group.plan, len(group.layers), stages, profiles)
+        if _decides_links(group.config):  # the boundary bytes are exact; the links may not be
+            rates = _with_codecs(
+                group.config, measured, group.plan, links(group.config, group.plan)
+            )
+            ranges = [(s.start_layer, s.end_layer) for s in group.plan]
+            current_s = throughput.predict(measured.costs, rates, ranges)
+            measured = dataclasses.replace(measured, current_s=current_s)
+        return measured
 
     def _profile(
         self, stages: list[StageRecord], calibrate_s: float
@@ -148,9 +185,12 @@ class Replanner:
         predicted_s: list[float] = []
         if partition == "throughput":
             measured = self.measure()
-            plan, predicted_s = placement.throughput_plan(
-                config, group.layers, measured.costs, measured.stages, measured.rates
-            )
+            if _decides_links(config):
+                plan, predicted_s = self._auto_plan(config, measured)
+            else:
+                plan, predicted_s = placement.throughput_plan(
+                    config, group.layers, measured.costs, measured.stages, measured.rates
+                )
             current_s = measured.current_s
             logger.info(
                 "job %s: measured\n%s", group.job_id, _report(measured, current, plan, predicted_s)
@@ -168,6 +208,50 @@ class Replanner:
             partition=partition,
             based_on=current,
         )
+
+    def _auto_plan(
+        self, config: JobConfig, measured: Measurements
+    ) -> tuple[list[PipelineStage], list[float]]:
+        """The throughput plan of a ``wire_dtype="auto"`` job, each link's codecs fixed in it
+        (see [Note: automatic codecs] in ``pipesvc.core.link_codecs``), and each rank's
+        predicted seconds per micro-batch with those codecs.
+
+        The codecs depend on the ranges and the ranges on the links' bytes, so the search
+        plans with every link exact, decides each link of that plan, plans again with the
+        decided stages' links counted in their codecs, and so on until the codecs stop
+        changing (at most ``AUTO_ROUNDS`` plans); the fastest predicted plan wins.
+        """
+        layers = self._group.layers
+        index = {record.address: i for i, record in enumerate(measured.stages)}
+        itemsize = _itemsize(config)
+        fractions: dict[int, float] = {}
+        best: tuple[list[PipelineStage], list[float]] | None = None
+        for _ in range(AUTO_ROUNDS):
+            rates = [
+                dataclasses.replace(rate, wire_fraction=fractions.get(i, 1.0))
+                for i, rate in enumerate(measured.rates)
+            ]
+            plan, _ = placement.throughput_plan(
+                config, layers, measured.costs, measured.stages, rates
+            )
+            plan = decide_links(config, plan, measured)
+            chosen = links(config, plan)
+            predicted = throughput.predict(
+                measured.costs,
+                _with_codecs(config, measured, plan, chosen),
+                [(s.start_layer, s.end_layer) for s in plan],
+            )
+            if best is None or max(predicted) < max(best[1]):
+                best = (plan, predicted)
+            wanted = {
+                index[plan[link.source].address]: wire_fraction(link.codecs, itemsize)
+                for link in chosen
+            }
+            if all(fractions.get(i, 1.0) == f for i, f in wanted.items()):
+                break
+            fractions.update(wanted)
+        assert best is not None
+        return best
 
     def apply(self, decision: Decision, *, keep_partition: bool = False) -> None:
         """Moves the job to ``decision``'s plan (see [Note: replan]) and, unless
@@ -280,7 +364,87 @@ def _measurements(
     )
     ranges = [(s.start_layer, s.end_layer) for s in plan]
     current_s = throughput.predict(costs, rates[: len(plan)], ranges)
-    return Measurements(costs, stages, rates, current_s)
+    link_rates: dict[frozenset[str], float] = {}
+    for rank, profile in enumerate(profiles[: len(plan) - 1]):
+        rate = profile.send_bytes_per_s
+        pair = _hosts(plan[rank].address, plan[rank + 1].address)
+        if rate > 0 and math.isfinite(rate) and len(pair) == 2:
+            link_rates[pair] = min(rate, link_rates.get(pair, math.inf))
+    return Measurements(costs, stages, rates, current_s, link_rates)
+
+
+def _hosts(a: str, b: str) -> frozenset[str]:
+    """The hosts a link between the stages at addresses ``a`` and ``b`` joins."""
+    return frozenset((host_of(a), host_of(b)))
+
+
+def decide_links(
+    config: JobConfig, plan: list[PipelineStage], measured: Measurements
+) -> list[PipelineStage]:
+    """``plan`` (one pipeline, chunk 0 only) with each link's codecs and the reason fixed by
+    the rule of [Note: automatic codecs] in ``pipesvc.core.link_codecs``, from ``measured``:
+    a link's rate is the one measured between its two hosts (in either direction: a plan that
+    reverses two stages still knows their link), and each stage's compute is its range's work
+    at its speed."""
+    index = {record.address: i for i, record in enumerate(measured.stages)}
+    costs = measured.costs
+    compute = [
+        throughput.stage_seconds(
+            costs, measured.rates[index[s.address]], s.start_layer, s.end_layer, last=True
+        )
+        for s in plan
+    ]
+    decided = []
+    for rank, stage in enumerate(plan):
+        if rank == len(plan) - 1:
+            decided.append(dataclasses.replace(stage, link_codec="", link_reason=""))
+            continue
+        after = plan[rank + 1].address
+        codecs, why = choose_auto(
+            LinkMeasure(
+                between_hosts=crosses_hosts(stage.address, after),
+                boundary_bytes=costs.boundary_bytes[stage.end_layer - 1],
+                link_bytes_per_s=measured.link_rates.get(_hosts(stage.address, after)),
+                compute_s=(compute[rank], compute[rank + 1]),
+            )
+        )
+        decided.append(
+            dataclasses.replace(stage, link_codec=link_codec_text(codecs), link_reason=why)
+        )
+    return decided
+
+
+def _decides_links(config: JobConfig) -> bool:
+    """Whether a measurement of ``config``'s job decides its links' codecs: under
+    ``wire_dtype="auto"``, for a job of one pipeline with one range per stage (the jobs a
+    re-plan moves)."""
+    return (
+        config.wire_dtype == WIRE_AUTO and config.data_parallel == 1 and config.virtual_stages == 1
+    )
+
+
+def _itemsize(config: JobConfig) -> int:
+    """Bytes of one exact activation value under ``config``'s precision."""
+    return 4 if config.precision == "fp32" else 2
+
+
+def _with_codecs(
+    config: JobConfig,
+    measured: Measurements,
+    plan: list[PipelineStage],
+    chosen: list[Link],
+) -> list[throughput.StageRate]:
+    """The rates of ``plan``'s stages in rank order, each link counted in its codecs."""
+    index = {record.address: i for i, record in enumerate(measured.stages)}
+    codecs: dict[int, Codecs] = {link.source: link.codecs for link in chosen}
+    itemsize = _itemsize(config)
+    return [
+        dataclasses.replace(
+            measured.rates[index[s.address]],
+            wire_fraction=wire_fraction(codecs.get(rank, (None, None)), itemsize),
+        )
+        for rank, s in enumerate(plan)
+    ]
 
 
 def _operations(profile: stage_pb2.StageProfile) -> int:

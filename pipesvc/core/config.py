@@ -33,6 +33,9 @@ WIRE_DTYPES = ("bfloat16", "float16", "int8", "int4")
 """Codecs activations and gradients may cross links in (``JobConfig.wire_dtype``): two float
 dtypes and two blockwise quantizations (see [Note: blockwise quantization] in
 ``pipesvc.core.quant``)."""
+WIRE_AUTO = "auto"
+"""``JobConfig.wire_dtype`` that compresses only the links between hosts that are the
+bottleneck, by measurement (see [Note: automatic codecs] in ``pipesvc.core.link_codecs``)."""
 WIRE_ROLES = ("activations", "gradients")
 """What crosses a link: the forward's activations and the backward's gradients."""
 
@@ -100,8 +103,12 @@ class JobConfig:
     crosses exact). The layers still compute in ``precision``; the result equals one process
     that applies the same codec at the same stage boundaries (see [Note: wire dtype] in
     ``pipesvc.stage.runtime``). None: the compute dtype (bfloat16 under the bf16 precisions,
-    which refuse float16). Kept in its canonical text form: a codec's name, or
-    ``"activations=int8,gradients=bfloat16"`` when the roles differ (``wire_codecs`` reads it)."""
+    which refuse float16). ``"auto"``: exact until the job is measured, then int8 activations
+    and bfloat16 gradients on the links between hosts whose measured rate makes them the
+    bottleneck, exact elsewhere, chosen at a re-plan and kept in the plan (see [Note:
+    automatic codecs] in ``pipesvc.core.link_codecs``). Kept in its canonical text form: a
+    codec's name, ``"auto"``, or ``"activations=int8,gradients=bfloat16"`` when the roles
+    differ (``wire_codecs`` reads it)."""
     virtual_stages: int = 1
     """Layer ranges each stage holds (see [Note: virtual stages] in
     ``pipesvc.core.schedule``): the model is cut into ``num_stages * virtual_stages`` ranges
@@ -181,7 +188,7 @@ class JobConfig:
                 f"precision {self.precision!r} is not supported; expected one of "
                 f"{', '.join(PRECISIONS)}"
             )
-        object.__setattr__(self, "wire_dtype", _canonical_wire(self.wire_dtype))
+        object.__setattr__(self, "wire_dtype", canonical_wire(self.wire_dtype))
         if self.precision != "fp32" and "float16" in self.wire_codecs:
             raise InvalidArgumentError(
                 f"wire_dtype {self.wire_dtype!r} with precision {self.precision!r}: the bf16 "
@@ -201,8 +208,9 @@ class JobConfig:
     @property
     def wire_codecs(self) -> tuple[str | None, str | None]:
         """(activations, gradients): the codec each crosses links in, None for exact (the
-        compute dtype; under the bf16 precisions that is bfloat16, so never None)."""
-        codecs = _roles(self.wire_dtype)
+        compute dtype; under the bf16 precisions that is bfloat16, so never None). Under
+        ``"auto"``, the exact ones: what a link has until its plan fixes its codecs."""
+        codecs = wire_roles(self.wire_dtype)
         if self.precision == "fp32":
             return codecs
         return (codecs[0] or "bfloat16", codecs[1] or "bfloat16")
@@ -316,13 +324,16 @@ _EMPTY_ON_THE_WIRE_MEANS_DEFAULT = ("input_dtype", "precision", "data_parallel",
 """Fields added to the wire after the first clients: an older client's spec leaves them empty."""
 
 
-def _canonical_wire(value: object) -> str | None:
+def canonical_wire(value: object) -> str | None:
     """``JobConfig.wire_dtype`` in its text form (a name, or ``activations=..,gradients=..``).
 
     Raises:
         InvalidArgumentError: an unknown codec or role, or a value of the wrong type.
     """
-    expected = f"expected one of {', '.join(WIRE_DTYPES)} or None, or a mapping of {WIRE_ROLES}"
+    expected = (
+        f"expected one of {', '.join(WIRE_DTYPES)}, {WIRE_AUTO!r} or None, or a mapping of "
+        f"{WIRE_ROLES}"
+    )
     if value is None:
         return None
     if isinstance(value, Mapping):
@@ -341,18 +352,21 @@ def _canonical_wire(value: object) -> str | None:
             return roles[0]
         return ",".join(f"{r}={c or 'exact'}" for r, c in zip(WIRE_ROLES, roles, strict=True))
     if isinstance(value, str):
-        if value in WIRE_DTYPES:
+        if value in WIRE_DTYPES or value == WIRE_AUTO:
             return value
         if "=" in value:  # the text form of a mapping (from the wire or a database row)
             pairs = [part.partition("=") for part in value.split(",")]
-            return _canonical_wire({k: (None if c == "exact" else c) for k, _, c in pairs})
+            return canonical_wire({k: (None if c == "exact" else c) for k, _, c in pairs})
     raise InvalidArgumentError(f"wire_dtype {value!r} is not supported; {expected}")
 
 
-def _roles(text: str | Mapping[str, str | None] | None) -> tuple[str | None, str | None]:
-    """(activations, gradients) of a canonical ``wire_dtype``."""
+def wire_roles(text: str | Mapping[str, str | None] | None) -> tuple[str | None, str | None]:
+    """(activations, gradients) of a canonical ``wire_dtype`` (``"auto"`` and ``"exact"``:
+    both exact)."""
     if text is None or isinstance(text, Mapping):
         assert text is None, "wire_dtype is canonical after __post_init__"
+        return (None, None)
+    if text in (WIRE_AUTO, "exact"):
         return (None, None)
     if "=" not in text:
         return (text, text)

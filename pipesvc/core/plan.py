@@ -27,6 +27,12 @@ class PipelineStage:
     chunk: int = 0
     """Which of the server's layer ranges this is (see [Note: virtual stages]); 0 when it
     holds one. A plan lists every range; the server's first (chunk 0) stands for it."""
+    link_codec: str = ""
+    """The codecs of the link from this stage to the next rank when the plan fixes them
+    (``wire_dtype="auto"``, see [Note: automatic codecs] in ``pipesvc.core.link_codecs``):
+    ``"exact"`` or a ``wire_dtype`` text; empty: the host rule decides."""
+    link_reason: str = ""
+    """Why the link has those codecs (for ``job.links`` and the live page); empty without."""
 
     @property
     def num_layers(self) -> int:
@@ -46,6 +52,8 @@ class PipelineStage:
             address=self.address,
             replica=self.replica,
             chunk=self.chunk,
+            link_codec=self.link_codec,
+            link_reason=self.link_reason,
         )
 
     @classmethod
@@ -58,11 +66,14 @@ class PipelineStage:
             address=message.address,
             replica=message.replica,
             chunk=message.chunk,
+            link_codec=message.link_codec,
+            link_reason=message.link_reason,
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """This stage as a JSON-ready dict."""
-        return {
+        """This stage as a JSON-ready dict (the link fields only when set, so a plan without
+        them reads the same as before they existed)."""
+        values: dict[str, Any] = {
             "start_layer": self.start_layer,
             "end_layer": self.end_layer,
             "rank": self.rank,
@@ -70,6 +81,11 @@ class PipelineStage:
             "replica": self.replica,
             "chunk": self.chunk,
         }
+        if self.link_codec:
+            values["link_codec"] = self.link_codec
+        if self.link_reason:
+            values["link_reason"] = self.link_reason
+        return values
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> PipelineStage:
@@ -94,8 +110,10 @@ class PipelineStage:
             value = getattr(stage, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise InvalidArgumentError(f"plan stage {name} ({value!r}) must be an int")
-        if not isinstance(stage.address, str):
-            raise InvalidArgumentError(f"plan stage address ({stage.address!r}) must be a string")
+        for name in ("address", "link_codec", "link_reason"):
+            value = getattr(stage, name)
+            if not isinstance(value, str):
+                raise InvalidArgumentError(f"plan stage {name} ({value!r}) must be a string")
         return stage
 
 

@@ -10,8 +10,15 @@ forward and receiving the gradient of that output back over its link to the next
 plan minimises the largest of these times (the bottleneck), subject to every stage's memory:
 
     time(stage s, layers [i, j)) = sum(work[i:j]) / speed[s]
-                                   + 2 * (boundary_bytes[j - 1] / link_bytes_per_s[s] + latency[s])
+                                   + 2 * (boundary_bytes[j - 1] * wire_fraction[s]
+                                          / link_bytes_per_s[s] + latency[s])
                                    (the transfer only where j is not the last layer)
+
+``wire_fraction`` counts the link's bytes in its codec: the bytes it sends per byte of
+``boundary_bytes``, averaged over the activation forward and the gradient back (1 when the
+boundary bytes are what crosses; under ``wire_dtype="auto"`` the re-planner gives a link that
+would be compressed the fraction of its codecs, see [Note: automatic codecs] in
+``pipesvc.core.link_codecs``).
 
 Which stage gets which range matters as much as where the cuts are when stages differ, so the
 search covers both: a dynamic program over (the set of stages used so far, the layers covered
@@ -44,6 +51,8 @@ class StageRate:
     link_bytes_per_s: float = math.inf
     """Its link to whichever stage follows it (inf: free)."""
     link_latency_s: float = 0.0
+    wire_fraction: float = 1.0
+    """Bytes its link sends per byte of a boundary's ``boundary_bytes`` (its codec)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +87,10 @@ def stage_seconds(costs: LayerCosts, rate: StageRate, start: int, end: int, *, l
     """Seconds per micro-batch of a stage at ``rate`` holding layers [start, end)."""
     seconds = sum(costs.work[start:end]) / rate.speed
     if not last:
-        seconds += 2 * (costs.boundary_bytes[end - 1] / rate.link_bytes_per_s + rate.link_latency_s)
+        seconds += 2 * (
+            costs.boundary_bytes[end - 1] * rate.wire_fraction / rate.link_bytes_per_s
+            + rate.link_latency_s
+        )
     return seconds
 
 
@@ -138,7 +150,9 @@ def plan(
                     seconds = (prefix[end] - prefix[start]) / rate.speed
                     if not last:
                         seconds += 2 * (
-                            costs.boundary_bytes[end - 1] / rate.link_bytes_per_s
+                            costs.boundary_bytes[end - 1]
+                            * rate.wire_fraction
+                            / rate.link_bytes_per_s
                             + rate.link_latency_s
                         )
                     value = max(so_far, seconds)
@@ -206,4 +220,8 @@ def _check(costs: LayerCosts, candidates: Sequence[StageRate], num_stages: int) 
             raise InvalidArgumentError(
                 f"stage {index}'s link must have a rate > 0 and a latency >= 0; got "
                 f"{rate.link_bytes_per_s} B/s, {rate.link_latency_s} s"
+            )
+        if not (math.isfinite(rate.wire_fraction) and rate.wire_fraction > 0):
+            raise InvalidArgumentError(
+                f"stage {index}'s wire_fraction must be finite and > 0; got {rate.wire_fraction}"
             )

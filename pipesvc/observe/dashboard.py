@@ -325,11 +325,12 @@ function render(data) {
       jobs.appendChild(bar);
     }
     // Each link's codecs (see [Note: codecs per link] in pipesvc/core/link_codecs.py).
-    if (job.links.some(l => l.activations !== "exact" || l.gradients !== "exact")) {
+    // Under wire_dtype "auto" each link also says why it has its codecs.
+    if (job.links.some(l => l.activations !== "exact" || l.gradients !== "exact" || l.reason)) {
       const where = l => l.between_hosts ? " (between hosts)" : " (one host)";
       jobs.appendChild(el("p", {class: "links"}, "links: " + job.links.map(l =>
         "rank " + l.from + " \u2192 " + l.to + where(l) + ": activations " + l.activations +
-        ", gradients " + l.gradients).join("; ")));
+        ", gradients " + l.gradients + (l.reason ? " \u2014 " + l.reason : "")).join("; ")));
     }
     const table = el("table");
     row(table, ["rank", "stage", "step ms", "busy ms", "wait ms", "idle ms", "RSS MiB",

@@ -341,6 +341,8 @@ class PlanStage(_message.Message):
     ADDRESS_FIELD_NUMBER: _builtins.int
     REPLICA_FIELD_NUMBER: _builtins.int
     CHUNK_FIELD_NUMBER: _builtins.int
+    LINK_CODEC_FIELD_NUMBER: _builtins.int
+    LINK_REASON_FIELD_NUMBER: _builtins.int
     start_layer: _builtins.int
     """First layer held."""
     end_layer: _builtins.int
@@ -353,6 +355,13 @@ class PlanStage(_message.Message):
     """Which replica of the pipeline the stage belongs to (data parallel); 0 without replicas."""
     chunk: _builtins.int
     """Which of the stage's layer ranges this is (virtual stages); 0 when it holds one."""
+    link_codec: _builtins.str
+    """The codecs of the link from this stage to the next rank, when the plan fixes them
+    (wire_dtype "auto"): "exact", or a wire_dtype text ("int8",
+    "activations=int8,gradients=bfloat16"); empty: the host rule.
+    """
+    link_reason: _builtins.str
+    """Why the link has those codecs (shown by job.links and the live page); empty without."""
     def __init__(
         self,
         *,
@@ -362,10 +371,12 @@ class PlanStage(_message.Message):
         address: _builtins.str = ...,
         replica: _builtins.int = ...,
         chunk: _builtins.int = ...,
+        link_codec: _builtins.str = ...,
+        link_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "chunk", b"chunk", "end_layer", b"end_layer", "rank", b"rank", "replica", b"replica", "start_layer", b"start_layer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "chunk", b"chunk", "end_layer", b"end_layer", "link_codec", b"link_codec", "link_reason", b"link_reason", "rank", b"rank", "replica", b"replica", "start_layer", b"start_layer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

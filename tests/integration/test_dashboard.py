@@ -103,6 +103,7 @@ def test_the_json_shows_stages_plans_and_the_last_step(trained: tuple[str, pipes
             "between_hosts": True,
             "activations": "int8",
             "gradients": "bfloat16",
+            "reason": "",  # said under wire_dtype="auto" (see test_auto_wire.py)
         }
         for r in range(2)
     ]

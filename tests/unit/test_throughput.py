@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -123,3 +124,29 @@ def test_bad_numbers_are_refused(
 ) -> None:
     with pytest.raises(InvalidArgumentError, match=match):
         throughput.plan(LayerCosts(work, [0] * len(work)), rates, num_stages)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_links_counted_in_their_codecs_keep_the_plan_exact(seed: int) -> None:
+    """A candidate's ``wire_fraction`` (its link's codec, see [Note: automatic codecs]) scales
+    its link's bytes, in the search as in ``predict``."""
+    rng = random.Random(1000 + seed)
+    costs, candidates, num_stages = _random_case(rng)
+    candidates = [
+        dataclasses.replace(c, wire_fraction=rng.choice([1.0, 0.5, 0.3828125])) for c in candidates
+    ]
+    expected = _brute_force(costs, candidates, num_stages, None)
+    result = throughput.plan(costs, candidates, num_stages)
+    assert result.bottleneck_s == pytest.approx(expected, rel=1e-12, abs=1e-12)
+
+
+def test_a_compressed_link_costs_its_codecs_bytes() -> None:
+    costs = LayerCosts(work=[1.0, 1.0], boundary_bytes=[1000, 8])
+    exact = StageRate(speed=1.0, memory_bytes=10, link_bytes_per_s=100.0)
+    int8 = dataclasses.replace(exact, wire_fraction=0.25)
+    # Layer 0's output both ways: 2 x 1000 B at 100 B/s, or a quarter of it.
+    assert throughput.predict(costs, [exact, exact], [(0, 1), (1, 2)]) == [21.0, 1.0]
+    assert throughput.predict(costs, [int8, exact], [(0, 1), (1, 2)]) == [6.0, 1.0]
+    assert throughput.plan(costs, [int8, exact], 2).stage_seconds == [6.0, 1.0]
+    with pytest.raises(InvalidArgumentError, match="wire_fraction must be finite and > 0"):
+        throughput.plan(costs, [dataclasses.replace(exact, wire_fraction=0.0), exact], 2)
