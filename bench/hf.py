@@ -1,11 +1,15 @@
-"""A Hugging Face Llama-shaped model (~100M parameters, random, from a config) trained through
-pipesvc stages, against the same model trained in one process with gradient accumulation.
+"""A Hugging Face Llama-shaped model (~100M parameters, random, from a config) and a Mixtral-shaped
+mixture of experts trained through pipesvc stages, against the same model trained in one process
+with gradient accumulation.
 
 Model: ``LlamaForCausalLM`` with vocabulary 32000, hidden 768, MLP 2048, 8 blocks, 12 heads
 sharing 4 key/value heads (about 110M parameters, 440 MB in float32), saved with
 ``save_pretrained`` into a temporary directory and served by every stage with
 ``LocalCluster(hf_models={"bench-llama": DIR})``. Batch: 8 rows of 128 tokens in 4
-micro-batches, ``causal_lm`` loss, AdamW (lr 1e-4), 1F1B, checkpoints off.
+micro-batches, ``causal_lm`` loss, AdamW (lr 1e-4), 1F1B, checkpoints off. ``--models
+mixtral`` (in the default set) is ``MixtralForCausalLM`` with vocabulary 32000, hidden 512, 8
+experts of MLP 1024 with 2 routed per token, 8 blocks, 8 heads sharing 4 key/value heads (about
+135M parameters, every expert counted by the planner and held by its stage).
 
 - one process: ``AutoModelForCausalLM.from_pretrained(DIR)``, the same 4 micro-batches
   accumulated (each loss weighted by its share of the labels), one AdamW step; the process's
@@ -18,7 +22,8 @@ Steps/s is over the timed steps after one warm-up step. Each precision (``--prec
 default ``fp32,bf16-mixed``) is run both ways; the one-process ``bf16-mixed`` runs the model
 under bfloat16 autocast with float32 weights and AdamW, as the stages do.
 
-Usage: ``python bench/hf.py [--steps 3] [--stages 2,4] [--precisions fp32,bf16-mixed]``
+Usage: ``python bench/hf.py [--steps 3] [--stages 2,4] [--precisions fp32,bf16-mixed]
+[--models llama,mixtral]``
 """
 
 from __future__ import annotations
@@ -50,6 +55,18 @@ CONFIG = {
     "num_key_value_heads": 4,
     "max_position_embeddings": 256,
 }
+MOE_CONFIG = {
+    "vocab_size": 32000,
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 256,
+}
+MODELS = {"llama": ("llama", CONFIG), "mixtral": ("mixtral", MOE_CONFIG)}
 BATCH, LENGTH, MICROBATCHES, LR = 8, 128, 4, 1e-4
 
 
@@ -125,18 +142,29 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per run (default 3)")
     parser.add_argument("--stages", default="2,4", help="stage counts (default 2,4)")
     parser.add_argument("--precisions", default="fp32,bf16-mixed", help="(default %(default)s)")
+    parser.add_argument("--models", default="llama,mixtral", help="(default %(default)s)")
     args = parser.parse_args()
+    for name in args.models.split(","):
+        if name not in MODELS:
+            parser.error(f"--models: {name!r} is not one of {', '.join(MODELS)}")
+        model_type, config = MODELS[name]
+        run_model(model_type, config, args)
+
+
+def run_model(model_type: str, config: dict[str, Any], args: argparse.Namespace) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with tempfile.TemporaryDirectory(prefix="pipesvc-bench-hf-") as tmp:
-        directory = str(Path(tmp) / "llama")
+        directory = str(Path(tmp) / model_type)
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **CONFIG))
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config))
         params = sum(p.numel() for p in model.parameters())
         model.save_pretrained(directory)
         del model
-        print(f"model: {params / 1e6:.0f}M parameters, batch {BATCH} x {LENGTH} tokens in "
-              f"{MICROBATCHES} micro-batches, AdamW, {args.steps} timed steps")  # fmt: skip
+        print(
+            f"model: {model_type}, {params / 1e6:.0f}M parameters, batch {BATCH} x {LENGTH} "
+            f"tokens in {MICROBATCHES} micro-batches, AdamW, {args.steps} timed steps"
+        )
         print(f"{'precision':<11} {'run':<12} {'steps/s':>8} {'vs one':>7} {'peak RSS MiB':>20}")
         for precision in args.precisions.split(","):
             for num_stages in [int(s) for s in args.stages.split(",")]:

@@ -61,6 +61,13 @@ class Skeleton:
         self.body_name = family.body
         params = inspect.signature(self.body.forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
+        # Stateless (which stub does what is per call and thread): made once, not per call.
+        self._stubs = hf_body.stubs(self.blocks)
+        self._absent = {
+            name: hf_body.Absent(child)
+            for owner in (self.body, self.model)
+            for name, child in owner.named_children()
+        }
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Skeleton:
         return self
@@ -71,25 +78,25 @@ class Skeleton:
         modules: dict[str, nn.Module] = {}
         for name, child in self.body.named_children():
             if name == self.list_name:
-                modules[name] = hf_body.stubs(self.blocks)
+                modules[name] = self._stubs
             elif name in own:
                 modules[name] = own[name]
             elif shared and f"{self.body_name}.{name}" in self.family.shared:
                 modules[name] = child
             else:
-                modules[name] = hf_body.Absent(child)
+                modules[name] = self._absent[name]
         return hf_body.shell(self.body, modules)
 
     def model_shell(self, own: Mapping[str, nn.Module], head: nn.Module) -> nn.Module:
         """The whole causal LM around ``body_shell(own)``, with ``head`` as its head."""
         modules: dict[str, nn.Module] = {}
-        for name, child in self.model.named_children():
+        for name in self.model._modules:
             if name == self.body_name:
                 modules[name] = self.body_shell(own)
             elif name == self.head_name:
                 modules[name] = head
             else:
-                modules[name] = hf_body.Absent(child)
+                modules[name] = self._absent[name]
         return hf_body.shell(self.model, modules)
 
 
@@ -173,17 +180,16 @@ class Embedding(_Part):
         if ids.is_meta:  # describing: sizes only (the body's code reads values)
             hidden: torch.Tensor = self.get_submodule("embed")(ids)
             return hidden
-        if position_ids is None:
-            position_ids = _positions(ids.shape[1], 0, ids.device)
         body = self.skeleton.body_shell(self._own())
 
         def entered(index: int, hidden: torch.Tensor, args: Any, kwargs: Any) -> torch.Tensor:
             hf_body.stop(hidden)
             raise AssertionError  # stop raises
 
-        call = functools.partial(
-            body, input_ids=ids, position_ids=position_ids.to(ids.device), use_cache=False
-        )
+        if position_ids is not None:
+            position_ids = position_ids.to(ids.device)
+        # Without positions the body counts 0..T-1 itself, as transformers' forward does.
+        call = functools.partial(body, input_ids=ids, position_ids=position_ids, use_cache=False)
         hidden = hf_body.run(call, entered)
         if not isinstance(hidden, torch.Tensor):
             raise hf_body.not_reached("the embedding")
@@ -228,7 +234,7 @@ class Block(_Part):
                 f"shape {list(hidden.shape)} after {past} cached positions; expected "
                 f"{list(expected)}"
             )
-        if position_ids is None:
+        if position_ids is None and view is not None:
             position_ids = _positions(hidden.shape[1], past, hidden.device)
         if hidden.is_meta:  # describing: the body's code on zeros, its arguments on meta
             zeros = torch.zeros(hidden.shape, dtype=hidden.dtype)
@@ -250,7 +256,7 @@ class Block(_Part):
         self,
         hidden: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        position_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
         view: Any,
         *,
         described: bool = False,
@@ -270,7 +276,7 @@ class Block(_Part):
             body,
             inputs_embeds=hidden.detach(),
             attention_mask=attention_mask,
-            position_ids=position_ids.to(hidden.device),
+            position_ids=position_ids.to(hidden.device) if position_ids is not None else None,
             use_cache=view is not None,
             **{self.skeleton.cache_arg: view},
         )
@@ -293,12 +299,7 @@ class Head(_Part):
         def entered(index: int, passed: torch.Tensor, args: Any, kwargs: Any) -> torch.Tensor:
             return hidden if index == 0 else passed
 
-        call = functools.partial(
-            model,
-            inputs_embeds=hidden.detach(),
-            position_ids=_positions(hidden.shape[1], 0, hidden.device),
-            use_cache=False,
-        )
+        call = functools.partial(model, inputs_embeds=hidden.detach(), use_cache=False)
         out = hf_body.run(call, entered)
         found = getattr(out, "logits", None)
         if not isinstance(found, torch.Tensor):
