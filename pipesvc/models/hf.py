@@ -28,6 +28,7 @@ read by ``Checkpoint`` (``hf_checkpoint.py``), the family table is ``hf_family.p
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -71,6 +72,40 @@ class Skeleton:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Skeleton:
         return self
+
+    def check(self) -> None:
+        """Runs the body's code on zeros to see that it passes each layer's output on to the
+        next layer unchanged (hidden states in, hidden states out), which cutting it between
+        layers needs; a body that unpacks its layers' outputs (falcon's ``outputs[0]``) does
+        not fit.
+
+        Raises:
+            InvalidArgumentError: the body does not fit, with what it did.
+        """
+        width = getattr(self.model.config, "hidden_size", None)
+        if not isinstance(width, int):
+            return  # nothing to build zeros from: the per-family tests are the check
+        zeros = torch.zeros(1, 2, width)
+        seen: list[tuple[int, tuple[int, ...]]] = []
+
+        def visit(index: int, hidden: torch.Tensor, args: Any, kwargs: Any) -> torch.Tensor:
+            seen.append((index, tuple(hidden.shape)))
+            return hidden
+
+        body = self.body_shell({}, shared=True)
+        # What runs after the last layer (absent here) may fail on the placeholders' zeros: the
+        # layers' calls, recorded before, are what this checks.
+        with torch.no_grad(), contextlib.suppress(RuntimeError, IndexError, TypeError, ValueError):
+            hf_body.run(functools.partial(body, inputs_embeds=zeros, use_cache=False), visit)
+        wanted = [(i, (1, 2, width)) for i in range(len(self.blocks))]
+        if seen != wanted:
+            kind = type(self.model).__name__
+            raise InvalidArgumentError(
+                f"{kind} does not fit: its body must pass each decoder layer's output to the "
+                f"next one unchanged ([1, 2, {width}] to every layer); the layers were called "
+                f"with {seen[:4]}{' ...' if len(seen) > 4 else ''} (a body that unpacks its "
+                "layers' outputs cannot be cut between them)"
+            )
 
     def body_shell(self, own: Mapping[str, nn.Module], *, shared: bool = False) -> nn.Module:
         """The body with the decoder list as stubs, ``own``'s parts real, the rest absent
@@ -528,6 +563,7 @@ def register_hf_model(name: str, directory: str | os.PathLike[str]) -> None:
     """
     where = str(Path(directory).resolve())
     _checkpoint(where).prepare()
+    _skeleton(where).check()
     register_model(name)(_factory(where))
 
 

@@ -205,6 +205,18 @@ def test_a_model_of_another_shape_is_refused_with_what_does_not_fit(tmp_path: Pa
     assert "hf-bert" not in registry.known_models()
 
 
+def test_a_body_that_unpacks_its_layers_outputs_is_refused(tmp_path: Path) -> None:
+    # Falcon's body takes outputs[0] of each layer: stubs returning the hidden states show it.
+    config = AutoConfig.for_model(
+        "falcon", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        new_decoder_architecture=True, num_kv_heads=2,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(InvalidArgumentError, match="must pass each decoder layer's output"):
+        register_hf_model("hf-falcon", tmp_path)
+    assert "hf-falcon" not in registry.known_models()
+
+
 def test_a_config_asking_for_the_router_loss_is_refused_at_registration(
     tmp_path: Path,
 ) -> None:
