@@ -1,29 +1,30 @@
 """Hugging Face causal LMs as pipesvc layers, read from a local checkpoint directory.
 
-A decoder-only model of ``transformers`` has one shape whatever its family: token embeddings
-(plus learned positions in GPT-2), one list of decoder blocks, a final norm and the LM head.
-pipesvc cuts it there: layer 0 is the embedding, layers ``1..L`` are the blocks, layer ``L + 1``
-is the final norm with the head, so any contiguous range can live on a stage. A family is a
-``Family`` entry naming where those parts live in its ``transformers`` model (``FAMILIES``);
-the blocks themselves are ``transformers``' own modules, so the numbers are theirs.
+A decoder-only model of ``transformers`` has one shape whatever its family: a body of token
+embeddings (plus learned positions in GPT-2), one list of decoder blocks and a final norm, then
+the LM head. pipesvc cuts it there: layer 0 is the embedding, layers ``1..L`` are the blocks,
+layer ``L + 1`` is the final norm with the head, so any contiguous range can live on a stage.
+Where those parts are is found from the model's structure (``hf_family.find_family``); the
+blocks themselves are ``transformers``' own modules, so the numbers are theirs.
 
 [Note: Hugging Face layers] Each block computes what it needs beside the hidden states on its
-own stage: the positions ``0..T-1``, the rotary embeddings from them (the family's own rotary
-module, whose frequencies are computed buffers no checkpoint holds: the skeleton keeps buffers
-real and only parameters on the meta device) and the attention mask, which ``transformers``'
-own mask builders make from the causal rule (a sliding window where the config has one) and
-the batch's padding ``attention_mask``. That mask is a side input: every stage gets it with the
-run request (see [Note: side inputs] in ``pipesvc.core.microbatch``); only the hidden states
-cross from stage to stage. The model is built on the meta device from ``config.json`` (no memory),
-so the planner's description costs nothing; a stage then materialises only its own layers and
-reads their tensors by byte range from the safetensors files (``read_tensors``), never a
-whole file. Parameters are float32 (master weights for training), whatever the checkpoint's
-dtype (see [Note: stored dtype] in ``hf_checkpoint.py``). When the config ties the input
-embedding and the head (GPT-2, Gemma), the head layer loads the embedding's tensor as its own
-weight, and the two copies are declared tied
-(``tied_keys``): every training run gives both the sum of their gradients, so they stay equal
-wherever they sit (see [Note: tied parameters] in ``pipesvc.core.tying``). The directory is
-read by ``Checkpoint`` (``hf_checkpoint.py``), the family table is ``hf_family.py``.
+own stage, by running the body's own code up to its call (see [Note: the body's own code] in
+``hf_body.py``): positions, rotary embeddings (the family's own rotary modules, whose
+frequencies are computed buffers no checkpoint holds: the skeleton keeps buffers real and only
+parameters on the meta device) and the attention masks, which the body builds from the causal
+rule, sliding windows or chunks where the config has them, and the batch's padding
+``attention_mask``. That mask is a side input: every stage gets it with the run request (see
+[Note: side inputs] in ``pipesvc.core.microbatch``); only the hidden states cross from stage to
+stage. The model is built on the meta device from ``config.json`` (no memory), so the planner's
+description costs nothing; a stage then materialises only its own layers and reads their
+tensors by byte range from the safetensors files (``read_tensors``), never a whole file, in
+the layout the files use (see [Note: stored layouts] in ``hf_convert.py``). Parameters are
+float32 (master weights for training), whatever the checkpoint's dtype (see [Note: stored
+dtype] in ``hf_checkpoint.py``). When the config ties the input embedding and the head (GPT-2,
+Gemma), the head layer loads the embedding's tensor as its own weight, and the two copies are
+declared tied (``tied_keys``): every training run gives both the sum of their gradients, so
+they stay equal wherever they sit (see [Note: tied parameters] in ``pipesvc.core.tying``). The
+directory is read by ``Checkpoint`` (``hf_checkpoint.py``).
 """
 
 from __future__ import annotations
