@@ -49,6 +49,11 @@ from pipesvc.models.lora import add_lora, check_lora
 from pipesvc.models.registry import CacheLayout, CacheTensors, LayerSpec, register_model
 
 
+MODELS_KEPT = 64
+"""Hugging Face directories whose skeleton a process keeps built (parameters on meta: a few
+buffers each); a stage serving more rebuilds the least recently used one when asked."""
+
+
 class Skeleton:
     """The meta-device model a layer's shells copy (see [Note: the body's own code] in
     ``hf_body.py``): shared by every layer of a model, never copied with one."""
@@ -404,7 +409,7 @@ def make_cache(directory: str) -> Any:
     return _cache_maker(directory)()
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=MODELS_KEPT)
 def _cache_maker(directory: str) -> Any:
     """The function ``make_cache`` calls for the model in ``directory``, chosen once (a stage
     makes one per session part and step, and reading the config is not cheap)."""
@@ -528,12 +533,12 @@ def build_hf_layer(
     return add_lora(layer, lora) if lora is not None else layer
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=MODELS_KEPT)
 def _checkpoint(directory: str) -> Checkpoint:
     return Checkpoint(directory)
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=MODELS_KEPT)
 def _skeleton(directory: str) -> Skeleton:
     ckpt = _checkpoint(directory)
     return Skeleton(ckpt.meta_model, ckpt.family)
