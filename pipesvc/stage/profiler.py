@@ -88,7 +88,10 @@ class StageProfiler:
         if wire is not None and output.is_floating_point():
             size = quant.wire_bytes(output.numel(), wire)
         with self._lock:
-            self._forward.setdefault(index, _Mean()).add(seconds)
+            mean = self._forward.get(index)
+            if mean is None:
+                mean = self._forward[index] = _Mean()
+            mean.add(seconds)
             self._bytes[index] = size
 
     def needs_flops(self, index: int) -> bool:
