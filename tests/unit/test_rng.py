@@ -216,7 +216,7 @@ def test_only_stochastic_layers_run_under_their_seed_and_match_the_reference(
     generator touched; an inference forward seeds nothing. The outputs are the seeded
     reference's, bit for bit."""
     seeded: list[tuple[int, int, int]] = []
-    real = runtime_module.layer_rng
+    real = models.layer_rng
 
     def counting(
         seed: int, step: int, microbatch: int, layer: int, device: object = None
