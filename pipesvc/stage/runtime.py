@@ -94,7 +94,7 @@ from pipesvc.models import (
     tied_parameters,
     uses_rng,
 )
-from pipesvc.stage.profiler import FlopCount, StageProfiler
+from pipesvc.stage.profiler import FlopCount, StageProfiler, output_bytes
 from pipesvc.stage.weight_grads import DeferWeightGrads, WeightGradStore
 from pipesvc.storage.checkpoint import OPTIM_PREFIX, group_by_layer
 
@@ -389,6 +389,7 @@ class StageRuntime:
         seed, step = self.config.seed, self.step + 1
         mb = None if microbatch is None else self._microbatch_offset + microbatch
         profiler = self.profiler if microbatch is not None else None
+        samples: list[tuple[int, float, int]] = []  # a training forward's, for the profiler
         for index, layer, seeded, wanted, reads_cache in self._chunk_layers[chunk]:
             # A layer names the side inputs it reads (``side_inputs``, see [Note: side inputs])
             # and whether it reads and extends a generation cache (``uses_cache``).
@@ -414,7 +415,10 @@ class StageRuntime:
                     f"{x.dtype}: {exc}"
                 ) from exc
             if profiler is not None:  # a training forward (see pipesvc.stage.profiler)
-                profiler.layer(index, time.perf_counter() - started, x, self._profile_wire)
+                seconds = time.perf_counter() - started
+                samples.append((index, seconds, output_bytes(x, self._profile_wire)))
+        if profiler is not None:
+            profiler.layers(samples)
         return x
 
     def _call_layer(
