@@ -12,9 +12,12 @@ With ``--workload act`` the model and batch are ``pipeline.py``'s activation-hea
 (8 x (Linear(256, 256) + ReLU), batch 4096 in 8 micro-batches: an 8 MiB batch), where the
 batch's way from the client to the stages is a large part of a step.
 
+With ``--train K`` each turn runs K steps through ``job.train`` (pipelined steps over one
+stream) instead of one ``train_step``; each figure is then a turn's ms per step.
+
 Usage: ``python bench/paired_overhead.py [--stages 2] [--steps 150] [--workload act]
-[--every 0,10] NAME=DIR [NAME=DIR ...]`` (``.`` is this checkout). Prints steps/s, mean and
-p50 ms per step for each checkout and row.
+[--every 0,10] [--train K] NAME=DIR [NAME=DIR ...]`` (``.`` is this checkout). Prints steps/s,
+mean and p50 ms per step for each checkout and row.
 """
 
 from __future__ import annotations
@@ -72,6 +75,12 @@ def worker(num_stages: int, workload: str) -> None:
                 started = time.perf_counter()
                 job.train_step(x, y)
                 print(f"{(time.perf_counter() - started) * 1e3:.4f}", flush=True)
+            elif command[0] == "train" and job is not None:
+                count = int(command[1])
+                started = time.perf_counter()
+                for _ in job.train([(x, y)] * count):
+                    pass
+                print(f"{(time.perf_counter() - started) * 1e3 / count:.4f}", flush=True)
             else:
                 break
         client.close()
@@ -128,6 +137,14 @@ def main() -> None:
         "batch, 8 micro-batches), whose step time the batch's way to the stages shows in",
     )
     parser.add_argument("--every", default="0,10", help="checkpoint_every values (0: off)")
+    parser.add_argument(
+        "--train",
+        type=int,
+        default=0,
+        metavar="K",
+        help="each turn runs K steps through job.train (pipelined steps) instead of one "
+        "train_step; a figure is the turn's ms per step (0: train_step)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("trees", nargs="*", metavar="NAME=DIR")
     args = parser.parse_args()
@@ -141,10 +158,11 @@ def main() -> None:
         name: Checkout(Path(d).resolve(), args.stages, args.workload) for name, d in named.items()
     }
     names = list(checkouts)
+    each = f"{args.train} steps of job.train" if args.train else "one train_step"
     print(
         f"{args.workload} model, {args.stages} stages, {args.steps} timed steps per checkout "
         "and row "
-        f"({WARMUP_STEPS} warm-up), one step each in turn; {os.cpu_count()} CPU cores; "
+        f"({WARMUP_STEPS} warm-up), {each} each in turn; {os.cpu_count()} CPU cores; "
         f"load average {os.getloadavg()[0]:.1f}"
     )
     header = ["schedule", "ckpt"]
@@ -159,10 +177,11 @@ def main() -> None:
                         raise RuntimeError("a job could not be created")
                     for _ in range(WARMUP_STEPS):
                         checkout.ask("step")
+                turn = f"train {args.train}" if args.train else "step"
                 times: dict[str, list[float]] = {name: [] for name in names}
-                for i in range(args.steps):
+                for i in range(max(1, args.steps // max(1, args.train))):
                     for name in names[i % len(names) :] + names[: i % len(names)]:
-                        times[name].append(float(checkouts[name].ask("step")))
+                        times[name].append(float(checkouts[name].ask(turn)))
                 row = [schedule, f"every {every}" if every else "off"]
                 for name in names:
                     mean, median = statistics.fmean(times[name]), statistics.median(times[name])

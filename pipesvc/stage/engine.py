@@ -24,6 +24,16 @@ that step) to host memory, and the coordinator streams that copy (GetState with
 is a memory copy on the step's path; the stream, the files and their syncs are not. It costs
 one more copy of the stage's checkpoint state in host memory until it is read (a later
 snapshot replaces it; a new assignment drops it).
+
+[Note: per-action cost] On a small model a schedule action's own arithmetic takes tens of µs,
+so what the stage does around it counts as much: per run and per action the engine and the
+runtime do only what changes between calls. A kind of run's actions, their places and which
+backwards are split are worked out once (``_plan``); the timeout messages of waits are built
+once; each layer's call plan (seeded or not, side inputs, cache) is fixed when it is built, so a
+layer without randomness runs with no generator touched and a stochastic one under its seed as
+before (see [Note: training randomness]); autocast and the split backward's hooks are entered
+only when on; spans are cheap (see [Note: cheap spans] in ``pipesvc.stage.recorder``). None of
+this changes what is computed, or in which order.
 """
 
 from __future__ import annotations
@@ -141,6 +151,34 @@ class _Place:
         return chunk * self.count + self.microbatch
 
 
+_MAX_PLANS = 64
+"""Run plans an engine keeps (one per kind of run it saw; a job uses one or two)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _RunPlan:
+    """A run's actions as the loop takes them: per action its kind, its place and whether its
+    backward is split (a ``W`` follows), and the run's last forward micro-batch."""
+
+    steps: tuple[tuple[ActionKind, _Place, bool], ...]
+    last_mb: int
+
+    @staticmethod
+    def of(actions: list[Action]) -> _RunPlan:
+        split = {(a.microbatch_index, a.chunk) for a in actions if a.kind is ActionKind.WEIGHT}
+        last_mb = sum(a.kind is ActionKind.FORWARD for a in actions) - 1
+        count = sum(a.kind is ActionKind.FORWARD and a.chunk == 0 for a in actions)
+        steps = tuple(
+            (
+                a.kind,
+                _Place(a.microbatch_index, a.chunk, count),
+                a.kind is ActionKind.FORWARD and (a.microbatch_index, a.chunk) in split,
+            )
+            for a in actions
+        )
+        return _RunPlan(steps, last_mb)
+
+
 class StepEngine:
     """Runs, commits and aborts the steps of one stage of one job (see [Note: run and commit])."""
 
@@ -174,7 +212,6 @@ class StepEngine:
         self._send_gradient = send_gradient
         self._recv_timeout_s = recv_timeout_s
         self._job_id = job_id
-        self._downstream_address = downstream_address
         self._metrics = metrics
         self._fault_kill = fault_kill
         self._tied = tied
@@ -185,6 +222,13 @@ class StepEngine:
         self.snapshot: Snapshot | None = None
         """The state a carried commit asked to keep, until it is read."""
         self._snapshot_lock = threading.Lock()
+        self._plans: dict[tuple[bool, int], _RunPlan] = {}
+        """Each kind of run's plan (training or not, micro-batches), see ``_plan``."""
+        # What a wait names in its timeout's message (see Mailbox.get).
+        self._from_upstream = f" from rank {(runtime.rank - 1) % runtime.num_stages}"
+        self._from_downstream = (
+            f" from rank {(runtime.rank + 1) % runtime.num_stages} ({downstream_address})"
+        )
 
     def run_step(
         self,
@@ -229,21 +273,12 @@ class StepEngine:
                     f"run {self.pending_commit} awaits commit or abort; run {run_id} waits"
                 )
             self.last_run_id = run_id
-            if training:
-                actions = stage_actions(
-                    rt.config.schedule,
-                    rank=rt.rank,
-                    num_stages=rt.num_stages,
-                    num_microbatches=num_microbatches,
-                    virtual_stages=len(rt.chunks),
-                )
-            else:
-                actions = forward_only_actions(num_microbatches, len(rt.chunks))
+            plan = self._plan(training, num_microbatches)
             rt.begin_run(training, microbatch_offset=data.microbatch_offset)
             sessions = sorted({ref.session for ref in refs})
             try:
                 losses, outputs = self._execute(
-                    run_id, actions, data, training=training, generating=generating
+                    run_id, plan, data, training=training, generating=generating
                 )
                 if training and rt.ties:
                     self._share_tied(run_id)
@@ -278,6 +313,29 @@ class StepEngine:
                 max_live_activations=rt.max_live,
                 grad_norm_sq=grad_norm_sq,
             )
+
+    def _plan(self, training: bool, num_microbatches: int) -> _RunPlan:
+        """The actions of a run of ``num_microbatches`` and what the loop needs of them,
+        worked out once per kind of run (see [Note: per-action cost])."""
+        key = (training, num_microbatches)
+        plan = self._plans.get(key)
+        if plan is None:
+            rt = self.runtime
+            if training:
+                actions = stage_actions(
+                    rt.config.schedule,
+                    rank=rt.rank,
+                    num_stages=rt.num_stages,
+                    num_microbatches=num_microbatches,
+                    virtual_stages=len(rt.chunks),
+                )
+            else:
+                actions = forward_only_actions(num_microbatches, len(rt.chunks))
+            plan = _RunPlan.of(actions)
+            if len(self._plans) >= _MAX_PLANS:
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
 
     def _take_snapshot(self) -> None:
         """Copies the checkpoint state to host memory (see [Note: snapshot checkpoint])."""
@@ -337,7 +395,7 @@ class StepEngine:
     def _execute(
         self,
         run_id: int,
-        actions: list[Action],
+        plan: _RunPlan,
         data: RunInputs,
         *,
         training: bool,
@@ -348,30 +406,25 @@ class StepEngine:
         rec.begin(run_id, rt.step + 1 if training else 0, job_id=self._job_id, rank=rt.rank)
         losses: dict[int, float] = {}
         outputs: dict[int, torch.Tensor] = {}
-        split = {(a.microbatch_index, a.chunk) for a in actions if a.kind is ActionKind.WEIGHT}
-        last_mb = sum(a.kind is ActionKind.FORWARD for a in actions) - 1
-        count = sum(a.kind is ActionKind.FORWARD and a.chunk == 0 for a in actions)
-        for action in actions:
-            mb, chunk = action.microbatch_index, action.chunk
-            if self._fault_kill is not None and training:
-                self._fault_kill.check(
-                    when="forward" if action.kind is ActionKind.FORWARD else "backward",
+        fault_kill = self._fault_kill if training else None
+        for kind, at, split_here in plan.steps:
+            if fault_kill is not None:
+                fault_kill.check(
+                    when="forward" if kind is ActionKind.FORWARD else "backward",
                     step=rt.step + 1,
                     rank=rt.rank,
-                    microbatch=mb,
-                    last_mb=last_mb,
+                    microbatch=at.microbatch,
+                    last_mb=plan.last_mb,
                 )
-            at = _Place(mb, chunk, count)
-            if action.kind is ActionKind.FORWARD:
-                split_here = (mb, chunk) in split
+            if kind is ActionKind.FORWARD:
                 self._forward(
                     run_id, at, data, training, losses, outputs, generating, split=split_here
                 )
-            elif action.kind is ActionKind.BACKWARD:
+            elif kind is ActionKind.BACKWARD:
                 self._backward(run_id, at)
             else:
-                with rec.span("weight", mb):
-                    rt.backward_weight(mb, chunk)
+                with rec.span("weight", at.microbatch):
+                    rt.backward_weight(at.microbatch, at.chunk)
                 self._metrics.set("microbatches_in_flight", rt.live)
         rec.end(training=training, generating=generating)
         return [losses[i] for i in sorted(losses)], [outputs[i] for i in sorted(outputs)]
@@ -414,7 +467,7 @@ class StepEngine:
                 x = self.mailbox.get(
                     MailKey(run_id, ACTIVATION, at.wire(chunk)),
                     self._recv_timeout_s,
-                    f" from rank {(rt.rank - 1) % rt.num_stages}",
+                    self._from_upstream,
                 )
         with rec.span("forward", mb):
             side = data.side[mb] if data.side else None
@@ -462,7 +515,7 @@ class StepEngine:
                 grad = self.mailbox.get(
                     MailKey(run_id, GRADIENT, at.wire(chunk)),
                     self._recv_timeout_s,
-                    f" from rank {(rt.rank + 1) % rt.num_stages} ({self._downstream_address})",
+                    self._from_downstream,
                 )
         with rec.span("backward", mb):
             grad_input = rt.backward(mb, grad, chunk)

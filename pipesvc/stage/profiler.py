@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,12 +85,18 @@ class StageProfiler:
     ) -> None:
         """A layer's forward time; its output's size as it would cross a link (in ``wire``,
         the codec floating-point activations are sent in, when the job sets one)."""
-        size = output.numel() * output.element_size()
-        if wire is not None and output.is_floating_point():
-            size = quant.wire_bytes(output.numel(), wire)
+        self.layers([(index, seconds, output_bytes(output, wire))])
+
+    def layers(self, samples: Iterable[tuple[int, float, int]]) -> None:
+        """The layers of one forward: each one's index, forward time and output bytes (see
+        ``output_bytes``), under one lock."""
         with self._lock:
-            self._forward.setdefault(index, _Mean()).add(seconds)
-            self._bytes[index] = size
+            for index, seconds, size in samples:
+                mean = self._forward.get(index)
+                if mean is None:
+                    mean = self._forward[index] = _Mean()
+                mean.add(seconds)
+                self._bytes[index] = size
 
     def needs_flops(self, index: int) -> bool:
         """Whether layer ``index``'s operations are still to be counted (once per plan: a
@@ -125,6 +132,14 @@ class StageProfiler:
                 for i, f in sorted(forward.items())
             ]
             return Profile(layers, self._backward.count, self._send_rate.value)
+
+
+def output_bytes(output: torch.Tensor, wire: str | None = None) -> int:
+    """A layer output's size as it would cross a link (in ``wire``, the codec floating-point
+    activations are sent in, when the job sets one)."""
+    if wire is not None and output.is_floating_point():
+        return quant.wire_bytes(output.numel(), wire)
+    return output.numel() * output.element_size()
 
 
 class FlopCount(TorchDispatchMode):  # type: ignore[no-untyped-call]

@@ -6,11 +6,9 @@ Pure Python; the service calls ``span`` around every wait, compute and send of a
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
 
 from pipesvc.observe.metrics import NO_METRICS, Metrics
 from pipesvc.observe.trace import COMPUTE_EVENTS, TraceEvent
@@ -18,14 +16,25 @@ from pipesvc.observe.trace import COMPUTE_EVENTS, TraceEvent
 logger = logging.getLogger(__name__)
 
 
+_Event = tuple[int, int, str, int, int, int]
+"""A recorded span as kept: run id, step, name, micro-batch, start and end (ns)."""
+
+
 class RunRecorder:
-    """Keeps the newest ``max_events`` events and a window of recent runs' throughput."""
+    """Keeps the newest ``max_events`` events and a window of recent runs' throughput.
+
+    [Note: cheap spans] A stage records two or three spans per schedule action, so a span costs
+    what a tiny model's action is worth unless kept small: ``span`` is a slotted object, not a
+    generator-based context manager, and an event is kept as a plain tuple, made a validated
+    ``TraceEvent`` only when ``events`` is read (a trace is read rarely, a span is made per
+    action).
+    """
 
     def __init__(
         self, metrics: Metrics = NO_METRICS, max_events: int = 50_000, window_runs: int = 10
     ) -> None:
         self._metrics = metrics
-        self._events: collections.deque[TraceEvent] = collections.deque(maxlen=max_events)
+        self._events: collections.deque[_Event] = collections.deque(maxlen=max_events)
         self._window: collections.deque[tuple[int, float]] = collections.deque(maxlen=window_runs)
         self._lock = threading.Lock()
         self._run = (0, 0)
@@ -42,40 +51,31 @@ class RunRecorder:
         self._busy_ns = 0
         self._computed = 0
 
-    @contextlib.contextmanager
-    def span(self, name: str, microbatch: int) -> Iterator[None]:
-        """Times the enclosed action as an event of the current run."""
-        start = time.time_ns()
-        try:
-            yield
-        finally:
-            end = time.time_ns()
-            with self._lock:
-                self._events.append(
-                    TraceEvent(
-                        run_id=self._run[0],
-                        step=self._run[1],
-                        name=name,
-                        microbatch=microbatch,
-                        start_ns=start,
-                        end_ns=end,
-                    )
-                )
-            seconds = (end - start) / 1e9
-            if logger.isEnabledFor(logging.DEBUG):
-                logger.debug(
-                    "%s of micro-batch %d took %.2f ms",
-                    name,
-                    microbatch,
-                    seconds * 1e3,
-                    extra={**self._context, "microbatch": microbatch},
-                )
-            if name in COMPUTE_EVENTS:
-                self._busy_ns += end - start
-                self._computed += 1
-                self._metrics.observe("action_seconds", seconds, action=name)
-            elif name == "wait":
-                self._metrics.observe("wait_seconds", seconds, kind="input")
+    def span(self, name: str, microbatch: int) -> _Span:
+        """Times the enclosed action as an event of the current run (``name`` is one of
+        ``EVENT_NAMES``), also when it raises."""
+        return _Span(self, name, microbatch)
+
+    def record(self, name: str, microbatch: int, start: int, end: int) -> None:
+        """Records an event of the current run from ``start`` to ``end`` (``time.time_ns()``)."""
+        run_id, step = self._run
+        with self._lock:
+            self._events.append((run_id, step, name, microbatch, start, end))
+        seconds = (end - start) / 1e9
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "%s of micro-batch %d took %.2f ms",
+                name,
+                microbatch,
+                seconds * 1e3,
+                extra={**self._context, "microbatch": microbatch},
+            )
+        if name in COMPUTE_EVENTS:
+            self._busy_ns += end - start
+            self._computed += 1
+            self._metrics.observe("action_seconds", seconds, action=name)
+        elif name == "wait":
+            self._metrics.observe("wait_seconds", seconds, kind="input")
 
     def end(self, *, training: bool, generating: bool = False) -> None:
         """Finishes the run: throughput window, bubble gauge and run counter."""
@@ -90,12 +90,22 @@ class RunRecorder:
     def events(self, max_runs: int = 0) -> list[TraceEvent]:
         """Events of the newest ``max_runs`` runs (all kept with 0), oldest first."""
         with self._lock:
-            events = list(self._events)
+            kept = list(self._events)
         if max_runs:
-            runs = sorted({e.run_id for e in events})[-max_runs:]
+            runs = sorted({e[0] for e in kept})[-max_runs:]
             keep = set(runs)
-            events = [e for e in events if e.run_id in keep]
-        return events
+            kept = [e for e in kept if e[0] in keep]
+        return [
+            TraceEvent(
+                run_id=run_id,
+                step=step,
+                name=name,
+                microbatch=microbatch,
+                start_ns=start,
+                end_ns=max(start, end),  # the wall clock may step back mid-span
+            )
+            for run_id, step, name, microbatch, start, end in kept
+        ]
 
     @property
     def microbatches_per_s(self) -> float:
@@ -104,3 +114,21 @@ class RunRecorder:
             actions = sum(n for n, _ in self._window)
             seconds = sum(s for _, s in self._window)
         return actions / seconds if seconds > 0 else 0.0
+
+
+class _Span:
+    """One timed span (see [Note: cheap spans]): a context manager without a generator."""
+
+    __slots__ = ("_microbatch", "_name", "_recorder", "_start")
+
+    def __init__(self, recorder: RunRecorder, name: str, microbatch: int) -> None:
+        self._recorder = recorder
+        self._name = name
+        self._microbatch = microbatch
+        self._start = 0
+
+    def __enter__(self) -> None:
+        self._start = time.time_ns()
+
+    def __exit__(self, *exc: object) -> None:
+        self._recorder.record(self._name, self._microbatch, self._start, time.time_ns())

@@ -94,9 +94,14 @@ from pipesvc.models import (
     tied_parameters,
     uses_rng,
 )
-from pipesvc.stage.profiler import FlopCount, StageProfiler
+from pipesvc.stage.profiler import FlopCount, StageProfiler, output_bytes
 from pipesvc.stage.weight_grads import DeferWeightGrads, WeightGradStore
 from pipesvc.storage.checkpoint import OPTIM_PREFIX, group_by_layer
+
+_LayerCall = tuple[int, nn.Module, bool, tuple[str, ...], bool]
+"""How one layer is called: its global index, the layer, whether its training call is seeded
+(see [Note: training randomness]), the side inputs it reads and whether it reads a generation
+cache; fixed when the layer is built."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -142,9 +147,8 @@ class StageRuntime:
                 f"model {config.model!r} ties parameters across stages: virtual stages "
                 "(several layer ranges per stage) do not support tied parameters"
             )
-        # Per chunk: (global index, layer, whether its training call is seeded), fixed at build
-        # time.
-        self._chunk_layers: list[list[tuple[int, nn.Module, bool]]] = []
+        # Per chunk, each layer's call plan, fixed at build time (see [Note: per-action cost]).
+        self._chunk_layers: list[list[_LayerCall]] = []
         for a, b in self.chunks:
             built = build_layers(
                 config.model,
@@ -160,7 +164,16 @@ class StageRuntime:
                 for layer in built:
                     layer.to(torch.bfloat16)
             self._chunk_layers.append(
-                [(a + i, layer, uses_rng(layer)) for i, layer in enumerate(built)]
+                [
+                    (
+                        a + i,
+                        layer,
+                        uses_rng(layer),
+                        tuple(getattr(layer, "side_inputs", ())),
+                        bool(getattr(layer, "uses_cache", False)),
+                    )
+                    for i, layer in enumerate(built)
+                ]
             )
         self._layers = [entry for chunk in self._chunk_layers for entry in chunk]
         self._autocast = config.precision == "bf16-mixed"
@@ -173,8 +186,17 @@ class StageRuntime:
             getattr(torch, act) if act is not None and act not in quant.CODE_BITS else None
         )
         self._compute_dtype = torch.bfloat16 if config.precision == "bf16" else torch.float32
+        # What forward casts a floating-point input to the compute dtype for (see [Note: wire
+        # dtype]): always (bf16 weights, or a quantized codec outside autocast), or only when it
+        # arrives in the float codec's dtype (None: never).
+        self._cast_always = config.precision == "bf16" or (
+            act in quant.CODE_BITS and not self._autocast
+        )
+        self._cast_from: torch.dtype | None = None if self._autocast else self._wire_float
+        # The codec activations leave in, for the profiler's bytes (a property that parses).
+        self._profile_wire = config.wire_codecs[0]
         # Keys "{global layer}.{param}" match build(...).state_dict() (DESIGN section 4).
-        self.module = nn.ModuleDict({str(index): layer for index, layer, _ in self._layers})
+        self.module = nn.ModuleDict({str(entry[0]): entry[1] for entry in self._layers})
         self._training = True  # modules are built in training mode
         ties = ties or StageTies()
         if not trains(config.optimizer):  # an inference job: no gradients, no state
@@ -342,9 +364,12 @@ class StageRuntime:
         """Runs the layers (see [Note: precision]); in training, stochastic ones run seeded.
         With ``deferred`` (a split backward), the linear layers' backward leaves their weight
         gradients there (see pipesvc.stage.weight_grads)."""
-        defer = DeferWeightGrads(deferred) if deferred is not None else contextlib.nullcontext()
         # torch.autocast(enabled=False) costs a few µs per call and changes nothing here
-        # (no caller runs a stage inside an autocast region), so it is entered only when on.
+        # (no caller runs a stage inside an autocast region), so it is entered only when on;
+        # without either context the layers run directly (see [Note: per-action cost]).
+        if deferred is None and not self._autocast:
+            return self._apply_layers(x, microbatch, side, cache, chunk)
+        defer = DeferWeightGrads(deferred) if deferred is not None else contextlib.nullcontext()
         cast = (
             torch.autocast(self.device.type, dtype=torch.bfloat16)
             if self._autocast
@@ -362,24 +387,26 @@ class StageRuntime:
         chunk: int = 0,
     ) -> torch.Tensor:
         seed, step = self.config.seed, self.step + 1
-        for index, layer, seeded in self._chunk_layers[chunk]:
+        mb = None if microbatch is None else self._microbatch_offset + microbatch
+        profiler = self.profiler if microbatch is not None else None
+        samples: list[tuple[int, float, int]] = []  # a training forward's, for the profiler
+        for index, layer, seeded, wanted, reads_cache in self._chunk_layers[chunk]:
             # A layer names the side inputs it reads (``side_inputs``, see [Note: side inputs])
             # and whether it reads and extends a generation cache (``uses_cache``).
-            wanted = getattr(layer, "side_inputs", ())
-            kwargs: dict[str, Any] = {n: side[n].to(self.device) for n in wanted if n in side}
-            if cache is not None and getattr(layer, "uses_cache", False):
+            kwargs: dict[str, Any] = (
+                {n: side[n].to(self.device) for n in wanted if n in side} if wanted else {}
+            )
+            if cache is not None and reads_cache:
                 kwargs["cache"] = cache
-            counting = microbatch is not None and self.profiler.needs_flops(index)
-            counter = FlopCount() if counting else contextlib.nullcontext()
             started = time.perf_counter()
             try:
-                with counter:
-                    if seeded and microbatch is not None:
-                        mb = self._microbatch_offset + microbatch
-                        with layer_rng(seed, step, mb, index, self.device):
-                            x = layer(x, **kwargs)
-                    else:
-                        x = layer(x, **kwargs)
+                if profiler is not None and profiler.needs_flops(index):
+                    counter = FlopCount()
+                    with counter:
+                        x = self._call_layer(layer, x, kwargs, seeded, seed, step, mb, index)
+                    profiler.counted(index, counter.total)
+                else:
+                    x = self._call_layer(layer, x, kwargs, seeded, seed, step, mb, index)
             except (RuntimeError, IndexError, ValueError, MemoryError) as exc:
                 if _out_of_memory(exc):
                     raise self._memory_exhausted(f"the forward of layer {index}", exc) from exc
@@ -387,13 +414,30 @@ class StageRuntime:
                     f"layer {index} failed on an input of shape {list(x.shape)} and dtype "
                     f"{x.dtype}: {exc}"
                 ) from exc
-            if microbatch is not None:  # a training forward (see pipesvc.stage.profiler)
-                self.profiler.layer(
-                    index, time.perf_counter() - started, x, self.config.wire_codecs[0]
-                )
-                if isinstance(counter, FlopCount):
-                    self.profiler.counted(index, counter.total)
+            if profiler is not None:  # a training forward (see pipesvc.stage.profiler)
+                seconds = time.perf_counter() - started
+                samples.append((index, seconds, output_bytes(x, self._profile_wire)))
+        if profiler is not None:
+            profiler.layers(samples)
         return x
+
+    def _call_layer(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,
+        kwargs: dict[str, Any],
+        seeded: bool,
+        seed: int,
+        step: int,
+        microbatch: int | None,
+        index: int,
+    ) -> torch.Tensor:
+        """One layer's call: a stochastic layer's training call under its seed (see [Note:
+        training randomness]); any other call as it is, with no generator touched."""
+        if seeded and microbatch is not None:
+            with layer_rng(seed, step, microbatch, index, self.device):
+                return layer(x, **kwargs)  # type: ignore[no-any-return]
+        return layer(x, **kwargs)  # type: ignore[no-any-return]
 
     def forward(
         self,
@@ -416,28 +460,27 @@ class StageRuntime:
             StageOutOfMemoryError: a layer ran out of memory (see [Note: stage out of memory]).
         """
         side = side or {}
-        unknown = sorted(set(side) - set(self.features.side_inputs))
-        if unknown:
-            raise InvalidArgumentError(
-                f"model {self.config.model!r} takes no side input {unknown[0]!r}; it takes "
-                f"{list(self.features.side_inputs) or 'none'}"
-            )
-        if not self.first_virtual(chunk):
+        if side:
+            unknown = sorted(set(side) - set(self.features.side_inputs))
+            if unknown:
+                raise InvalidArgumentError(
+                    f"model {self.config.model!r} takes no side input {unknown[0]!r}; it "
+                    f"takes {list(self.features.side_inputs) or 'none'}"
+                )
+        first = self.rank == 0 and chunk == 0
+        if not first:
             x = self._from_wire(x, self._up[0])
         x = x.to(self.device)
-        if x.is_floating_point() and (
-            self.config.precision == "bf16"
-            or (self._up[0] in quant.CODE_BITS and not self._autocast)
-            or (x.dtype == self._wire_float and not self._autocast)
-        ):
+        if x.is_floating_point() and (self._cast_always or x.dtype == self._cast_from):
             x = x.to(self._compute_dtype)  # see [Note: wire dtype]
-        self._set_mode(training)
+        if training != self._training:
+            self._set_mode(training)
         last = self.last_virtual(chunk)
         if not training:
             with torch.no_grad():
                 out = self._apply(x, None, side, cache, chunk=chunk)
             return out if last else self._to_wire(out, self._down[0])
-        if not self.first_virtual(chunk):
+        if not first:
             if not x.is_floating_point():
                 raise InvalidArgumentError(
                     f"activation into layer {self.chunks[chunk][0]} has dtype {x.dtype}; "
@@ -457,9 +500,13 @@ class StageRuntime:
         """Last stage: the weighted loss of micro-batch ``microbatch``, kept for backward."""
         key = self._key(microbatch, len(self.chunks) - 1)
         x, y = self._saved[key]
-        with self._memory_of_the_stage("the loss"):
+        try:  # as _memory_of_the_stage, without a generator per call
             logits = y.float() if y.is_floating_point() else y
             loss = compute_loss(self.config.loss, logits, target.to(self.device)) * weight
+        except (RuntimeError, MemoryError) as exc:
+            if not _out_of_memory(exc):
+                raise
+            raise self._memory_exhausted("the loss", exc) from exc
         self._saved[key] = (x, loss)
         return loss
 
@@ -481,7 +528,7 @@ class StageRuntime:
                 f"backward of micro-batch {microbatch} (chunk {chunk}) before forward"
             )
         split = key in self._deferred
-        first = self.first_virtual(chunk)
+        first = self.rank == 0 and chunk == 0
         # A split backward's micro-batch stays in flight until its W.
         x, y = self._saved[key] if split else self._saved.pop(key)
         started = time.perf_counter()
@@ -498,11 +545,16 @@ class StageRuntime:
                 f"gradient of shape {list(grad_output.shape)} for an output of shape "
                 f"{list(y.shape)}"
             )
-        with self._memory_of_the_stage(f"the backward of micro-batch {microbatch}"):
+        try:  # as _memory_of_the_stage, without a generator and a message per call
             if grad_output is None:
                 torch.autograd.backward(y)
             else:
                 torch.autograd.backward(y, grad_output.to(device=self.device, dtype=y.dtype))
+        except (RuntimeError, MemoryError) as exc:
+            if not _out_of_memory(exc):
+                raise
+            where = f"the backward of micro-batch {microbatch}"
+            raise self._memory_exhausted(where, exc) from exc
         if split:
             self._backward_s[key] = time.perf_counter() - started
         else:

@@ -85,7 +85,7 @@ from pipesvc.stage.shm_files import (
     SharedFd,
     open_bell_reader,
     process_id,
-    read_exact,
+    read_some,
     remove_stale_areas,
 )
 from pipesvc.stage.slot_allocator import ALIGN, Slot, SlotAllocator
@@ -124,6 +124,8 @@ _LENGTH_BYTES = 4
 MAX_BELL_MESSAGE = 4096 - _LENGTH_BYTES
 """Largest doorbell message body (a message and its length prefix are one atomic write)."""
 _LENGTH = struct.Struct("<I")
+_BELL_READ_BYTES = 1 << 16
+"""Most doorbell bytes one read takes (a pipe's default capacity)."""
 
 
 def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -363,28 +365,57 @@ class ShmView:
             raise
         self._poller = select.poll()
         self._poller.register(self._bell, select.POLLIN)
+        self._unread = bytearray()
+        """Doorbell bytes read and not yet returned (see [Note: buffered doorbell])."""
 
     def read_bell(self) -> bytes | None:
         """The next doorbell message, blocking; None at end-of-file (the sender closed it) or
         once this view is closed (``close`` wakes a reader within a fraction of a second).
 
+        [Note: buffered doorbell] Each ``ring`` writes its message whole (at most PIPE_BUF),
+        so the reader takes whatever the pipe holds in one ``read`` and keeps what follows the
+        message for the next call: one wait and one read per message, or fewer when several
+        are waiting, instead of a wait and a read for the length and again for the body. Every
+        system call lets the stage's compute thread take the GIL, and taking it back costs a
+        switch between the threads.
+
         Raises:
             WireFormatError: a message longer than MAX_BELL_MESSAGE or cut short.
         """
-        if self._bell < 0:
+        while self._bell >= 0:
+            message = self._buffered_message()
+            if message is not None:
+                return message
+            chunk = read_some(self._bell, _BELL_READ_BYTES, self._poller, self._is_closed)
+            if self._closed:
+                return None
+            if chunk is None:
+                if self._unread:
+                    raise WireFormatError(
+                        f"doorbell message cut short ({len(self._unread)} bytes of it arrived)"
+                    )
+                return None
+            self._unread += chunk
+        return None
+
+    def _buffered_message(self) -> bytes | None:
+        """The next whole message among the bytes read (taken out of them), if one is there.
+
+        Raises:
+            WireFormatError: its length is over MAX_BELL_MESSAGE.
+        """
+        unread = self._unread
+        if len(unread) < _LENGTH_BYTES:
             return None
-        head = read_exact(self._bell, _LENGTH_BYTES, self._poller, self._is_closed)
-        if head is None or self._closed:
-            return None
-        (length,) = _LENGTH.unpack(head)
+        (length,) = _LENGTH.unpack_from(unread)
         if length > MAX_BELL_MESSAGE:
             raise WireFormatError(f"doorbell message of {length} bytes; at most {MAX_BELL_MESSAGE}")
-        body = read_exact(self._bell, length, self._poller, self._is_closed)
-        if self._closed:
+        end = _LENGTH_BYTES + length
+        if len(unread) < end:
             return None
-        if body is None:
-            raise WireFormatError(f"doorbell message cut short ({length} bytes announced)")
-        return body
+        message = bytes(unread[_LENGTH_BYTES:end])
+        del unread[:end]
+        return message
 
     def close_bell(self) -> None:
         """Closes the reading end (call from the thread that reads it, once it is done)."""

@@ -21,8 +21,6 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from pipesvc.errors import WireFormatError
-
 logger = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
@@ -143,29 +141,21 @@ def open_bell_reader(path: str) -> int:
     return fd
 
 
-def read_exact(fd: int, n: int, poller: select.poll, closed: Callable[[], bool]) -> bytes | None:
-    """``n`` bytes from the non-blocking FIFO ``fd``; None at end-of-file before the first
-    byte, or once ``closed()``. It waits in ``poll`` before reading: on Linux a FIFO reports
-    hang-up only after a writer has come and gone, while ``read`` returns end-of-file whenever
-    no writer is there, also before the first one has opened it."""
-    chunks: list[bytes] = []
-    got = 0
-    while got < n:
+def read_some(fd: int, n: int, poller: select.poll, closed: Callable[[], bool]) -> bytes | None:
+    """Up to ``n`` bytes from the non-blocking FIFO ``fd``, as many as are there once some are;
+    None at end-of-file, or once ``closed()``. It waits in ``poll`` before reading: on Linux a
+    FIFO reports hang-up only after a writer has come and gone, while ``read`` returns
+    end-of-file whenever no writer is there, also before the first one has opened it."""
+    while True:
         if not poller.poll(POLL_S * 1000):
             if closed():
                 return None
             continue
         try:
-            chunk = os.read(fd, n - got)
+            chunk = os.read(fd, n)
         except BlockingIOError:
             continue
-        if not chunk:
-            if got == 0:
-                return None
-            raise WireFormatError(f"doorbell closed after {got} of {n} bytes")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
+        return chunk or None
 
 
 class Mapping:

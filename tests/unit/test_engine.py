@@ -306,6 +306,38 @@ def test_engines_with_dropout_draw_the_reference_masks(schedule_name: str, num_s
         _assert_tensors(pipeline.tensors("parameters"), reference.model.state_dict())
 
 
+@pytest.mark.parametrize("schedule_name", ["1f1b", "zb-h1"])
+def test_runs_of_every_kind_on_one_engine_follow_the_reference(schedule_name: str) -> None:
+    """An engine works a kind of run's actions out once (training or not, its micro-batch
+    count) and reuses them: training runs of 3, 2 and again 3 micro-batches, with an inference
+    run between them, each still equals the reference, dropout masks included."""
+    optimizer = {"name": "sgd", "lr": 0.05}
+    reference = Reference(DROPOUT_GPT, seed=7, optimizer=optimizer, clip_grad_norm=None)
+    pipeline = Pipeline(
+        DROPOUT_GPT,
+        schedule_name=schedule_name,
+        num_stages=2,
+        seed=7,
+        optimizer=optimizer,
+        clip_grad_norm=None,
+        num_microbatches=3,
+    )
+    for step, batch_size in enumerate((7, 2, 7, 2)):
+        x, y = DROPOUT_GPT.batch(batch_size, seed=step)
+        count = min(3, batch_size)
+        loss = pipeline.train_step(x, y)
+        assert loss == pytest.approx(reference.step(x, y, count), rel=1e-5, abs=1e-6)
+        _assert_tensors(pipeline.tensors("parameters"), reference.model.state_dict())
+        x, _ = DROPOUT_GPT.batch(3, seed=50 + step)
+        reference.model.eval()
+        with torch.no_grad():
+            expected = reference.model(x)
+        reference.model.train()
+        torch.testing.assert_close(pipeline.forward(x), expected, rtol=1e-5, atol=1e-6)
+    plans = pipeline.engines[0]._plans
+    assert sorted(plans) == [(False, 3), (True, 2), (True, 3)]
+
+
 def _pipeline(
     problem: Problem,
     num_stages: int = 3,

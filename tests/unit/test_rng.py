@@ -3,6 +3,7 @@ and batch statistics refused under micro-batching; against one-process torch."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from pipesvc import models
 from pipesvc.core.config import JobConfig
 from pipesvc.errors import InvalidArgumentError
 from pipesvc.models import registry
+from pipesvc.stage import runtime as runtime_module
 from pipesvc.stage.runtime import StageRuntime
 
 GPT_ARGS = {
@@ -204,6 +206,42 @@ def test_only_layers_that_draw_random_numbers_are_seeded() -> None:
     marked = nn.Linear(2, 2)
     marked.uses_rng = True  # type: ignore[assignment]
     assert models.uses_rng(nn.Sequential(marked))
+
+
+def test_only_stochastic_layers_run_under_their_seed_and_match_the_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each layer's call plan is fixed when it is built: a training forward seeds the layers
+    with dropout, once per micro-batch and under their own index, and calls the others with no
+    generator touched; an inference forward seeds nothing. The outputs are the seeded
+    reference's, bit for bit."""
+    seeded: list[tuple[int, int, int]] = []
+    real = models.layer_rng
+
+    def counting(
+        seed: int, step: int, microbatch: int, layer: int, device: object = None
+    ) -> contextlib.AbstractContextManager[None]:
+        seeded.append((step, microbatch, layer))
+        return real(seed, step, microbatch, layer, device)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(runtime_module, "layer_rng", counting)
+    (rt,) = _stages(_config(num_stages=1), [0, NUM_LAYERS])
+    model = models.build("gpt", seed=SEED, **GPT_ARGS)
+    stochastic = [i for i, layer in enumerate(model) if models.uses_rng(layer)]
+    assert 0 < len(stochastic) < NUM_LAYERS  # both kinds are there
+    rt.begin_run(True)
+    for mb, (x, _) in enumerate(_batch(0)):
+        out = rt.forward(mb, x, training=True)
+        monkeypatch.setattr(runtime_module, "layer_rng", real)
+        expected = models.seeded_forward(model, x, seed=SEED, step=1, microbatch=mb)
+        monkeypatch.setattr(runtime_module, "layer_rng", counting)
+        assert torch.equal(out, expected)
+    rt.abort()
+    assert seeded == [(1, mb, i) for mb in range(NUM_MICROBATCHES) for i in stochastic]
+    seeded.clear()
+    rt.begin_run(False)
+    rt.forward(0, _batch(0)[0][0], training=False)
+    assert seeded == []
 
 
 def test_layer_rng_is_stable_and_leaves_the_global_generator_as_it_was() -> None:
