@@ -48,7 +48,6 @@ from pipesvc.models.hf_family import Family
 from pipesvc.models.lora import add_lora, check_lora
 from pipesvc.models.registry import CacheLayout, CacheTensors, LayerSpec, register_model
 
-
 MODELS_KEPT = 64
 """Hugging Face directories whose skeleton a process keeps built (parameters on meta: a few
 buffers each); a stage serving more rebuilds the least recently used one when asked."""
