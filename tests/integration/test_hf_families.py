@@ -13,6 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import pipesvc
+from pipesvc.models.hf import cache_layout
 from pipesvc.models.hf_checkpoint import Checkpoint
 from tests.support.hf_families import TESTED, VOCAB
 
@@ -84,7 +85,17 @@ def test_a_family_trains_generates_and_exports_as_transformers(
         losses = [job.train_step(ids, labels, mask) for _ in range(STEPS)]
         weights = job.state_dict()
         generated = job.generate(ids, NEW_TOKENS, attention_mask=mask)
+        timelines = job.timelines(max_runs=NEW_TOKENS)
         job.save_pretrained(tmp_path / "out", max_shard_size="40KB")
+    # Where every layer attends to every earlier position, the rows' caches stack and each
+    # generation step runs as one micro-batch (fused); windows, chunks and recurrent states do
+    # not line up across rows, so those steps keep their two parts.
+    fused = cache_layout(str(directory.resolve())) is not None
+    for timeline in timelines:
+        forwards = [e for e in timeline.events if e.name == "forward"]
+        runs = sorted({e.run_id for e in forwards})
+        per_run = [sorted(e.microbatch for e in forwards if e.run_id == r) for r in runs]
+        assert per_run == ([[0]] if fused else [[0, 1]]) * NEW_TOKENS, model_type
     expected_losses, reference = train_in_one_process(directory)
     assert losses == pytest.approx(expected_losses, rel=1e-5, abs=1e-6)
     expected = reference.state_dict()
