@@ -91,9 +91,10 @@ class Measurements:
     current_s: list[float]
     """The current plan's predicted seconds per micro-batch, per rank."""
     link_rates: dict[frozenset[str], float] = dataclasses.field(default_factory=dict)
-    """The measured rate of the current plan's links between hosts, by the pair of hosts
-    they join (either way: a link's two directions have the same rate), the slowest where
-    several join the same pair; what ``wire_dtype="auto"`` decides by."""
+    """The probed rate of links between hosts (see [Note: link probe] in
+    ``pipesvc.stage.probe``), by the pair of hosts they join (either way: a link's two
+    directions are taken to have the same rate): the current plan's links and the other pairs
+    of the candidates' hosts; what ``wire_dtype="auto"`` decides by."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,14 +238,18 @@ class Replanner:
                 plan, predicted_s = current, current_s
                 if _decides_links(config):
                     # The same ranges, their links decided again by this measurement: a link
-                    # compressed while it was slow goes back to exact once it is fast (the
-                    # faster plan was predicted with the old codecs, so it may not beat them).
-                    plan = decide_links(config, current, measured)
-                    predicted_s = throughput.predict(
-                        measured.costs,
-                        _with_codecs(config, measured, plan, links(config, plan)),
-                        [(s.start_layer, s.end_layer) for s in plan],
-                    )
+                    # compressed while it was slow goes back to exact once it is fast (there
+                    # the current plan, compressed, predicts as fast as the exact one, so the
+                    # plan found is not faster). Only a change of codecs is a move (a reason's
+                    # figures change with every measurement; a move costs a checkpoint).
+                    decided = decide_links(config, current, measured)
+                    if _codecs(config, decided) != _codecs(config, current):
+                        plan = decided
+                        predicted_s = throughput.predict(
+                            measured.costs,
+                            _with_codecs(config, measured, plan, links(config, plan)),
+                            [(s.start_layer, s.end_layer) for s in plan],
+                        )
         else:
             records = {r.address: r for r in group.registry.all()}
             plan = placement.plan_on(config, group.layers, [records[s.address] for s in current])
@@ -483,6 +488,11 @@ def decide_links(
             dataclasses.replace(stage, link_codec=link_codec_text(codecs), link_reason=why)
         )
     return decided
+
+
+def _codecs(config: JobConfig, plan: list[PipelineStage]) -> list[Codecs]:
+    """What each link of ``plan`` sends in, in rank order."""
+    return [link.codecs for link in links(config, plan)]
 
 
 def _decides_links(config: JobConfig) -> bool:

@@ -155,7 +155,9 @@ class StageProfile(_message.Message):
     speed: _builtins.float
     """GFLOP/s of the calibration product (0 when not asked)."""
     send_bytes_per_s: _builtins.float
-    """Activations sent downstream: bytes per second of the send calls (0 when none)."""
+    """Activations sent downstream: bytes per second of the send calls (0 when none). A send call
+    puts into the sender's queue, so this is not the link's rate (ProbeLink measures that).
+    """
     @_builtins.property
     def layers(self) -> _containers.RepeatedCompositeFieldContainer[Global___LayerTime]: ...
     def __init__(

@@ -1,13 +1,28 @@
 """The link probe's pure parts (see [Note: link probe] in pipesvc/stage/probe.py): how large
-each send is, what a ``Sink`` accepts, which pairs of stages a measurement probes, and that a
-probed rate is the one ``auto`` and the planner read. No gRPC here."""
+each send is, what a ``Sink`` accepts, which pairs of stages a measurement probes, that a
+probed rate is the one ``auto`` and the planner read, and that a re-plan decides the links of
+the ranges it keeps again. No gRPC here."""
 
 from __future__ import annotations
 
+import dataclasses
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 
-from pipesvc.coordinator.rebalance import MAX_PROBES, _measurements, probe_pairs
+from pipesvc.coordinator.rebalance import (
+    MAX_PROBES,
+    Decision,
+    Measurements,
+    Replanner,
+    _measurements,
+    probe_pairs,
+)
 from pipesvc.coordinator.registry import StageRecord
+from pipesvc.core import throughput
+from pipesvc.core.config import JobConfig
+from pipesvc.core.link_codecs import links, wire_fraction
 from pipesvc.core.plan import PipelineStage
 from pipesvc.errors import InvalidArgumentError
 from pipesvc.stage import probe
@@ -122,3 +137,64 @@ def test_the_probed_rate_is_the_links_rate_not_the_send_calls() -> None:
     # Rank 0's link is the probed one; rank 1's, on one host, its send calls'; the last
     # stage's and the free one's the median of the known.
     assert [r.link_bytes_per_s for r in measured.rates] == [12.5e6, 8.6e9, 4.30625e9, 4.30625e9]
+
+
+LAYERS, BOUNDARY = 4, 4_000_000
+AUTO = JobConfig(model="mlp", num_stages=2, wire_dtype="auto")
+
+
+def _choose(current: list[PipelineStage], link_bytes_per_s: float) -> Decision:
+    """``Replanner.choose("throughput")`` on ``current`` with a measurement made by hand: four
+    layers of 1 s at speed 1 on two stages, the link between their hosts at that rate."""
+    addresses = [s.address for s in current]
+    stages = [
+        StageRecord(address=a, device="cpu", memory_bytes=2**40, models=("mlp",)) for a in addresses
+    ]
+    rate = throughput.StageRate(speed=1.0, memory_bytes=2**40, link_bytes_per_s=link_bytes_per_s)
+    costs = throughput.LayerCosts(work=[1.0] * LAYERS, boundary_bytes=[BOUNDARY] * LAYERS)
+    ranges = [(s.start_layer, s.end_layer) for s in current]
+    (link,) = links(AUTO, current)
+    now = dataclasses.replace(rate, wire_fraction=wire_fraction(link.codecs, 4))
+    measured = Measurements(
+        costs,
+        stages,
+        [rate, rate],
+        throughput.predict(costs, [now, rate], ranges),  # as measure() counts the codecs
+        {frozenset(a.rpartition(":")[0] for a in addresses): link_bytes_per_s},
+    )
+    layers = [stage_pb2.LayerDescription(index=i, parameter_bytes=1) for i in range(LAYERS)]
+    group: Any = SimpleNamespace(layers=layers, config=AUTO, plan=current, job_id="j")
+    none: Any = None
+    replanner = Replanner(group=group, ledger=none, checkpoints=none, recovery=none)
+    replanner.measure = lambda: measured  # type: ignore[method-assign]
+    return replanner.choose("throughput")
+
+
+def _two(link_codec: str, reason: str = "") -> list[PipelineStage]:
+    return [
+        PipelineStage(
+            start_layer=0,
+            end_layer=2,
+            rank=0,
+            address="10.0.0.1:1",
+            link_codec=link_codec,
+            link_reason=reason,
+        ),
+        PipelineStage(start_layer=2, end_layer=4, rank=1, address="10.0.0.2:1"),
+    ]
+
+
+def test_a_replan_that_keeps_the_ranges_decides_their_links_again() -> None:
+    compressed = "activations=int8,gradients=bfloat16"
+    # Compressed while slow, now fast (8 ms both ways against 2 s of compute): back to exact,
+    # although the exact plan is not predicted faster than the compressed one.
+    fast = _choose(_two(compressed, "auto: int8 ... link 1 MB/s"), 1e9)
+    assert fast.moved and [(s.start_layer, s.end_layer) for s in fast.plan] == [(0, 2), (2, 4)]
+    assert fast.plan[0].link_codec == "exact"
+    assert fast.plan[0].link_reason.startswith("auto: exact (not the bottleneck: link 1e+03 MB/s")
+    # Same codecs, other figures in the reason: no move (a move costs a checkpoint).
+    # (At 3.9 MB/s exact takes 2.05 s both ways, compressed 0.8 s: the uniform plan is best.)
+    again = _choose(_two(compressed, "auto: int8 ... link 1 MB/s"), 3.9e6)
+    assert not again.moved and again.plan[0].link_reason == "auto: int8 ... link 1 MB/s"
+    # Never decided (exact until measured) and found fast: exact either way, no move.
+    assert not _choose(_two(""), 1e9).moved
