@@ -30,6 +30,7 @@ settles, and the job measures again only when its step time or its stages change
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import os
@@ -58,7 +59,7 @@ from pipesvc.core.link_codecs import (
 )
 from pipesvc.core.plan import PipelineStage
 from pipesvc.core.settle import Policy, Settler
-from pipesvc.errors import FailedPreconditionError, PlanError
+from pipesvc.errors import FailedPreconditionError, PipesvcError, PlanError
 from pipesvc.v1 import stage_pb2
 from pipesvc.wire.transport import call
 
@@ -68,9 +69,13 @@ CALIBRATE_S = 0.5
 """Seconds each stage times its calibration product (all stages at once, so stages sharing a
 host's cores measure the share they get while they all work)."""
 LINK_RATE_ENV = "PIPESVC_TEST_LINK_BYTES_PER_S"
-"""Tests only: when the coordinator's environment sets it, every stage that measured a send
-rate is taken to have measured this many bytes per second instead (a slow link on demand on
-one machine, so the choice of ``wire_dtype="auto"`` is deterministic)."""
+"""Tests only: when the coordinator's environment sets it, every link it probed is taken to
+have measured this many bytes per second instead (a slow link on demand on one machine, so the
+choice of ``wire_dtype="auto"`` is deterministic; the probes still run)."""
+PROBE_TIMEOUT_S = 120.0
+"""Deadline of one stage's link probe beyond the control deadline (its sends have 30 s each)."""
+MAX_PROBES = 16
+"""Pairs of hosts one measurement probes at most (each costs up to about half a second)."""
 AUTO_ROUNDS = 3
 """Plans the ``auto`` search tries at most (see ``Replanner.choose``)."""
 
@@ -86,9 +91,10 @@ class Measurements:
     current_s: list[float]
     """The current plan's predicted seconds per micro-batch, per rank."""
     link_rates: dict[frozenset[str], float] = dataclasses.field(default_factory=dict)
-    """The measured rate of the current plan's links between hosts, by the pair of hosts
-    they join (either way: a link's two directions have the same rate), the slowest where
-    several join the same pair; what ``wire_dtype="auto"`` decides by."""
+    """The probed rate of links between hosts (see [Note: link probe] in
+    ``pipesvc.stage.probe``), by the pair of hosts they join (either way: a link's two
+    directions are taken to have the same rate): the current plan's links and the other pairs
+    of the candidates' hosts; what ``wire_dtype="auto"`` decides by."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,12 +142,11 @@ class Replanner:
         if free or any(not _operations(p) for p in profiles):
             stages += free
             profiles = self._profile(stages, CALIBRATE_S)
+        probed = self._probe_links(probe_pairs(group.plan, stages))
         forced = os.environ.get(LINK_RATE_ENV)
         if forced:
-            for profile in profiles:
-                if profile.send_bytes_per_s > 0:
-                    profile.send_bytes_per_s = float(forced)
-        measured = _measurements(group.plan, len(group.layers), stages, profiles)
+            probed = {pair: float(forced) for pair in probed}
+        measured = _measurements(group.plan, len(group.layers), stages, profiles, probed)
         if _decides_links(group.config):  # the boundary bytes are exact; the links may not be
             rates = _with_codecs(
                 group.config, measured, group.plan, links(group.config, group.plan)
@@ -167,6 +172,40 @@ class Replanner:
 
         with futures.ThreadPoolExecutor(max_workers=len(stages)) as pool:
             return list(pool.map(profile, range(len(stages))))
+
+    def _probe_links(self, pairs: list[tuple[str, str]]) -> dict[frozenset[str], float]:
+        """The rate of each pair of hosts, probed from the first stage of a pair to the second
+        (see [Note: link probe] in ``pipesvc.stage.probe``), one pair at a time; a pair whose
+        probe failed (a stage too old to probe, one gone) is left out: its links stay
+        unmeasured, so ``auto`` keeps them exact."""
+        group = self._group
+        rates: dict[frozenset[str], float] = {}
+        for source, target in pairs:
+            stub = group.registry.stub(source)
+            try:
+                answer = call(
+                    stub.ProbeLink,
+                    stage_pb2.ProbeLinkRequest(target=target),
+                    timeout_s=group.deadlines.control_s + PROBE_TIMEOUT_S,
+                    where=f"stage {source}",
+                )
+            except PipesvcError as exc:
+                logger.warning(
+                    "job %s: no link rate from %s to %s: %s", group.job_id, source, target, exc
+                )
+                continue
+            if answer.bytes_per_s > 0 and math.isfinite(answer.bytes_per_s):
+                rates[_hosts(source, target)] = answer.bytes_per_s
+                logger.info(
+                    "job %s: link %s -> %s: %.3g MB/s (%d bytes in %.3f s)",
+                    group.job_id,
+                    source,
+                    target,
+                    answer.bytes_per_s / 1e6,
+                    answer.bytes,
+                    answer.seconds,
+                )
+        return rates
 
     def choose(self, partition: str) -> Decision:
         """The plan ``partition`` gives (``throughput``: from a new measurement, and only if
@@ -197,6 +236,20 @@ class Replanner:
             )
             if max(predicted_s) >= max(current_s):  # not faster
                 plan, predicted_s = current, current_s
+                if _decides_links(config):
+                    # The same ranges, their links decided again by this measurement: a link
+                    # compressed while it was slow goes back to exact once it is fast (there
+                    # the current plan, compressed, predicts as fast as the exact one, so the
+                    # plan found is not faster). Only a change of codecs is a move (a reason's
+                    # figures change with every measurement; a move costs a checkpoint).
+                    decided = decide_links(config, current, measured)
+                    if _codecs(config, decided) != _codecs(config, current):
+                        plan = decided
+                        predicted_s = throughput.predict(
+                            measured.costs,
+                            _with_codecs(config, measured, plan, links(config, plan)),
+                            [(s.start_layer, s.end_layer) for s in plan],
+                        )
         else:
             records = {r.address: r for r in group.registry.all()}
             plan = placement.plan_on(config, group.layers, [records[s.address] for s in current])
@@ -309,14 +362,39 @@ class Replanner:
         registry.unclaim([s.address for s in leaving])
 
 
+def probe_pairs(plan: list[PipelineStage], stages: list[StageRecord]) -> list[tuple[str, str]]:
+    """The (sender, receiver) stage addresses whose links a measurement probes: each link of
+    ``plan`` between hosts, then one pair of stages for every other pair of hosts among
+    ``stages`` (the candidates a throughput plan may chain), at most ``MAX_PROBES``; each pair
+    of hosts once (a link's rate is taken to be the same both ways)."""
+    pairs: list[tuple[str, str]] = []
+    seen: set[frozenset[str]] = set()
+    ordered = sorted((s for s in plan if s.chunk == 0 and s.replica == 0), key=lambda s: s.rank)
+    candidates = [(a.address, b.address) for a, b in itertools.pairwise(ordered)]
+    first_on: dict[str, str] = {}
+    for record in stages:
+        first_on.setdefault(host_of(record.address), record.address)
+    candidates += list(itertools.combinations(first_on.values(), 2))
+    for a, b in candidates:
+        pair = _hosts(a, b)
+        if len(pair) == 2 and pair not in seen and len(pairs) < MAX_PROBES:
+            seen.add(pair)
+            pairs.append((a, b))
+    return pairs
+
+
 def _measurements(
     plan: list[PipelineStage],
     num_layers: int,
     stages: list[StageRecord],
     profiles: list[stage_pb2.StageProfile],
+    probed: dict[frozenset[str], float] | None = None,
 ) -> Measurements:
     """Layer costs and stage speeds from the job's stages' timings (see [Note: measured
-    speed])."""
+    speed]), and link rates from ``probed`` (by pair of hosts, see [Note: link probe] in
+    ``pipesvc.stage.probe``): a stage's link is the probed rate of its link to the next stage
+    where that was probed, else the rate of its own send calls (a link on one host)."""
+    probed = probed or {}
     times: dict[int, float] = {}
     boundary: dict[int, int] = {}
     speeds: list[float | None] = []
@@ -347,15 +425,18 @@ def _measurements(
         s if s is not None else max(p.speed * scale, 1e-9)
         for s, p in zip(speeds, profiles, strict=True)
     ]
-    known = [p.send_bytes_per_s for p in profiles[: len(plan)] if p.send_bytes_per_s > 0]
+    own_link = [
+        probed.get(_hosts(a.address, b.address), 0.0) or profile.send_bytes_per_s
+        for a, b, profile in zip(plan, plan[1:], profiles, strict=False)
+    ]
+    known = [rate for rate in own_link if rate > 0]
     default_rate = statistics.median(known) if known else float("inf")
+    own_link += [0.0] * (len(stages) - len(own_link))
     rates = [
         throughput.StageRate(
-            speed=v,
-            memory_bytes=record.memory_bytes,
-            link_bytes_per_s=profile.send_bytes_per_s or default_rate,
+            speed=v, memory_bytes=record.memory_bytes, link_bytes_per_s=link or default_rate
         )
-        for record, profile, v in zip(stages, profiles, speed, strict=True)
+        for record, link, v in zip(stages, own_link, speed, strict=True)
     ]
     holder = {i: r for r, s in enumerate(plan) for i in range(s.start_layer, s.end_layer)}
     costs = throughput.LayerCosts(
@@ -364,12 +445,7 @@ def _measurements(
     )
     ranges = [(s.start_layer, s.end_layer) for s in plan]
     current_s = throughput.predict(costs, rates[: len(plan)], ranges)
-    link_rates: dict[frozenset[str], float] = {}
-    for rank, profile in enumerate(profiles[: len(plan) - 1]):
-        rate = profile.send_bytes_per_s
-        pair = _hosts(plan[rank].address, plan[rank + 1].address)
-        if rate > 0 and math.isfinite(rate) and len(pair) == 2:
-            link_rates[pair] = min(rate, link_rates.get(pair, math.inf))
+    link_rates = {pair: rate for pair, rate in probed.items() if len(pair) == 2}
     return Measurements(costs, stages, rates, current_s, link_rates)
 
 
@@ -412,6 +488,11 @@ def decide_links(
             dataclasses.replace(stage, link_codec=link_codec_text(codecs), link_reason=why)
         )
     return decided
+
+
+def _codecs(config: JobConfig, plan: list[PipelineStage]) -> list[Codecs]:
+    """What each link of ``plan`` sends in, in rank order."""
+    return [link.codecs for link in links(config, plan)]
 
 
 def _decides_links(config: JobConfig) -> bool:

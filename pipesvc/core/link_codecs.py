@@ -19,7 +19,7 @@ plan entry whose ``link_codec`` is set overrides the rule for the link out of th
 the step waits for. With the throughput model (see [Note: throughput plan] in
 ``pipesvc.core.throughput``), a link between hosts is the bottleneck when moving one
 micro-batch's activation forward and its gradient back at the exact dtype, at the link's
-measured rate (bytes on the wire per second of the upstream stage's sends), takes longer than
+measured rate (bytes per second that reach the downstream stage, see below), takes longer than
 the slower of its two stages computes one micro-batch:
 
     2 * boundary_bytes / link_bytes_per_s  >  max(compute_s[upstream], compute_s[downstream])
@@ -40,10 +40,13 @@ by a re-plan with another method, starts the new plan's links exact again until 
 measurement. A job with replicas or virtual stages is never re-planned, so its links stay
 exact under ``auto``.
 
-What "measured rate" means is the weak part: the rate is each stage's ``send_bytes_per_s``
-(see ``pipesvc.stage.profiler``), which times the send call, a put into the sender's queue,
-not the link; on a real slow link it reads far too fast and ``auto`` stays exact (bench
-README, ``links.py``). The rule and the plumbing do not depend on where the rate comes from.
+The measured rate is the link probe's (see [Note: link probe] in ``pipesvc.stage.probe``):
+bytes that arrived at the downstream stage per second of a send of filler timed to its
+answer, probed by the re-planner when it measures. (A stage's own ``send_bytes_per_s`` times
+the send call, a put into the sender's queue; it reads gigabytes per second on any link, so
+``auto`` decided by it never compressed a real slow link.) A re-plan that keeps its ranges
+decides their links again, so a link that became fast goes back to exact. The rule does not
+depend on where the rate comes from.
 """
 
 from __future__ import annotations
@@ -136,7 +139,7 @@ class LinkMeasure:
     boundary_bytes: int
     """The activation that crosses it, at the exact dtype (its gradient is as large)."""
     link_bytes_per_s: float | None
-    """The measured rate of the upstream stage's sends; None: not measured."""
+    """The link's probed rate; None: not measured."""
     compute_s: tuple[float, float]
     """Seconds of compute of the upstream and the downstream stage."""
 

@@ -36,6 +36,7 @@ from pipesvc.errors import (
     StepAbortedError,
     WireFormatError,
 )
+from pipesvc.stage import probe
 from pipesvc.stage.assignment import Assignment
 from pipesvc.stage.control import ControlServer
 from pipesvc.stage.engine import Carried, RunInputs
@@ -525,6 +526,28 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
                 else sessions.release(request.session)
             )
         return stage_pb2.ReleaseSessionResponse(freed_bytes=freed)
+
+    @handle_errors
+    def ProbeLink(
+        self, request: stage_pb2.ProbeLinkRequest, context: object
+    ) -> stage_pb2.ProbeLinkResponse:
+        split_address(request.target)  # a typed error before any dialling
+        # A channel of its own (the neighbour's is kept for Exchange; a probe may go to any
+        # stage the coordinator names), closed when the probe ends.
+        with open_channel(request.target, self._options.security, self._options.limits) as ch:
+            measured = probe.probe(ch, request.target)
+        return stage_pb2.ProbeLinkResponse(
+            bytes_per_s=measured.bytes_per_s,
+            bytes=measured.bytes,
+            seconds=measured.seconds,
+            rounds=measured.rounds,
+        )
+
+    @handle_errors
+    def Sink(
+        self, request_iterator: Iterable[stage_pb2.SinkFrame], context: object
+    ) -> stage_pb2.SinkResponse:
+        return stage_pb2.SinkResponse(received_bytes=probe.receive(request_iterator))
 
     @handle_errors
     def Profile(self, request: stage_pb2.ProfileRequest, context: object) -> stage_pb2.StageProfile:

@@ -155,7 +155,9 @@ class StageProfile(_message.Message):
     speed: _builtins.float
     """GFLOP/s of the calibration product (0 when not asked)."""
     send_bytes_per_s: _builtins.float
-    """Activations sent downstream: bytes per second of the send calls (0 when none)."""
+    """Activations sent downstream: bytes per second of the send calls (0 when none). A send call
+    puts into the sender's queue, so this is not the link's rate (ProbeLink measures that).
+    """
     @_builtins.property
     def layers(self) -> _containers.RepeatedCompositeFieldContainer[Global___LayerTime]: ...
     def __init__(
@@ -1629,3 +1631,101 @@ class MetadataEntry(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___MetadataEntry: _TypeAlias = MetadataEntry  # noqa: Y015
+
+@_typing.final
+class ProbeLinkRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TARGET_FIELD_NUMBER: _builtins.int
+    target: _builtins.str
+    """host:port of the stage to send to."""
+    def __init__(
+        self,
+        *,
+        target: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["target", b"target"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProbeLinkRequest: _TypeAlias = ProbeLinkRequest  # noqa: Y015
+
+@_typing.final
+class ProbeLinkResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BYTES_PER_S_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    ROUNDS_FIELD_NUMBER: _builtins.int
+    bytes_per_s: _builtins.float
+    """Bytes per second of the last (largest) send: its bytes over the seconds from its first
+    byte to the target's answer.
+    """
+    bytes: _builtins.int
+    """Bytes of that send, and its seconds."""
+    seconds: _builtins.float
+    rounds: _builtins.int
+    """Sends made (each larger than the one before)."""
+    def __init__(
+        self,
+        *,
+        bytes_per_s: _builtins.float = ...,
+        bytes: _builtins.int = ...,
+        seconds: _builtins.float = ...,
+        rounds: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "bytes_per_s", b"bytes_per_s", "rounds", b"rounds", "seconds", b"seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProbeLinkResponse: _TypeAlias = ProbeLinkResponse  # noqa: Y015
+
+@_typing.final
+class SinkFrame(_message.Message):
+    """One frame of a probe's filler."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    FILLER_FIELD_NUMBER: _builtins.int
+    total_bytes: _builtins.int
+    """The first frame only: the bytes the whole stream carries (at most the receiver's cap)."""
+    filler: _builtins.bytes
+    """Filler, discarded by the receiver."""
+    def __init__(
+        self,
+        *,
+        total_bytes: _builtins.int = ...,
+        filler: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["filler", b"filler", "total_bytes", b"total_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SinkFrame: _TypeAlias = SinkFrame  # noqa: Y015
+
+@_typing.final
+class SinkResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RECEIVED_BYTES_FIELD_NUMBER: _builtins.int
+    received_bytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        received_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["received_bytes", b"received_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SinkResponse: _TypeAlias = SinkResponse  # noqa: Y015

@@ -117,6 +117,16 @@ class StageServiceStub:
                 request_serializer=pipesvc_dot_v1_dot_stage__pb2.ControlRequest.SerializeToString,
                 response_deserializer=pipesvc_dot_v1_dot_stage__pb2.ControlReply.FromString,
                 _registered_method=True)
+        self.ProbeLink = channel.unary_unary(
+                '/pipesvc.v1.StageService/ProbeLink',
+                request_serializer=pipesvc_dot_v1_dot_stage__pb2.ProbeLinkRequest.SerializeToString,
+                response_deserializer=pipesvc_dot_v1_dot_stage__pb2.ProbeLinkResponse.FromString,
+                _registered_method=True)
+        self.Sink = channel.stream_unary(
+                '/pipesvc.v1.StageService/Sink',
+                request_serializer=pipesvc_dot_v1_dot_stage__pb2.SinkFrame.SerializeToString,
+                response_deserializer=pipesvc_dot_v1_dot_stage__pb2.SinkResponse.FromString,
+                _registered_method=True)
 
 
 class StageServiceServicer:
@@ -247,6 +257,25 @@ class StageServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProbeLink(self, request, context):
+        """Measures the link from this stage to the stage at `target`: sends it filler over its Sink
+        (1 MiB first, 8 times more while a send takes under 50 ms, up to a cap) and times each
+        send from its first byte to the target's answer, which comes once all of it arrived. The
+        coordinator's measurement asks each stage for its link to the next (see [Note: link
+        probe] in pipesvc/stage/probe.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Sink(self, request_iterator, context):
+        """Receives a link probe's filler, counting and discarding it as it comes, and answers when
+        the stream ends with all the bytes its first frame declared.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -329,6 +358,16 @@ def add_StageServiceServicer_to_server(servicer, server):
                     servicer.Control,
                     request_deserializer=pipesvc_dot_v1_dot_stage__pb2.ControlRequest.FromString,
                     response_serializer=pipesvc_dot_v1_dot_stage__pb2.ControlReply.SerializeToString,
+            ),
+            'ProbeLink': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProbeLink,
+                    request_deserializer=pipesvc_dot_v1_dot_stage__pb2.ProbeLinkRequest.FromString,
+                    response_serializer=pipesvc_dot_v1_dot_stage__pb2.ProbeLinkResponse.SerializeToString,
+            ),
+            'Sink': grpc.stream_unary_rpc_method_handler(
+                    servicer.Sink,
+                    request_deserializer=pipesvc_dot_v1_dot_stage__pb2.SinkFrame.FromString,
+                    response_serializer=pipesvc_dot_v1_dot_stage__pb2.SinkResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -765,6 +804,60 @@ class StageService:
             '/pipesvc.v1.StageService/Control',
             pipesvc_dot_v1_dot_stage__pb2.ControlRequest.SerializeToString,
             pipesvc_dot_v1_dot_stage__pb2.ControlReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProbeLink(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pipesvc.v1.StageService/ProbeLink',
+            pipesvc_dot_v1_dot_stage__pb2.ProbeLinkRequest.SerializeToString,
+            pipesvc_dot_v1_dot_stage__pb2.ProbeLinkResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sink(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/pipesvc.v1.StageService/Sink',
+            pipesvc_dot_v1_dot_stage__pb2.SinkFrame.SerializeToString,
+            pipesvc_dot_v1_dot_stage__pb2.SinkResponse.FromString,
             options,
             channel_credentials,
             insecure,

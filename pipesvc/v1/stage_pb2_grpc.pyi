@@ -88,6 +88,17 @@ class StageServiceStub:
     Abort carry), and their replies matched by id. Handled concurrently: an abort overtakes a
     run in progress. See [Note: control stream] in pipesvc/coordinator/control_stream.py.
     """
+    ProbeLink: _grpc.UnaryUnaryMultiCallable[_stage_pb2.ProbeLinkRequest, _stage_pb2.ProbeLinkResponse]
+    """Measures the link from this stage to the stage at `target`: sends it filler over its Sink
+    (1 MiB first, 8 times more while a send takes under 50 ms, up to a cap) and times each
+    send from its first byte to the target's answer, which comes once all of it arrived. The
+    coordinator's measurement asks each stage for its link to the next (see [Note: link
+    probe] in pipesvc/stage/probe.py).
+    """
+    Sink: _grpc.StreamUnaryMultiCallable[_stage_pb2.SinkFrame, _stage_pb2.SinkResponse]
+    """Receives a link probe's filler, counting and discarding it as it comes, and answers when
+    the stream ends with all the bytes its first frame declared.
+    """
 
 @_typing.type_check_only
 class StageServiceAsyncStub(StageServiceStub):
@@ -145,6 +156,17 @@ class StageServiceAsyncStub(StageServiceStub):
     epoch and kept open, it carries runs, commits and aborts (each what RunStep, Commit and
     Abort carry), and their replies matched by id. Handled concurrently: an abort overtakes a
     run in progress. See [Note: control stream] in pipesvc/coordinator/control_stream.py.
+    """
+    ProbeLink: _aio.UnaryUnaryMultiCallable[_stage_pb2.ProbeLinkRequest, _stage_pb2.ProbeLinkResponse]  # type: ignore[assignment]
+    """Measures the link from this stage to the stage at `target`: sends it filler over its Sink
+    (1 MiB first, 8 times more while a send takes under 50 ms, up to a cap) and times each
+    send from its first byte to the target's answer, which comes once all of it arrived. The
+    coordinator's measurement asks each stage for its link to the next (see [Note: link
+    probe] in pipesvc/stage/probe.py).
+    """
+    Sink: _aio.StreamUnaryMultiCallable[_stage_pb2.SinkFrame, _stage_pb2.SinkResponse]  # type: ignore[assignment]
+    """Receives a link probe's filler, counting and discarding it as it comes, and answers when
+    the stream ends with all the bytes its first frame declared.
     """
 
 class StageServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -296,6 +318,29 @@ class StageServiceServicer(metaclass=_abc_1.ABCMeta):
         epoch and kept open, it carries runs, commits and aborts (each what RunStep, Commit and
         Abort carry), and their replies matched by id. Handled concurrently: an abort overtakes a
         run in progress. See [Note: control stream] in pipesvc/coordinator/control_stream.py.
+        """
+
+    @_abc_1.abstractmethod
+    def ProbeLink(
+        self,
+        request: _stage_pb2.ProbeLinkRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_stage_pb2.ProbeLinkResponse, _abc.Awaitable[_stage_pb2.ProbeLinkResponse]]:
+        """Measures the link from this stage to the stage at `target`: sends it filler over its Sink
+        (1 MiB first, 8 times more while a send takes under 50 ms, up to a cap) and times each
+        send from its first byte to the target's answer, which comes once all of it arrived. The
+        coordinator's measurement asks each stage for its link to the next (see [Note: link
+        probe] in pipesvc/stage/probe.py).
+        """
+
+    @_abc_1.abstractmethod
+    def Sink(
+        self,
+        request_iterator: _MaybeAsyncIterator[_stage_pb2.SinkFrame],
+        context: _ServicerContext,
+    ) -> _typing.Union[_stage_pb2.SinkResponse, _abc.Awaitable[_stage_pb2.SinkResponse]]:
+        """Receives a link probe's filler, counting and discarding it as it comes, and answers when
+        the stream ends with all the bytes its first frame declared.
         """
 
 def add_StageServiceServicer_to_server(servicer: StageServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
