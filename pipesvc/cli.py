@@ -281,6 +281,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         tls_key=args.tls_key,
         tls_ca=args.tls_ca,
         listen=args.listen,
+        coordinator_args=["--http-port", str(args.http_port)] if args.http_port is not None else (),
     )
     with cluster:
         print(
@@ -762,6 +763,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads-per-stage", type=int, help="default: cores / stages")
     p.add_argument("--device", help="device of every stage")
     p.add_argument("--state-dir", help="coordinator state directory (default: temporary)")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        help="the coordinator's live page and OpenAI-compatible API on this port, on the "
+        "--listen host (0: any free port; default: none)",
+    )
     _add_security_flags(p)
     p.set_defaults(func=_cmd_up)
 

@@ -8,7 +8,11 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import shlex
+import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,6 +87,12 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         yield found.group(1), job, unnamed
 
 
+def served_dir(job: pipesvc.Job) -> str:
+    export = job.model_export()
+    assert export is not None
+    return str(export["source"])
+
+
 def _client(url: str, token: str = TOKEN) -> openai.OpenAI:
     return openai.OpenAI(base_url=url, api_key=token, max_retries=0, timeout=60)
 
@@ -135,6 +145,11 @@ def test_greedy_completions_equal_job_generate_whole_and_streamed(
     assert all(c.object == "text_completion" for c in chunks)
     assert "".join(c.choices[0].text for c in chunks) == choice.text
     assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+    # And transformers' own greedy generate in one process.
+    model = AutoModelForCausalLM.from_pretrained(served_dir(job))
+    ids = torch.tensor([_ids(prompt)])
+    own = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=EOS)
+    assert _text([t for t in own[0, 4:].tolist() if t != EOS]) == choice.text
     # A model without a chat template still completes text (the unnamed job, by its id).
     other = api.completions.create(model=unnamed.id, prompt=prompt, max_tokens=5, temperature=0)
     assert other.choices[0].text == _text(_greedy(unnamed, _ids(prompt), 5))
@@ -293,3 +308,91 @@ def test_job_names_are_checked_and_unique(served: Served) -> None:
         pytest.raises(InvalidArgumentError, match="is taken by open job"),
     ):
         client.create_job(model="wordy", optimizer=None, num_stages=1, name="my-llama")
+
+
+def test_a_full_kv_budget_is_a_429_with_the_sizes(tmp_path: Path) -> None:
+    model = _save(tmp_path / "chat", chat_template=TEMPLATE)
+    with (
+        pipesvc.LocalCluster(
+            num_stages=1,
+            hf_models={"wordy": model},
+            stage_args=["--kv-budget", "4KiB"],
+            coordinator_args=["--http-port", "0"],
+        ) as cluster,
+        cluster.connect() as client,
+        client.create_job(model="wordy", optimizer=None, num_stages=1, name="small"),
+    ):
+        log = cluster.log_dir / "coordinator.log"
+        deadline = time.monotonic() + 30
+        while not (found := re.search(r"OpenAI-compatible API on (\S+)", log.read_text())):
+            assert time.monotonic() < deadline, f"no API in {log}"
+            time.sleep(0.1)
+        api = openai.OpenAI(base_url=found.group(1), api_key="none", max_retries=0)
+        prompt = " ".join(WORDS[i % 40] for i in range(60))
+        with pytest.raises(
+            openai.RateLimitError, match=r"MiB on this stage, over its budget of"
+        ) as full:
+            api.completions.create(model="small", prompt=prompt, max_tokens=2)
+        assert full.value.status_code == 429 and full.value.code == "kv_budget_full"
+        # A short prompt fits.
+        assert api.completions.create(model="small", prompt="w1", max_tokens=2).choices
+
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def test_the_readmes_api_examples_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's curl and ``openai`` examples, on the Hugging Face example's model, with a
+    free port for 8080 and a free coordinator address."""
+    text = README.read_text()
+    python = re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
+    bash = re.findall(r"```bash\n(.*?)```", text, flags=re.DOTALL)
+    [hf_example] = [b for b in python if b.startswith("# Bring a Hugging Face model")]
+    [client_example] = [b for b in python if b.startswith("# The OpenAI-compatible API")]
+    [commands] = [b for b in bash if "--http-port 8080" in b]
+    [curl] = [b for b in bash if b.startswith("curl ") and "/v1/" in b]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(hf_example, "README.md", "exec"), {})  # our own README, not input
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    address = _free_address()
+    up, create = (shlex.split(line)[1:] for line in commands.strip().splitlines())
+    up = [port if w == "8080" else w for w in up] + ["--listen", address]
+    up += ["--threads-per-stage", "1"]
+    cluster = subprocess.Popen(
+        [sys.executable, "-m", "pipesvc", *up], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert cluster.stdout is not None
+        while "coordinator at" not in (line := cluster.stdout.readline()):
+            assert line, "pipesvc up ended early"
+        made = subprocess.run(
+            [sys.executable, "-m", "pipesvc", *create, "--coordinator", address],
+            capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+        assert made.returncode == 0, made.stderr
+        replied = subprocess.run(
+            ["bash", "-c", curl.replace(":8080/", f":{port}/")],
+            capture_output=True, text=True, timeout=120, check=True,
+        )  # fmt: skip
+        reply = json.loads(replied.stdout)
+        assert reply["model"] == "tiny-llama" and reply["usage"]["completion_tokens"] == 16
+        assert reply["choices"][0]["finish_reason"] == "length"
+        printed = subprocess.run(
+            [sys.executable, "-c", client_example.replace(":8080/", f":{port}/")],
+            capture_output=True, text=True, timeout=120, check=True,
+        )  # fmt: skip
+        listed, streamed = printed.stdout.splitlines()[:2]
+        assert listed == "['tiny-llama']" and streamed
+    finally:
+        cluster.send_signal(signal.SIGINT)
+        cluster.wait(timeout=60)
+        if cluster.stdout is not None:
+            cluster.stdout.close()
+
+
+def _free_address() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{sock.getsockname()[1]}"
