@@ -10,11 +10,11 @@ import grpc
 
 from pipesvc.coordinator import cluster_view
 from pipesvc.coordinator.replicas import Rendezvous
+from pipesvc.coordinator.serve_http.app import HttpServer
 from pipesvc.coordinator.service import FORGET_STAGES_AFTER_S, CoordinatorService
 from pipesvc.coordinator.stage_calls import Deadlines
 from pipesvc.core.limits import Limits
 from pipesvc.observe.metrics import Metrics
-from pipesvc.serve_http.app import HttpServer
 from pipesvc.v1 import coordinator_pb2_grpc
 from pipesvc.wire.payload_wire import FORWARD, TRAIN_STEP
 from pipesvc.wire.security import Security
@@ -56,8 +56,8 @@ def run_coordinator(
 
     ``address_file``, when given, receives the bound ``host:port`` once the server is up (so a
     parent that asked for port 0 learns the real one). ``http_port``: also serve the live page
-    (``pipesvc.observe.dashboard``) and the OpenAI-compatible API (``pipesvc.serve_http``)
-    there, on the listen host (0: any free port).
+    (``pipesvc.observe.dashboard``) and the OpenAI-compatible API
+    (``pipesvc.coordinator.serve_http``) there, on the listen host (0: any free port).
     ``store_host``/``store_port``: where the stages of jobs with replicas reach the gradient
     groups' store (see [Note: replicas]); by default the host they registered with and a free
     port. ``forget_stages_after_s``: forget a stage that has not registered (heartbeat) for

@@ -133,8 +133,8 @@ class JobConfig:
     bfloat16). See [Note: precision] in ``pipesvc.stage.runtime``."""
     name: str | None = None
     """What the job is called where models are named: the ``model`` of the coordinator's
-    OpenAI-compatible HTTP API (``pipesvc.serve_http``); unique among the coordinator's open
-    jobs. None: the job is known by its id only."""
+    OpenAI-compatible HTTP API (``pipesvc.coordinator.serve_http``); unique among the
+    coordinator's open jobs. None: the job is known by its id only."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not _MODEL_NAME.fullmatch(self.model):

@@ -4,16 +4,16 @@
 second (what ``pipesvc.coordinator.cluster_view.snapshot`` returns). With a token, the JSON
 needs it as ``Authorization: Bearer TOKEN``, or the session cookie that ``POST /login`` (the
 form at ``GET /login``, where the page sends a browser that has none) sets for the right token.
-The routes live in the coordinator's one HTTP app (``pipesvc.serve_http.app``), beside the
-OpenAI-compatible API, served by uvicorn.
+The routes live in the coordinator's one HTTP app (``pipesvc.coordinator.serve_http.app``),
+beside the OpenAI-compatible API, served by uvicorn.
 
 [Note: the page's token] The token authenticates every RPC of the cluster, so it never goes
 into a URL (``?token=`` is refused: URLs end up in logs, proxies and browser history) and
 never into a log line (every line is scrubbed of it and of the session). The cookie holds a
-random session value of this server, not the token (``pipesvc.serve_http.access``), so a
-leaked cookie opens only this page and only until the coordinator restarts. With TLS the page
-is HTTPS only, with the cluster's certificate, and with a CA (mutual TLS) it asks for a client
-certificate like every RPC does.
+random session value of this server, not the token
+(``pipesvc.coordinator.serve_http.access``), so a leaked cookie opens only this page and only
+until the coordinator restarts. With TLS the page is HTTPS only, with the cluster's
+certificate, and with a CA (mutual TLS) it asks for a client certificate like every RPC does.
 """
 
 from __future__ import annotations
@@ -21,14 +21,33 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import parse_qs
 
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from pipesvc.serve_http.access import Access, same
+
+class Access(Protocol):
+    """Who may read the page's data (``pipesvc.coordinator.serve_http.access.Access``)."""
+
+    def page(self, request: Request) -> bool:
+        """The request may read the page's data (the token, or the login cookie)."""
+        ...
+
+    def is_token(self, given: str) -> bool:
+        """``given`` is the cluster's token."""
+        ...
+
+    def cookie(self) -> str:
+        """The ``Set-Cookie`` value of a successful login."""
+        ...
+
+    def scrub(self, text: str) -> str:
+        """``text`` without the token and the session."""
+        ...
+
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +59,9 @@ _NO_STORE = {"Cache-Control": "no-store"}
 
 
 def routes(snapshot: Snapshot, access: Access) -> list[Route]:
-    """The page's routes, for the coordinator's HTTP app (``pipesvc.serve_http.app``), which
-    refuses a token in any URL before they see the request."""
+    """The page's routes, for the coordinator's HTTP app
+    (``pipesvc.coordinator.serve_http.app``), which refuses a token in any URL before they see
+    the request."""
 
     async def page(request: Request) -> Response:
         return HTMLResponse(PAGE, headers=_NO_STORE)
@@ -73,7 +93,7 @@ def routes(snapshot: Snapshot, access: Access) -> list[Route]:
         # Read by hand: starlette's form parser needs python-multipart, for one field.
         form = parse_qs((await request.body())[:_MAX_LOGIN_BYTES].decode("utf-8", "replace"))
         given = (form.get("token") or [""])[0]
-        if access.token is not None and not same(given, access.token):
+        if not access.is_token(given):
             return HTMLResponse(_login_page("wrong token"), status_code=401, headers=_NO_STORE)
         headers = {**_NO_STORE, "Location": "/", "Set-Cookie": access.cookie()}
         return Response(b"", status_code=303, headers=headers)

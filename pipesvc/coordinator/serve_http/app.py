@@ -25,10 +25,10 @@ from pathlib import Path
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 
+from pipesvc.coordinator.serve_http import openai_api
+from pipesvc.coordinator.serve_http.access import Access, Guard
+from pipesvc.coordinator.serve_http.served_model import Jobs, ServedModels
 from pipesvc.observe import dashboard
-from pipesvc.serve_http import openai_api
-from pipesvc.serve_http.access import Access, Guard
-from pipesvc.serve_http.served_model import Jobs, ServedModels
 from pipesvc.wire.security import TLSConfig
 
 logger = logging.getLogger(__name__)

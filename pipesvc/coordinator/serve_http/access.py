@@ -48,6 +48,10 @@ class Access:
         header = request.headers.get("authorization", "")
         return header.startswith("Bearer ") and same(header.removeprefix("Bearer "), self.token)
 
+    def is_token(self, given: str) -> bool:
+        """``given`` is the token (anything is, without one)."""
+        return self.token is None or same(given, self.token)
+
     def page(self, request: Request) -> bool:
         """The request may read the live page's data: the token, or the login cookie."""
         if self.bearer(request):

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from pipesvc.coordinator.generation import MAX_NEW_TOKENS
+from pipesvc.coordinator.serve_http.served_model import ModelText
 from pipesvc.core.sampling import Sampling
 from pipesvc.errors import InvalidArgumentError
-from pipesvc.serve_http.served_model import ModelText
 
 MAX_STOPS = 4
 """Most stop strings a request may give (OpenAI's limit)."""

@@ -30,6 +30,16 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from pipesvc.coordinator.serve_http.access import Access
+from pipesvc.coordinator.serve_http.completion import (
+    BadRequest,
+    Completion,
+    Settings,
+    chat_ids,
+    prompt_ids,
+    read_settings,
+)
+from pipesvc.coordinator.serve_http.served_model import ServedModels, model_name
 from pipesvc.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -38,16 +48,6 @@ from pipesvc.errors import (
     ResourceExhaustedError,
     StageUnavailableError,
 )
-from pipesvc.serve_http.access import Access
-from pipesvc.serve_http.completion import (
-    BadRequest,
-    Completion,
-    Settings,
-    chat_ids,
-    prompt_ids,
-    read_settings,
-)
-from pipesvc.serve_http.served_model import ServedModels, model_name
 
 logger = logging.getLogger(__name__)
 
