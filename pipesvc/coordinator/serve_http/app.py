@@ -75,6 +75,7 @@ class HttpServer:
                 access_log=False,
                 log_config=None,
                 timeout_keep_alive=30,
+                timeout_graceful_shutdown=3,  # open streams are cut after that
                 lifespan="off",
             )
             if secure:
