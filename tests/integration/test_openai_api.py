@@ -23,40 +23,16 @@ import openai
 import pytest
 import torch
 from openai.types.chat import ChatCompletionMessageParam
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 import pipesvc
 from pipesvc.errors import InvalidArgumentError
 from pipesvc.v1 import stage_pb2, stage_pb2_grpc
+from tests.support.chat_model import EOS, TEMPLATE, WORDS, save_chat_model
 
 Served = tuple[str, pipesvc.Job, pipesvc.Job]
 """The API's base URL, the job named "my-llama", and an unnamed job."""
 TOKEN = "s3cret-api-token"
-WORDS = [f"w{i}" for i in range(40)] + ["user:", "assistant:", "system:", "</s>"]
-EOS = WORDS.index("</s>")
-TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
-
-
-def _save(directory: Path, *, chat_template: str | None) -> Path:
-    torch.manual_seed(5)
-    config = AutoConfig.for_model(
-        "llama", vocab_size=len(WORDS), hidden_size=32, intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
-        eos_token_id=EOS, bos_token_id=EOS,
-    )  # fmt: skip
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
-    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="w0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(str(directory / "tokenizer.json"))
-    settings: dict[str, object] = {"eos_token": "</s>"}
-    if chat_template is not None:
-        settings["chat_template"] = chat_template
-    (directory / "tokenizer_config.json").write_text(json.dumps(settings))
-    return directory
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +40,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """A 3-stage cluster with a token serving the API: "my-llama" on 2 stages (with a chat
     template), and an unnamed job of a model without one on the third; the API's base URL."""
     folder = tmp_path_factory.mktemp("openai")
-    chat = _save(folder / "chat", chat_template=TEMPLATE)
-    plain = _save(folder / "plain", chat_template=None)
+    chat = save_chat_model(folder / "chat", chat_template=TEMPLATE)
+    plain = save_chat_model(folder / "plain", chat_template=None)
     token_file = folder / "token"
     token_file.write_text(TOKEN + "\n")
     with (
@@ -311,7 +287,7 @@ def test_job_names_are_checked_and_unique(served: Served) -> None:
 
 
 def test_a_full_kv_budget_is_a_429_with_the_sizes(tmp_path: Path) -> None:
-    model = _save(tmp_path / "chat", chat_template=TEMPLATE)
+    model = save_chat_model(tmp_path / "chat", chat_template=TEMPLATE)
     with (
         pipesvc.LocalCluster(
             num_stages=1,
