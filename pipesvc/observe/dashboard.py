@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 from urllib.parse import parse_qs
 
+import anyio
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, PlainTextResponse, Response
 from starlette.routing import Route
@@ -73,7 +74,8 @@ def routes(snapshot: Snapshot, access: Access) -> list[Route]:
         if not access.page(request):
             return PlainTextResponse(_LOGIN_NEEDED, status_code=401, headers=_NO_STORE)
         try:
-            body = json.dumps(snapshot())
+            # It asks the stages: in a worker thread, so the event loop keeps serving streams.
+            body = json.dumps(await anyio.to_thread.run_sync(snapshot))
         except Exception as exc:  # the page shows it and polls again
             logger.warning("dashboard snapshot failed: %s", access.scrub(str(exc)))
             return PlainTextResponse(str(exc), status_code=500, headers=_NO_STORE)

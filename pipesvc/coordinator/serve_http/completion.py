@@ -204,13 +204,6 @@ class Completion:
                 return piece
         return ""
 
-    def rest(self) -> str:
-        """Every piece up to the end, in one string."""
-        pieces = []
-        while self.finish_reason is None:
-            pieces.append(self.step())
-        return "".join(pieces)
-
     def close(self) -> None:
         """Ends the session (its caches are released on every stage); idempotent."""
         self._steps.close()

@@ -153,13 +153,20 @@ def routes(models: ServedModels, access: Access) -> list[Route]:
             return _refusal(exc)
         shape = _Shape(model, chat=chat)
         if not settings.stream:
+            pieces = [first]
             try:
-                rest = await anyio.to_thread.run_sync(completion.rest)
+                # A step per worker call, as a stream: no thread is held for a whole
+                # completion, and a client gone is noticed between steps.
+                while completion.finish_reason is None:
+                    if await request.is_disconnected():
+                        return Response(status_code=499)
+                    pieces.append(await anyio.to_thread.run_sync(completion.step))
             except Exception as exc:
                 return _refusal(exc)
             finally:
-                await anyio.to_thread.run_sync(completion.close)
-            return JSONResponse(shape.whole(first + rest, completion))
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(completion.close)
+            return JSONResponse(shape.whole("".join(pieces), completion))
         return _Stream(
             _events(completion, first, shape, settings),
             media_type="text/event-stream",
@@ -174,10 +181,17 @@ def routes(models: ServedModels, access: Access) -> list[Route]:
 
 
 async def _json_body(request: Request) -> dict[str, Any]:
-    size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
-        raise BadRequest(f"the request body ({size} bytes) is over {MAX_BODY_BYTES} bytes")
-    raw = await request.body()
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise BadRequest(f"the request body ({declared} bytes) is over {MAX_BODY_BYTES} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise BadRequest(f"the request body is over {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
         body = json.loads(raw)
     except ValueError as exc:
