@@ -281,6 +281,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         tls_key=args.tls_key,
         tls_ca=args.tls_ca,
         listen=args.listen,
+        coordinator_args=["--http-port", str(args.http_port)] if args.http_port is not None else (),
     )
     with cluster:
         print(
@@ -415,6 +416,7 @@ def _cmd_job_create(args: argparse.Namespace) -> int:
             partition=args.partition,
             precision=args.precision,
             wait_for_stages_s=args.wait_for_stages_s,
+            name=args.name,
         )
     # The id alone on stdout, so `JOB=$(pipesvc job create ...)` works; the plan for people.
     print(job.id, flush=True)
@@ -570,6 +572,12 @@ def _add_job_commands(sub: Any) -> None:
     p.add_argument("--precision", default=default("precision"), help="(default %(default)s)")
     p.add_argument("--seed", type=int, default=default("seed"), help="(default %(default)s)")
     p.add_argument(
+        "--name",
+        default=None,
+        help="the job's name: the 'model' HTTP clients of the coordinator's OpenAI-compatible "
+        "API ask for (default: the job's id)",
+    )
+    p.add_argument(
         "--wait-for-stages-s",
         type=float,
         default=default("wait_for_stages_s"),
@@ -640,7 +648,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--http-port",
         type=int,
-        help="serve the live page (stages, plans, step times, the last step's timeline) on "
+        help="serve the live page (stages, plans, step times, the last step's timeline) and "
+        "the OpenAI-compatible API (/v1/models, /v1/completions, /v1/chat/completions) on "
         "this port, on the --listen host (0: any free port)",
     )
     p.add_argument(
@@ -754,6 +763,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads-per-stage", type=int, help="default: cores / stages")
     p.add_argument("--device", help="device of every stage")
     p.add_argument("--state-dir", help="coordinator state directory (default: temporary)")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        help="the coordinator's live page and OpenAI-compatible API on this port, on the "
+        "--listen host (0: any free port; default: none)",
+    )
     _add_security_flags(p)
     p.set_defaults(func=_cmd_up)
 

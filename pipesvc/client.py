@@ -215,8 +215,12 @@ class Client:
         min_replicas: int | None = None,
         resume_from: str | Path | None = None,
         wait_for_stages_s: float = 0.0,
+        name: str | None = None,
     ) -> Job:
         """Plans and assigns a job; see JobConfig for each argument.
+
+        ``name`` names the job where models are named: the ``model`` of the coordinator's
+        OpenAI-compatible HTTP API (unique among the coordinator's open jobs).
 
         ``optimizer=None`` makes an inference job: it holds weights only (no gradients, no
         optimizer state, no step log) and serves ``forward``, ``generate`` and ``stream``.
@@ -253,6 +257,7 @@ class Client:
             virtual_stages=virtual_stages,
             data_parallel=data_parallel,
             min_replicas=min_replicas,
+            name=name,
         )
         manifest = read_manifest(resume_from) if resume_from is not None else None
         if manifest is not None and resume_from is not None:

@@ -10,10 +10,10 @@ import grpc
 
 from pipesvc.coordinator import cluster_view
 from pipesvc.coordinator.replicas import Rendezvous
+from pipesvc.coordinator.serve_http.app import HttpServer
 from pipesvc.coordinator.service import FORGET_STAGES_AFTER_S, CoordinatorService
 from pipesvc.coordinator.stage_calls import Deadlines
 from pipesvc.core.limits import Limits
-from pipesvc.observe import dashboard
 from pipesvc.observe.metrics import Metrics
 from pipesvc.v1 import coordinator_pb2_grpc
 from pipesvc.wire.payload_wire import FORWARD, TRAIN_STEP
@@ -56,7 +56,8 @@ def run_coordinator(
 
     ``address_file``, when given, receives the bound ``host:port`` once the server is up (so a
     parent that asked for port 0 learns the real one). ``http_port``: also serve the live page
-    (``pipesvc.observe.dashboard``) there, on the listen host (0: any free port).
+    (``pipesvc.observe.dashboard``) and the OpenAI-compatible API
+    (``pipesvc.coordinator.serve_http``) there, on the listen host (0: any free port).
     ``store_host``/``store_port``: where the stages of jobs with replicas reach the gradient
     groups' store (see [Note: replicas]); by default the host they registered with and a free
     port. ``forget_stages_after_s``: forget a stage that has not registered (heartbeat) for
@@ -90,25 +91,23 @@ def run_coordinator(
     )
     page = None
     if http_port is not None:
-        tls = security.tls
         try:
-            # With TLS on, the page is HTTPS only, with the gRPC servers' certificate and CA.
-            context = None
-            if tls is not None and tls.cert is not None and tls.key is not None:
-                context = dashboard.tls_context(tls.cert, tls.key, tls.ca)
-            page = dashboard.serve(
+            # With TLS on, HTTPS only, with the gRPC servers' certificate and CA.
+            page = HttpServer(
                 lambda: cluster_view.snapshot(service.registry, service.jobs),
+                service.jobs,
                 host.strip("[]"),
                 http_port,
                 security.token,
-                context,
+                security.tls,
             )
         except OSError:
             server.stop(grace=None)
             service.shutdown()
             raise
-        scheme = "https" if context is not None else "http"
-        logger.info("live page on %s://%s:%d/", scheme, host, page.server_address[1])
+        url = f"{page.scheme}://{host}:{page.port}/"
+        logger.info("live page on %s", url)
+        logger.info("OpenAI-compatible API on %sv1", url)
     if address_file is not None:
         tmp = address_file.with_suffix(".tmp")
         tmp.write_text(address)
@@ -122,8 +121,7 @@ def run_coordinator(
         logger.info("coordinator stopping: the step in flight finishes, new calls are refused")
     finally:
         if page is not None:
-            page.shutdown()
-            page.server_close()
+            page.close()
         health.enter_graceful_shutdown()
         service.shutdown()
         # Bounded: grpc's stop can hang after a stream whose request failed to deserialize.

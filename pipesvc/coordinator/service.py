@@ -259,6 +259,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
         self, request: coordinator_pb2.CreateJobRequest, context: object
     ) -> coordinator_pb2.JobInfo:
         config = config_from_proto(request.spec)
+        with self._lock:
+            self._check_name_free(config.name)
         remaining = getattr(context, "time_remaining", lambda: None)()
         planner.wait_for_stages(self.registry, config, request.wait_for_stages_s, remaining)
         job_id = uuid.uuid4().hex[:12]
@@ -271,9 +273,29 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
             self._metrics,
             self.rendezvous,
         )
-        with self._lock:
-            self._jobs[job_id] = job
+        try:
+            with self._lock:
+                self._check_name_free(config.name)  # again: another job may have taken it
+                self._jobs[job_id] = job
+        except InvalidArgumentError:
+            job.close()
+            raise
         return job.info()
+
+    def _check_name_free(self, name: str | None) -> None:
+        """Refuses a job name an open job already has, as its name or its id (on the lock).
+
+        Raises:
+            InvalidArgumentError: the name is taken.
+        """
+        if name is None:
+            return
+        for job in self._jobs.values():
+            if not job.closed and name in (job.job_id, job.config.name):
+                raise InvalidArgumentError(
+                    f"job name {name!r} is taken by open job {job.job_id}; choose another "
+                    "name or close that job"
+                )
 
     @handle_errors
     def GetJob(

@@ -20,6 +20,8 @@ from pipesvc.models.registry import INPUT_DTYPES, MAX_INPUT_DIMS
 from pipesvc.v1 import common_pb2
 
 _MODEL_NAME = re.compile(r"[a-z][a-z0-9_-]{0,63}")
+_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
+"""A job's name: what HTTP clients pass as ``model`` (``meta-llama/Llama-3.2-1B`` fits)."""
 
 
 MAX_TRAINABLE_PATTERNS = 256
@@ -129,12 +131,23 @@ class JobConfig:
     """``fp32``; ``bf16-mixed`` (float32 weights and optimizer state, layers under bfloat16
     autocast, bfloat16 between stages); or ``bf16`` (weights, gradients and optimizer state in
     bfloat16). See [Note: precision] in ``pipesvc.stage.runtime``."""
+    name: str | None = None
+    """What the job is called where models are named: the ``model`` of the coordinator's
+    OpenAI-compatible HTTP API (``pipesvc.coordinator.serve_http``); unique among the
+    coordinator's open jobs. None: the job is known by its id only."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not _MODEL_NAME.fullmatch(self.model):
             raise InvalidArgumentError(
                 f"model {self.model!r} is not a model name; expected a registered name such as "
                 "'gpt' (module and file paths are never accepted)"
+            )
+        if self.name is not None and not (
+            isinstance(self.name, str) and _JOB_NAME.fullmatch(self.name)
+        ):
+            raise InvalidArgumentError(
+                f"job name {self.name!r} is not a name; expected 1 to 128 letters, digits and "
+                "'._:/-', starting with a letter or digit (e.g. 'my-llama')"
             )
         check_model_args(self.model_args)
         if not isinstance(self.rebalance, bool):

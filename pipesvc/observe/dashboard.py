@@ -4,226 +4,113 @@
 second (what ``pipesvc.coordinator.cluster_view.snapshot`` returns). With a token, the JSON
 needs it as ``Authorization: Bearer TOKEN``, or the session cookie that ``POST /login`` (the
 form at ``GET /login``, where the page sends a browser that has none) sets for the right token.
+The routes live in the coordinator's one HTTP app (``pipesvc.coordinator.serve_http.app``),
+beside the OpenAI-compatible API, served by uvicorn.
 
 [Note: the page's token] The token authenticates every RPC of the cluster, so it never goes
 into a URL (``?token=`` is refused: URLs end up in logs, proxies and browser history) and
 never into a log line (every line is scrubbed of it and of the session). The cookie holds a
-random session value of this server, not the token, so a leaked cookie opens only this page
-and only until the coordinator restarts. With TLS the page is HTTPS only, with the cluster's
+random session value of this server, not the token
+(``pipesvc.coordinator.serve_http.access``), so a leaked cookie opens only this page and only
+until the coordinator restarts. With TLS the page is HTTPS only, with the cluster's
 certificate, and with a CA (mutual TLS) it asks for a client certificate like every RPC does.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
-import re
-import secrets
-import socket
-import ssl
-import sys
-import tempfile
-import threading
 from collections.abc import Callable
-from http.cookies import CookieError, SimpleCookie
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
-from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from typing import Any, Protocol
+from urllib.parse import parse_qs
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+
+class Access(Protocol):
+    """Who may read the page's data (``pipesvc.coordinator.serve_http.access.Access``)."""
+
+    def page(self, request: Request) -> bool:
+        """The request may read the page's data (the token, or the login cookie)."""
+        ...
+
+    def is_token(self, given: str) -> bool:
+        """``given`` is the cluster's token."""
+        ...
+
+    def cookie(self) -> str:
+        """The ``Set-Cookie`` value of a successful login."""
+        ...
+
+    def scrub(self, text: str) -> str:
+        """``text`` without the token and the session."""
+        ...
+
 
 logger = logging.getLogger(__name__)
 
 Snapshot = Callable[[], dict[str, Any]]
 
-SESSION_COOKIE = "pipesvc_session"
 _MAX_LOGIN_BYTES = 4096
-_TIMEOUT_S = 30.0
-"""How long a connection may take to finish its TLS handshake or send a request."""
-_TOKEN_IN_URL = (
-    b"the token is not accepted in the URL (URLs end up in logs and browser history): "
-    b"log in at /login, or send it as an 'Authorization: Bearer TOKEN' header\n"
-)
-_LOGIN_NEEDED = b"log in at /login, or send the token as an 'Authorization: Bearer TOKEN' header\n"
+_LOGIN_NEEDED = "log in at /login, or send the token as an 'Authorization: Bearer TOKEN' header\n"
+_NO_STORE = {"Cache-Control": "no-store"}
 
 
-def tls_context(cert: bytes, key: bytes, ca: bytes | None) -> ssl.SSLContext:
-    """A server TLS context with ``cert`` and ``key`` (PEM); with ``ca``, clients must show a
-    certificate signed by it (as on the cluster's gRPC servers)."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    # ssl loads a certificate chain from files only: a private directory, gone once read.
-    with tempfile.TemporaryDirectory(prefix="pipesvc-page-") as folder:
-        cert_file, key_file = Path(folder) / "cert.pem", Path(folder) / "key.pem"
-        cert_file.write_bytes(cert)
-        key_file.touch(mode=0o600)
-        key_file.write_bytes(key)
-        context.load_cert_chain(cert_file, key_file)
-    if ca is not None:
-        context.load_verify_locations(cadata=ca.decode("ascii"))
-        context.verify_mode = ssl.CERT_REQUIRED
-    return context
+def routes(snapshot: Snapshot, access: Access) -> list[Route]:
+    """The page's routes, for the coordinator's HTTP app
+    (``pipesvc.coordinator.serve_http.app``), which refuses a token in any URL before they see
+    the request."""
+
+    async def page(request: Request) -> Response:
+        return HTMLResponse(PAGE, headers=_NO_STORE)
+
+    async def login_form(request: Request) -> Response:
+        return HTMLResponse(_login_page(""), headers=_NO_STORE)
+
+    async def cluster(request: Request) -> Response:
+        if not access.page(request):
+            return PlainTextResponse(_LOGIN_NEEDED, status_code=401, headers=_NO_STORE)
+        try:
+            # It asks the stages: in a worker thread, so the event loop keeps serving streams.
+            body = json.dumps(await anyio.to_thread.run_sync(snapshot))
+        except Exception as exc:  # the page shows it and polls again
+            logger.warning("dashboard snapshot failed: %s", access.scrub(str(exc)))
+            return PlainTextResponse(str(exc), status_code=500, headers=_NO_STORE)
+        return Response(body, media_type="application/json", headers=_NO_STORE)
+
+    async def login(request: Request) -> Response:
+        try:
+            size = int(request.headers.get("content-length", "0"))
+        except ValueError:
+            size = -1
+        if not 0 <= size <= _MAX_LOGIN_BYTES:
+            return PlainTextResponse(
+                "a login form is at most 4096 bytes\n",
+                status_code=413,
+                headers={**_NO_STORE, "Connection": "close"},
+            )
+        # Read by hand: starlette's form parser needs python-multipart, for one field.
+        form = parse_qs((await request.body())[:_MAX_LOGIN_BYTES].decode("utf-8", "replace"))
+        given = (form.get("token") or [""])[0]
+        if not access.is_token(given):
+            return HTMLResponse(_login_page("wrong token"), status_code=401, headers=_NO_STORE)
+        headers = {**_NO_STORE, "Location": "/", "Set-Cookie": access.cookie()}
+        return Response(b"", status_code=303, headers=headers)
+
+    return [
+        Route("/", page, methods=["GET"]),
+        Route("/login", login_form, methods=["GET"]),
+        Route("/login", login, methods=["POST"]),
+        Route("/api/cluster", cluster, methods=["GET"]),
+    ]
 
 
-def serve(
-    snapshot: Snapshot,
-    host: str,
-    port: int,
-    token: str | None,
-    tls: ssl.SSLContext | None = None,
-) -> ThreadingHTTPServer:
-    """Starts the page on ``host:port`` (0: any free port) in a daemon thread, over HTTPS
-    when ``tls`` is given; returns the server (``server.server_address`` has the port)."""
-    session = secrets.token_urlsafe(32)
-    secure = "; Secure" if tls is not None else ""
-
-    def scrub(text: str) -> str:
-        for secret in (token, session):
-            if secret:
-                text = text.replace(secret, "[secret]")
-        return _TOKEN_PARAM.sub(r"\1[secret]", text)
-
-    class Handler(BaseHTTPRequestHandler):
-        timeout = _TIMEOUT_S
-
-        def do_GET(self) -> None:
-            url = urlsplit(self.path)
-            if self._token_in_url(url.query):
-                return
-            if url.path == "/":
-                self._send(200, "text/html; charset=utf-8", PAGE.encode())
-            elif url.path == "/login":
-                self._send(200, "text/html; charset=utf-8", _login_page(""))
-            elif url.path == "/api/cluster":
-                if not self._authorized():
-                    self._send(401, "text/plain", _LOGIN_NEEDED)
-                    return
-                try:
-                    body = json.dumps(snapshot()).encode()
-                except Exception as exc:  # the page shows it and polls again
-                    logger.warning("dashboard snapshot failed: %s", scrub(str(exc)))
-                    self._send(500, "text/plain", str(exc).encode())
-                    return
-                self._send(200, "application/json", body)
-            else:
-                self._send(404, "text/plain", b"not found")
-
-        def do_POST(self) -> None:
-            url = urlsplit(self.path)
-            if self._token_in_url(url.query):
-                return
-            if url.path != "/login":
-                self._send(404, "text/plain", b"not found")
-                return
-            try:
-                size = int(self.headers.get("Content-Length", "0"))
-            except ValueError:
-                size = -1
-            if not 0 <= size <= _MAX_LOGIN_BYTES:
-                self.close_connection = True
-                self._send(413, "text/plain", b"a login form is at most 4096 bytes\n")
-                return
-            form = parse_qs(self.rfile.read(size).decode("utf-8", "replace"))
-            given = (form.get("token") or [""])[0]
-            if token is not None and not _same(given, token):
-                self._send(401, "text/html; charset=utf-8", _login_page("wrong token"))
-                return
-            self.send_response(303)
-            self.send_header("Location", "/")
-            cookie = f"{SESSION_COOKIE}={session}; Path=/; HttpOnly; SameSite=Strict{secure}"
-            self.send_header("Set-Cookie", cookie)
-            self.send_header("Content-Length", "0")
-            self.send_header("Cache-Control", "no-store")
-            self.end_headers()
-
-        def _token_in_url(self, query: str) -> bool:
-            if "token" not in parse_qs(query, keep_blank_values=True):
-                return False
-            self._send(400, "text/plain", _TOKEN_IN_URL)
-            return True
-
-        def _authorized(self) -> bool:
-            if token is None:
-                return True
-            header = self.headers.get("Authorization", "")
-            if header.startswith("Bearer "):
-                return _same(header.removeprefix("Bearer "), token)
-            try:
-                morsel = SimpleCookie(self.headers.get("Cookie", "")).get(SESSION_COOKIE)
-            except CookieError:
-                return False
-            return morsel is not None and _same(morsel.value, session)
-
-        def _send(self, code: int, kind: str, body: bytes) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(body)))
-            self.send_header("Cache-Control", "no-store")
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            logger.debug("dashboard: %s", scrub(format % args))
-
-    server_class = _IPv6Server if ":" in host else _Server
-    server = server_class((host, port), Handler, tls, scrub)
-    threading.Thread(target=server.serve_forever, name="dashboard", daemon=True).start()
-    return server
-
-
-_TOKEN_PARAM = re.compile(r"(token=)[^&\s]*")
-
-
-def _same(given: str, expected: str) -> bool:
-    return hmac.compare_digest(given.encode(), expected.encode())
-
-
-class _Server(ThreadingHTTPServer):
-    """Accepts in one thread and does each connection's TLS handshake in its own thread, so
-    a client that never finishes one does not hold up the others."""
-
-    daemon_threads = True
-
-    def __init__(
-        self,
-        address: tuple[str, int],
-        handler: type[BaseHTTPRequestHandler],
-        tls: ssl.SSLContext | None,
-        scrub: Callable[[str], str],
-    ) -> None:
-        super().__init__(address, handler)
-        self.tls = tls
-        self.scrub = scrub
-
-    def get_request(self) -> tuple[socket.socket, Any]:
-        conn, address = super().get_request()
-        if self.tls is not None:
-            conn = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
-        return conn, address
-
-    def finish_request(self, request: Any, client_address: Any) -> None:
-        if isinstance(request, ssl.SSLSocket):
-            request.settimeout(_TIMEOUT_S)
-            try:
-                request.do_handshake()
-            except OSError as exc:  # plain HTTP on the HTTPS port, a stranger's certificate
-                logger.debug("dashboard: TLS handshake with %s failed: %s", client_address, exc)
-                return
-        super().finish_request(request, client_address)
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # The default prints a traceback to stderr; a dropped connection is no news.
-        error = self.scrub(repr(sys.exc_info()[1]))
-        logger.debug("dashboard: a request from %s failed: %s", client_address, error)
-
-
-class _IPv6Server(_Server):
-    address_family = socket.AF_INET6
-
-
-def _login_page(problem: str) -> bytes:
+def _login_page(problem: str) -> str:
     note = f'<p class="problem">{problem}</p>' if problem else ""
-    return LOGIN.replace("<!--problem-->", note).encode()
+    return LOGIN.replace("<!--problem-->", note)
 
 
 LOGIN = """<!doctype html>

@@ -294,6 +294,10 @@ def test_with_tls_the_page_is_https_only(tmp_path: Path) -> None:
     with _serve_page(tmp_path, tls=True) as page:
         assert page.url.startswith("https://") and page.ca is not None
         assert page.request("GET", "/api/cluster", headers=BEARER)[0] == 200
+        # The OpenAI-compatible API shares the port, the token and the TLS.
+        status, _, body = page.request("GET", "/v1/models", headers=BEARER)
+        assert status == 200 and json.loads(body) == {"object": "list", "data": []}
+        assert page.request("GET", "/v1/models")[0] == 401
         plain = page.url.replace("https://", "http://")
         with pytest.raises((urllib.error.URLError, http.client.HTTPException, ConnectionError)):
             _get(plain + "api/cluster", BEARER)

@@ -139,6 +139,7 @@ NON_DEFAULT: dict[str, Any] = {
     "data_parallel": 3,
     "min_replicas": 2,
     "virtual_stages": 1,  # needs an interleaving schedule: see the test below
+    "name": "org/my-llama_v1.2",
 }
 """A value for every JobConfig field, none of them the default."""
 
@@ -210,6 +211,7 @@ def test_the_dict_and_wire_forms_are_unchanged() -> None:
         "data_parallel": 1,
         "min_replicas": None,
         "virtual_stages": 1,
+        "name": None,
     }  # fields added since
     assert config_to_dict(config) == {**saved_row, **newer}
     old_defaults = {**saved_row, "clip_grad_norm": None, "input_shape": None}

@@ -1,0 +1,250 @@
+"""One completion of the HTTP API: its settings read from the request's JSON, and its text as
+the job's generation session makes tokens (stop strings, end of sequence, the token limit).
+
+[Note: stop strings on decoded text] ``stop`` strings are matched on the decoded text, not on
+tokens: a stop string can span tokens, and a token can end inside one. After each token the
+whole output is decoded again; text is handed out only up to where a stop string could still
+begin (the longest tail that is a start of one is held back, and so is a trailing U+FFFD, a
+character whose bytes are not all there yet). The first stop string found ends the
+completion, the text before it is the last piece, and the session is closed at once, which
+frees its caches on every stage.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Generator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pipesvc.coordinator.generation import MAX_NEW_TOKENS
+from pipesvc.coordinator.serve_http.served_model import ModelText
+from pipesvc.core.sampling import Sampling
+from pipesvc.errors import InvalidArgumentError
+
+MAX_STOPS = 4
+"""Most stop strings a request may give (OpenAI's limit)."""
+
+
+class BadRequest(InvalidArgumentError):
+    """A request the API refuses with a 400, naming the parameter at fault."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """What a request asks of its completion."""
+
+    max_tokens: int | None
+    sampling: Sampling
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+def _number(body: Mapping[str, Any], key: str, default: float | None) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise BadRequest(f"{key} must be a number; got {value!r}", key)
+    return float(value)
+
+
+def _integer(body: Mapping[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise BadRequest(f"{key} must be an integer; got {value!r}", key)
+    return value
+
+
+def read_settings(body: Mapping[str, Any], *, chat: bool) -> Settings:
+    """The settings of a completions (or, with ``chat``, chat completions) request.
+
+    Raises:
+        BadRequest: a setting is of the wrong type or out of range, or asks for what this
+            server does not do (``n`` other than 1, ``logprobs``, ``echo``, tools).
+    """
+    n = _integer(body, "n")
+    if n not in (None, 1):
+        raise BadRequest(f"n ({n}) must be 1: this server makes one choice per request", "n")
+    best_of = _integer(body, "best_of")
+    if best_of not in (None, 1):
+        raise BadRequest(f"best_of ({best_of}) must be 1", "best_of")
+    for key in ("logprobs", "top_logprobs", "echo", "tools", "functions", "suffix"):
+        if body.get(key) not in (None, False, [], ""):
+            raise BadRequest(f"{key} is not supported by this server", key)
+    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") else "max_tokens"
+    max_tokens = _integer(body, key)
+    if max_tokens is not None and not 1 <= max_tokens <= MAX_NEW_TOKENS:
+        raise BadRequest(f"{key} ({max_tokens}) must be in [1, {MAX_NEW_TOKENS}]", key)
+    temperature = _number(body, "temperature", 1.0)
+    assert temperature is not None
+    if not 0.0 <= temperature <= 2.0:
+        raise BadRequest(f"temperature ({temperature}) must be in [0, 2]", "temperature")
+    top_p = _number(body, "top_p", None)
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise BadRequest(f"top_p ({top_p}) must be in (0, 1]", "top_p")
+    seed = _integer(body, "seed")
+    if seed is not None and not 0 <= seed < 2**63:
+        raise BadRequest(f"seed ({seed}) must be in [0, 2**63)", "seed")
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
+    if (
+        not isinstance(stops, list)
+        or len(stops) > MAX_STOPS
+        or not all(isinstance(s, str) and s for s in stops)
+    ):
+        raise BadRequest(
+            f"stop ({stop!r}) must be a non-empty string or a list of at most {MAX_STOPS}",
+            "stop",
+        )
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool | None):
+        raise BadRequest(f"stream must be true or false; got {stream!r}", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise BadRequest(f"stream_options must be an object; got {options!r}", "stream_options")
+    return Settings(
+        max_tokens=max_tokens,
+        sampling=Sampling(temperature=temperature, top_p=top_p, seed=seed),
+        stop=tuple(stops),
+        stream=bool(stream),
+        include_usage=bool(stream) and bool(options.get("include_usage")),
+    )
+
+
+def prompt_ids(prompt: object, text: ModelText) -> list[int]:
+    """The token ids of a completions request's ``prompt``: text, or token ids (one prompt).
+
+    Raises:
+        BadRequest: not one prompt, or empty, or ids outside the vocabulary.
+    """
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) and prompt:
+        return text.encode(prompt)
+    vocab = int(text.tokenizer.get_vocab_size())
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt)
+    ):
+        return list(prompt)
+    raise BadRequest(
+        f"prompt must be a non-empty string or a non-empty list of token ids in [0, {vocab}) "
+        "(one prompt per request)",
+        "prompt",
+    )
+
+
+def chat_ids(messages: object, text: ModelText) -> list[int]:
+    """The token ids of a chat's ``messages`` through the model's chat template.
+
+    Raises:
+        BadRequest: the messages are not a non-empty list of ``{role, content}``.
+        InvalidArgumentError: the model has no chat template.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list of {role, content}", "messages")
+    plain = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):  # content parts: the text ones
+            parts = [p.get("text") for p in content if isinstance(p, dict)]
+            content = "".join(p for p in parts if isinstance(p, str))
+        role = message.get("role") if isinstance(message, dict) else None
+        if not isinstance(role, str) or not isinstance(content, str | None):
+            raise BadRequest(
+                f"message {message!r} must be an object with a string role and text content",
+                "messages",
+            )
+        plain.append({"role": role, "content": content or ""})
+    ids = text.encode(text.chat(plain), special_tokens=False)
+    if not ids:
+        raise BadRequest("the chat template made an empty prompt of these messages", "messages")
+    return ids
+
+
+class Completion:
+    """The text of one generation session, piece by piece (blocking: run it in a worker
+    thread). See [Note: stop strings on decoded text]."""
+
+    def __init__(
+        self,
+        steps: Generator[torch.Tensor, None, None],
+        text: ModelText,
+        prompt_tokens: int,
+        max_tokens: int,
+        stop: tuple[str, ...],
+    ) -> None:
+        self._steps = steps
+        self._text = text
+        self._stop = stop
+        self._max_tokens = max_tokens
+        self._ids: list[int] = []
+        self._sent = 0
+        """Characters of the decoded output handed out so far."""
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        """``stop`` (a stop string or end of sequence) or ``length``; None while running."""
+
+    def step(self) -> str:
+        """The next piece of text (non-empty), or the last piece once finished ('' when
+        there is none left); ends the session once finished."""
+        while self.finish_reason is None:
+            piece = self._advance()
+            if piece or self.finish_reason is not None:
+                return piece
+        return ""
+
+    def close(self) -> None:
+        """Ends the session (its caches are released on every stage); idempotent."""
+        self._steps.close()
+
+    def _advance(self) -> str:
+        try:
+            token = int(next(self._steps)[0])
+        except StopIteration:
+            return self._finish("length", None)
+        self.completion_tokens += 1
+        if token in self._text.eos_ids:
+            return self._finish("stop", None)
+        self._ids.append(token)
+        decoded = self._text.decode(self._ids)
+        begin = max(0, self._sent - max((len(s) for s in self._stop), default=0))
+        found = [i for i in (decoded.find(s, begin) for s in self._stop) if i >= 0]
+        if found:
+            return self._finish("stop", decoded, min(found))
+        if self.completion_tokens >= self._max_tokens:
+            return self._finish("length", decoded)
+        safe = len(decoded) - self._held(decoded)
+        piece = decoded[self._sent : safe] if safe > self._sent else ""
+        self._sent = max(self._sent, safe)
+        return piece
+
+    def _held(self, decoded: str) -> int:
+        """Characters at the end of ``decoded`` not to hand out yet."""
+        held = len(decoded) - len(decoded.rstrip("\ufffd"))
+        for stop in self._stop:
+            for size in range(min(len(stop) - 1, len(decoded)), 0, -1):
+                if decoded.endswith(stop[:size]):
+                    held = max(held, size)
+                    break
+        return held
+
+    def _finish(self, reason: str, decoded: str | None, end: int | None = None) -> str:
+        self.finish_reason = reason
+        self.close()
+        if decoded is None:
+            decoded = self._text.decode(self._ids)
+        end = len(decoded) if end is None else end
+        piece = decoded[self._sent : end] if end > self._sent else ""
+        self._sent = max(self._sent, end)
+        return piece

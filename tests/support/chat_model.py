@@ -1,0 +1,37 @@
+"""A tiny Llama saved with a word tokenizer, a chat template and an end-of-sequence token, for
+the coordinator's OpenAI-compatible API (nothing downloaded)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoConfig, AutoModelForCausalLM
+
+WORDS = [f"w{i}" for i in range(40)] + ["user:", "assistant:", "system:", "</s>"]
+EOS = WORDS.index("</s>")
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def save_chat_model(directory: Path, *, chat_template: str | None) -> Path:
+    """The model in ``directory``, with ``chat_template`` in its tokenizer_config.json."""
+    torch.manual_seed(5)
+    config = AutoConfig.for_model(
+        "llama", vocab_size=len(WORDS), hidden_size=32, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
+        eos_token_id=EOS, bos_token_id=EOS,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    settings: dict[str, object] = {"eos_token": "</s>"}
+    if chat_template is not None:
+        settings["chat_template"] = chat_template
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings))
+    return directory
