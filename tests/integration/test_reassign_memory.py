@@ -72,6 +72,6 @@ def test_a_stage_that_fills_its_budget_holds_one_copy_through_a_recovery() -> No
         assert stage_info(job.plan[0].address).pid == survivor
         grown = status_bytes(survivor, "VmHWM") - held
         # Two copies would add the new weights (two layers, 32 MiB) at least; one copy adds no
-        # state, only transient buffers (a restored tensor or a run's scratch, up to about one
-        # layer: 25 MiB was seen once in 6 runs under load, 10-15 MiB usually).
+        # state, only transient buffers (a restored tensor or a run's scratch): one loaded CI
+        # run saw 25 MiB with one copy, over a bound of one layer (16 MiB) that this replaced.
         assert grown < 2 * LAYER_BYTES, (grown / MIB, held / MIB)
