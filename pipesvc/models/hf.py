@@ -63,8 +63,6 @@ class Skeleton:
         self.body: nn.Module = part_of(model, family.body)
         self.blocks: nn.ModuleList = part_of(model, family.blocks)
         self.list_name = family.blocks.rpartition(".")[2]
-        self.head_name = family.head
-        self.body_name = family.body
         params = inspect.signature(self.body.forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
         # Stateless (which stub does what is per call and thread): made once, not per call.
@@ -121,7 +119,7 @@ class Skeleton:
                 modules[name] = self._stubs
             elif name in own:
                 modules[name] = own[name]
-            elif shared and f"{self.body_name}.{name}" in self.family.shared:
+            elif shared and f"{self.family.body}.{name}" in self.family.shared:
                 modules[name] = child
             else:
                 modules[name] = self._absent[name]
@@ -131,9 +129,9 @@ class Skeleton:
         """The whole causal LM around ``body_shell(own)``, with ``head`` as its head."""
         modules: dict[str, nn.Module] = {}
         for name in self.model._modules:
-            if name == self.body_name:
+            if name == self.family.body:
                 modules[name] = self.body_shell(own)
-            elif name == self.head_name:
+            elif name == self.family.head:
                 modules[name] = head
             else:
                 modules[name] = self._absent[name]
@@ -199,13 +197,13 @@ class _Part(nn.Module):
         for local, (_, module) in parts.items():
             self.add_module(local, module)
         self.shared = shared  # the body's modules without parameters, this layer's copies
-        self.paths["shared"] = skeleton.body_name
+        self.paths["shared"] = skeleton.family.body
 
     def _own(self) -> dict[str, nn.Module]:
         """The body's attribute names -> this layer's modules for them."""
         own: dict[str, nn.Module] = dict(self.shared.items())
         for local, path in self.paths.items():
-            if local != "shared" and path.startswith(f"{self.skeleton.body_name}."):
+            if local != "shared" and path.startswith(f"{self.skeleton.family.body}."):
                 own[path.rpartition(".")[2]] = getattr(self, local)
         return own
 
@@ -224,7 +222,6 @@ class Embedding(_Part):
 
         def entered(index: int, hidden: torch.Tensor, args: Any, kwargs: Any) -> torch.Tensor:
             hf_body.stop(hidden)
-            raise AssertionError  # stop raises
 
         if position_ids is not None:
             position_ids = position_ids.to(ids.device)

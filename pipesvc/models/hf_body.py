@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -46,33 +46,14 @@ class _Stopped(Exception):  # control flow, not an error
         self.value = value
 
 
-def stop(value: Any) -> None:
+def stop(value: Any) -> NoReturn:
     """Ends the body's run from inside a visitor; ``run`` returns ``value``."""
     raise _Stopped(value)
 
 
-class Stub(nn.Module):
-    """Stands for decoder layer ``index`` inside a shell (see [Note: the body's own code])."""
-
-    def __init__(self, index: int, original: nn.Module) -> None:
-        super().__init__()
-        self.index = index
-        object.__setattr__(self, "_original", original)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(object.__getattribute__(self, "_original"), name)
-
-    def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        visitor: Visitor = _LOCAL.visitor
-        return visitor(self.index, hidden, args, kwargs)
-
-
-class Absent(nn.Module):
-    """Stands for a part another layer holds: attribute reads go to the original (a skeleton
-    on the meta device); a call returns a zero scalar."""
+class _StandIn(nn.Module):
+    """A module in a shell standing for ``original``: attribute reads it does not answer
+    itself go to ``original`` (kept outside its children, so nothing is registered twice)."""
 
     def __init__(self, original: nn.Module) -> None:
         super().__init__()
@@ -83,6 +64,23 @@ class Absent(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(object.__getattribute__(self, "_original"), name)
+
+
+class Stub(_StandIn):
+    """Stands for decoder layer ``index`` inside a shell (see [Note: the body's own code])."""
+
+    def __init__(self, index: int, original: nn.Module) -> None:
+        super().__init__(original)
+        self.index = index
+
+    def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        visitor: Visitor = _LOCAL.visitor
+        return visitor(self.index, hidden, args, kwargs)
+
+
+class Absent(_StandIn):
+    """Stands for a part another layer holds (its original is on the meta device); a call
+    returns a zero scalar."""
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)

@@ -63,14 +63,6 @@ class Family:
     def embed_path(self) -> str:
         return self.embed[0][1]
 
-    @property
-    def norm_path(self) -> str | None:
-        return self.norm[0][1] if self.norm else None
-
-    def part_paths(self) -> dict[str, str]:
-        """Each body child's attribute name -> its path, for the parts with parameters."""
-        return {path.rpartition(".")[2]: path for _, path in (*self.embed, *self.norm)}
-
 
 def _has_parameters(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
