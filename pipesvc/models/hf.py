@@ -43,8 +43,10 @@ from torch import nn
 
 from pipesvc.errors import InvalidArgumentError
 from pipesvc.models import hf_body
+from pipesvc.models.carry import Carry, CarrySpec
 from pipesvc.models.hf_checkpoint import Checkpoint, part_of
 from pipesvc.models.hf_family import Family
+from pipesvc.models.hf_router import RouterLoss, RouterTap, router_loss_of
 from pipesvc.models.lora import add_lora, check_lora
 from pipesvc.models.registry import CacheLayout, CacheTensors, LayerSpec, register_model
 
@@ -65,6 +67,12 @@ class Skeleton:
         self.list_name = family.blocks.rpartition(".")[2]
         params = inspect.signature(self.body.forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
+        # The shells never record router logits: the blocks tap their own routers (see [Note:
+        # the router's auxiliary loss] in hf_router.py), and the whole model's forward would
+        # compute its auxiliary loss from the none a shell records.
+        self.quiet: dict[str, Any] = (
+            {"output_router_logits": False} if hasattr(model.config, "output_router_logits") else {}
+        )
         # Stateless (which stub does what is per call and thread): made once, not per call.
         self._stubs = hf_body.stubs(self.blocks)
         self._absent = {
@@ -99,7 +107,8 @@ class Skeleton:
         # What runs after the last layer (absent here) may fail on the placeholders' zeros: the
         # layers' calls, recorded before, are what this checks.
         with torch.no_grad(), contextlib.suppress(RuntimeError, IndexError, TypeError, ValueError):
-            hf_body.run(functools.partial(body, inputs_embeds=zeros, use_cache=False), visit)
+            call = functools.partial(body, inputs_embeds=zeros, use_cache=False, **self.quiet)
+            hf_body.run(call, visit)
         wanted = [(i, (1, 2, width)) for i in range(len(self.blocks))]
         if seen != wanted:
             kind = type(self.model).__name__
@@ -226,7 +235,13 @@ class Embedding(_Part):
         if position_ids is not None:
             position_ids = position_ids.to(ids.device)
         # Without positions the body counts 0..T-1 itself, as transformers' forward does.
-        call = functools.partial(body, input_ids=ids, position_ids=position_ids, use_cache=False)
+        call = functools.partial(
+            body,
+            input_ids=ids,
+            position_ids=position_ids,
+            use_cache=False,
+            **self.skeleton.quiet,
+        )
         hidden = hf_body.run(call, entered)
         if not isinstance(hidden, torch.Tensor):
             raise hf_body.not_reached("the embedding")
@@ -246,9 +261,14 @@ class Block(_Part):
         parts: Mapping[str, tuple[str, nn.Module]],
         shared: nn.ModuleDict,
         index: int,
+        router: RouterLoss | None = None,
     ) -> None:
         super().__init__(skeleton, parts, shared)
         self.index = index
+        # With the router's auxiliary loss, training adds this block's routing statistics to
+        # the carried vector (see [Note: the router's auxiliary loss] in hf_router.py).
+        self._tap = RouterTap(self.get_submodule("block"), router) if router else None
+        self.adds_to_carry = self._tap is not None and bool(self._tap.routers)
 
     def forward(
         self,
@@ -256,10 +276,12 @@ class Block(_Part):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         cache: Any = None,
+        carry: Carry | None = None,
     ) -> torch.Tensor:
         """``attention_mask`` covers the cached positions and the new ones (``[B, past + T]``),
         ``position_ids`` the new ones (``[B, T]``); ``cache`` (a ``transformers`` cache) holds
-        the keys and values of earlier positions and takes this call's."""
+        the keys and values of earlier positions and takes this call's; ``carry`` (training
+        with the router's auxiliary loss) takes the block's routing statistics."""
         view = _cache_view(cache, self.index) if cache is not None else None
         past = _seen(view, self.index)
         if past is None:  # a layer that keeps no positions (linear attention): the mask's
@@ -285,7 +307,14 @@ class Block(_Part):
                 return hidden.clone()
         else:
             args, kwargs = self._arguments(hidden, attention_mask, position_ids, view)
+            tap = self._tap if carry is not None else None
+            if tap is not None:
+                tap.start()
             out = self.get_submodule("block")(hidden, *args, **kwargs)
+            if tap is not None and carry is not None:
+                terms = tap.terms(attention_mask)
+                if terms is not None:
+                    carry.add(terms)
         result: torch.Tensor = out[0] if isinstance(out, tuple) else out
         return result
 
@@ -316,6 +345,7 @@ class Block(_Part):
             position_ids=position_ids.to(hidden.device) if position_ids is not None else None,
             use_cache=view is not None,
             **{self.skeleton.cache_arg: view},
+            **self.skeleton.quiet,
         )
         found = hf_body.run(call, arguments)
         if not isinstance(found, tuple):
@@ -336,7 +366,9 @@ class Head(_Part):
         def entered(index: int, passed: torch.Tensor, args: Any, kwargs: Any) -> torch.Tensor:
             return hidden if index == 0 else passed
 
-        call = functools.partial(model, inputs_embeds=hidden.detach(), use_cache=False)
+        call = functools.partial(
+            model, inputs_embeds=hidden.detach(), use_cache=False, **self.skeleton.quiet
+        )
         out = hf_body.run(call, entered)
         found = getattr(out, "logits", None)
         if not isinstance(found, torch.Tensor):
@@ -508,7 +540,7 @@ def build_hf_layer(
         layer = Head(skeleton, parts((*family.norm, ("head", family.head))), shared)
     else:
         block = parts((("block", f"{family.blocks}.{index - 1}"),))
-        layer = Block(skeleton, block, shared, index - 1)
+        layer = Block(skeleton, block, shared, index - 1, _router_loss(directory))
     device = torch.get_default_device()
     if device.type == "meta":
         layer = layer.to("meta")
@@ -532,6 +564,11 @@ def build_hf_layer(
 @functools.lru_cache(maxsize=MODELS_KEPT)
 def _checkpoint(directory: str) -> Checkpoint:
     return Checkpoint(directory)
+
+
+@functools.lru_cache(maxsize=MODELS_KEPT)
+def _router_loss(directory: str) -> RouterLoss | None:
+    return router_loss_of(_checkpoint(directory).meta_model, repr(directory))
 
 
 @functools.lru_cache(maxsize=MODELS_KEPT)
@@ -588,6 +625,10 @@ def _factory(directory: str) -> Any:
     def layout(lora: dict[str, object] | None = None) -> CacheLayout | None:
         return cache_layout(directory)
 
+    def carry(lora: dict[str, object] | None = None) -> CarrySpec | None:
+        router = _router_loss(directory)
+        return router.carry() if router is not None else None
+
     def max_positions(lora: dict[str, object] | None = None) -> int | None:
         # The config's limit (gpt2's n_positions answers to this name too); a family
         # without one has none.
@@ -600,6 +641,7 @@ def _factory(directory: str) -> Any:
     factory.new_cache = new_cache  # type: ignore[attr-defined]
     factory.cache_layout = layout  # type: ignore[attr-defined]
     factory.max_positions = max_positions  # type: ignore[attr-defined]
+    factory.carry = carry  # type: ignore[attr-defined]
 
     factory.__qualname__ = f"hf_model[{directory}]"
     return factory

@@ -30,6 +30,7 @@ from torch import nn
 from pipesvc.errors import InvalidArgumentError, NotFoundError
 from pipesvc.models.hf_convert import Layout, layout_of
 from pipesvc.models.hf_family import Family, find_family
+from pipesvc.models.hf_router import router_loss_of
 from pipesvc.models.rng import RNG_LOCK
 from pipesvc.storage.weights import read_header, read_tensors
 
@@ -155,22 +156,12 @@ class Checkpoint:
 
         Raises:
             InvalidArgumentError: the model does not fit (see [Note: recognising a family]),
-                or its config asks for the router's auxiliary loss, which pipesvc does not
-                compute across stages.
+                or its config asks for a router's auxiliary loss its family computes in a
+                form pipesvc does not carry across stages (see [Note: the router's auxiliary
+                loss] in ``hf_router.py``).
         """
         _ = self.family
-        config = self.config
-        if getattr(config, "output_router_logits", False) and getattr(
-            config, "router_aux_loss_coef", 0
-        ):
-            raise InvalidArgumentError(
-                f"{str(self.directory)!r}: config.json asks for the router's auxiliary loss "
-                f"(output_router_logits: true, router_aux_loss_coef: "
-                f"{config.router_aux_loss_coef}); it sums every layer's routing statistics over "
-                "the whole batch, which pipesvc does not compute across stages: set "
-                "output_router_logits to false (as published Mixtral, Qwen3-MoE and gpt-oss "
-                "configs do)"
-            )
+        router_loss_of(self.meta_model, repr(str(self.directory)))
 
     @property
     def num_blocks(self) -> int:

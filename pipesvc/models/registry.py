@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from pipesvc.errors import InternalError, InvalidArgumentError, UnknownModelError
+from pipesvc.models.carry import CarrySpec
 from pipesvc.models.rng import RNG_LOCK as _RNG_LOCK
 from pipesvc.registry import Registry
 
@@ -191,6 +192,9 @@ class ModelFeatures:
     """The most positions the model takes (a prompt and its new tokens together; a learned
     position table's size, a config's ``max_position_embeddings``); None when unbounded.
     Generation refuses a request past it before any token."""
+    carry: CarrySpec | None = None
+    """The vector a training micro-batch carries beside its activations, whose total adds a
+    term to the loss (see [Note: carried vector] in ``pipesvc.models.carry``); None: none."""
 
     @property
     def fuses_caches(self) -> bool:
@@ -202,8 +206,9 @@ def model_features(name: str, model_args: Mapping[str, object]) -> ModelFeatures
     """The side inputs and the generation cache of model ``name``: a factory may carry
     ``side_inputs`` (a tuple of names), ``new_cache`` (a function of the model arguments
     returning a function that makes a cache), ``cache_layout`` (a function of the model
-    arguments returning a ``CacheLayout`` or None) and ``max_positions`` (a function of the
-    model arguments returning an int or None).
+    arguments returning a ``CacheLayout`` or None), ``max_positions`` (a function of the
+    model arguments returning an int or None) and ``carry`` (a function of the model
+    arguments returning a ``CarrySpec`` or None).
 
     Raises:
         UnknownModelError: ``name`` is not registered.
@@ -212,11 +217,13 @@ def model_features(name: str, model_args: Mapping[str, object]) -> ModelFeatures
     cache_hook = getattr(factory, "new_cache", None)
     layout_hook = getattr(factory, "cache_layout", None)
     positions_hook = getattr(factory, "max_positions", None)
+    carry_hook = getattr(factory, "carry", None)
     return ModelFeatures(
         side_inputs=tuple(getattr(factory, "side_inputs", ())),
         new_cache=cache_hook(**model_args) if cache_hook is not None else None,
         cache_layout=layout_hook(**model_args) if layout_hook is not None else None,
         max_positions=positions_hook(**model_args) if positions_hook is not None else None,
+        carry=carry_hook(**model_args) if carry_hook is not None else None,
     )
 
 

@@ -26,7 +26,7 @@ import torch
 from pipesvc.errors import FailedPreconditionError
 from pipesvc.stage.engine import StepEngine
 from pipesvc.stage.links import DownstreamLink, UpstreamLink
-from pipesvc.stage.mailbox import Mailbox, MailKey
+from pipesvc.stage.mailbox import MAX_ITEMS, PARTS, Mailbox, MailKey
 from pipesvc.stage.options import StageOptions
 from pipesvc.stage.recorder import RunRecorder
 from pipesvc.stage.replica_group import ReplicaGroup
@@ -64,7 +64,9 @@ class Assignment:
         """The swap of tied gradients with another stage, if this stage shares any."""
         self.engine = StepEngine(
             runtime=runtime,
-            mailbox=Mailbox(),
+            # Two tensors per micro-batch where the model carries a vector (see [Note: mailbox
+            # bound] in pipesvc.stage.mailbox).
+            mailbox=Mailbox(MAX_ITEMS * (PARTS if runtime.features.carry else 1)),
             send_activation=self._send_activation,
             send_gradient=self._send_gradient,
             recorder=RunRecorder(options.metrics),

@@ -460,6 +460,8 @@ class StepEngine:
                     layout, parts, [ref.rows for ref in refs], [ref.positions for ref in refs]
                 )
                 cache = stacked.cache
+        carries = training and rt.features.carry is not None
+        carry = None
         if rt.first_virtual(chunk):
             x = data.inputs[mb]
         else:
@@ -469,6 +471,12 @@ class StepEngine:
                     self._recv_timeout_s,
                     self._from_upstream,
                 )
+                if carries:  # see [Note: carried vector] in pipesvc.models.carry
+                    carry = self.mailbox.get(
+                        MailKey(run_id, ACTIVATION, at.wire(chunk), part=1),
+                        self._recv_timeout_s,
+                        self._from_upstream,
+                    )
         with rec.span("forward", mb):
             side = data.side[mb] if data.side else None
             y = rt.forward(
@@ -479,6 +487,7 @@ class StepEngine:
                 cache=cache,
                 split_backward=split,
                 chunk=chunk,
+                carry=carry,
             )
             if stacked is not None:
                 assert self.sessions is not None
@@ -497,6 +506,11 @@ class StepEngine:
             with rec.span("send", mb):
                 started = time.perf_counter()
                 self._send_activation(MailKey(run_id, ACTIVATION, at.wire(after)), y)
+                total = rt.carried(mb, chunk) if carries else None
+                if total is not None:
+                    self._send_activation(
+                        MailKey(run_id, ACTIVATION, at.wire(after), part=1), total
+                    )
                 if training:
                     rt.profiler.sent(y.numel() * y.element_size(), time.perf_counter() - started)
         elif generating and data.greedy:
@@ -509,7 +523,8 @@ class StepEngine:
     def _backward(self, run_id: int, at: _Place) -> None:
         rt, rec = self.runtime, self.recorder
         mb, chunk = at.microbatch, at.chunk
-        grad = None
+        grad = carry_grad = None
+        carries = rt.features.carry is not None
         if not rt.last_virtual(chunk):
             with rec.span("wait", mb):
                 grad = self.mailbox.get(
@@ -517,8 +532,14 @@ class StepEngine:
                     self._recv_timeout_s,
                     self._from_downstream,
                 )
+                if carries:  # see [Note: carried vector] in pipesvc.models.carry
+                    carry_grad = self.mailbox.get(
+                        MailKey(run_id, GRADIENT, at.wire(chunk), part=1),
+                        self._recv_timeout_s,
+                        self._from_downstream,
+                    )
         with rec.span("backward", mb):
-            grad_input = rt.backward(mb, grad, chunk)
+            grad_input = rt.backward(mb, grad, chunk, carry_grad)
         self._metrics.set("microbatches_in_flight", rt.live)
         if grad_input is not None:
             # The virtual stage before: this chunk on the rank before, or the chunk before on
@@ -526,6 +547,11 @@ class StepEngine:
             before = chunk - 1 if rt.rank == 0 else chunk
             with rec.span("send", mb):
                 self._send_gradient(MailKey(run_id, GRADIENT, at.wire(before)), grad_input)
+                start_grad = rt.carried_grad(mb, chunk) if carries else None
+                if start_grad is not None:
+                    self._send_gradient(
+                        MailKey(run_id, GRADIENT, at.wire(before), part=1), start_grad
+                    )
 
     def commit(self, run_id: int, grad_scale: float | None) -> int:
         """Applies the pending run's optimizer step; returns the step count.

@@ -32,7 +32,11 @@ current one (a run is over for the coordinator when every stage answered; an abo
 stage may still be winding down), so up to m activations of the next run can arrive early;
 its gradients cannot, since they answer this stage's own activations of that run. Mail of a
 finished or aborted run is dropped. Hence 3 * MAX_MICROBATCHES; more means a peer sends
-tensors no schedule asked for."""
+tensors no schedule asked for. A model that carries a vector beside its activations (see [Note:
+carried vector] in ``pipesvc.models.carry``) sends two tensors where others send one, so its
+stages' mailboxes hold twice as many."""
+PARTS = 2
+"""Tensors per micro-batch and direction at most: the activation and a carried vector."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,9 +46,13 @@ class MailKey:
     run_id: int
     direction: str
     microbatch_index: int
+    part: int = 0
+    """0: the activation or its gradient; 1: the carried vector or its gradient (see [Note:
+    carried vector] in ``pipesvc.models.carry``)."""
 
     def __str__(self) -> str:
-        return f"{self.direction} of micro-batch {self.microbatch_index} (run {self.run_id})"
+        what = self.direction if self.part == 0 else f"carried {self.direction}"
+        return f"{what} of micro-batch {self.microbatch_index} (run {self.run_id})"
 
 
 class Mailbox:

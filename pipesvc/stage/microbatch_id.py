@@ -26,4 +26,5 @@ def microbatch_id(
         run_id=key.run_id if key else 0,
         microbatch_index=key.microbatch_index if key else 0,
         direction=_WIRE_DIRECTIONS[direction],
+        part=key.part if key else 0,
     )

@@ -14,7 +14,7 @@ from pipesvc.core.tensor_codec import CodecLimits, FrameAssembler, check_header,
 from pipesvc.errors import PipesvcError, WireFormatError
 from pipesvc.observe.metrics import Metrics
 from pipesvc.stage.frame_wire import InFrame
-from pipesvc.stage.mailbox import Mailbox, MailKey
+from pipesvc.stage.mailbox import PARTS, Mailbox, MailKey
 from pipesvc.stage.microbatch_id import DIRECTIONS
 from pipesvc.stage.sender import Sender
 from pipesvc.stage.shm import ShmView
@@ -105,7 +105,9 @@ class FrameReader:
             raise WireFormatError(
                 f"frame direction {ident.direction} on a stream carrying {self._direction}"
             )
-        return MailKey(ident.run_id, self._direction, ident.microbatch_index)
+        if ident.part >= PARTS:
+            raise WireFormatError(f"frame part {ident.part}; a micro-batch has parts 0 and 1")
+        return MailKey(ident.run_id, self._direction, ident.microbatch_index, ident.part)
 
     def _post(self, key: MailKey, tensor: torch.Tensor) -> bool:
         self._metrics.inc(

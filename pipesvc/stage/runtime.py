@@ -94,11 +94,12 @@ from pipesvc.models import (
     tied_parameters,
     uses_rng,
 )
+from pipesvc.models.carry import Carry, check_carried
 from pipesvc.stage.profiler import FlopCount, StageProfiler, output_bytes
 from pipesvc.stage.weight_grads import DeferWeightGrads, WeightGradStore
 from pipesvc.storage.checkpoint import OPTIM_PREFIX, group_by_layer
 
-_LayerCall = tuple[int, nn.Module, bool, tuple[str, ...], bool]
+_LayerCall = tuple[int, nn.Module, bool, tuple[str, ...], bool, bool]
 """How one layer is called: its global index, the layer, whether its training call is seeded
 (see [Note: training randomness]), the side inputs it reads and whether it reads a generation
 cache; fixed when the layer is built."""
@@ -171,6 +172,7 @@ class StageRuntime:
                         uses_rng(layer),
                         tuple(getattr(layer, "side_inputs", ())),
                         bool(getattr(layer, "uses_cache", False)),
+                        bool(getattr(layer, "adds_to_carry", False)),
                     )
                     for i, layer in enumerate(built)
                 ]
@@ -235,6 +237,10 @@ class StageRuntime:
         self.max_live = 0
         self.profiler = StageProfiler()
         self._saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # A carried vector's start and total per micro-batch in flight, and the start's
+        # gradient once its backward ran (see [Note: carried vector] in pipesvc.models.carry).
+        self._carried: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._carried_grads: dict[int, torch.Tensor] = {}
         # Micro-batches whose backward is split (see [Note: split backward] in core/action.py):
         # the weight gradients their B leaves for W, and B's seconds once it ran.
         self._deferred: dict[int, WeightGradStore] = {}
@@ -285,13 +291,19 @@ class StageRuntime:
         """Starts a run; a training run clears the previous step's gradients. Its micro-batch
         ``i`` is micro-batch ``microbatch_offset + i`` of the step (a replica's share)."""
         self._microbatch_offset = microbatch_offset
-        self._saved.clear()
-        self._deferred.clear()
-        self._backward_s.clear()
+        self._drop_run()
         self.max_live = 0
         if training:
             self._training_run = True
             self._zero_grads()
+
+    def _drop_run(self) -> None:
+        """Forgets what the run in flight keeps for its backward."""
+        self._saved.clear()
+        self._deferred.clear()
+        self._backward_s.clear()
+        self._carried.clear()
+        self._carried_grads.clear()
 
     def _zero_grads(self) -> None:
         """Zeroes the gradient buffers in place for the run to accumulate into (see Note)."""
@@ -360,6 +372,7 @@ class StageRuntime:
         cache: Any = None,
         deferred: WeightGradStore | None = None,
         chunk: int = 0,
+        carry: Carry | None = None,
     ) -> torch.Tensor:
         """Runs the layers (see [Note: precision]); in training, stochastic ones run seeded.
         With ``deferred`` (a split backward), the linear layers' backward leaves their weight
@@ -368,7 +381,7 @@ class StageRuntime:
         # (no caller runs a stage inside an autocast region), so it is entered only when on;
         # without either context the layers run directly (see [Note: per-action cost]).
         if deferred is None and not self._autocast:
-            return self._apply_layers(x, microbatch, side, cache, chunk)
+            return self._apply_layers(x, microbatch, side, cache, chunk, carry)
         defer = DeferWeightGrads(deferred) if deferred is not None else contextlib.nullcontext()
         cast = (
             torch.autocast(self.device.type, dtype=torch.bfloat16)
@@ -376,7 +389,7 @@ class StageRuntime:
             else contextlib.nullcontext()
         )
         with cast, defer:
-            return self._apply_layers(x, microbatch, side, cache, chunk)
+            return self._apply_layers(x, microbatch, side, cache, chunk, carry)
 
     def _apply_layers(
         self,
@@ -385,12 +398,13 @@ class StageRuntime:
         side: Mapping[str, torch.Tensor],
         cache: Any,
         chunk: int = 0,
+        carry: Carry | None = None,
     ) -> torch.Tensor:
         seed, step = self.config.seed, self.step + 1
         mb = None if microbatch is None else self._microbatch_offset + microbatch
         profiler = self.profiler if microbatch is not None else None
         samples: list[tuple[int, float, int]] = []  # a training forward's, for the profiler
-        for index, layer, seeded, wanted, reads_cache in self._chunk_layers[chunk]:
+        for index, layer, seeded, wanted, reads_cache, adds in self._chunk_layers[chunk]:
             # A layer names the side inputs it reads (``side_inputs``, see [Note: side inputs])
             # and whether it reads and extends a generation cache (``uses_cache``).
             kwargs: dict[str, Any] = (
@@ -398,6 +412,8 @@ class StageRuntime:
             )
             if cache is not None and reads_cache:
                 kwargs["cache"] = cache
+            if carry is not None and adds:
+                kwargs["carry"] = carry
             started = time.perf_counter()
             try:
                 if profiler is not None and profiler.needs_flops(index):
@@ -449,11 +465,14 @@ class StageRuntime:
         cache: Any = None,
         split_backward: bool = False,
         chunk: int = 0,
+        carry: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Runs this stage's layers of ``chunk`` on ``x`` (with the micro-batch's ``side``
         inputs, and in generation its key/value ``cache``); in training keeps what backward
         needs, for a backward in two passes with ``split_backward`` (see [Note: split
-        backward] in ``pipesvc.core.action``).
+        backward] in ``pipesvc.core.action``). A training micro-batch of a model that carries
+        a vector takes it in ``carry`` from the stage before (``carried`` gives the total to
+        send on; see [Note: carried vector] in ``pipesvc.models.carry``).
 
         Raises:
             InvalidArgumentError: a side input the model does not read, or a layer failed.
@@ -488,21 +507,66 @@ class StageRuntime:
                 )
             x = x.detach().requires_grad_(True)
         deferred = WeightGradStore() if split_backward else None
-        y = self._apply(x, microbatch, side, deferred=deferred, chunk=chunk)
+        start = self._carry_start(carry, first, chunk)
+        holder = Carry(start) if start is not None else None
+        y = self._apply(x, microbatch, side, deferred=deferred, chunk=chunk, carry=holder)
         key = self._key(microbatch, chunk)
+        if start is not None and holder is not None:
+            self._carried[key] = (start, holder.value)
         if deferred is not None:
             self._deferred[key] = deferred
         self._saved[key] = (x, y)
         self.max_live = max(self.max_live, len(self._saved))
         return y if last else self._to_wire(y, self._down[0])
 
+    def _carry_start(
+        self, carry: torch.Tensor | None, first: bool, chunk: int
+    ) -> torch.Tensor | None:
+        """A training micro-batch's carried vector as this stage's layers start from it: zeros
+        on the first stage, else what the stage before sent, as a leaf for its gradient; None
+        when the model carries none.
+
+        Raises:
+            InvalidArgumentError: no vector, or not one of the model's size, from the stage
+                before.
+        """
+        spec = self.features.carry
+        if spec is None:
+            return None
+        if first:
+            return torch.zeros(spec.size, dtype=torch.float32, device=self.device)
+        if carry is None:
+            raise InvalidArgumentError(
+                f"model {self.config.model!r} carries a vector of {spec.size} into layer "
+                f"{self.chunks[chunk][0]}; none arrived"
+            )
+        check_carried(carry, spec, f"the carried vector into layer {self.chunks[chunk][0]}")
+        return carry.to(self.device).detach().requires_grad_(True)
+
+    def carried(self, microbatch: int, chunk: int = 0) -> torch.Tensor | None:
+        """The carried total of a training micro-batch's forward through ``chunk``, to send
+        to the next stage; None when the model carries none."""
+        found = self._carried.get(self._key(microbatch, chunk))
+        return None if found is None else found[1].detach()
+
+    def carried_grad(self, microbatch: int, chunk: int = 0) -> torch.Tensor | None:
+        """The gradient of the carried vector this stage started from, once ``backward`` of
+        the micro-batch ran, to send to the stage before; None when the model carries none."""
+        return self._carried_grads.pop(self._key(microbatch, chunk), None)
+
     def loss(self, microbatch: int, target: torch.Tensor, weight: float) -> torch.Tensor:
-        """Last stage: the weighted loss of micro-batch ``microbatch``, kept for backward."""
+        """Last stage: the weighted loss of micro-batch ``microbatch`` (with the carried
+        vector's term, when the model carries one), kept for backward."""
         key = self._key(microbatch, len(self.chunks) - 1)
         x, y = self._saved[key]
+        carried = self._carried.get(key)
+        spec = self.features.carry
         try:  # as _memory_of_the_stage, without a generator per call
             logits = y.float() if y.is_floating_point() else y
-            loss = compute_loss(self.config.loss, logits, target.to(self.device)) * weight
+            loss = compute_loss(self.config.loss, logits, target.to(self.device))
+            if carried is not None and spec is not None:
+                loss = loss + spec.loss(carried[1])
+            loss = loss * weight
         except (RuntimeError, MemoryError) as exc:
             if not _out_of_memory(exc):
                 raise
@@ -511,12 +575,18 @@ class StageRuntime:
         return loss
 
     def backward(
-        self, microbatch: int, grad_output: torch.Tensor | None, chunk: int = 0
+        self,
+        microbatch: int,
+        grad_output: torch.Tensor | None,
+        chunk: int = 0,
+        carry_grad: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Backpropagates micro-batch ``microbatch`` through ``chunk``; returns the input's
         gradient (except on the first virtual stage).
 
         On the last virtual stage ``grad_output`` is None and the saved loss is the root.
+        Elsewhere a model that carries a vector takes its total's gradient in ``carry_grad``
+        (``carried_grad`` then gives the start's, see [Note: carried vector]).
 
         Raises:
             FailedPreconditionError: no forward is pending for this micro-batch.
@@ -531,12 +601,15 @@ class StageRuntime:
         first = self.rank == 0 and chunk == 0
         # A split backward's micro-batch stays in flight until its W.
         x, y = self._saved[key] if split else self._saved.pop(key)
+        carried = self._carried.pop(key, None) if self._carried else None
         started = time.perf_counter()
         if split:
             self._backward_s[key] = 0.0
-        if not y.requires_grad:
+        if not y.requires_grad and (carried is None or not carried[1].requires_grad):
             # Nothing before this point trains (a first stage whose layers are all frozen, as
             # the embedding under LoRA): there is no gradient to compute or send.
+            if carried is not None and not first:
+                self._carried_grads[key] = torch.zeros_like(carried[0])
             return None if first else self._to_wire(torch.zeros_like(x), self._up[1])
         if grad_output is not None:
             grad_output = self._from_wire(grad_output, self._down[1])
@@ -546,7 +619,9 @@ class StageRuntime:
                 f"{list(y.shape)}"
             )
         try:  # as _memory_of_the_stage, without a generator and a message per call
-            if grad_output is None:
+            if carried is not None:
+                self._backward_carried(y, grad_output, carried, carry_grad, chunk)
+            elif grad_output is None:
                 torch.autograd.backward(y)
             else:
                 torch.autograd.backward(y, grad_output.to(device=self.device, dtype=y.dtype))
@@ -559,7 +634,45 @@ class StageRuntime:
             self._backward_s[key] = time.perf_counter() - started
         else:
             self.profiler.backward(time.perf_counter() - started)
+        if carried is not None and not first:
+            start = carried[0]
+            found = start.grad
+            self._carried_grads[key] = found if found is not None else torch.zeros_like(start)
         return None if first or x.grad is None else self._to_wire(x.grad, self._up[1])
+
+    def _backward_carried(
+        self,
+        y: torch.Tensor,
+        grad_output: torch.Tensor | None,
+        carried: tuple[torch.Tensor, torch.Tensor],
+        carry_grad: torch.Tensor | None,
+        chunk: int,
+    ) -> None:
+        """Backward from the output and, before the last stage, from the carried total too
+        (see [Note: carried vector] in ``pipesvc.models.carry``).
+
+        Raises:
+            InvalidArgumentError: the carried total's gradient is missing or malformed.
+        """
+        roots: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
+        if y.requires_grad:
+            roots.append(y)
+            grads.append(
+                None if grad_output is None else grad_output.to(device=self.device, dtype=y.dtype)
+            )
+        total = carried[1]
+        spec = self.features.carry
+        if not self.last_virtual(chunk) and total.requires_grad and spec is not None:
+            if carry_grad is None:
+                raise InvalidArgumentError(
+                    f"no gradient arrived for the vector carried out of layer "
+                    f"{self.chunks[chunk][1] - 1}"
+                )
+            check_carried(carry_grad, spec, "the carried vector's gradient")
+            roots.append(total)
+            grads.append(carry_grad.to(self.device))
+        torch.autograd.backward(roots, grads)
 
     def backward_weight(self, microbatch: int, chunk: int = 0) -> None:
         """``W`` of a split backward: adds the weight gradients its ``B`` left to the
@@ -682,9 +795,7 @@ class StageRuntime:
         """Drops the run's activations, and its gradients if it is an uncommitted training run;
         weights and optimizer are untouched (see [Note: gradients of the last committed step]).
         """
-        self._saved.clear()
-        self._deferred.clear()
-        self._backward_s.clear()
+        self._drop_run()
         if self._training_run:
             self._training_run = False
             self._zeroed = []
@@ -728,9 +839,7 @@ class StageRuntime:
         """Drops every tensor this runtime holds (its job was replaced or released); the
         runtime computes nothing afterwards (see [Note: one copy while reassigned] in
         ``pipesvc.stage.assignment``)."""
-        self._saved.clear()
-        self._deferred.clear()
-        self._backward_s.clear()
+        self._drop_run()
         self._zeroed = []
         self._tied_partials = {}
         self.optimizer = None

@@ -1207,6 +1207,7 @@ class MicrobatchId(_message.Message):
     RUN_ID_FIELD_NUMBER: _builtins.int
     MICROBATCH_INDEX_FIELD_NUMBER: _builtins.int
     DIRECTION_FIELD_NUMBER: _builtins.int
+    PART_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     plan_epoch: _builtins.int
@@ -1217,6 +1218,10 @@ class MicrobatchId(_message.Message):
     """0-based micro-batch."""
     direction: Global___Direction.ValueType
     """Activation or gradient."""
+    part: _builtins.int
+    """Which of the micro-batch's tensors in this direction: 0 the activation (or its gradient),
+    1 the carried vector of a model that carries one (or its gradient); see pipesvc.core.carry.
+    """
     def __init__(
         self,
         *,
@@ -1225,10 +1230,11 @@ class MicrobatchId(_message.Message):
         run_id: _builtins.int = ...,
         microbatch_index: _builtins.int = ...,
         direction: Global___Direction.ValueType = ...,
+        part: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["direction", b"direction", "job_id", b"job_id", "microbatch_index", b"microbatch_index", "plan_epoch", b"plan_epoch", "run_id", b"run_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["direction", b"direction", "job_id", b"job_id", "microbatch_index", b"microbatch_index", "part", b"part", "plan_epoch", b"plan_epoch", "run_id", b"run_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -217,17 +217,6 @@ def test_a_body_that_unpacks_its_layers_outputs_is_refused(tmp_path: Path) -> No
     assert "hf-falcon" not in registry.known_models()
 
 
-def test_a_config_asking_for_the_router_loss_is_refused_at_registration(
-    tmp_path: Path,
-) -> None:
-    save_model("mixtral", tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "output_router_logits": True}))
-    with pytest.raises(InvalidArgumentError, match="asks for the router's auxiliary loss"):
-        register_hf_model("hf-router-loss", tmp_path)
-    assert "hf-router-loss" not in registry.known_models()
-
-
 def test_a_layer_index_outside_the_model_is_refused(tmp_path: Path) -> None:
     save_model("phi", tmp_path)
     with pytest.raises(InvalidArgumentError, match=r"layer 9 is outside \[0, 3\]"):
