@@ -9,7 +9,9 @@ sharing 4 key/value heads (about 110M parameters, 440 MB in float32), saved with
 micro-batches, ``causal_lm`` loss, AdamW (lr 1e-4), 1F1B, checkpoints off. ``--models
 mixtral`` (in the default set) is ``MixtralForCausalLM`` with vocabulary 32000, hidden 512, 8
 experts of MLP 1024 with 2 routed per token, 8 blocks, 8 heads sharing 4 key/value heads (about
-135M parameters, every expert counted by the planner and held by its stage).
+135M parameters, every expert counted by the planner and held by its stage). ``--models
+mixtral-aux`` is the same model with the router's auxiliary loss on (coefficient 0.02): its
+routing statistics travel between the stages beside the activations.
 
 - one process: ``AutoModelForCausalLM.from_pretrained(DIR)``, the same 4 micro-batches
   accumulated (each loss weighted by its share of the labels), one AdamW step; the process's
@@ -23,7 +25,7 @@ default ``fp32,bf16-mixed``) is run both ways; the one-process ``bf16-mixed`` ru
 under bfloat16 autocast with float32 weights and AdamW, as the stages do.
 
 Usage: ``python bench/hf.py [--steps 3] [--stages 2,4] [--precisions fp32,bf16-mixed]
-[--models llama,mixtral]``
+[--models llama,mixtral,mixtral-aux]``
 """
 
 from __future__ import annotations
@@ -66,7 +68,12 @@ MOE_CONFIG = {
     "num_experts_per_tok": 2,
     "max_position_embeddings": 256,
 }
-MODELS = {"llama": ("llama", CONFIG), "mixtral": ("mixtral", MOE_CONFIG)}
+AUX = {"output_router_logits": True, "router_aux_loss_coef": 0.02}
+MODELS = {
+    "llama": ("llama", CONFIG),
+    "mixtral": ("mixtral", MOE_CONFIG),
+    "mixtral-aux": ("mixtral", {**MOE_CONFIG, **AUX}),
+}
 BATCH, LENGTH, MICROBATCHES, LR = 8, 128, 4, 1e-4
 
 
@@ -100,8 +107,11 @@ def one_process(directory: str, steps: int, threads: int, precision: str, out: A
         weights = loss_weights([loss_units("causal_lm", t) for t in label_mbs])
         for x, y, w in zip(split(ids, MICROBATCHES), label_mbs, weights, strict=True):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-                logits = model(x).logits
-            (compute_loss("causal_lm", logits.float(), y) * w).backward()
+                out = model(x)
+            loss = compute_loss("causal_lm", out.logits.float(), y)
+            if getattr(out, "aux_loss", None) is not None:  # the config asks for it
+                loss = loss + model.router_aux_loss_coef * out.aux_loss
+            (loss * w).backward()
         optimizer.step()
         times.append(time.perf_counter() - started)
     out.put((steps / sum(times[1:]), peak_rss()))

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pipesvc.coordinator.prefixes import Prefix
 from pipesvc.core.microbatch import CacheRef, MicrobatchCaches, RunBatch
 from pipesvc.core.sampling import Sampling
 from pipesvc.errors import InvalidArgumentError
@@ -120,6 +121,16 @@ class Session:
         """Positions whose keys and values the stages hold (0: none)."""
         self.epoch: int | None = None
         """The plan epoch those caches were built in."""
+        self.source: Prefix | None = None
+        """A kept prefix its first run starts its cache from (see [Note: prefix index] in
+        ``prefixes.py``)."""
+        self.keep: Prefix | None = None
+        """What of its prompt the stages keep after its first run."""
+
+    @property
+    def one_row(self) -> bool:
+        """One row without padding in one part: the sessions whose prompts prefixes serve."""
+        return len(self.rows) == 1 and self.tokens.shape[0] == 1 and bool(self.mask.all())
 
     @property
     def done(self) -> bool:
@@ -127,13 +138,17 @@ class Session:
         return bool(self.finished.all())
 
     def invalidate(self) -> None:
-        """The stages hold no caches for this session: the next step replays every token."""
+        """The stages hold no caches for this session: the next step replays every token
+        (from the first: a prefix it was to start from may be what was lost)."""
         self.cached = 0
+        self.source = None
 
     def next_batch(self, epoch: int) -> RunBatch:
         """The run of the next step in plan epoch ``epoch``."""
         cached = self.support.kv_cache and self.cached > 0 and self.epoch == epoch
-        start = self.cached if cached else 0
+        source = self.source if self.support.kv_cache and not cached else None
+        keep = self.keep if self.support.kv_cache and not cached else None
+        start = self.cached if cached else source.positions if source is not None else 0
         positions = (self.mask.cumsum(dim=-1) - 1).masked_fill(self.mask == 0, 0)
         side_names = set(self.support.side_inputs)
         inputs, side = [], []
@@ -153,6 +168,10 @@ class Session:
                     fresh=not cached,
                     rows=len(rows),
                     positions=self.tokens.shape[1] - start,
+                    source=source.name if source is not None else "",
+                    source_positions=source.positions if source is not None else 0,
+                    keep_as=keep.name if keep is not None else "",
+                    keep_positions=keep.positions if keep is not None else 0,
                 )
                 caches.append((ref,))
         return RunBatch(inputs=inputs, side=side if side_names else [], caches=caches)
@@ -223,8 +242,8 @@ def plan_step(sessions: list[Session], epoch: int, *, fuse: bool = False) -> Ste
                 batch.side[part] if batch.side else {},
                 batch.caches[part] if batch.caches else (),
             )
-            if not fuse or not entry.caches:
-                alone.append(entry)
+            if not fuse or not entry.caches or entry.caches[0].source or entry.caches[0].keep_as:
+                alone.append(entry)  # a prefix to start from or keep: one row, its own
             elif entry.caches[0].fresh:
                 starting.append(entry)
             elif entry.inputs.shape[1] == 1:

@@ -5,6 +5,7 @@ coordinator] in ``generation.py`` and [Note: continuous batching] in ``batcher.p
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -18,6 +19,7 @@ from pipesvc.coordinator.generation import (
     check_length,
     plan_step,
 )
+from pipesvc.coordinator.prefixes import PrefixIndex
 from pipesvc.coordinator.replicas import RunReplies
 from pipesvc.coordinator.stage_calls import call_stage
 from pipesvc.coordinator.stage_group import StageGroup
@@ -61,6 +63,9 @@ class JobGeneration:
         self._orphans = orphans
         """The stages may hold caches of sessions that ended with a previous coordinator."""
         self.batcher = StepBatcher(self._steps, on_token=self._count_token)
+        self.prefixes = PrefixIndex()
+        """The prompt prefixes the stages keep (see [Note: prefix index] in prefixes.py)."""
+        self._prefix_lock = threading.Lock()
 
     def generate(
         self,
@@ -100,6 +105,11 @@ class JobGeneration:
             eos_token_id=eos_token_id,
         )
         self._metrics.inc("generation_sessions_total")
+        if support.fuses_caches and session.one_row:  # caches that can be cut and copied
+            with self._prefix_lock:
+                epoch = self._group.epoch
+                session.source = self.prefixes.find(session.tokens[0], epoch)
+                session.keep = self.prefixes.to_keep(session.tokens[0], epoch)
         stream = self.batcher.open(session, max_new_tokens)
         try:
             while (tokens := self.batcher.next(stream)) is not None:
@@ -137,10 +147,13 @@ class JobGeneration:
                 # every stage put the run's sessions back as they were (see [Note: session
                 # runs] in ``pipesvc.stage.sessions``): they replay their tokens, the others
                 # take their step as planned. Each session replays at most once here.
-                lost = [s for s in sessions if s.id in exc.sessions and s.cached]
+                lost = [s for s in sessions if s.id in exc.sessions and (s.cached or s.source)]
                 if not lost:
                     raise
                 for session in lost:
+                    if session.source is not None:  # a stage may have dropped the prefix
+                        with self._prefix_lock:
+                            self.prefixes.forget(session.source.name)
                     logger.info(
                         "job %s: session %s lost its caches; replaying its tokens",
                         self._job_id,
@@ -148,8 +161,27 @@ class JobGeneration:
                     )
                     session.invalidate()
                     self._metrics.inc("generation_replays_total")
+        self._prefixes_after(sessions, epoch)
         outputs = [decode(t) for t in replies.outputs]
         return [(logits, epoch) for logits in run.logits(outputs)]
+
+    def _prefixes_after(self, sessions: list[Session], epoch: int) -> None:
+        """After a run: counts the sessions that started from a kept prefix, and indexes the
+        prefixes the stages kept (releasing on the stages those it pushes out)."""
+        evicted: list[str] = []
+        for session in sessions:
+            if session.cached:  # not its first run: no prefix in it
+                continue
+            if session.source is not None:
+                self._metrics.inc("prefix_hits_total")
+                self._metrics.inc("prefix_tokens_reused_total", float(session.source.positions))
+                session.source = None
+            if session.keep is not None:
+                with self._prefix_lock:
+                    evicted += self.prefixes.kept(session.tokens[0], session.keep, epoch)
+                session.keep = None
+        for name in evicted:
+            self._release(name)
 
     def _model_support(self) -> ModelSupport:
         """Whether the model keeps caches and which side inputs it reads (asked once)."""
@@ -195,7 +227,12 @@ class JobGeneration:
     def _release_session(self, session: Session) -> None:
         """Drops the session's caches on every stage of the plan (best effort: a stage that
         is gone or busy drops them when they expire)."""
-        request = stage_pb2.ReleaseSessionRequest(job_id=self._job_id, session=session.id)
+        self._release(session.id)
+
+    def _release(self, name: str) -> None:
+        """Drops a session's caches, or a kept prefix, on every stage of the plan (best
+        effort)."""
+        request = stage_pb2.ReleaseSessionRequest(job_id=self._job_id, session=name)
         for stage in list(self._group.servers):
             try:
                 call_stage(
@@ -209,7 +246,7 @@ class JobGeneration:
                 logger.info(
                     "job %s: session %s not released on %s: %s",
                     self._job_id,
-                    session.id,
+                    name,
                     stage.address,
                     exc,
                 )

@@ -188,6 +188,10 @@ class StageGroup:
                         fresh=c.fresh,
                         rows=c.rows,
                         positions=c.positions,
+                        source=c.source,
+                        source_positions=c.source_positions,
+                        keep_as=c.keep_as,
+                        keep_positions=c.keep_positions,
                     )
                     for c in refs
                 ]

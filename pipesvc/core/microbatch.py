@@ -88,6 +88,13 @@ class CacheRef:
     """The rows of the micro-batch it covers (the part's rows)."""
     positions: int
     """The positions this step adds (the part's own width; 1 for a decode step)."""
+    source: str = ""
+    """With ``fresh``: start from the first ``source_positions`` positions of this kept
+    prefix, not empty (see [Note: prefix reuse] in ``pipesvc.stage.sessions``)."""
+    source_positions: int = 0
+    keep_as: str = ""
+    """After the run, keep the first ``keep_positions`` positions as this prefix."""
+    keep_positions: int = 0
 
 
 MicrobatchCaches = tuple[CacheRef, ...]

@@ -29,6 +29,16 @@ _DEFINITIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         (),
     ),
     "generated_tokens_total": ("counter", "Tokens generated (one per row per step)", ()),
+    "prefix_hits_total": (
+        "counter",
+        "Generation sessions that started from a prompt prefix the stages kept",
+        (),
+    ),
+    "prefix_tokens_reused_total": (
+        "counter",
+        "Prompt tokens not computed again because the stages kept their keys and values",
+        (),
+    ),
     "time_to_first_token_seconds": (
         "histogram",
         "From a generation request to its first new token",

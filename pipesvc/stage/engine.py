@@ -286,6 +286,7 @@ class StepEngine:
                     self._sum_replicas(run_id, data.replicas)
                 if self.sessions is not None and sessions:
                     try:
+                        self.sessions.keep(refs)
                         self.sessions.settle(sessions)
                     finally:
                         self._metrics.set("open_generation_sessions", len(self.sessions.sessions()))

@@ -877,6 +877,7 @@ def _cache_refs(
                     f"session {ref.session!r} part {ref.part} is named twice in one run"
                 )
             seen.add((ref.session, ref.part))
+            _check_prefix_ref(ref, fused=len(entry.refs) > 1)
         fused = len(entry.refs) > 1
         fresh = {ref.fresh for ref in entry.refs}
         if fused and (
@@ -891,6 +892,46 @@ def _cache_refs(
                 + str([(r.fresh, r.rows, r.positions) for r in entry.refs])
             )
         caches.append(
-            tuple(CacheRef(r.session, r.part, r.fresh, r.rows, r.positions) for r in entry.refs)
+            tuple(
+                CacheRef(
+                    r.session,
+                    r.part,
+                    r.fresh,
+                    r.rows,
+                    r.positions,
+                    r.source,
+                    r.source_positions,
+                    r.keep_as,
+                    r.keep_positions,
+                )
+                for r in entry.refs
+            )
         )
     return caches
+
+
+def _check_prefix_ref(ref: stage_pb2.CacheRef, *, fused: bool) -> None:
+    """A cache reference's prefix fields (see [Note: prefix reuse] in pipesvc.stage.sessions).
+
+    Raises:
+        InvalidArgumentError: a prefix name over 128 characters, a source on a cache that is
+            not fresh, or a prefix over several rows, in a fused micro-batch or of 0 positions.
+    """
+    for name, positions, what in (
+        (ref.source, ref.source_positions, "source"),
+        (ref.keep_as, ref.keep_positions, "keep_as"),
+    ):
+        if not name:
+            continue
+        if len(name) > 128 or positions == 0 or ref.rows != 1 or fused:
+            raise InvalidArgumentError(
+                f"session {ref.session!r} part {ref.part}: {what} {name[:32]!r} of "
+                f"{len(name)} characters at {positions} positions over {ref.rows} row(s)"
+                f"{' in a fused micro-batch' if fused else ''}; expected a name of 1 to 128 "
+                "characters, positions > 0, one row, not fused"
+            )
+    if ref.source and not ref.fresh:
+        raise InvalidArgumentError(
+            f"session {ref.session!r} part {ref.part} names source {ref.source!r} but is not "
+            "fresh: only a starting cache starts from a prefix"
+        )

@@ -33,6 +33,18 @@ together with the queries. A view would keep all of that alive, so a part keeps 
 is its own (``compact``, in ``put`` and after each run), and a fused run's stacked cache lives
 only for its run; then what is counted is what a session keeps. A model whose cache shows no
 ``CacheLayout`` cannot be copied this way; its storages are still counted whole.
+
+[Note: prefix reuse] A prompt often starts as an earlier one did (a shared system prompt, the
+previous turn of a chat). After a session's first run the coordinator may ask a stage to keep
+a copy of the first positions of its cache under a name (``CacheRef.keep_as``), and a later
+session to start its cache as a copy of the first positions of such a prefix
+(``CacheRef.source``) instead of empty; then only the rest of its prompt runs through the
+stages. Prefixes are one row each, kept in least-recently-used order, and counted in the KV
+budget like sessions: a run that leaves the caches over the budget first drops the least
+recently used prefixes, and fails only if the sessions alone are over it. A session whose
+source is not here (dropped, or a new plan epoch) fails its run with
+``SessionCacheLostError`` like a lost cache, so the coordinator replays it from its first
+token. Only models with a ``CacheLayout`` (whose caches can be cut and copied) keep prefixes.
 """
 
 from __future__ import annotations
@@ -40,6 +52,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -122,6 +135,16 @@ def _cut_back(cache: Any, length: int, layout: CacheLayout) -> Any:
     )
 
 
+def _copy(cache: Any, length: int, layout: CacheLayout) -> Any:
+    """A new cache holding copies of ``cache``'s first ``length`` positions."""
+    return layout.build(
+        {
+            name: (k[:, :, :length].clone(), v[:, :, :length].clone())
+            for name, (k, v) in layout.tensors(cache).items()
+        }
+    )
+
+
 def expiry_interval(idle_s: float) -> float:
     """How often the expiry timer looks for idle sessions: a quarter of the idle timeout (a
     session goes at most a quarter late), within [0.05, 30] seconds."""
@@ -179,6 +202,8 @@ class SessionCaches:
         self._used: dict[str, float] = {}
         self._undo: tuple[int, dict[tuple[str, int], int | None]] | None = None
         """The last run begun here, and each part's length before it (None: drop it)."""
+        self._prefixes: OrderedDict[str, Any] = OrderedDict()
+        """Kept prefixes by name, least recently used first (see [Note: prefix reuse])."""
 
     def begin(self, run_id: int, refs: Iterable[CacheRef]) -> None:
         """Before run ``run_id`` reads and extends the caches of ``refs`` (none: a run without
@@ -192,6 +217,7 @@ class SessionCaches:
         with self._lock:
             lost = sorted(
                 {r.session for r in refs if not r.fresh and (r.session, r.part) not in self._caches}
+                | {r.session for r in refs if r.source and not self._source_fits(r)}
             )
             if lost:
                 raise SessionCacheLostError(
@@ -208,6 +234,28 @@ class SessionCaches:
                     for r in refs
                 },
             )
+
+    def _source_fits(self, ref: CacheRef) -> bool:
+        """Whether ``ref``'s source prefix is here with at least the positions it starts from
+        (under the lock)."""
+        found = self._prefixes.get(ref.source)
+        return found is not None and (_length(found, self._layout) or 0) >= ref.source_positions
+
+    def keep(self, refs: Iterable[CacheRef]) -> None:
+        """After a run: keeps the prefixes ``refs`` ask for (see [Note: prefix reuse])."""
+        if self._layout is None:
+            return
+        with self._lock:
+            for ref in refs:
+                cache = self._caches.get((ref.session, ref.part)) if ref.keep_as else None
+                if cache is not None:
+                    self._prefixes[ref.keep_as] = _copy(cache, ref.keep_positions, self._layout)
+                    self._prefixes.move_to_end(ref.keep_as)
+
+    def prefixes(self) -> list[str]:
+        """The kept prefixes' names, least recently used first."""
+        with self._lock:
+            return list(self._prefixes)
 
     def undo(self, run_id: int) -> None:
         """Puts the caches run ``run_id`` touched back as they were before it, if it is the
@@ -241,7 +289,17 @@ class SessionCaches:
             raise FailedPreconditionError("this model has no key/value cache to generate with")
         key = (ref.session, ref.part)
         with self._lock:
-            if ref.fresh:
+            if ref.fresh and ref.source and self._layout is not None:
+                if not self._source_fits(ref):
+                    raise SessionCacheLostError(
+                        f"session {ref.session!r} starts from prefix {ref.source!r}, which "
+                        "this stage does not keep; replay it",
+                        [ref.session],
+                    )
+                self._prefixes.move_to_end(ref.source)
+                source = self._prefixes[ref.source]
+                self._caches[key] = _copy(source, ref.source_positions, self._layout)
+            elif ref.fresh:
                 self._caches[key] = self._new_cache()
             elif key not in self._caches:
                 raise SessionCacheLostError(
@@ -267,9 +325,10 @@ class SessionCaches:
         return held_bytes(caches)
 
     def total_bytes(self) -> int:
-        """The bytes every cache here keeps alive (see [Note: cache memory])."""
+        """The bytes every cache here keeps alive, kept prefixes included (see [Note: cache
+        memory])."""
         with self._lock:
-            caches = list(self._caches.values())
+            caches = list(self._caches.values()) + list(self._prefixes.values())
         return held_bytes(caches)
 
     def sessions(self) -> list[str]:
@@ -288,6 +347,13 @@ class SessionCaches:
                 if key[0] in touched:
                     self._caches[key] = compact(cache, self._layout)
         total = self.total_bytes()
+        while total > self._budget:  # the least recently used prefixes go first
+            with self._lock:
+                if not self._prefixes:
+                    break
+                name, _ = self._prefixes.popitem(last=False)
+            logger.info("prefix %s dropped: the KV budget is full", name)
+            total = self.total_bytes()
         if total <= self._budget:
             return
         sizes = {s: self.session_bytes(s) for s in sorted(touched)}
@@ -302,21 +368,24 @@ class SessionCaches:
         )
 
     def release(self, session: str) -> int:
-        """Drops every part of ``session``; returns the bytes freed (0 if it had none)."""
+        """Drops every part of ``session``, or the kept prefix of that name; returns the bytes
+        freed (0 if it had none)."""
         with self._lock:
             keys = [k for k in self._caches if k[0] == session]
             dropped = [self._caches.pop(k) for k in keys]
             self._used.pop(session, None)
-        return held_bytes(dropped)
+            prefix = self._prefixes.pop(session, None)
+        return held_bytes(dropped + ([prefix] if prefix is not None else []))
 
     def release_all(self) -> int:
         """Drops every session's caches (a restarted coordinator's orphans); returns the bytes
         freed."""
         with self._lock:
-            dropped = list(self._caches.values())
+            dropped = list(self._caches.values()) + list(self._prefixes.values())
             count = len(self._used)
             self._caches.clear()
             self._used.clear()
+            self._prefixes.clear()
         freed = held_bytes(dropped)
         if count:
             logger.info("%d orphaned session(s) released (%.2f MiB freed)", count, freed / MIB)
@@ -341,4 +410,5 @@ class SessionCaches:
         with self._lock:
             self._caches.clear()
             self._used.clear()
+            self._prefixes.clear()
             self._undo = None

@@ -619,6 +619,10 @@ class CacheRef(_message.Message):
     FRESH_FIELD_NUMBER: _builtins.int
     ROWS_FIELD_NUMBER: _builtins.int
     POSITIONS_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    SOURCE_POSITIONS_FIELD_NUMBER: _builtins.int
+    KEEP_AS_FIELD_NUMBER: _builtins.int
+    KEEP_POSITIONS_FIELD_NUMBER: _builtins.int
     session: _builtins.str
     """The session (the coordinator's id for it)."""
     part: _builtins.int
@@ -631,6 +635,17 @@ class CacheRef(_message.Message):
     """The positions this step adds to it (its own width: 1 for a decode step); in a fused
     micro-batch its tokens are the last that many of the micro-batch's columns.
     """
+    source: _builtins.str
+    """With fresh: start the cache as a copy of the first source_positions positions of the
+    prefix named source that this stage keeps (a prompt whose start an earlier request
+    computed), not empty. One row.
+    """
+    source_positions: _builtins.int
+    keep_as: _builtins.str
+    """After the run, keep a copy of this cache's first keep_positions positions as the prefix
+    named keep_as, for later requests to start from. One row.
+    """
+    keep_positions: _builtins.int
     def __init__(
         self,
         *,
@@ -639,10 +654,14 @@ class CacheRef(_message.Message):
         fresh: _builtins.bool = ...,
         rows: _builtins.int = ...,
         positions: _builtins.int = ...,
+        source: _builtins.str = ...,
+        source_positions: _builtins.int = ...,
+        keep_as: _builtins.str = ...,
+        keep_positions: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fresh", b"fresh", "part", b"part", "positions", b"positions", "rows", b"rows", "session", b"session"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fresh", b"fresh", "keep_as", b"keep_as", "keep_positions", b"keep_positions", "part", b"part", "positions", b"positions", "rows", b"rows", "session", b"session", "source", b"source", "source_positions", b"source_positions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,133 @@
+"""Prompt prefixes kept on the stages (see [Note: prefix reuse] in ``pipesvc.stage.sessions``):
+prompts that share a start generate exactly what ``transformers`` generates while computing only
+their rest, and a prefix a stage dropped to stay within its KV budget costs a replay, never a
+wrong token."""
+
+from __future__ import annotations
+
+import socket
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import pipesvc
+from pipesvc.coordinator.prefixes import BLOCK
+
+VOCAB = 64
+NEW_TOKENS = 6
+SYSTEM = 3 * BLOCK + 2  # tokens every prompt starts with
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        "llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    directory = tmp_path_factory.mktemp("prefix-llama")
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return directory
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def counters(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    found = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith(("pipesvc_prefix", "pipesvc_generation_replays")):
+            found[name.removeprefix("pipesvc_")] = float(value)
+    return found
+
+
+def prompts() -> list[torch.Tensor]:
+    """A shared start, then tails of 7, 9 and 30 tokens; the first asked twice."""
+    g = torch.Generator().manual_seed(1)
+    system = torch.randint(1, VOCAB, (1, SYSTEM), generator=g)
+    tails = [torch.randint(1, VOCAB, (1, n), generator=g) for n in (7, 9, 30)]
+    first, second, third = (torch.cat([system, tail], dim=1) for tail in tails)
+    return [first, second, first, third]
+
+
+def expected(model_dir: Path) -> list[torch.Tensor]:
+    reference = AutoModelForCausalLM.from_pretrained(model_dir)
+    reference.generation_config.eos_token_id = None
+    reference.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        return [
+            reference.generate(p, max_new_tokens=NEW_TOKENS, do_sample=False) for p in prompts()
+        ]
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir: Path) -> Iterator[tuple[pipesvc.LocalCluster, int]]:
+    port = free_port()
+    with pipesvc.LocalCluster(
+        num_stages=2,
+        threads_per_stage=1,
+        hf_models={"prefix-llama": model_dir},
+        coordinator_args=["--metrics-port", str(port)],
+    ) as cluster:
+        yield cluster, port
+
+
+def test_prompts_sharing_a_start_compute_only_their_rest_and_generate_the_same(
+    cluster: tuple[pipesvc.LocalCluster, int], model_dir: Path
+) -> None:
+    local, port = cluster
+    with local.connect() as client, client.create_job(model="prefix-llama", optimizer=None) as job:
+        before = counters(port)
+        outputs = [job.generate(p, NEW_TOKENS) for p in prompts()]
+        after = counters(port)
+    for got, want in zip(outputs, expected(model_dir), strict=True):
+        assert torch.equal(got, want)
+    # The first prompt keeps its whole blocks; the second and third start from the blocks of
+    # the shared start, the repeat from all the blocks the first kept.
+    shared = (SYSTEM // BLOCK) * BLOCK
+    first_kept = ((prompts()[0].shape[1] - 1) // BLOCK) * BLOCK
+    hits = after.get("prefix_hits_total", 0) - before.get("prefix_hits_total", 0)
+    reused = after.get("prefix_tokens_reused_total", 0) - before.get(
+        "prefix_tokens_reused_total", 0
+    )
+    assert hits == 3
+    assert reused == shared + first_kept + shared
+
+
+def test_a_prefix_dropped_for_the_kv_budget_costs_a_replay_not_a_token(
+    model_dir: Path,
+) -> None:
+    """Stages whose budget holds a session but not the session and its prefix drop each prefix
+    as soon as it is kept; the coordinator still believes it kept, so the next prompt starts
+    from it, fails on the stages, and is replayed from its first token."""
+    port = free_port()
+    per_position = 2 * 2 * 8 * 4  # keys and values of 2 heads of 8 floats, per layer
+    longest = max(p.shape[1] for p in prompts()) + NEW_TOKENS
+    budget = 2 * longest * per_position + per_position  # one session of at most 2 layers
+    with (
+        pipesvc.LocalCluster(
+            num_stages=2,
+            threads_per_stage=1,
+            hf_models={"prefix-llama": model_dir},
+            coordinator_args=["--metrics-port", str(port)],
+            stage_args=["--kv-budget", str(budget)],
+        ) as local,
+        local.connect() as client,
+        client.create_job(model="prefix-llama", optimizer=None) as job,
+    ):
+        outputs = [job.generate(p, NEW_TOKENS) for p in prompts()[:2]]
+        found = counters(port)
+    for got, want in zip(outputs, expected(model_dir)[:2], strict=True):
+        assert torch.equal(got, want)
+    assert found.get("generation_replays_total") == 1
+    assert found.get("prefix_hits_total", 0) == 0  # the start from the dropped prefix failed
