@@ -15,10 +15,18 @@ greedy tokens after its own prompt of 16 token ids.
 
 Columns: ``TTFT ms`` (mean time to the first token), ``TPOT ms`` (mean time per token after
 it), ``tok/s`` (every client's tokens over the wall time from the first request to the last
-token) and ``x first`` (tokens/s against the first row of the same block). Prefix reuse and
-chunked prefill (issue 27's other rows) are not built yet, so they are not measured here.
+token) and ``x first`` (tokens/s against the first row of the same block).
 
-Usage: ``python bench/serve.py [--quick] [--stages 2,4] [--clients 1,4,16] [--new-tokens 32]``
+Prefix rows (``--prefix N``, default 1024; 0 skips them): HTTP requests, one at a time, whose
+prompts are ``N`` shared token ids and 16 of their own. ``cold`` is a prompt whose start the
+stages do not keep (a new random start each time, the time every request took before prefix
+reuse), ``first`` the first request of a start, ``repeat`` each later request with the same
+start and another tail (the stages keep its blocks; see [Note: prefix reuse]). ``x cold`` is
+the time to the first token against cold's. Chunked prefill is not built yet, so it is not
+measured here.
+
+Usage: ``python bench/serve.py [--quick] [--stages 2,4] [--clients 1,4,16] [--new-tokens 32]
+[--prefix 1024]``
 """
 
 from __future__ import annotations
@@ -99,7 +107,38 @@ def clients(name: str, count: int, stream: Stream, new: int, vocab: int, base: f
     return tokens_per_s
 
 
-def served(directory: Path, stages: int, counts: list[int], new: int, vocab: int) -> None:
+def prefixed(api: object, length: int, new: int, vocab: int, rounds: int = 3) -> None:
+    """The prefix rows: mean time to the first token of cold, first and repeat requests."""
+    g = torch.Generator().manual_seed(7)
+
+    def ttft(ids: torch.Tensor) -> float:
+        started = time.perf_counter()
+        chunks = api.completions.create(  # type: ignore[attr-defined]
+            model="bench-llama", prompt=ids.tolist(), max_tokens=new, temperature=0, stream=True
+        )
+        first = None
+        for chunk in chunks:
+            if first is None and chunk.choices and chunk.choices[0].text:
+                first = time.perf_counter() - started
+        assert first is not None
+        return first
+
+    def prompt(start: torch.Tensor) -> torch.Tensor:
+        return torch.cat([start, torch.randint(0, vocab, (16,), generator=g)])
+
+    cold = [ttft(prompt(torch.randint(0, vocab, (length,), generator=g))) for _ in range(rounds)]
+    start = torch.randint(0, vocab, (length,), generator=g)
+    first = ttft(prompt(start))
+    repeat = [ttft(prompt(start)) for _ in range(rounds)]
+    base = statistics.mean(cold)
+    for name, seconds in (("cold", base), ("first", first), ("repeat", statistics.mean(repeat))):
+        print(f"{f'prefix {length}, {name}':<26} {seconds * 1e3:>9.1f} {'':>9} {'':>9} "
+              f"{seconds / base:>9.2f}")  # fmt: skip
+
+
+def served(
+    directory: Path, stages: int, counts: list[int], new: int, vocab: int, prefix: int = 0
+) -> None:
     import openai
 
     with (
@@ -146,6 +185,9 @@ def served(directory: Path, stages: int, counts: list[int], new: int, vocab: int
                 name = f"{stages} stages, {kind}, {count}"
                 tokens_per_s = clients(name, count, stream, new, vocab, bases[kind])
                 bases[kind] = bases[kind] or tokens_per_s
+        if prefix:
+            print(f"{'run':<26} {'TTFT ms':>9} {'':>9} {'':>9} {'x cold':>9}")
+            prefixed(api, prefix, new, vocab)
 
 
 def main() -> None:
@@ -154,8 +196,12 @@ def main() -> None:
     parser.add_argument("--stages", default="2,4")
     parser.add_argument("--clients", default="1,4,16")
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--prefix", type=int, default=1024, help="shared prompt start (0: none)")
     args = parser.parse_args()
     config = QUICK if args.quick else FULL
+    # Room for the prefix rows' prompts (the start, 16 of their own, the new tokens).
+    positions = max(config["max_position_embeddings"], args.prefix + 16 + args.new_tokens)
+    config = {**config, "max_position_embeddings": positions}
     counts = [int(c) for c in args.clients.split(",")]
     with tempfile.TemporaryDirectory() as folder:
         directory = Path(folder)
@@ -163,7 +209,7 @@ def main() -> None:
         print(f"{'run':<26} {'TTFT ms':>9} {'TPOT ms':>9} {'tok/s':>9} {'x first':>9}")
         for stages in (int(s) for s in args.stages.split(",")):
             one_process(str(directory), stages, args.new_tokens, config["vocab_size"])
-            served(directory, stages, counts, args.new_tokens, config["vocab_size"])
+            served(directory, stages, counts, args.new_tokens, config["vocab_size"], args.prefix)
 
 
 if __name__ == "__main__":
