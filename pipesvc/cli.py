@@ -417,6 +417,8 @@ def _cmd_job_create(args: argparse.Namespace) -> int:
             precision=args.precision,
             wait_for_stages_s=args.wait_for_stages_s,
             name=args.name,
+            prefill_chunk=args.prefill_chunk,
+            wire_dtype=args.wire_dtype,
         )
     # The id alone on stdout, so `JOB=$(pipesvc job create ...)` works; the plan for people.
     print(job.id, flush=True)
@@ -427,7 +429,22 @@ def _cmd_job_create(args: argparse.Namespace) -> int:
             f"{stage.address}",
             file=sys.stderr,
         )
+    if args.wire_dtype is not None:
+        ranks = len({s.rank for s in job.plan})
+        for link in job.links:
+            print(f"  link {link.describe(ranks)}", file=sys.stderr)
     return 0
+
+
+def _wire_dtype(text: str) -> str | dict[str, str | None]:
+    """``--wire-dtype``: a codec's name, ``auto``, or ``activations=C,gradients=C``."""
+    if "=" not in text:
+        return text
+    roles: dict[str, str | None] = {}
+    for item in text.split(","):
+        role, _, codec = item.partition("=")
+        roles[role.strip()] = codec.strip() or None
+    return roles
 
 
 def _cmd_job_list(args: argparse.Namespace) -> int:
@@ -576,6 +593,23 @@ def _add_job_commands(sub: Any) -> None:
         default=None,
         help="the job's name: the 'model' HTTP clients of the coordinator's OpenAI-compatible "
         "API ask for (default: the job's id)",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="generation: prompt tokens per chunk of a long prompt's prefill, whose chunks "
+        "overlap on the stages (default 256; 0: whole prompts)",
+    )
+    p.add_argument(
+        "--wire-dtype",
+        type=_wire_dtype,
+        default=None,
+        metavar="CODEC",
+        help="how activations and gradients cross links between hosts: bfloat16, float16, "
+        "int8, int4, auto, or per role as activations=int8,gradients=bfloat16 (default: the "
+        "compute dtype)",
     )
     p.add_argument(
         "--wait-for-stages-s",

@@ -216,6 +216,7 @@ class Client:
         resume_from: str | Path | None = None,
         wait_for_stages_s: float = 0.0,
         name: str | None = None,
+        prefill_chunk: int | None = None,
     ) -> Job:
         """Plans and assigns a job; see JobConfig for each argument.
 
@@ -258,6 +259,7 @@ class Client:
             data_parallel=data_parallel,
             min_replicas=min_replicas,
             name=name,
+            prefill_chunk=prefill_chunk,
         )
         manifest = read_manifest(resume_from) if resume_from is not None else None
         if manifest is not None and resume_from is not None:

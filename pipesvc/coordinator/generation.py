@@ -12,6 +12,17 @@ generator state, and the client sees the tokens it would have seen without the f
 are those ``transformers``' ``generate`` uses: the running count of real tokens in the row
 (``cumsum(mask) - 1``), so left-padded rows number their tokens from 0. A model without caches
 gets the whole sequence every step.
+
+[Note: chunked prefill] A long prompt runs through the stages in chunks of the job's
+``prefill_chunk`` tokens (``PREFILL_CHUNK`` by default; at most ``MAX_CHUNKS`` of them), each a
+micro-batch of its own, so the stages overlap: the first stage computes chunk 2 while the
+second computes chunk 1, and the first token comes after about one chunk's time per stage plus
+the whole prompt's time on the slowest stage, not the whole prompt's time on every stage one
+after another. Chunk 1 starts the part's cache (fresh, or from a kept prefix), every later
+chunk extends it (the stages run a run's micro-batches in order, so on every stage chunk ``j``
+finds chunks ``1..j-1`` in the cache), with the padding mask up to its own end and its own
+positions; the next token comes from the last chunk's logits. Only models whose caches have a
+layout (``fuses_caches``) are chunked: the stages can cut those back if the run fails.
 """
 
 from __future__ import annotations
@@ -28,6 +39,10 @@ from pipesvc.errors import InvalidArgumentError
 
 MAX_NEW_TOKENS = 1 << 16
 """Most tokens one session may generate."""
+PREFILL_CHUNK = 256
+"""Prompt tokens per chunk of a chunked prefill (see [Note: chunked prefill])."""
+MAX_CHUNKS = 16
+"""Chunks of one part at most: longer prompts get longer chunks."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -100,6 +115,7 @@ class Session:
         sampling: Sampling,
         support: ModelSupport,
         eos_token_id: int | None = None,
+        prefill_chunk: int = PREFILL_CHUNK,
     ) -> None:
         mask = check_prompt(input_ids, attention_mask)
         if bool((mask == 0).any()) and "attention_mask" not in support.side_inputs:
@@ -126,6 +142,11 @@ class Session:
         ``prefixes.py``)."""
         self.keep: Prefix | None = None
         """What of its prompt the stages keep after its first run."""
+        self.prefill_chunk = prefill_chunk
+        """Prompt tokens per chunk of the prefill (0: the whole prompt at once)."""
+        self.batch_parts: list[int] = []
+        """The part of each micro-batch of the last ``next_batch`` (several for a chunked
+        prefill, see [Note: chunked prefill])."""
 
     @property
     def one_row(self) -> bool:
@@ -153,28 +174,42 @@ class Session:
         side_names = set(self.support.side_inputs)
         inputs, side = [], []
         caches: list[MicrobatchCaches] = []
+        self.batch_parts = []
         for part, rows in enumerate(self.rows):
-            inputs.append(self.tokens[rows, start:].contiguous())
-            entry = {}
-            if "attention_mask" in side_names:
-                entry["attention_mask"] = self.mask[rows].contiguous()
-            if "position_ids" in side_names:
-                entry["position_ids"] = positions[rows, start:].contiguous()
-            side.append(entry)
-            if self.support.kv_cache:
+            for a, b in self._chunks(start, cached):
+                self.batch_parts.append(part)
+                inputs.append(self.tokens[rows, a:b].contiguous())
+                entry = {}
+                if "attention_mask" in side_names:
+                    entry["attention_mask"] = self.mask[rows, :b].contiguous()
+                if "position_ids" in side_names:
+                    entry["position_ids"] = positions[rows, a:b].contiguous()
+                side.append(entry)
+                if not self.support.kv_cache:
+                    continue
+                starts = a == start and not cached
                 ref = CacheRef(
                     self.id,
                     part,
-                    fresh=not cached,
+                    fresh=starts,
                     rows=len(rows),
-                    positions=self.tokens.shape[1] - start,
-                    source=source.name if source is not None else "",
-                    source_positions=source.positions if source is not None else 0,
-                    keep_as=keep.name if keep is not None else "",
-                    keep_positions=keep.positions if keep is not None else 0,
+                    positions=b - a,
+                    source=source.name if source is not None and starts else "",
+                    source_positions=source.positions if source is not None and starts else 0,
+                    keep_as=keep.name if keep is not None and starts else "",
+                    keep_positions=keep.positions if keep is not None and starts else 0,
                 )
                 caches.append((ref,))
         return RunBatch(inputs=inputs, side=side if side_names else [], caches=caches)
+
+    def _chunks(self, start: int, cached: bool) -> list[tuple[int, int]]:
+        """The column ranges of the next run's micro-batches of one part: the whole rest of
+        the sequence, or a long prompt in chunks (see [Note: chunked prefill])."""
+        end, chunk = int(self.tokens.shape[1]), self.prefill_chunk
+        if cached or not self.support.fuses_caches or not chunk or end - start <= chunk:
+            return [(start, end)]
+        width = max(chunk, -(-(end - start) // MAX_CHUNKS))
+        return [(a, min(a + width, end)) for a in range(start, end, width)]
 
     def advance(self, logits: list[torch.Tensor], epoch: int) -> torch.Tensor:
         """Takes the next-token logits of each part (``[rows, vocab]``, in order), or for a
@@ -232,17 +267,23 @@ def plan_step(sessions: list[Session], epoch: int, *, fuse: bool = False) -> Ste
     sources: list[list[Source]] = []
     for index, session in enumerate(sessions):
         batch = session.next_batch(epoch)
-        count = len(batch.inputs)
-        sources.append([(0, 0, 0)] * count)
-        for part in range(count):
+        chunked = len(batch.inputs) > len(session.rows)
+        sources.append([(0, 0, 0)] * len(session.rows))
+        for mb, part in enumerate(session.batch_parts):
             entry = _Part(
                 index,
                 part,
-                batch.inputs[part],
-                batch.side[part] if batch.side else {},
-                batch.caches[part] if batch.caches else (),
+                batch.inputs[mb],
+                batch.side[mb] if batch.side else {},
+                batch.caches[mb] if batch.caches else (),
             )
-            if not fuse or not entry.caches or entry.caches[0].source or entry.caches[0].keep_as:
+            if (
+                not fuse
+                or not entry.caches
+                or chunked  # chunks go in order, each alone (see [Note: chunked prefill])
+                or entry.caches[0].source
+                or entry.caches[0].keep_as
+            ):
                 alone.append(entry)  # a prefix to start from or keep: one row, its own
             elif entry.caches[0].fresh:
                 starting.append(entry)

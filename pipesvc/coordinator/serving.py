@@ -14,6 +14,7 @@ import torch
 from pipesvc.coordinator.batcher import StepBatcher
 from pipesvc.coordinator.generation import (
     MAX_NEW_TOKENS,
+    PREFILL_CHUNK,
     ModelSupport,
     Session,
     check_length,
@@ -103,6 +104,9 @@ class JobGeneration:
             sampling=sampling,
             support=support,
             eos_token_id=eos_token_id,
+            prefill_chunk=(
+                PREFILL_CHUNK if self._config.prefill_chunk is None else self._config.prefill_chunk
+            ),
         )
         self._metrics.inc("generation_sessions_total")
         if support.fuses_caches and session.one_row:  # caches that can be cut and copied

@@ -135,6 +135,10 @@ class JobConfig:
     """What the job is called where models are named: the ``model`` of the coordinator's
     OpenAI-compatible HTTP API (``pipesvc.coordinator.serve_http``); unique among the
     coordinator's open jobs. None: the job is known by its id only."""
+    prefill_chunk: int | None = None
+    """Generation: prompt tokens per chunk of a long prompt's prefill, whose chunks flow through
+    the stages like micro-batches so the first token comes sooner (see [Note: chunked
+    prefill] in ``pipesvc.coordinator.generation``); 0: every prompt at once. None: 256."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not _MODEL_NAME.fullmatch(self.model):
@@ -160,9 +164,10 @@ class JobConfig:
             "data_parallel",
             "min_replicas",
             "virtual_stages",
+            "prefill_chunk",
         ):
             value = getattr(self, name)
-            if value is None and name in ("checkpoint_every", "min_replicas"):  # defaults
+            if value is None and name in ("checkpoint_every", "min_replicas", "prefill_chunk"):
                 continue
             if not isinstance(value, int) or isinstance(value, bool):
                 raise InvalidArgumentError(f"{name} must be an int; got {value!r}")
@@ -174,6 +179,11 @@ class JobConfig:
         if self.checkpoint_every is not None and not 0 <= self.checkpoint_every < 2**31:
             raise InvalidArgumentError(
                 f"checkpoint_every ({self.checkpoint_every}) must be in [0, 2**31)"
+            )
+        if self.prefill_chunk is not None and not 0 <= self.prefill_chunk <= 2**20:
+            raise InvalidArgumentError(
+                f"prefill_chunk ({self.prefill_chunk}) must be in [0, 2**20] tokens (0: whole "
+                "prompts)"
             )
         if not 1 <= self.num_microbatches <= MAX_MICROBATCHES:
             raise InvalidArgumentError(

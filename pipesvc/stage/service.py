@@ -851,8 +851,10 @@ def _cache_refs(
 
     Raises:
         InvalidArgumentError: caches outside GENERATE, not one entry per micro-batch, a bad
-            session id, a part named twice, or a fused micro-batch that mixes parts starting
-            and extending caches.
+            session id, a part named twice other than as a chunked prefill (later micro-batches
+            of their own extending it, see [Note: chunked prefill] in
+            ``pipesvc.coordinator.generation``), or a fused micro-batch that mixes parts
+            starting and extending caches.
     """
     if len(request.caches) not in ((0, m) if generating else (0,)):
         raise InvalidArgumentError(
@@ -872,9 +874,13 @@ def _cache_refs(
                 raise InvalidArgumentError(
                     f"session id of {len(ref.session)} characters; expected 1 to 128"
                 )
-            if (ref.session, ref.part) in seen:
+            if (ref.session, ref.part) in seen and (
+                ref.fresh or len(entry.refs) > 1 or ref.keep_as
+            ):
                 raise InvalidArgumentError(
-                    f"session {ref.session!r} part {ref.part} is named twice in one run"
+                    f"session {ref.session!r} part {ref.part} is named twice in one run, the "
+                    "second time starting its cache, fused or keeping a prefix; a part named "
+                    "again extends it alone"
                 )
             seen.add((ref.session, ref.part))
             _check_prefix_ref(ref, fused=len(entry.refs) > 1)

@@ -215,6 +215,12 @@ class SessionCaches:
         """
         refs = list(refs)
         with self._lock:
+            # A part may come again in later micro-batches (a chunked prefill): its first
+            # reference says whether it must be here already, and what to undo.
+            first: dict[tuple[str, int], CacheRef] = {}
+            for r in refs:
+                first.setdefault((r.session, r.part), r)
+            refs = list(first.values())
             lost = sorted(
                 {r.session for r in refs if not r.fresh and (r.session, r.part) not in self._caches}
                 | {r.session for r in refs if r.source and not self._source_fits(r)}

@@ -228,6 +228,7 @@ class JobSpec(_message.Message):
     MIN_REPLICAS_FIELD_NUMBER: _builtins.int
     VIRTUAL_STAGES_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
+    PREFILL_CHUNK_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """A registered model name, e.g. "gpt"."""
     model_args_json: _builtins.str
@@ -277,6 +278,10 @@ class JobSpec(_message.Message):
     """What the job is called (the "model" of the coordinator's OpenAI-compatible HTTP API);
     unset: known by its id only. Unique among the coordinator's open jobs.
     """
+    prefill_chunk: _builtins.int
+    """Prompt tokens per chunk of a long prompt's prefill in generation; 0: the whole prompt at
+    once; unset: the default (256).
+    """
     @_builtins.property
     def input_shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Shape of one micro-batch's input (batch dimension first), for the memory estimate of
@@ -311,10 +316,11 @@ class JobSpec(_message.Message):
         min_replicas: _builtins.int | None = ...,
         virtual_stages: _builtins.int = ...,
         name: _builtins.str | None = ...,
+        prefill_chunk: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_checkpoint_every", b"_checkpoint_every", "_clip_grad_norm", b"_clip_grad_norm", "_min_replicas", b"_min_replicas", "_name", b"_name", "_wire_dtype", b"_wire_dtype", "checkpoint_every", b"checkpoint_every", "clip_grad_norm", b"clip_grad_norm", "min_replicas", b"min_replicas", "name", b"name", "wire_dtype", b"wire_dtype"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_checkpoint_every", b"_checkpoint_every", "_clip_grad_norm", b"_clip_grad_norm", "_min_replicas", b"_min_replicas", "_name", b"_name", "_prefill_chunk", b"_prefill_chunk", "_wire_dtype", b"_wire_dtype", "checkpoint_every", b"checkpoint_every", "clip_grad_norm", b"clip_grad_norm", "min_replicas", b"min_replicas", "name", b"name", "prefill_chunk", b"prefill_chunk", "wire_dtype", b"wire_dtype"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_checkpoint_every", b"_checkpoint_every", "_clip_grad_norm", b"_clip_grad_norm", "_min_replicas", b"_min_replicas", "_name", b"_name", "_wire_dtype", b"_wire_dtype", "checkpoint_every", b"checkpoint_every", "clip_grad_norm", b"clip_grad_norm", "data_parallel", b"data_parallel", "input_dtype", b"input_dtype", "input_shape", b"input_shape", "loss", b"loss", "min_replicas", b"min_replicas", "model", b"model", "model_args_json", b"model_args_json", "name", b"name", "num_microbatches", b"num_microbatches", "num_stages", b"num_stages", "optimizer_json", b"optimizer_json", "partition", b"partition", "precision", b"precision", "rebalance", b"rebalance", "schedule", b"schedule", "seed", b"seed", "trainable", b"trainable", "virtual_stages", b"virtual_stages", "wire_dtype", b"wire_dtype"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_checkpoint_every", b"_checkpoint_every", "_clip_grad_norm", b"_clip_grad_norm", "_min_replicas", b"_min_replicas", "_name", b"_name", "_prefill_chunk", b"_prefill_chunk", "_wire_dtype", b"_wire_dtype", "checkpoint_every", b"checkpoint_every", "clip_grad_norm", b"clip_grad_norm", "data_parallel", b"data_parallel", "input_dtype", b"input_dtype", "input_shape", b"input_shape", "loss", b"loss", "min_replicas", b"min_replicas", "model", b"model", "model_args_json", b"model_args_json", "name", b"name", "num_microbatches", b"num_microbatches", "num_stages", b"num_stages", "optimizer_json", b"optimizer_json", "partition", b"partition", "precision", b"precision", "prefill_chunk", b"prefill_chunk", "rebalance", b"rebalance", "schedule", b"schedule", "seed", b"seed", "trainable", b"trainable", "virtual_stages", b"virtual_stages", "wire_dtype", b"wire_dtype"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__checkpoint_every: _TypeAlias = _typing.Literal["checkpoint_every"]  # noqa: Y015
     _WhichOneofArgType__checkpoint_every: _TypeAlias = _typing.Literal["_checkpoint_every", b"_checkpoint_every"]  # noqa: Y015
@@ -324,6 +330,8 @@ class JobSpec(_message.Message):
     _WhichOneofArgType__min_replicas: _TypeAlias = _typing.Literal["_min_replicas", b"_min_replicas"]  # noqa: Y015
     _WhichOneofReturnType__name: _TypeAlias = _typing.Literal["name"]  # noqa: Y015
     _WhichOneofArgType__name: _TypeAlias = _typing.Literal["_name", b"_name"]  # noqa: Y015
+    _WhichOneofReturnType__prefill_chunk: _TypeAlias = _typing.Literal["prefill_chunk"]  # noqa: Y015
+    _WhichOneofArgType__prefill_chunk: _TypeAlias = _typing.Literal["_prefill_chunk", b"_prefill_chunk"]  # noqa: Y015
     _WhichOneofReturnType__wire_dtype: _TypeAlias = _typing.Literal["wire_dtype"]  # noqa: Y015
     _WhichOneofArgType__wire_dtype: _TypeAlias = _typing.Literal["_wire_dtype", b"_wire_dtype"]  # noqa: Y015
     @_typing.overload
@@ -334,6 +342,8 @@ class JobSpec(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__min_replicas) -> _WhichOneofReturnType__min_replicas | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__name) -> _WhichOneofReturnType__name | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prefill_chunk) -> _WhichOneofReturnType__prefill_chunk | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__wire_dtype) -> _WhichOneofReturnType__wire_dtype | None: ...
 

@@ -42,6 +42,9 @@ from pipesvc.v1 import common_pb2
         ({"num_stages": True}, "num_stages must be an int; got True"),
         ({"num_stages": 2.0}, "num_stages must be an int; got 2.0"),
         ({"num_microbatches": 0}, "num_microbatches (0)"),
+        ({"prefill_chunk": -1}, "prefill_chunk (-1)"),
+        ({"prefill_chunk": 2**21}, "prefill_chunk (2097152) must be in [0, 2**20]"),
+        ({"prefill_chunk": 1.5}, "prefill_chunk must be an int; got 1.5"),
         ({"seed": -1}, "seed (-1)"),
         ({"schedule": "interleaved"}, "'interleaved'"),
         ({"partition": "random"}, "'random'"),
@@ -140,6 +143,7 @@ NON_DEFAULT: dict[str, Any] = {
     "min_replicas": 2,
     "virtual_stages": 1,  # needs an interleaving schedule: see the test below
     "name": "org/my-llama_v1.2",
+    "prefill_chunk": 0,  # off: survives as 0, not as the default
 }
 """A value for every JobConfig field, none of them the default."""
 
@@ -212,6 +216,7 @@ def test_the_dict_and_wire_forms_are_unchanged() -> None:
         "min_replicas": None,
         "virtual_stages": 1,
         "name": None,
+        "prefill_chunk": None,
     }  # fields added since
     assert config_to_dict(config) == {**saved_row, **newer}
     old_defaults = {**saved_row, "clip_grad_norm": None, "input_shape": None}

@@ -138,3 +138,41 @@ def test_a_run_of_greedy_sessions_asks_the_last_stage_for_tokens_only() -> None:
     # The last stage's tokens (one per row, per part) are the session's new tokens.
     assert greedy.advance([torch.tensor([3, 4]), torch.tensor([5])], epoch=1).tolist() == [3, 4, 5]
     assert greedy.tokens[:, -1].tolist() == [3, 4, 5]
+
+
+FUSING = ModelSupport(
+    kv_cache=True, side_inputs=("attention_mask", "position_ids"), fuses_caches=True
+)
+
+
+def test_a_long_prompt_runs_in_chunks_that_extend_one_cache_in_order() -> None:
+    ids = torch.arange(1, 11).repeat(3, 1)  # 3 rows of 10 tokens
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    s = Session(ids, mask, parts=2, sampling=Sampling(), support=FUSING, prefill_chunk=4)
+    other = Session(ids[:1, :3], None, parts=1, sampling=Sampling(), support=FUSING)
+    run = plan_step([s, other], epoch=1, fuse=True)
+    batch = run.batch
+    # Each part's 10 tokens in chunks of 4, 4 and 2, in order, each chunk its own micro-batch.
+    widths = [t.shape[1] for t in batch.inputs]
+    assert widths == [4, 4, 2, 4, 4, 2, 3]
+    refs = [refs[0] for refs in batch.caches]
+    assert [(r.session, r.part, r.fresh, r.positions) for r in refs[:3]] == [
+        (s.id, 0, True, 4), (s.id, 0, False, 4), (s.id, 0, False, 2)
+    ]  # fmt: skip
+    assert [r.part for r in refs[3:6]] == [1, 1, 1]
+    # Each chunk's mask reaches its own end; its positions are its own.
+    assert [m["attention_mask"].shape[1] for m in batch.side[:3]] == [4, 8, 10]
+    assert batch.side[1]["position_ids"].tolist() == [[4, 5, 6, 7], [1, 2, 3, 4]]
+    # The next token comes from each part's last chunk.
+    outputs = [torch.full((t.shape[0],), float(mb)) for mb, t in enumerate(batch.inputs)]
+    assert [p.tolist() for p in run.logits(outputs)[0]] == [[2.0, 2.0], [5.0]]
+    s.advance([torch.tensor([1.0, 2.0]), torch.tensor([3.0])], epoch=1)
+    assert [t.shape for t in s.next_batch(epoch=1).inputs] == [(2, 1), (1, 1)]  # decode: whole
+
+
+def test_chunks_only_where_the_stages_can_cut_caches_back_and_not_when_off() -> None:
+    ids = torch.arange(1, 11)[None]
+    for support, chunk in ((CACHED, 4), (FUSING, 0), (FUSING, 10)):
+        s = Session(ids, None, parts=1, sampling=Sampling(), support=support, prefill_chunk=chunk)
+        assert [t.shape[1] for t in s.next_batch(epoch=1).inputs] == [10]

@@ -1,7 +1,8 @@
-"""Prompt prefixes kept on the stages (see [Note: prefix reuse] in ``pipesvc.stage.sessions``):
-prompts that share a start generate exactly what ``transformers`` generates while computing only
-their rest, and a prefix a stage dropped to stay within its KV budget costs a replay, never a
-wrong token."""
+"""Long and shared prompts: prefixes kept on the stages (see [Note: prefix reuse] in
+``pipesvc.stage.sessions``) and prompts prefilled in chunks (see [Note: chunked prefill] in
+``pipesvc.coordinator.generation``). Prompts that share a start, or run in chunks, generate
+exactly what ``transformers`` generates; a prefix a stage dropped to stay within its KV budget
+costs a replay, never a wrong token."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(0)
     config = AutoConfig.for_model(
         "llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
     )  # fmt: skip
     directory = tmp_path_factory.mktemp("prefix-llama")
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
@@ -131,3 +132,47 @@ def test_a_prefix_dropped_for_the_kv_budget_costs_a_replay_not_a_token(
         assert torch.equal(got, want)
     assert found.get("generation_replays_total") == 1
     assert found.get("prefix_hits_total", 0) == 0  # the start from the dropped prefix failed
+
+
+def test_long_prompts_run_in_chunks_through_the_stages_and_generate_the_same(
+    cluster: tuple[pipesvc.LocalCluster, int], model_dir: Path
+) -> None:
+    """Two left-padded rows of 300 tokens in chunks of 64 (each part in 5 chunks that extend
+    its cache in order), then a prompt that starts from a kept prefix and runs its rest in
+    chunks."""
+    local, _ = cluster
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(1, VOCAB, (2, 300), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :37] = 0
+    ids[0, :37] = 0
+    longer = torch.cat([ids[1:], torch.randint(1, VOCAB, (1, 150), generator=g)], dim=1)
+    with (
+        local.connect() as client,
+        client.create_job(
+            model="prefix-llama", optimizer=None, num_microbatches=2, prefill_chunk=64
+        ) as job,
+    ):
+        padded = job.generate(ids, NEW_TOKENS, attention_mask=mask)
+        alone = job.generate(ids[1:], NEW_TOKENS)  # keeps its blocks for ``longer``
+        extended = job.generate(longer, NEW_TOKENS)
+        timelines = job.timelines(max_runs=3 * NEW_TOKENS)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir)
+    reference.generation_config.eos_token_id = None
+    reference.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        for got, prompt, prompt_mask in (
+            (padded, ids, mask), (alone, ids[1:], None), (extended, longer, None)
+        ):  # fmt: skip
+            want = reference.generate(
+                prompt, attention_mask=prompt_mask, max_new_tokens=NEW_TOKENS, do_sample=False
+            )
+            assert torch.equal(got, want)
+    # The prompts' runs: two parts of 5 chunks; 5 chunks; the 150 tokens after the kept
+    # blocks (288 of 300) in 3 chunks.
+    forwards = [e for e in timelines[0].events if e.name == "forward"]
+    per_run = {}
+    for event in forwards:
+        per_run.setdefault(event.run_id, set()).add(event.microbatch)
+    counts = [len(per_run[r]) for r in sorted(per_run)]
+    assert [c for c in counts if c > 1] == [10, 5, 3]
