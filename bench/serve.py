@@ -22,11 +22,16 @@ prompts are ``N`` shared token ids and 16 of their own. ``cold`` is a prompt who
 stages do not keep (a new random start each time, the time every request took before prefix
 reuse), ``first`` the first request of a start, ``repeat`` each later request with the same
 start and another tail (the stages keep its blocks; see [Note: prefix reuse]). ``x cold`` is
-the time to the first token against cold's. Chunked prefill is not built yet, so it is not
-measured here.
+the time to the first token against cold's.
+
+Long-prompt rows (``--long N``, default 2048; 0 skips them): a prompt of ``N`` random token ids
+(no start kept: each new), one at a time through the Python client, on a job that prefills
+whole prompts (``prefill_chunk=0``) and on one that prefills them in chunks (the default, see
+[Note: chunked prefill]); ``x whole`` is the time to the first token against the whole
+prompt's.
 
 Usage: ``python bench/serve.py [--quick] [--stages 2,4] [--clients 1,4,16] [--new-tokens 32]
-[--prefix 1024]``
+[--prefix 1024] [--long 2048]``
 """
 
 from __future__ import annotations
@@ -136,6 +141,38 @@ def prefixed(api: object, length: int, new: int, vocab: int, rounds: int = 3) ->
               f"{seconds / base:>9.2f}")  # fmt: skip
 
 
+def long_rows(directory: Path, stages: int, length: int, vocab: int, rounds: int = 2) -> None:
+    """The long-prompt rows: mean time to the first token, whole and in chunks."""
+    g = torch.Generator().manual_seed(9)
+    with (
+        pipesvc.LocalCluster(
+            num_stages=stages, threads_per_stage=1, hf_models={"bench-llama": directory}
+        ) as cluster,
+        cluster.connect() as client,
+    ):
+        print(f"{'run':<26} {'TTFT ms':>9} {'':>9} {'':>9} {'x whole':>9}")
+        base = 0.0
+        for name, chunk in (("whole", 0), ("chunks", None)):
+            with client.create_job(
+                model="bench-llama",
+                optimizer=None,
+                num_stages=stages,
+                num_microbatches=1,
+                prefill_chunk=chunk,
+            ) as job:
+                job.generate(torch.randint(0, vocab, (1, 64), generator=g), 1)  # warm-up
+                times = []
+                for _ in range(rounds):
+                    ids = torch.randint(0, vocab, (1, length), generator=g)
+                    started = time.perf_counter()
+                    next(iter(job.stream(ids, 1)))
+                    times.append(time.perf_counter() - started)
+            seconds = statistics.mean(times)
+            base = base or seconds
+            print(f"{f'{stages} stages, {length}, {name}':<26} {seconds * 1e3:>9.1f} {'':>9} "
+                  f"{'':>9} {seconds / base:>9.2f}")  # fmt: skip
+
+
 def served(
     directory: Path, stages: int, counts: list[int], new: int, vocab: int, prefix: int = 0
 ) -> None:
@@ -197,10 +234,13 @@ def main() -> None:
     parser.add_argument("--clients", default="1,4,16")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prefix", type=int, default=1024, help="shared prompt start (0: none)")
+    parser.add_argument("--long", type=int, default=2048, help="long prompt (0: none)")
     args = parser.parse_args()
     config = QUICK if args.quick else FULL
     # Room for the prefix rows' prompts (the start, 16 of their own, the new tokens).
-    positions = max(config["max_position_embeddings"], args.prefix + 16 + args.new_tokens)
+    positions = max(
+        config["max_position_embeddings"], args.prefix + 16 + args.new_tokens, args.long + 1
+    )
     config = {**config, "max_position_embeddings": positions}
     counts = [int(c) for c in args.clients.split(",")]
     with tempfile.TemporaryDirectory() as folder:
@@ -210,6 +250,8 @@ def main() -> None:
         for stages in (int(s) for s in args.stages.split(",")):
             one_process(str(directory), stages, args.new_tokens, config["vocab_size"])
             served(directory, stages, counts, args.new_tokens, config["vocab_size"], args.prefix)
+            if args.long:
+                long_rows(directory, stages, args.long, config["vocab_size"])
 
 
 if __name__ == "__main__":

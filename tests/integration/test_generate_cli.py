@@ -114,3 +114,26 @@ def test_a_gpt_job_made_on_the_command_line_generates_with_the_demos_vocabulary(
     assert out.returncode == 0 and out.stdout.startswith("def f") and len(out.stdout) == 11, out
     bad = pipesvc_cli("job", "create", "--model", "gpt", "--model-arg", "vocab_size")
     assert bad.returncode == 2 and "'vocab_size' is not KEY=VALUE" in bad.stderr
+
+
+def test_job_create_takes_the_wire_codec_and_the_prefill_chunk(
+    cluster: pipesvc.LocalCluster,
+) -> None:
+    def create(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "pipesvc", "job", "create", "--model", "wordy",
+             "--inference", "--stages", "2", *args, "--coordinator", cluster.address],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+
+    made = create("--wire-dtype", "activations=int8,gradients=bfloat16", "--prefill-chunk", "0")
+    assert made.returncode == 0, made
+    with cluster.connect() as client:
+        job = client.get_job(made.stdout.strip())
+        assert job.config.wire_dtype == "activations=int8,gradients=bfloat16"
+        assert job.config.prefill_chunk == 0
+        job.close()
+    # The stages share a host: the link stays exact, and the plan says so.
+    assert "rank 0 -> 1: on one host, activations exact, gradients exact" in made.stderr
+    bad = create("--wire-dtype", "int3")
+    assert bad.returncode == 2 and "'int3'" in bad.stderr, bad
