@@ -197,7 +197,7 @@ class StageRuntime:
         self._cast_from: torch.dtype | None = None if self._autocast else self._wire_float
         # The codec activations leave in, for the profiler's bytes (a property that parses).
         self._profile_wire = config.wire_codecs[0]
-        # Keys "{global layer}.{param}" match build(...).state_dict() (DESIGN section 4).
+        # Keys "{global layer}.{param}", as build(...).state_dict() keys the whole model.
         self.module = nn.ModuleDict({str(entry[0]): entry[1] for entry in self._layers})
         self._training = True  # modules are built in training mode
         ties = ties or StageTies()

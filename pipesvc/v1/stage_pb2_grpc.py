@@ -158,7 +158,8 @@ class StageServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Commit(self, request, context):
-        """Applies the optimizer step for the pending run (the commit of DESIGN section 2).
+        """Applies the optimizer step for the pending run (the commit of a training step; see
+        docs/architecture.md, "A training step").
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -49,7 +49,9 @@ class StageServiceStub:
     last action is done. Training gradients stay pending until Commit or Abort.
     """
     Commit: _grpc.UnaryUnaryMultiCallable[_stage_pb2.CommitRequest, _stage_pb2.CommitResponse]
-    """Applies the optimizer step for the pending run (the commit of DESIGN section 2)."""
+    """Applies the optimizer step for the pending run (the commit of a training step; see
+    docs/architecture.md, "A training step").
+    """
     Abort: _grpc.UnaryUnaryMultiCallable[_stage_pb2.AbortRequest, _stage_pb2.AbortResponse]
     """Discards the run's gradients and activations; weights are unchanged."""
     GetState: _grpc.UnaryStreamMultiCallable[_stage_pb2.GetStateRequest, _common_pb2.TensorFrame]
@@ -118,7 +120,9 @@ class StageServiceAsyncStub(StageServiceStub):
     last action is done. Training gradients stay pending until Commit or Abort.
     """
     Commit: _aio.UnaryUnaryMultiCallable[_stage_pb2.CommitRequest, _stage_pb2.CommitResponse]  # type: ignore[assignment]
-    """Applies the optimizer step for the pending run (the commit of DESIGN section 2)."""
+    """Applies the optimizer step for the pending run (the commit of a training step; see
+    docs/architecture.md, "A training step").
+    """
     Abort: _aio.UnaryUnaryMultiCallable[_stage_pb2.AbortRequest, _stage_pb2.AbortResponse]  # type: ignore[assignment]
     """Discards the run's gradients and activations; weights are unchanged."""
     GetState: _aio.UnaryStreamMultiCallable[_stage_pb2.GetStateRequest, _common_pb2.TensorFrame]  # type: ignore[assignment]
@@ -208,7 +212,9 @@ class StageServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _stage_pb2.CommitRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_stage_pb2.CommitResponse, _abc.Awaitable[_stage_pb2.CommitResponse]]:
-        """Applies the optimizer step for the pending run (the commit of DESIGN section 2)."""
+        """Applies the optimizer step for the pending run (the commit of a training step; see
+        docs/architecture.md, "A training step").
+        """
 
     @_abc_1.abstractmethod
     def Abort(

@@ -1,9 +1,9 @@
 """Wire fuzzing: random and mutated well-formed requests to every RPC of both services.
 
 Each example sends one request (or one short stream) to a real cluster of its own, holding one
-real job, and then checks the properties every server keeps whatever it is sent (DESIGN
-sections 6-8): the answer is OK or a typed status (never UNKNOWN) and comes before the
-deadline (no hang); every server still answers its health check with SERVING (no crash); and
+real job, and then checks the properties every server keeps whatever it is sent: the answer
+is OK or a typed status (never UNKNOWN) and comes before the deadline (no hang); every server
+still answers its health check with SERVING (no crash); and
 the real job is as it was (same plan, step and weights: bad input changes nothing). The last
 test trains the real job one step and compares it with the one-process reference, so a
 fuzzer that broke the job in a way these checks miss is caught there.
