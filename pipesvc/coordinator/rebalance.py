@@ -482,6 +482,7 @@ def decide_links(
                 boundary_bytes=costs.boundary_bytes[stage.end_layer - 1],
                 link_bytes_per_s=measured.link_rates.get(_hosts(stage.address, after)),
                 compute_s=(compute[rank], compute[rank + 1]),
+                compressed=bool(stage.link_codec),
             )
         )
         decided.append(

@@ -38,7 +38,10 @@ within a step. A spare that takes a lost stage's place in the same cuts keeps th
 its links (so the replayed steps compute what they computed); a re-partition, by recovery or
 by a re-plan with another method, starts the new plan's links exact again until the next
 measurement. A job with replicas or virtual stages is never re-planned, so its links stay
-exact under ``auto``.
+exact under ``auto``. A compressed link whose exact transfer falls back below its stages'
+compute stays compressed until the transfer takes less than ``HOLD`` (80%) of the slower
+stage's compute: near the threshold, measurement noise would otherwise flip the link at every
+re-plan, and each flip is a new plan epoch.
 
 The measured rate is the link probe's (see [Note: link probe] in ``pipesvc.stage.probe``):
 bytes that arrived at the downstream stage per second of a send of filler timed to its
@@ -142,6 +145,13 @@ class LinkMeasure:
     """The link's probed rate; None: not measured."""
     compute_s: tuple[float, float]
     """Seconds of compute of the upstream and the downstream stage."""
+    compressed: bool = False
+    """The plan compresses this link already (the same cut between the same hosts)."""
+
+
+HOLD = 0.8
+"""A compressed link goes back to exact only once its exact transfer takes less than this share
+of the slower stage's compute (see [Note: automatic codecs])."""
 
 
 def choose_auto(measure: LinkMeasure) -> tuple[Codecs, str]:
@@ -162,6 +172,12 @@ def choose_auto(measure: LinkMeasure) -> tuple[Codecs, str]:
         return (
             AUTO_CODECS,
             f"auto: int8 activations, bfloat16 gradients (the bottleneck: {figures})",
+        )
+    if measure.compressed and transfer > HOLD * slower:
+        return (
+            AUTO_CODECS,
+            f"auto: int8 activations, bfloat16 gradients (kept: within {1 - HOLD:.0%} of the "
+            f"bottleneck: {figures})",
         )
     return (None, None), f"auto: exact (not the bottleneck: {figures})"
 

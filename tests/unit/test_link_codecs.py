@@ -14,6 +14,7 @@ from pipesvc.core.config import (
 )
 from pipesvc.core.link_codecs import (
     AUTO_CODECS,
+    HOLD,
     LinkMeasure,
     choose_auto,
     crosses_hosts,
@@ -94,9 +95,14 @@ def _measure(
     between: bool = True,
     rate: float | None = 12 * MB,
     compute: tuple[float, float] = (0.01, 0.02),
+    compressed: bool = False,
 ) -> LinkMeasure:
     return LinkMeasure(
-        between_hosts=between, boundary_bytes=4 * 2**20, link_bytes_per_s=rate, compute_s=compute
+        between_hosts=between,
+        boundary_bytes=4 * 2**20,
+        link_bytes_per_s=rate,
+        compute_s=compute,
+        compressed=compressed,
     )
 
 
@@ -116,6 +122,21 @@ def test_auto_keeps_a_link_exact_when_the_slower_stage_outlasts_it() -> None:
     assert why.startswith("auto: exact (not the bottleneck: link 1e+03 MB/s")
     # The slower of the two stages counts: with both at 5 ms the same link is the bottleneck.
     assert choose_auto(_measure(rate=1000 * MB, compute=(0.005, 0.005)))[0] == AUTO_CODECS
+
+
+def test_a_compressed_link_goes_back_to_exact_only_well_below_the_threshold() -> None:
+    transfer = 2 * 4 * 2**20 / (1000 * MB)  # 8.4 ms both ways, exact
+    just_faster = (0.9 * transfer, transfer / 0.95)  # the slower stage: 5% over the transfer
+    assert choose_auto(_measure(rate=1000 * MB, compute=just_faster))[0] == (None, None)
+    codecs, why = choose_auto(_measure(rate=1000 * MB, compute=just_faster, compressed=True))
+    assert codecs == AUTO_CODECS and why.startswith(
+        "auto: int8 activations, bfloat16 gradients (kept"
+    )
+    well_below = (0.5 * transfer, transfer / (HOLD - 0.05))
+    assert choose_auto(_measure(rate=1000 * MB, compute=well_below, compressed=True))[0] == (
+        None,
+        None,
+    )
 
 
 def test_auto_keeps_links_on_one_host_and_unmeasured_links_exact() -> None:
