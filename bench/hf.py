@@ -107,10 +107,10 @@ def one_process(directory: str, steps: int, threads: int, precision: str, out: A
         weights = loss_weights([loss_units("causal_lm", t) for t in label_mbs])
         for x, y, w in zip(split(ids, MICROBATCHES), label_mbs, weights, strict=True):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-                out = model(x)
-            loss = compute_loss("causal_lm", out.logits.float(), y)
-            if getattr(out, "aux_loss", None) is not None:  # the config asks for it
-                loss = loss + model.router_aux_loss_coef * out.aux_loss
+                result = model(x)
+            loss = compute_loss("causal_lm", result.logits.float(), y)
+            if getattr(result, "aux_loss", None) is not None:  # the config asks for it
+                loss = loss + model.router_aux_loss_coef * result.aux_loss
             (loss * w).backward()
         optimizer.step()
         times.append(time.perf_counter() - started)
