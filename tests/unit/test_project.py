@@ -278,3 +278,54 @@ def test_readme_test_command_is_what_ci_runs() -> None:
     assert len(commands) >= 2, f"README's first bash block has {commands}; expected two commands"
     test_command = commands[1]
     assert test_command in ci.read_text(), f"{test_command!r} is not what .ci/run runs"
+
+
+NOTE = re.compile(r"\[Note: ([^\]]+)\]")
+
+
+def notes_in(text: str) -> Iterator[tuple[str, bool]]:
+    """Each ``[Note: name]`` in ``text`` and whether it is the note itself, not a reference to
+    it. A note opens a paragraph (a blank line, a comment line or a docstring's quotes before
+    it, nothing but a comment marker or quotes before it on its line) and its text follows
+    (``[Note: x] The ...``); a reference sits in a sentence, or names its file after it
+    (``[Note: x] (`file.py`)`` in the docs, ``[Note: x]: ...`` in a test's summary)."""
+    for found in NOTE.finditer(text):
+        name = " ".join(re.sub(r"\n\s*(#|//)?", " ", found.group(1)).split())
+        line_start = text.rfind("\n", 0, found.start()) + 1
+        before = text[line_start : found.start()].strip()
+        previous = text[text.rfind("\n", 0, max(line_start - 1, 0)) + 1 : line_start].strip()
+        after = text[found.end() : found.end() + 3]
+        opens = before in ("", "#", "//", '"""') and (
+            previous in ("", "#", "//") or previous.endswith('"""') or before in ("#", '"""')
+        )
+        yield name, opens and not after.startswith((" (`", ":", " in"))
+
+
+def test_every_note_reference_names_exactly_one_note() -> None:
+    sources = [
+        p
+        for folder in ("pipesvc", "tests", "bench", "docs", "protos")
+        for p in (ROOT / folder).rglob("*")
+        if p.suffix in (".py", ".md", ".proto")
+        and GENERATED not in p.parents
+        and p != Path(__file__).resolve()  # its examples below
+    ] + list(ROOT.glob("*.md"))
+    notes: dict[str, list[str]] = {}
+    references: dict[str, list[str]] = {}
+    for path in sources:
+        for name, is_note in notes_in(path.read_text()):
+            if name != "...":  # the docs' own description of the convention
+                kept = notes if is_note else references
+                kept.setdefault(name, []).append(str(path.relative_to(ROOT)))
+    assert {n: f for n, f in references.items() if n not in notes} == {}, "no such note"
+    assert {n: f for n, f in notes.items() if len(f) > 1} == {}, "a note written twice"
+
+
+def test_notes_and_references_are_told_apart() -> None:
+    text = (
+        '"""[Note: a] What a is.\n\nSee [Note: b] in x.py and\n[Note: c].\n"""\n'
+        "# [Note: d] A comment's note.\n[Note: e] (`f.py`) The docs' pointer.\n"
+    )
+    assert list(notes_in(text)) == [
+        ("a", True), ("b", False), ("c", False), ("d", True), ("e", False)
+    ]  # fmt: skip
