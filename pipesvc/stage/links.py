@@ -66,6 +66,7 @@ class _Link:
             frame_bytes=limits.max_frame_bytes,
             peer=peer,
             run_aborted=mailbox.is_aborted,
+            while_full=mailbox.pump,
             job_id=job_id,
             epoch=epoch,
             direction=sends,

@@ -27,8 +27,9 @@ class FrameReader:
 
     It also takes the shared-memory handshake: it answers an offer through ``reply`` (the sender
     of the opposite direction on the same stream), hands the peer's answer to ``reply``, and
-    once it has mapped the peer's area runs a thread reading the doorbell: each tensor goes to
-    the mailbox, whether it was accepted to ``on_delivered``, and an error to ``fail``.
+    once it has mapped the peer's area hands its doorbell to the mailbox, whose waiting thread
+    reads it: each tensor goes to the mailbox, whether it was accepted to ``on_delivered``, and
+    an error to ``fail``.
     """
 
     def __init__(
@@ -62,10 +63,12 @@ class FrameReader:
             deliver=self.feed_slot,
             on_delivered=on_delivered,
             fail=fail or mailbox.fail,
+            add_source=mailbox.add_source,
+            remove_source=mailbox.remove_source,
         )
 
     def close(self) -> None:
-        """Unmaps the peer's area, if any (its doorbell thread ends when the peer closes)."""
+        """Unmaps the peer's area, if any, and stops reading its doorbell."""
         self._shm.close()
 
     def feed(self, item: InFrame | stage_pb2.DataFrame) -> bool:

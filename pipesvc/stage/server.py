@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -166,6 +167,29 @@ def _same_threads(count: int) -> Callable[[], None]:
     return initialize
 
 
+GEN0_THRESHOLD = 10_000
+"""Allocations (less deallocations) of container objects between two young collections of a
+stage process (Python's default: 700)."""
+
+
+def settle_garbage_collector() -> None:
+    """Collects once, freezes what is alive and makes young collections rarer.
+
+    [Note: stage garbage collection] A stage process holds about 180,000 container objects
+    once torch, gRPC and the models are imported, all alive until it exits; a full collection
+    traverses each of them (76 ms measured), and the youngest generation's are traversed
+    whenever survivors pile up. ``gc.freeze()`` moves them into the permanent generation,
+    which no collection visits (a full one then takes well under a millisecond). A step
+    allocates a few thousand short-lived containers (frames, protobuf wrappers, autograd
+    records), most freed by their reference counts; with the default threshold of 700, a
+    step ran several young collections that found nothing to free. Layers built later are
+    not frozen: a dropped job's cycles must stay collectable (``malloc.give_back``)."""
+    gc.collect()
+    gc.freeze()
+    _, middle, old = gc.get_threshold()
+    gc.set_threshold(GEN0_THRESHOLD, middle, old)
+
+
 def run_stage(
     options: StageOptions,
     *,
@@ -197,6 +221,7 @@ def run_stage(
         limits=options.limits,
         thread_initializer=_same_threads(torch.get_num_threads()),
     )
+    settle_garbage_collector()
     address = advertise or f"{host}:{port}"
     options.address = address
     options.coordinator_host = split_address(coordinator)[0]

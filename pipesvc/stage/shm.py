@@ -398,6 +398,36 @@ class ShmView:
             self._unread += chunk
         return None
 
+    def fileno(self) -> int:
+        """The doorbell's reading end (-1 once closed), for a caller's own ``poll``."""
+        return self._bell
+
+    def read_ready(self) -> list[bytes] | None:
+        """The whole messages the doorbell holds now, without waiting (call it once ``poll``
+        reported the doorbell readable: before its first writer has opened it, a FIFO reads as
+        end-of-file); None at end-of-file or once this view is closed.
+
+        Raises:
+            WireFormatError: a message longer than MAX_BELL_MESSAGE or cut short.
+        """
+        if self._closed or self._bell < 0:
+            return None
+        try:
+            chunk = os.read(self._bell, _BELL_READ_BYTES)
+        except BlockingIOError:
+            return []  # a spurious wake-up
+        if not chunk:
+            if self._unread:
+                raise WireFormatError(
+                    f"doorbell message cut short ({len(self._unread)} bytes of it arrived)"
+                )
+            return None
+        self._unread += chunk
+        messages = []
+        while (message := self._buffered_message()) is not None:
+            messages.append(message)
+        return messages
+
     def _buffered_message(self) -> bytes | None:
         """The next whole message among the bytes read (taken out of them), if one is there.
 
