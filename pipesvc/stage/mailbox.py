@@ -57,6 +57,22 @@ _MAX_POLL_S = 1.0
 """Longest single poll of a waiter (a safety net: every change it must see wakes it at once)."""
 
 
+class _WakeFd:
+    """An eventfd that ends a waiter's poll; closed with its last source (or with this object:
+    a mailbox dropped with its links still open)."""
+
+    def __init__(self) -> None:
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.close = weakref.finalize(self, os.close, self.fd)
+
+    def ring(self) -> None:
+        os.eventfd_write(self.fd, 1)
+
+    def clear(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.eventfd_read(self.fd)
+
+
 class MailSource(Protocol):
     """Something a waiter polls and reads itself: a doorbell (see [Note: the waiter reads
     the doorbell])."""
@@ -101,7 +117,7 @@ class Mailbox:
         self._sources: list[MailSource] = []
         self._closing: list[MailSource] = []  # removed while a poll used them
         self._poller: int | None = None  # the thread polling the sources, if one is
-        self._wake_fd = -1  # an eventfd made with the first source
+        self._waker: _WakeFd | None = None  # while there are sources
 
     def put(self, key: MailKey, tensor: torch.Tensor) -> bool:
         """Stores ``tensor`` under ``key``; returns False if it was stale or a duplicate.
@@ -157,9 +173,8 @@ class Mailbox:
     def add_source(self, source: MailSource) -> None:
         """Lets waiters read ``source`` (see [Note: the waiter reads the doorbell])."""
         with self._cond:
-            if self._wake_fd < 0:
-                self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-                weakref.finalize(self, os.close, self._wake_fd)
+            if self._waker is None:
+                self._waker = _WakeFd()
             self._sources.append(source)
             self._cond.notify_all()  # a waiter on the condition polls it now
             self._wake()
@@ -173,6 +188,7 @@ class Mailbox:
             self._sources.remove(source)
             if self._poller is None:
                 source.release()
+                self._close_waker()
             else:
                 self._closing.append(source)
                 self._wake()
@@ -189,18 +205,18 @@ class Mailbox:
         return) and delivers what they hold; this thread is the poller meanwhile."""
         self._poller = threading.get_ident()
         sources = {source.fileno(): source for source in self._sources}
-        wake_fd = self._wake_fd
+        waker = self._waker
+        assert waker is not None  # there are sources
         self._lock.release()
         done = []
         try:
             poller = select.poll()
-            poller.register(wake_fd, select.POLLIN)
+            poller.register(waker.fd, select.POLLIN)
             for fd in sources:
                 poller.register(fd, select.POLLIN)
             for fd, _ in poller.poll(timeout_s * 1000):
-                if fd == wake_fd:
-                    with contextlib.suppress(BlockingIOError):
-                        os.eventfd_read(wake_fd)
+                if fd == waker.fd:
+                    waker.clear()
                 elif not sources[fd].drain():
                     done.append(sources[fd])
         finally:
@@ -213,12 +229,20 @@ class Mailbox:
             for source in self._closing:
                 source.release()
             self._closing.clear()
+            self._close_waker()
             self._cond.notify_all()  # another waiter may poll now
+
+    def _close_waker(self) -> None:
+        """Closes the eventfd once no source is left (the lock is held, no poll runs)."""
+        if not self._sources and self._waker is not None:
+            self._waker.close()
+            self._waker = None
 
     def _wake(self) -> None:
         """Ends the poll of a waiter on another thread (the lock is held)."""
         if self._poller is not None and self._poller != threading.get_ident():
-            os.eventfd_write(self._wake_fd, 1)
+            assert self._waker is not None  # closed only when no poll runs
+            self._waker.ring()
 
     def fail(self, error: Exception) -> None:
         """Makes current and future waits raise ``error`` (a link broke)."""
