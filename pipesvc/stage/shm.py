@@ -374,6 +374,8 @@ class ShmView:
     def read_bell(self) -> bytes | None:
         """The next doorbell message, blocking; None at end-of-file (the sender closed it) or
         once this view is closed (``close`` wakes a reader within a fraction of a second).
+        Stages read with ``read_ready`` from their mailbox's poll instead; this is the plain
+        blocking reader (tests, tools).
 
         [Note: buffered doorbell] Each ``ring`` writes its message whole (at most PIPE_BUF),
         so the reader takes whatever the pipe holds in one ``read`` and keeps what follows the
