@@ -143,6 +143,17 @@ class Mailbox:
             self._wake()
             return True
 
+    def accepts(self, key: MailKey) -> bool:
+        """Whether ``put`` would store ``key`` now: its run is neither over nor aborted, and the
+        key is neither held nor taken."""
+        with self._cond:
+            return not (
+                key.run_id < self._finished_below
+                or key.run_id in self._aborted
+                or key in self._items
+                or key in self._consumed
+            )
+
     def get(self, key: MailKey, timeout_s: float, waiting_for: str = "") -> torch.Tensor:
         """Waits for and removes the tensor under ``key``.
 

@@ -141,8 +141,7 @@ class ShmOutlet:
 class ShmInlet:
     """The receiver's end: maps an offered area, answers through ``reply``, and hands the
     doorbell to ``add_source`` (the mailbox: its waiting thread reads it, handing each frame to
-    ``deliver`` (with the view), whether it was accepted to ``on_delivered``, and an error to
-    ``fail``)."""
+    ``deliver`` (with the view), and an error to ``fail``)."""
 
     def __init__(
         self,
@@ -153,7 +152,6 @@ class ShmInlet:
         accept_shm: bool,
         reply: Callable[[stage_pb2.DataFrame], None],
         deliver: Callable[[ShmView, stage_pb2.DataFrame], bool],
-        on_delivered: Callable[[bool], None] | None,
         fail: Callable[[PipesvcError], None],
         add_source: Callable[[MailSource], None],
         remove_source: Callable[[MailSource], None],
@@ -164,7 +162,6 @@ class ShmInlet:
         self._accept_shm = accept_shm
         self._reply = reply
         self._deliver = deliver
-        self._on_delivered = on_delivered
         self._fail = fail
         self._add_source = add_source
         self._remove_source = remove_source
@@ -198,7 +195,7 @@ class ShmInlet:
             except OSError as exc:
                 answer.reason = f"cannot map {offer.name}: {exc.strerror or exc}"
         if self._view is not None:
-            self._doorbell = Doorbell(self._view, self._deliver, self._on_delivered, self._fail)
+            self._doorbell = Doorbell(self._view, self._deliver, self._fail)
             self._add_source(self._doorbell)
         self._reply(
             stage_pb2.DataFrame(
@@ -216,12 +213,10 @@ class Doorbell:
         self,
         view: ShmView,
         deliver: Callable[[ShmView, stage_pb2.DataFrame], bool],
-        on_delivered: Callable[[bool], None] | None,
         fail: Callable[[PipesvcError], None],
     ) -> None:
         self._view = view
         self._deliver = deliver
-        self._on_delivered = on_delivered
         self._fail = fail
 
     def fileno(self) -> int:
@@ -239,9 +234,7 @@ class Doorbell:
                     frame = stage_pb2.DataFrame.FromString(message)
                 except DecodeError as exc:
                     raise WireFormatError(f"undecodable doorbell frame: {exc}") from None
-                accepted = self._deliver(self._view, frame)
-                if self._on_delivered is not None:
-                    self._on_delivered(accepted)
+                self._deliver(self._view, frame)
         except PipesvcError as exc:
             self._fail(exc)
             return False
