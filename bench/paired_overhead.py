@@ -15,6 +15,10 @@ batch's way from the client to the stages is a large part of a step.
 With ``--train K`` each turn runs K steps through ``job.train`` (pipelined steps over one
 stream) instead of one ``train_step``; each figure is then a turn's ms per step.
 
+After the table, the context switches per step of each checkout's stage processes (all their
+threads, voluntary and not, from ``/proc/<pid>/task/*/status``, over the timed turns of each
+row), one figure per stage.
+
 Usage: ``python bench/paired_overhead.py [--stages 2] [--steps 150] [--workload act]
 [--every 0,10] [--train K] NAME=DIR [NAME=DIR ...]`` (``.`` is this checkout). Prints steps/s,
 mean and p50 ms per step for each checkout and row.
@@ -31,6 +35,38 @@ import time
 from pathlib import Path
 
 WARMUP_STEPS = 5
+
+
+def _stage_pids(parent: int) -> list[int]:
+    """The ``pipesvc stage`` processes whose parent is ``parent``, in start order (by pid)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                args = cmdline.read().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and args[1:4] == [b"-m", b"pipesvc", b"stage"]:
+            pids.append(int(entry))
+    return sorted(pids)
+
+
+def _switches(pid: int) -> int:
+    """Context switches so far of the live threads of process ``pid``."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/status") as status:
+                for line in status:
+                    if line.startswith(("voluntary_ctxt", "nonvoluntary_ctxt")):
+                        total += int(line.split()[1])
+        except OSError:
+            continue  # the thread ended meanwhile
+    return total
 
 
 def worker(num_stages: int, workload: str) -> None:
@@ -81,6 +117,9 @@ def worker(num_stages: int, workload: str) -> None:
                 for _ in job.train([(x, y)] * count):
                     pass
                 print(f"{(time.perf_counter() - started) * 1e3 / count:.4f}", flush=True)
+            elif command[0] == "switches":
+                counts = [_switches(pid) for pid in _stage_pids(os.getpid())]
+                print(" ".join(str(c) for c in counts), flush=True)
             else:
                 break
         client.close()
@@ -169,6 +208,7 @@ def main() -> None:
     for name in names:
         header += [f"{name} steps/s", "ms", "p50 ms"]
     rows = [header]
+    switch_rows = [["schedule", "ckpt", *(f"{name} switches/step" for name in names)]]
     try:
         for schedule in ("gpipe", "1f1b"):
             for every in (int(e) for e in args.every.split(",")):
@@ -179,10 +219,21 @@ def main() -> None:
                         checkout.ask("step")
                 turn = f"train {args.train}" if args.train else "step"
                 times: dict[str, list[float]] = {name: [] for name in names}
-                for i in range(max(1, args.steps // max(1, args.train))):
+                before = {name: checkouts[name].ask("switches").split() for name in names}
+                turns = max(1, args.steps // max(1, args.train))
+                for i in range(turns):
                     for name in names[i % len(names) :] + names[: i % len(names)]:
                         times[name].append(float(checkouts[name].ask(turn)))
+                steps = turns * max(1, args.train)
+                switches = []
+                for name in names:
+                    after = checkouts[name].ask("switches").split()
+                    per_stage = [
+                        (int(a) - int(b)) / steps for a, b in zip(after, before[name], strict=True)
+                    ]
+                    switches.append(" / ".join(f"{n:.1f}" for n in per_stage))
                 row = [schedule, f"every {every}" if every else "off"]
+                switch_rows.append([*row, *switches])
                 for name in names:
                     mean, median = statistics.fmean(times[name]), statistics.median(times[name])
                     row += [f"{1e3 / mean:.1f}", f"{mean:.2f}", f"{median:.2f}"]
@@ -190,9 +241,10 @@ def main() -> None:
     finally:
         for checkout in checkouts.values():
             checkout.close()
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    for row in rows:
-        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
+    for table in (rows, switch_rows):
+        widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+        for row in table:
+            print("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
 
 
 if __name__ == "__main__":

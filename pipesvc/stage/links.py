@@ -13,6 +13,18 @@ an unbounded ``put`` would hang the step and, with it, the run lock that Abort n
 StepAbortedError once its run is aborted (Abort wakes a step blocked sending to a hung peer).
 Closing a link never blocks: it marks the sender ended and drops what was queued.
 
+[Note: the link before the tensor] The stage sends a micro-batch's gradient back on the
+upstream link that delivered its activation, and a stream becomes that link with the first
+tensor of it the mailbox accepts. It must become the link *before* that tensor is visible to the
+waiting compute thread: otherwise the last stage can run the micro-batch's forward, loss and
+backward and send its gradient while the thread that delivered the activation has not yet
+established the link ("no upstream stream to send gradients on": the first step of a job or
+of a new plan epoch fails, and a healthy job counts a recovery). The window is the few lines
+between ``put`` and the establishing call on the delivering thread (a stream's reader thread
+for frames), so it showed only under load, in the fault tests. Hence the reader establishes
+the link first, once the mailbox says it would accept the tensor (``Mailbox.accepts``), then
+puts it.
+
 Each link pairs a ``Sender`` (pipesvc.stage.sender) for the direction it sends with a
 ``FrameReader`` (pipesvc.stage.reader) for the other, wired so that the reader answers
 shared-memory offers through the sender (pipesvc.stage.shm_handshake).
@@ -60,12 +72,13 @@ class _Link:
         shm_bytes: int,
         metrics: Metrics,
         peer: str,
-        on_delivered: Callable[[bool], None] | None = None,
+        on_first_accepted: Callable[[], None] | None = None,
     ) -> None:
         self._sender = Sender(
             frame_bytes=limits.max_frame_bytes,
             peer=peer,
             run_aborted=mailbox.is_aborted,
+            while_full=mailbox.pump,
             job_id=job_id,
             epoch=epoch,
             direction=sends,
@@ -81,7 +94,7 @@ class _Link:
             limits=limits,
             metrics=metrics,
             reply=self._sender,
-            on_delivered=on_delivered,
+            on_first_accepted=on_first_accepted,
             fail=self._fail,
             accept_shm=shm_bytes > 0,
         )
@@ -105,7 +118,7 @@ class _Link:
         bad_frame = False
         try:
             for frame in frames:
-                self._delivered(self._reader.feed(frame))
+                self._reader.feed(frame)
         except grpc.RpcError as exc:
             self._call_failed(exc)
         except PipesvcError as exc:
@@ -113,9 +126,6 @@ class _Link:
             self._fail(exc)
         finally:
             self._finish(bad_frame)
-
-    def _delivered(self, accepted: bool) -> None:
-        """A frame was fed; ``accepted``: it completed a tensor the mailbox took."""
 
     def _fail(self, exc: PipesvcError) -> None:
         raise NotImplementedError
@@ -218,7 +228,7 @@ class UpstreamLink(_Link):
             shm_bytes=shm_bytes,
             metrics=metrics,
             peer="the upstream stage",
-            on_delivered=self._delivered,
+            on_first_accepted=self._establish,
         )
 
     def serve(
@@ -236,10 +246,11 @@ class UpstreamLink(_Link):
         finally:
             self._sender.close()  # the call ended (or gRPC dropped this generator)
 
-    def _delivered(self, accepted: bool) -> None:
+    def _establish(self) -> None:
         # Only a stream that delivers a tensor the mailbox accepts (a current run's, not
-        # stale, not a duplicate) becomes the link gradients go back on.
-        if accepted and not self._established.is_set():
+        # stale, not a duplicate) becomes the link gradients go back on; it does so before
+        # a waiter can take that tensor (see [Note: the link before the tensor]).
+        if not self._established.is_set():
             self._established.set()
             if self._on_established is not None:
                 self._on_established(self)

@@ -27,8 +27,10 @@ class FrameReader:
 
     It also takes the shared-memory handshake: it answers an offer through ``reply`` (the sender
     of the opposite direction on the same stream), hands the peer's answer to ``reply``, and
-    once it has mapped the peer's area runs a thread reading the doorbell: each tensor goes to
-    the mailbox, whether it was accepted to ``on_delivered``, and an error to ``fail``.
+    once it has mapped the peer's area hands its doorbell to the mailbox, whose waiting thread
+    reads it: each tensor goes to the mailbox and an error to ``fail``. ``on_first_accepted``
+    runs once, before the first tensor the mailbox accepts from it becomes visible to a waiter
+    (see [Note: the link before the tensor] in pipesvc.stage.links).
     """
 
     def __init__(
@@ -41,7 +43,7 @@ class FrameReader:
         limits: CodecLimits,
         metrics: Metrics,
         reply: Sender,
-        on_delivered: Callable[[bool], None] | None = None,
+        on_first_accepted: Callable[[], None] | None = None,
         fail: Callable[[PipesvcError], None] | None = None,
         accept_shm: bool = True,
     ) -> None:
@@ -53,6 +55,7 @@ class FrameReader:
         self._limits = limits
         self._reply = reply
         self._pending: tuple[MailKey, FrameAssembler] | None = None
+        self._on_first_accepted = on_first_accepted
         self._shm = ShmInlet(
             job_id=job_id,
             epoch=epoch,
@@ -60,12 +63,13 @@ class FrameReader:
             accept_shm=accept_shm,
             reply=reply.put,
             deliver=self.feed_slot,
-            on_delivered=on_delivered,
             fail=fail or mailbox.fail,
+            add_source=mailbox.add_source,
+            remove_source=mailbox.remove_source,
         )
 
     def close(self) -> None:
-        """Unmaps the peer's area, if any (its doorbell thread ends when the peer closes)."""
+        """Unmaps the peer's area, if any, and stops reading its doorbell."""
         self._shm.close()
 
     def feed(self, item: InFrame | stage_pb2.DataFrame) -> bool:
@@ -116,6 +120,9 @@ class FrameReader:
             direction="received",
             kind=self._direction,
         )
+        if self._on_first_accepted is not None and self._mailbox.accepts(key):
+            first, self._on_first_accepted = self._on_first_accepted, None
+            first()  # before a waiter can take the tensor
         accepted = self._mailbox.put(key, tensor)
         self._metrics.set("queue_depth", len(self._mailbox), queue="mailbox")
         return accepted

@@ -56,6 +56,7 @@ class Sender:
         peer: str = "the peer",
         run_aborted: Callable[[int], bool] = lambda run_id: False,
         frame_bytes: int = STREAM_FRAME_BYTES,
+        while_full: Callable[[], None] = lambda: None,
     ) -> None:
         self._job_id = job_id
         self._frame_bytes = frame_bytes
@@ -75,6 +76,7 @@ class Sender:
             shm_bytes=shm_bytes,
             metrics=metrics,
             run_aborted=run_aborted,
+            while_full=while_full,
         )
         self._offered = False
 

@@ -22,7 +22,9 @@ its slots until a backward that needs the very tensor being sent.
 
 Beside the area the sender makes a FIFO (the area's name plus ``.bell``), the *doorbell*: once
 the offer is accepted, a tensor's header and slot (a few hundred bytes) are written to it by the
-sending thread itself, and a thread of the receiver blocked on it wakes and delivers the tensor.
+sending thread itself, and the receiver's thread waiting for that tensor (polling the doorbell
+itself, see [Note: the waiter reads the doorbell] in pipesvc.stage.mailbox) reads and delivers
+it.
 The stream stays the control path (offer, answer, fallback frames) and the liveness signal;
 the doorbell takes gRPC's per-message cost (queues, its threads and completion queues on both
 sides) off every activation and gradient, which is what small micro-batches are bound by. A
@@ -37,9 +39,10 @@ goes with the last Python object over it; every tensor over it holds one (``torc
 references the mmap, ``numpy.frombuffer`` exports it, and a copy in flight holds the byte
 tensor in a local). The area's fd and the doorbell's fd are ``SharedFd`` (pipesvc.stage.shm_files):
 a call uses the fd under a count, closing only marks it closed, and the last user closes the
-number, so a write never lands on a reused fd number. Waits on the doorbell poll with a short
-timeout and end when their side is closed (or the caller cancels), so closing wakes every
-waiter.
+number, so a write never lands on a reused fd number. The doorbell's reading end is closed by
+the mailbox polling it, once no poll uses it (``Mailbox.remove_source``). Waits on the doorbell
+poll with a short timeout and end when their side is closed (or the caller cancels), so closing
+wakes every waiter.
 
 Pages of a tmpfs file are allocated on first touch; writing to one when ``/dev/shm`` is full
 raises SIGBUS. The sender therefore reserves pages with ``posix_fallocate`` before it first
@@ -371,6 +374,8 @@ class ShmView:
     def read_bell(self) -> bytes | None:
         """The next doorbell message, blocking; None at end-of-file (the sender closed it) or
         once this view is closed (``close`` wakes a reader within a fraction of a second).
+        Stages read with ``read_ready`` from their mailbox's poll instead; this is the plain
+        blocking reader (tests, tools).
 
         [Note: buffered doorbell] Each ``ring`` writes its message whole (at most PIPE_BUF),
         so the reader takes whatever the pipe holds in one ``read`` and keeps what follows the
@@ -397,6 +402,36 @@ class ShmView:
                 return None
             self._unread += chunk
         return None
+
+    def fileno(self) -> int:
+        """The doorbell's reading end (-1 once closed), for a caller's own ``poll``."""
+        return self._bell
+
+    def read_ready(self) -> list[bytes] | None:
+        """The whole messages the doorbell holds now, without waiting (call it once ``poll``
+        reported the doorbell readable: before its first writer has opened it, a FIFO reads as
+        end-of-file); None at end-of-file or once this view is closed.
+
+        Raises:
+            WireFormatError: a message longer than MAX_BELL_MESSAGE or cut short.
+        """
+        if self._closed or self._bell < 0:
+            return None
+        try:
+            chunk = os.read(self._bell, _BELL_READ_BYTES)
+        except BlockingIOError:
+            return []  # a spurious wake-up
+        if not chunk:
+            if self._unread:
+                raise WireFormatError(
+                    f"doorbell message cut short ({len(self._unread)} bytes of it arrived)"
+                )
+            return None
+        self._unread += chunk
+        messages = []
+        while (message := self._buffered_message()) is not None:
+            messages.append(message)
+        return messages
 
     def _buffered_message(self) -> bytes | None:
         """The next whole message among the bytes read (taken out of them), if one is there.

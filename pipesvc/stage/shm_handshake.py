@@ -2,14 +2,14 @@
 
 The sending end (``ShmOutlet``) creates an area, offers it on the stream and, once the peer
 accepts, writes tensors into it and rings the doorbell; the receiving end (``ShmInlet``) maps an
-offered area, answers, and runs the thread that reads the doorbell. See [Note: the
-shared-memory path] in pipesvc.stage.shm.
+offered area, answers, and registers the doorbell with the mailbox, whose waiting thread reads
+it. See [Note: the shared-memory path] in pipesvc.stage.shm and [Note: the waiter reads the
+doorbell] in pipesvc.stage.mailbox.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 
 import torch
@@ -18,7 +18,7 @@ from google.protobuf.message import DecodeError
 from pipesvc.core.tensor_codec import make_header
 from pipesvc.errors import PipesvcError, StepAbortedError, WireFormatError
 from pipesvc.observe.metrics import Metrics
-from pipesvc.stage.mailbox import MailKey
+from pipesvc.stage.mailbox import MailKey, MailSource
 from pipesvc.stage.microbatch_id import microbatch_id, opposite
 from pipesvc.stage.shm import MAX_AREA_BYTES, ShmArea, ShmView
 from pipesvc.v1 import stage_pb2
@@ -39,6 +39,7 @@ class ShmOutlet:
         shm_bytes: int,
         metrics: Metrics,
         run_aborted: Callable[[int], bool],
+        while_full: Callable[[], None] = lambda: None,
     ) -> None:
         self._job_id = job_id
         self._epoch = epoch
@@ -47,6 +48,7 @@ class ShmOutlet:
         self._shm_bytes = shm_bytes
         self._metrics = metrics
         self._run_aborted = run_aborted
+        self._while_full = while_full
         self._area: ShmArea | None = None
         self.bell_open = False
         """Whether the peer accepted: tensors go through the area now."""
@@ -102,6 +104,14 @@ class ShmOutlet:
             return False
         header = make_header(tensor)
         ident = microbatch_id(self._job_id, self._epoch, self._direction, key)
+
+        def cancelled() -> bool:
+            # The doorbell is full: the peer has not read it yet. This stage reads its own
+            # meanwhile, since the peer may itself be waiting for room in one of them (see
+            # [Note: the waiter reads the doorbell]).
+            self._while_full()
+            return self._run_aborted(key.run_id)
+
         for copy in range(self._copies):
             slot = area.write(tensor)  # None also for an empty tensor: frames carry those
             if slot is None:
@@ -114,7 +124,7 @@ class ShmOutlet:
                 ),
             )
             try:
-                rung = area.ring(frame.SerializeToString(), lambda: self._run_aborted(key.run_id))
+                rung = area.ring(frame.SerializeToString(), cancelled)
             except OSError as exc:
                 # The receiver closed its end: it is gone; the stream reports why.
                 logger.info("doorbell to the peer failed (%s); sending frames", exc)
@@ -129,9 +139,9 @@ class ShmOutlet:
 
 
 class ShmInlet:
-    """The receiver's end: maps an offered area, answers through ``reply``, and reads the
-    doorbell on its own thread, handing each frame to ``deliver`` (with the view), whether it
-    was accepted to ``on_delivered``, and an error to ``fail``."""
+    """The receiver's end: maps an offered area, answers through ``reply``, and hands the
+    doorbell to ``add_source`` (the mailbox: its waiting thread reads it, handing each frame to
+    ``deliver`` (with the view), and an error to ``fail``)."""
 
     def __init__(
         self,
@@ -142,8 +152,9 @@ class ShmInlet:
         accept_shm: bool,
         reply: Callable[[stage_pb2.DataFrame], None],
         deliver: Callable[[ShmView, stage_pb2.DataFrame], bool],
-        on_delivered: Callable[[bool], None] | None,
         fail: Callable[[PipesvcError], None],
+        add_source: Callable[[MailSource], None],
+        remove_source: Callable[[MailSource], None],
     ) -> None:
         self._job_id = job_id
         self._epoch = epoch
@@ -151,12 +162,17 @@ class ShmInlet:
         self._accept_shm = accept_shm
         self._reply = reply
         self._deliver = deliver
-        self._on_delivered = on_delivered
         self._fail = fail
+        self._add_source = add_source
+        self._remove_source = remove_source
         self._view: ShmView | None = None
+        self._doorbell: Doorbell | None = None
 
     def close(self) -> None:
-        """Unmaps the peer's area, if any (its doorbell thread ends when the peer closes)."""
+        """Unmaps the peer's area, if any, and stops reading its doorbell."""
+        if self._doorbell is not None:
+            self._remove_source(self._doorbell)
+            self._doorbell = None
         if self._view is not None:
             self._view.close()
             self._view = None
@@ -179,9 +195,8 @@ class ShmInlet:
             except OSError as exc:
                 answer.reason = f"cannot map {offer.name}: {exc.strerror or exc}"
         if self._view is not None:
-            threading.Thread(
-                target=self._read_bell, args=(self._view,), name="doorbell", daemon=True
-            ).start()
+            self._doorbell = Doorbell(self._view, self._deliver, self._fail)
+            self._add_source(self._doorbell)
         self._reply(
             stage_pb2.DataFrame(
                 id=microbatch_id(self._job_id, self._epoch, opposite(self._direction)),
@@ -189,17 +204,41 @@ class ShmInlet:
             )
         )
 
-    def _read_bell(self, view: ShmView) -> None:
+
+class Doorbell:
+    """A mapped area's doorbell as a mailbox source (``MailSource``): the thread waiting for
+    mail reads it and delivers its tensors."""
+
+    def __init__(
+        self,
+        view: ShmView,
+        deliver: Callable[[ShmView, stage_pb2.DataFrame], bool],
+        fail: Callable[[PipesvcError], None],
+    ) -> None:
+        self._view = view
+        self._deliver = deliver
+        self._fail = fail
+
+    def fileno(self) -> int:
+        return self._view.fileno()
+
+    def drain(self) -> bool:
+        """Delivers the messages the doorbell holds; False at its end (the sender closed it or
+        died, or the view was closed) or after a bad message (reported to ``fail``)."""
         try:
-            while (message := view.read_bell()) is not None:
+            messages = self._view.read_ready()
+            if messages is None:
+                return False
+            for message in messages:
                 try:
                     frame = stage_pb2.DataFrame.FromString(message)
                 except DecodeError as exc:
                     raise WireFormatError(f"undecodable doorbell frame: {exc}") from None
-                accepted = self._deliver(view, frame)
-                if self._on_delivered is not None:
-                    self._on_delivered(accepted)
+                self._deliver(self._view, frame)
         except PipesvcError as exc:
             self._fail(exc)
-        finally:
-            view.close_bell()
+            return False
+        return True
+
+    def release(self) -> None:
+        self._view.close_bell()

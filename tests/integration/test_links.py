@@ -361,3 +361,73 @@ def test_a_bad_gradient_frame_fails_the_mailbox_and_drops_what_follows() -> None
         link.close()
         channel.close()
         server.stop(grace=None)
+
+
+class _Establishing(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
+    """Exchange through a real UpstreamLink; records, when the link is established, how many
+    tensors a waiter could already take, and for each activation a waiter took, whether the
+    link was established by then (a last stage sends the gradient back on it)."""
+
+    def __init__(self, shm_bytes: int, count: int) -> None:
+        self.shm_bytes = shm_bytes
+        self.count = count
+        self.visible_at_establish: list[int] = []
+        self.established_when_taken: list[bool] = []
+        self.done = threading.Event()
+
+    def Exchange(self, requests: Iterator[Any], context: Any) -> Iterator[Any]:
+        mailbox = Mailbox()
+
+        def established(link: UpstreamLink) -> None:
+            self.visible_at_establish.append(len(mailbox))
+
+        link = UpstreamLink(
+            job_id="j",
+            epoch=1,
+            mailbox=mailbox,
+            limits=CodecLimits(),
+            shm_bytes=self.shm_bytes,
+            on_established=established,
+        )
+
+        def take() -> None:
+            for i in range(self.count):
+                mailbox.get(MailKey(1, ACTIVATION, i), 30.0)
+                self.established_when_taken.append(bool(self.visible_at_establish))
+            self.done.set()
+
+        threading.Thread(target=take, daemon=True).start()
+        yield from link.serve(requests)
+
+
+@pytest.mark.parametrize("shm_bytes", [256 << 20, 0], ids=["shm", "frames"])
+def test_the_upstream_link_is_established_before_its_first_tensor_is_visible(
+    shm_bytes: int,
+) -> None:
+    """[Note: the link before the tensor]: the stream becomes the link gradients go back on
+    before a waiter can take the first activation it delivered, so the compute thread never
+    finds no upstream link for a gradient of a tensor it already took (a failed first step of
+    a job or plan epoch, and a recovery of a healthy job, seen under load)."""
+    count = 3
+    echo = _Establishing(shm_bytes, count)
+    server, port, _ = create_server("127.0.0.1:0", [lambda s: add_stage_service(echo, s)])
+    channel = open_channel(f"127.0.0.1:{port}")
+    link = DownstreamLink(
+        channel=channel,
+        address="establishing",
+        job_id="j",
+        epoch=1,
+        mailbox=Mailbox(),
+        limits=CodecLimits(),
+        shm_bytes=shm_bytes,
+    )
+    try:
+        for i in range(count):
+            link.send(MailKey(1, ACTIVATION, i), torch.ones(4))
+        assert echo.done.wait(30)
+        assert echo.visible_at_establish == [0]
+        assert echo.established_when_taken == [True] * count
+    finally:
+        link.close()
+        channel.close()
+        server.stop(1).wait(5)
