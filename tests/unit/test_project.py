@@ -287,8 +287,9 @@ def notes_in(text: str) -> Iterator[tuple[str, bool]]:
     """Each ``[Note: name]`` in ``text`` and whether it is the note itself, not a reference to
     it. A note opens a paragraph (a blank line, a comment line or a docstring's quotes before
     it, nothing but a comment marker or quotes before it on its line) and its text follows
-    (``[Note: x] The ...``); a reference sits in a sentence, or names its file after it
-    (``[Note: x] (`file.py`)`` in the docs, ``[Note: x]: ...`` in a test's summary)."""
+    (``[Note: x] The ...``); a reference sits in a sentence (a wrapped one may open a line, and
+    ends a clause: ``[Note: x]).``), or names its file after it (``[Note: x] (`file.py`)`` in
+    the docs, ``[Note: x]: ...`` in a test's summary)."""
     for found in NOTE.finditer(text):
         name = " ".join(re.sub(r"\n\s*(#|//)?", " ", found.group(1)).split())
         line_start = text.rfind("\n", 0, found.start()) + 1
@@ -298,7 +299,7 @@ def notes_in(text: str) -> Iterator[tuple[str, bool]]:
         opens = before in ("", "#", "//", '"""') and (
             previous in ("", "#", "//") or previous.endswith('"""') or before in ("#", '"""')
         )
-        yield name, opens and not after.startswith((" (`", ":", " in"))
+        yield name, opens and not after.startswith((" (`", ":", " in", ")", ".", ",", ";"))
 
 
 def test_every_note_reference_names_exactly_one_note() -> None:
@@ -325,7 +326,8 @@ def test_notes_and_references_are_told_apart() -> None:
     text = (
         '"""[Note: a] What a is.\n\nSee [Note: b] in x.py and\n[Note: c].\n"""\n'
         "# [Note: d] A comment's note.\n[Note: e] (`f.py`) The docs' pointer.\n"
+        "x = 1  # waits (see\n# [Note: d]).\n"
     )
     assert list(notes_in(text)) == [
-        ("a", True), ("b", False), ("c", False), ("d", True), ("e", False)
+        ("a", True), ("b", False), ("c", False), ("d", True), ("e", False), ("d", False)
     ]  # fmt: skip
