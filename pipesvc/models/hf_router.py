@@ -101,30 +101,19 @@ def _check_same(loss: RouterLoss, reference: Any, where: str) -> None:
     with torch.device("cpu"):  # also when called while layers are built on meta
         g = torch.Generator().manual_seed(0)
         logits = [torch.randn(6, loss.num_experts, generator=g) for _ in range(3)]
-        mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
-        _compare(loss, reference, logits, mask, where)
-
-
-def _compare(
-    loss: RouterLoss,
-    reference: Any,
-    logits: list[torch.Tensor],
-    mask: torch.Tensor,
-    where: str,
-) -> None:
-    for given in (None, mask):
-        total = torch.zeros(loss.size)
-        for layer in logits:
-            total = total + statistics(loss, layer, given)
-        ours = aux_loss(loss, total) / loss.coef
-        theirs = reference(tuple(logits), loss.num_experts, loss.top_k, given)
-        if not torch.allclose(ours, torch.as_tensor(theirs, dtype=ours.dtype), rtol=1e-5):
-            raise InvalidArgumentError(
-                f"{where}: config.json asks for the router's auxiliary loss, but this family's "
-                f"load_balancing_loss_func gives {float(theirs):.6g} where the per-layer sums "
-                f"pipesvc carries across stages give {float(ours):.6g}; set "
-                "output_router_logits to false"
-            )
+        for given in (None, torch.tensor([[0, 1, 1], [1, 1, 1]])):
+            total = torch.zeros(loss.size)
+            for layer in logits:
+                total = total + statistics(loss, layer, given)
+            ours = aux_loss(loss, total) / loss.coef
+            theirs = reference(tuple(logits), loss.num_experts, loss.top_k, given)
+            if not torch.allclose(ours, torch.as_tensor(theirs, dtype=ours.dtype), rtol=1e-5):
+                raise InvalidArgumentError(
+                    f"{where}: config.json asks for the router's auxiliary loss, but this "
+                    f"family's load_balancing_loss_func gives {float(theirs):.6g} where the "
+                    f"per-layer sums pipesvc carries across stages give {float(ours):.6g}; set "
+                    "output_router_logits to false"
+                )
 
 
 def statistics(

@@ -101,8 +101,9 @@ from pipesvc.storage.checkpoint import OPTIM_PREFIX, group_by_layer
 
 _LayerCall = tuple[int, nn.Module, bool, tuple[str, ...], bool, bool]
 """How one layer is called: its global index, the layer, whether its training call is seeded
-(see [Note: training randomness]), the side inputs it reads and whether it reads a generation
-cache; fixed when the layer is built."""
+(see [Note: training randomness]), the side inputs it reads, whether it reads a generation
+cache and whether it adds to a carried vector (see [Note: carried vector] in
+``pipesvc.models.carry``); fixed when the layer is built."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -869,22 +869,20 @@ def _cache_refs(
                 f"micro-batch {index} names {len(entry.refs)} caches; expected 1 to "
                 f"{MAX_MICROBATCHES}"
             )
+        fused = len(entry.refs) > 1
         for ref in entry.refs:
             if not 1 <= len(ref.session) <= 128:
                 raise InvalidArgumentError(
                     f"session id of {len(ref.session)} characters; expected 1 to 128"
                 )
-            if (ref.session, ref.part) in seen and (
-                ref.fresh or len(entry.refs) > 1 or ref.keep_as
-            ):
+            if (ref.session, ref.part) in seen and (ref.fresh or fused or ref.keep_as):
                 raise InvalidArgumentError(
                     f"session {ref.session!r} part {ref.part} is named twice in one run, the "
                     "second time starting its cache, fused or keeping a prefix; a part named "
                     "again extends it alone"
                 )
             seen.add((ref.session, ref.part))
-            _check_prefix_ref(ref, fused=len(entry.refs) > 1)
-        fused = len(entry.refs) > 1
+            _check_prefix_ref(ref, fused=fused)
         fresh = {ref.fresh for ref in entry.refs}
         if fused and (
             len(fresh) > 1

@@ -122,19 +122,6 @@ def _length(cache: Any, layout: CacheLayout | None) -> int | None:
     return max((k.shape[2] for k, _ in layout.tensors(cache).values()), default=0)
 
 
-def _cut_back(cache: Any, length: int, layout: CacheLayout) -> Any:
-    """``cache`` holding only its first ``length`` positions (copies: see ``compact``)."""
-    tensors = layout.tensors(cache)
-    if all(k.shape[2] == length for k, _ in tensors.values()):
-        return cache
-    return layout.build(
-        {
-            name: (k[:, :, :length].clone(), v[:, :, :length].clone())
-            for name, (k, v) in tensors.items()
-        }
-    )
-
-
 def _copy(cache: Any, length: int, layout: CacheLayout) -> Any:
     """A new cache holding copies of ``cache``'s first ``length`` positions."""
     return layout.build(
@@ -143,6 +130,13 @@ def _copy(cache: Any, length: int, layout: CacheLayout) -> Any:
             for name, (k, v) in layout.tensors(cache).items()
         }
     )
+
+
+def _cut_back(cache: Any, length: int, layout: CacheLayout) -> Any:
+    """``cache`` holding only its first ``length`` positions (copies: see ``compact``)."""
+    if all(k.shape[2] == length for k, _ in layout.tensors(cache).values()):
+        return cache
+    return _copy(cache, length, layout)
 
 
 def expiry_interval(idle_s: float) -> float:
