@@ -142,6 +142,8 @@ class Session:
         ``prefixes.py``)."""
         self.keep: Prefix | None = None
         """What of its prompt the stages keep after its first run."""
+        self.prefix_epoch: int | None = None
+        """The plan epoch ``source`` and ``keep`` were chosen in."""
         self.prefill_chunk = prefill_chunk
         """Prompt tokens per chunk of the prefill (0: the whole prompt at once)."""
         self.batch_parts: list[int] = []

@@ -88,8 +88,9 @@ class PrefixIndex:
     def kept(self, tokens: torch.Tensor, prefix: Prefix, epoch: int) -> list[str]:
         """Records that the stages keep ``prefix`` of ``tokens``; returns the prefixes it
         pushes out of the index, which the stages should drop."""
-        if epoch != self._epoch:
+        if self._epoch is not None and epoch < self._epoch:
             return [prefix.name]  # kept in an epoch that is over: nothing to index
+        self._at(epoch)
         names = _boundaries(tokens, prefix.positions)
         self._kept[prefix.name] = names
         self._kept.move_to_end(prefix.name)

@@ -109,11 +109,7 @@ class JobGeneration:
             ),
         )
         self._metrics.inc("generation_sessions_total")
-        if support.fuses_caches and session.one_row:  # caches that can be cut and copied
-            with self._prefix_lock:
-                epoch = self._group.epoch
-                session.source = self.prefixes.find(session.tokens[0], epoch)
-                session.keep = self.prefixes.to_keep(session.tokens[0], epoch)
+        self._choose_prefixes(session, self._group.epoch)
         stream = self.batcher.open(session, max_new_tokens)
         try:
             while (tokens := self.batcher.next(stream)) is not None:
@@ -141,6 +137,8 @@ class JobGeneration:
         # are read either way), so splitting it to overlap the stages costs more than it saves.
         fuse = self._model_support().fuses_caches
         self.release_orphans()
+        for session in sessions:
+            self._choose_prefixes(session, epoch)
         while True:
             run = plan_step(sessions, epoch, fuse=fuse)
             try:
@@ -168,6 +166,20 @@ class JobGeneration:
         self._prefixes_after(sessions, epoch)
         outputs = [decode(t) for t in replies.outputs]
         return [(logits, epoch) for logits in run.logits(outputs)]
+
+    def _choose_prefixes(self, session: Session, epoch: int) -> None:
+        """Chooses, for a session whose first run in plan epoch ``epoch`` is still to come,
+        the kept prefix it starts from and what of its prompt to keep. Chosen again when the
+        epoch changed before that run (a recovery): the stages of the new plan hold no prefix
+        of the old one, and may hold one kept since."""
+        if session.cached or session.prefix_epoch == epoch:
+            return
+        if not (session.support.fuses_caches and session.one_row):
+            return  # only caches that can be cut and copied, of one-row prompts
+        with self._prefix_lock:
+            session.source = self.prefixes.find(session.tokens[0], epoch)
+            session.keep = self.prefixes.to_keep(session.tokens[0], epoch)
+        session.prefix_epoch = epoch
 
     def _prefixes_after(self, sessions: list[Session], epoch: int) -> None:
         """After a run: counts the sessions that started from a kept prefix, and indexes the

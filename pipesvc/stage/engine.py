@@ -214,6 +214,8 @@ class StepEngine:
         self._job_id = job_id
         self._metrics = metrics
         self._fault_kill = fault_kill
+        self._chunked_runs = 0
+        """Generation runs of several micro-batches so far (what ``prefill`` faults count)."""
         self._tied = tied
         self.replicas = replicas
         """The gradient group with the other replicas' stages of this rank, if any."""
@@ -407,12 +409,19 @@ class StepEngine:
         rec.begin(run_id, rt.step + 1 if training else 0, job_id=self._job_id, rank=rt.rank)
         losses: dict[int, float] = {}
         outputs: dict[int, torch.Tensor] = {}
-        fault_kill = self._fault_kill if training else None
+        fault_kill, fault_when, fault_step = self._fault_kill, "", 0
+        if fault_kill is not None and training:
+            fault_step = rt.step + 1
+        elif fault_kill is not None and generating and plan.last_mb > 0:
+            self._chunked_runs += 1
+            fault_when, fault_step = "prefill", self._chunked_runs
+        else:
+            fault_kill = None
         for kind, at, split_here in plan.steps:
             if fault_kill is not None:
                 fault_kill.check(
-                    when="forward" if kind is ActionKind.FORWARD else "backward",
-                    step=rt.step + 1,
+                    when=fault_when or ("forward" if kind is ActionKind.FORWARD else "backward"),
+                    step=fault_step,
                     rank=rt.rank,
                     microbatch=at.microbatch,
                     last_mb=plan.last_mb,

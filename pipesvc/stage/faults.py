@@ -4,11 +4,14 @@
 fail when training step STEP reaches WHEN: ``forward`` (the forward of micro-batch 1, or 0 with
 one micro-batch), ``backward`` (the same micro-batch's backward), ``commit`` (on receiving the
 commit, after every backward is done) or ``checkpoint`` (while its state streams into the
-checkpoint of step STEP, after the first tensor). ACTION is ``kill`` (SIGKILL, the default),
-``stop`` (SIGSTOP: a hung stage, until someone sends SIGCONT) or ``fail`` (the call fails with
-RESOURCE_EXHAUSTED, as from a concurrency cap, and the stage carries on). The MARKER file is
-created first and makes the fault fire once per cluster, so the stage that takes over (or the
-retried call) does not fail too. Only this command-line flag, meant for tests, enables it.
+checkpoint of step STEP, after the first tensor). One point is not in training: ``prefill``
+fires at the forward of micro-batch 1 of this stage's STEP-th generation run of several
+micro-batches (a long prompt's second chunk, with its first in the caches; see [Note: chunked
+prefill]). ACTION is ``kill`` (SIGKILL, the default), ``stop`` (SIGSTOP: a hung stage, until
+someone sends SIGCONT) or ``fail`` (the call fails with RESOURCE_EXHAUSTED, as from a
+concurrency cap, and the stage carries on). The MARKER file is created first and makes the
+fault fire once per cluster, so the stage that takes over (or the retried call) does not fail
+too. Only this command-line flag, meant for tests, enables it.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 from pipesvc.errors import InvalidArgumentError, ResourceExhaustedError
 
 logger = logging.getLogger(__name__)
-WHEN = ("forward", "backward", "commit", "checkpoint")
+WHEN = ("forward", "backward", "commit", "checkpoint", "prefill")
 ACTIONS = ("kill", "stop", "fail")
 
 

@@ -45,6 +45,10 @@ def test_a_prompt_starts_from_the_longest_kept_boundary_it_shares() -> None:
     # Another plan epoch: the stages hold nothing of the old one.
     assert index.find(second, epoch=2) is None and len(index) == 0
     assert index.kept(first, Prefix("stale", BLOCK), epoch=1) == ["stale"]
+    # Kept in an epoch newer than any the index saw (a session's run after a recovery):
+    # indexed for that epoch.
+    assert index.kept(first, keep, epoch=3) == []
+    assert index.find(second, epoch=3) == Prefix(keep.name, 3 * BLOCK)
 
 
 def test_the_least_recently_used_prefix_goes_and_its_boundaries_fall_back() -> None:
