@@ -55,7 +55,9 @@ def client(request: pytest.FixtureRequest, dirs: dict[str, Path]) -> Iterator[pi
         yield client
 
 
-def train_in_one_process(directory: Path, parts: int) -> tuple[list[float], dict[str, Any]]:
+def train_in_one_process(
+    directory: Path, parts: int, steps: int = STEPS
+) -> tuple[list[float], dict[str, Any]]:
     model: Any = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
@@ -63,7 +65,7 @@ def train_in_one_process(directory: Path, parts: int) -> tuple[list[float], dict
     labels = ids.masked_fill(mask == 0, -100)
     total = loss_units("causal_lm", labels)
     losses = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         optimizer.zero_grad()
         loss = 0.0
         for rows in torch.arange(ids.shape[0]).chunk(parts):
