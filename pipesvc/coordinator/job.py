@@ -435,7 +435,8 @@ class JobDriver:
             )
         with self._lock:
             self._resilient(lambda: None, "replan")  # a pending recovery or reconcile first
-            decision = self.replanner.choose(partition)
+            # Asked for by the user: every link is probed now (the network may have changed).
+            decision = self.replanner.choose(partition, probe_again=True)
             self._resilient(lambda: self.replanner.apply(decision), f"replan ({partition})")
             if decision.moved and self.group.plan == decision.plan:
                 self.replanner.settler.replanned(self.group.epoch)

@@ -125,9 +125,11 @@ class Replanner:
         self.settler = Settler(Policy())
         """When this job measures and whether it moves by itself (see [Note: settling])."""
 
-    def measure(self) -> Measurements:
+    def measure(self, *, probe_again: bool = False) -> Measurements:
         """Profiles the job's stages; when there are free stages, or a stage without a
-        measured speed, calibrates them all at once too (see [Note: measured speed]).
+        measured speed, calibrates them all at once too (see [Note: measured speed]). Links
+        between hosts are probed unless probed lately, or always with ``probe_again`` (see
+        [Note: link rate cache]).
 
         Raises:
             FailedPreconditionError: a layer has no timings yet (no training step on this
@@ -142,7 +144,7 @@ class Replanner:
         if free or any(not _operations(p) for p in profiles):
             stages += free
             profiles = self._profile(stages, CALIBRATE_S)
-        probed = self._probe_links(probe_pairs(group.plan, stages))
+        probed = self._probe_links(probe_pairs(group.plan, stages), probe_again=probe_again)
         forced = os.environ.get(LINK_RATE_ENV)
         if forced:
             probed = {pair: float(forced) for pair in probed}
@@ -173,14 +175,23 @@ class Replanner:
         with futures.ThreadPoolExecutor(max_workers=len(stages)) as pool:
             return list(pool.map(profile, range(len(stages))))
 
-    def _probe_links(self, pairs: list[tuple[str, str]]) -> dict[frozenset[str], float]:
+    def _probe_links(
+        self, pairs: list[tuple[str, str]], *, probe_again: bool = False
+    ) -> dict[frozenset[str], float]:
         """The rate of each pair of hosts, probed from the first stage of a pair to the second
-        (see [Note: link probe] in ``pipesvc.stage.probe``), one pair at a time; a pair whose
-        probe failed (a stage too old to probe, one gone) is left out: its links stay
+        (see [Note: link probe] in ``pipesvc.stage.probe``), one pair at a time, unless the
+        coordinator probed that pair of hosts lately (see [Note: link rate cache]); a pair
+        whose probe failed (a stage too old to probe, one gone) is left out: its links stay
         unmeasured, so ``auto`` keeps them exact."""
         group = self._group
+        cache = group.registry.link_rates
         rates: dict[frozenset[str], float] = {}
         for source, target in pairs:
+            pair = _hosts(source, target)
+            known = None if probe_again else cache.fresh(pair)
+            if known is not None:
+                rates[pair] = known
+                continue
             stub = group.registry.stub(source)
             try:
                 answer = call(
@@ -195,7 +206,8 @@ class Replanner:
                 )
                 continue
             if answer.bytes_per_s > 0 and math.isfinite(answer.bytes_per_s):
-                rates[_hosts(source, target)] = answer.bytes_per_s
+                rates[pair] = answer.bytes_per_s
+                cache.record(pair, answer.bytes_per_s)
                 logger.info(
                     "job %s: link %s -> %s: %.3g MB/s (%d bytes in %.3f s)",
                     group.job_id,
@@ -207,10 +219,10 @@ class Replanner:
                 )
         return rates
 
-    def choose(self, partition: str) -> Decision:
+    def choose(self, partition: str, *, probe_again: bool = False) -> Decision:
         """The plan ``partition`` gives (``throughput``: from a new measurement, and only if
         predicted faster than the current plan); nothing moves. Whether a job moves by itself
-        is the settler's to say (see [Note: settling]).
+        is the settler's to say (see [Note: settling]). ``probe_again``: see ``measure``.
 
         Raises:
             FailedPreconditionError: ``throughput`` before any training step on this plan.
@@ -223,7 +235,7 @@ class Replanner:
         current_s: list[float] = []
         predicted_s: list[float] = []
         if partition == "throughput":
-            measured = self.measure()
+            measured = self.measure(probe_again=probe_again)
             if _decides_links(config):
                 plan, predicted_s = self._auto_plan(config, measured)
             else:

@@ -22,6 +22,7 @@ import grpc
 from google.protobuf.message import Message
 
 from pipesvc.coordinator.control_stream import ControlStreams
+from pipesvc.coordinator.link_rates import LinkRates
 from pipesvc.core.health import Health
 from pipesvc.core.limits import Limits
 from pipesvc.errors import InvalidArgumentError
@@ -75,6 +76,8 @@ class StageRegistry:
 
     control: ControlStreams = field(init=False)
     """The jobs' Control streams to these stages (see [Note: control stream])."""
+    link_rates: LinkRates = field(default_factory=LinkRates)
+    """The probed rates between these stages' hosts (see [Note: link rate cache])."""
 
     def __post_init__(self) -> None:
         self._changed = threading.Condition(self._lock)

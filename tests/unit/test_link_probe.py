@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from pipesvc.coordinator.link_rates import LinkRates
 from pipesvc.coordinator.rebalance import (
     MAX_PROBES,
     Decision,
@@ -24,7 +25,7 @@ from pipesvc.core import throughput
 from pipesvc.core.config import JobConfig
 from pipesvc.core.link_codecs import links, wire_fraction
 from pipesvc.core.plan import PipelineStage
-from pipesvc.errors import InvalidArgumentError
+from pipesvc.errors import InvalidArgumentError, StageUnavailableError
 from pipesvc.stage import probe
 from pipesvc.v1 import stage_pb2
 
@@ -166,7 +167,7 @@ def _choose(current: list[PipelineStage], link_bytes_per_s: float) -> Decision:
     group: Any = SimpleNamespace(layers=layers, config=AUTO, plan=current, job_id="j")
     none: Any = None
     replanner = Replanner(group=group, ledger=none, checkpoints=none, recovery=none)
-    replanner.measure = lambda: measured  # type: ignore[method-assign]
+    replanner.measure = lambda **_: measured  # type: ignore[method-assign]
     return replanner.choose("throughput")
 
 
@@ -198,3 +199,59 @@ def test_a_replan_that_keeps_the_ranges_decides_their_links_again() -> None:
     assert not again.moved and again.plan[0].link_reason == "auto: int8 ... link 1 MB/s"
     # Never decided (exact until measured) and found fast: exact either way, no move.
     assert not _choose(_two(""), 1e9).moved
+
+
+def test_a_probed_rate_is_kept_for_its_age_for_the_pair_of_hosts_either_way() -> None:
+    now = [0.0]
+    cache = LinkRates(max_age_s=300.0, clock=lambda: now[0])
+    pair = frozenset(("10.0.0.1", "10.0.0.2"))
+    assert cache.fresh(pair) is None
+    cache.record(pair, 12.5e6)
+    now[0] = 299.0
+    assert cache.fresh(frozenset(("10.0.0.2", "10.0.0.1"))) == 12.5e6
+    now[0] = 300.0
+    assert cache.fresh(pair) is None and len(cache) == 0  # too old: probed again
+
+
+class _Stage:
+    """A stage's stub that answers ``ProbeLink`` with a fixed rate (or fails), counting calls."""
+
+    def __init__(self, bytes_per_s: float | None) -> None:
+        self.bytes_per_s = bytes_per_s
+        self.probes: list[str] = []
+
+    def ProbeLink(
+        self, request: stage_pb2.ProbeLinkRequest, timeout: float
+    ) -> stage_pb2.ProbeLinkResponse:
+        self.probes.append(request.target)
+        if self.bytes_per_s is None:
+            raise StageUnavailableError("gone")
+        return stage_pb2.ProbeLinkResponse(bytes_per_s=self.bytes_per_s, bytes=1, seconds=1.0)
+
+
+def test_measurements_probe_each_pair_of_hosts_once_per_age_and_retry_failed_ones() -> None:
+    now = [0.0]
+    stubs = {"10.0.0.1:1": _Stage(12.5e6), "10.0.0.3:1": _Stage(None)}
+    registry = SimpleNamespace(
+        link_rates=LinkRates(max_age_s=300.0, clock=lambda: now[0]), stub=stubs.__getitem__
+    )
+    deadlines = SimpleNamespace(control_s=1.0)
+    group: Any = SimpleNamespace(registry=registry, deadlines=deadlines, job_id="j")
+    none: Any = None
+    replanner = Replanner(group=group, ledger=none, checkpoints=none, recovery=none)
+    pairs = [("10.0.0.1:1", "10.0.0.2:1"), ("10.0.0.3:1", "10.0.0.2:1")]
+    slow = frozenset(("10.0.0.1", "10.0.0.2"))
+    assert replanner._probe_links(pairs) == {slow: 12.5e6}
+    # Another job's stage on the same hosts: the rate is known, nothing is probed; the pair
+    # whose probe failed is tried again.
+    assert replanner._probe_links([("10.0.0.2:7", "10.0.0.1:5"), *pairs[1:]]) == {slow: 12.5e6}
+    assert stubs["10.0.0.1:1"].probes == ["10.0.0.2:1"]
+    assert stubs["10.0.0.3:1"].probes == ["10.0.0.2:1", "10.0.0.2:1"]
+    now[0] = 301.0  # too old: probed again
+    assert replanner._probe_links(pairs[:1]) == {slow: 12.5e6}
+    assert stubs["10.0.0.1:1"].probes == ["10.0.0.2:1", "10.0.0.2:1"]
+    # A re-plan the user asks for probes again however fresh the rate, and keeps the new one.
+    stubs["10.0.0.1:1"].bytes_per_s = 125e6
+    assert replanner._probe_links(pairs[:1], probe_again=True) == {slow: 125e6}
+    assert replanner._probe_links(pairs[:1]) == {slow: 125e6}
+    assert len(stubs["10.0.0.1:1"].probes) == 3
