@@ -10,7 +10,7 @@ that both see the same load:
   its bytes in ``data`` (``tensor_codec.encode``/``decode``), every request built and parsed by
   protobuf.
 - **payloads**: the tensors' bytes beside the message (``pipesvc/wire/payload_wire.py``), with
-  the functions the client (``client._train_request``), coordinator (``step_request.
+  the functions the client (``client.training.train_request``), coordinator (``step_request.
   train_batch``, ``StageGroup.run_step``'s views) and stage (``StageService.RunStep``: inputs
   copied on the CPU, targets viewed) use.
 
@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipesvc.client import _train_request
+from pipesvc.client.training import train_request
 from pipesvc.coordinator.step_request import train_batch
 from pipesvc.core.microbatch import RunBatch
 from pipesvc.core.tensor_codec import CodecLimits, decode, encode, payload_view
@@ -75,7 +75,7 @@ def protobuf_path(x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
 def payload_path(x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
     """Seconds of each process's part of one step, with the payloads beside the messages."""
     t0 = time.perf_counter()
-    wire = TRAIN_STEP.serialize(_train_request("j", x, y, None, "r"))
+    wire = TRAIN_STEP.serialize(train_request("j", x, y, None, "r"))
     t1 = time.perf_counter()
     step = train_batch(TRAIN_STEP.parse(wire), LIMITS)
     batch = RunBatch.split(step.inputs, step.targets, step.side, NUM_MICROBATCHES)

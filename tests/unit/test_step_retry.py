@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import pipesvc
-from pipesvc import client as client_module
+from pipesvc.client import training
 from pipesvc.core.config import JobConfig, config_to_proto
 from pipesvc.errors import StageUnavailableError
 from pipesvc.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -45,7 +45,7 @@ class Scripted(coordinator_pb2_grpc.CoordinatorServiceServicer):
 
 @pytest.fixture
 def no_pause(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(client_module, "RETRY_PAUSE_S", 0.0)
+    monkeypatch.setattr(training, "RETRY_PAUSE_S", 0.0)
 
 
 def _job(servicer: Scripted) -> Iterator[pipesvc.Job]:
