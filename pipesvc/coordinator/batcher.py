@@ -187,16 +187,19 @@ class StepBatcher:
             for s, (logits, epoch) in zip(group, results, strict=True)
         ]
         now = time.monotonic()
+        # None: a prompt's first chunks only, no token yet (see [Note: chunks between decode
+        # steps] in generation.py); its time to first token runs on.
+        tokened = [(s, t) for s, t in zip(group, made, strict=True) if t is not None]
         with self._lock:
-            for stream, tokens in zip(group, made, strict=True):
+            for stream, tokens in tokened:
                 stream.made.append(tokens)
                 stream.steps += 1
                 stream.steps_left -= 1
                 stream.changed.notify_all()
         if self._on_token is not None:
-            for stream, tokens in zip(group, made, strict=True):
+            for stream, tokens in tokened:
                 self._on_token(stream.steps == 1, now - stream.since, int(tokens.shape[0]))
-        for stream in group:
+        for stream, _ in tokened:
             stream.since = now
 
     def _fail(self, stream: TokenStream, error: BaseException) -> None:

@@ -23,6 +23,16 @@ chunk extends it (the stages run a run's micro-batches in order, so on every sta
 finds chunks ``1..j-1`` in the cache), with the padding mask up to its own end and its own
 positions; the next token comes from the last chunk's logits. Only models whose caches have a
 layout (``fuses_caches``) are chunked: the stages can cut those back if the run fails.
+
+[Note: chunks between decode steps] A run returns when all its micro-batches have, so a session
+decoding beside a long prompt would wait for the prompt's whole prefill for its next token.
+When a run holds a session's decode step, every prompt in it sends only its first chunk (per
+part): the run takes one chunk's time, the prompt's cache on every stage holds the columns up
+to ``reach``, no token is made for it (``advance`` returns None), and its next run extends
+that cache with the next chunk, beside the next decode step. With no session decoding, a
+prompt sends all its chunks in one run, so they overlap across the stages. A prompt cut over
+runs keeps no prefix (a kept prefix is copied from a cache's first run); a lost cache or a new
+plan epoch replays it from its first column like any session.
 """
 
 from __future__ import annotations
@@ -149,6 +159,10 @@ class Session:
         self.batch_parts: list[int] = []
         """The part of each micro-batch of the last ``next_batch`` (several for a chunked
         prefill, see [Note: chunked prefill])."""
+        self.reach: int | None = None
+        """The column the last ``next_batch``'s micro-batches ran to when they held only the
+        first chunks of a prompt (see [Note: chunks between decode steps]); None when they
+        ran to the sequence's end."""
 
     @property
     def one_row(self) -> bool:
@@ -166,19 +180,32 @@ class Session:
         self.cached = 0
         self.source = None
 
-    def next_batch(self, epoch: int) -> RunBatch:
-        """The run of the next step in plan epoch ``epoch``."""
+    def decodes(self, epoch: int) -> bool:
+        """Its next step is a decode step (one new position per row) in plan epoch ``epoch``."""
+        return self.cached > 0 and self.epoch == epoch and self.tokens.shape[1] - self.cached == 1
+
+    def next_batch(self, epoch: int, *, max_chunks: int = 0) -> RunBatch:
+        """The run of the next step in plan epoch ``epoch``; of a prompt in chunks, only the
+        first ``max_chunks`` (0: all; see [Note: chunks between decode steps])."""
         cached = self.support.kv_cache and self.cached > 0 and self.epoch == epoch
         source = self.source if self.support.kv_cache and not cached else None
         keep = self.keep if self.support.kv_cache and not cached else None
         start = self.cached if cached else source.positions if source is not None else 0
+        chunks = self._chunks(start)
+        self.reach = None
+        if max_chunks and len(chunks) > max_chunks:
+            chunks = chunks[:max_chunks]
+            self.reach = chunks[-1][1]
+            # A prefix is kept after the run that holds it whole: none for a prompt cut
+            # over runs (the stages keep copies only of a cache's first run).
+            keep = self.keep = None
         positions = (self.mask.cumsum(dim=-1) - 1).masked_fill(self.mask == 0, 0)
         side_names = set(self.support.side_inputs)
         inputs, side = [], []
         caches: list[MicrobatchCaches] = []
         self.batch_parts = []
         for part, rows in enumerate(self.rows):
-            for a, b in self._chunks(start, cached):
+            for a, b in chunks:
                 self.batch_parts.append(part)
                 inputs.append(self.tokens[rows, a:b].contiguous())
                 entry = {}
@@ -204,19 +231,24 @@ class Session:
                 caches.append((ref,))
         return RunBatch(inputs=inputs, side=side if side_names else [], caches=caches)
 
-    def _chunks(self, start: int, cached: bool) -> list[tuple[int, int]]:
+    def _chunks(self, start: int) -> list[tuple[int, int]]:
         """The column ranges of the next run's micro-batches of one part: the whole rest of
         the sequence, or a long prompt in chunks (see [Note: chunked prefill])."""
         end, chunk = int(self.tokens.shape[1]), self.prefill_chunk
-        if cached or not self.support.fuses_caches or not chunk or end - start <= chunk:
+        if not self.support.fuses_caches or not chunk or end - start <= chunk:
             return [(start, end)]
         width = max(chunk, -(-(end - start) // MAX_CHUNKS))
         return [(a, min(a + width, end)) for a in range(start, end, width)]
 
-    def advance(self, logits: list[torch.Tensor], epoch: int) -> torch.Tensor:
+    def advance(self, logits: list[torch.Tensor], epoch: int) -> torch.Tensor | None:
         """Takes the next-token logits of each part (``[rows, vocab]``, in order), or for a
         greedy session the tokens the last stage picked (``[rows]``); returns the new token of
-        every row (end-of-sequence once a row has finished)."""
+        every row (end-of-sequence once a row has finished), or None after a run that held
+        only the first chunks of its prompt (the stages cached them; no token yet)."""
+        if self.reach is not None:
+            self.cached, self.reach = self.reach, None
+            self.epoch = epoch
+            return None
         scores = torch.cat(logits, dim=0)
         if scores.dim() == 1 and self.sampling.greedy:
             chosen = scores.to(torch.long)
@@ -267,8 +299,10 @@ def plan_step(sessions: list[Session], epoch: int, *, fuse: bool = False) -> Ste
     starting: list[_Part] = []
     extending: list[_Part] = []
     sources: list[list[Source]] = []
+    # See [Note: chunks between decode steps].
+    max_chunks = 1 if any(s.decodes(epoch) for s in sessions) else 0
     for index, session in enumerate(sessions):
-        batch = session.next_batch(epoch)
+        batch = session.next_batch(epoch, max_chunks=max_chunks)
         chunked = len(batch.inputs) > len(session.rows)
         sources.append([(0, 0, 0)] * len(session.rows))
         for mb, part in enumerate(session.batch_parts):

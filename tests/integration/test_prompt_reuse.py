@@ -7,6 +7,7 @@ costs a replay, never a wrong token."""
 from __future__ import annotations
 
 import socket
+import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -176,3 +177,43 @@ def test_long_prompts_run_in_chunks_through_the_stages_and_generate_the_same(
         per_run.setdefault(event.run_id, set()).add(event.microbatch)
     counts = [len(per_run[r]) for r in sorted(per_run)]
     assert [c for c in counts if c > 1] == [10, 5, 3]
+
+
+def test_a_long_prompt_beside_a_decoding_session_runs_one_chunk_per_step(
+    cluster: tuple[pipesvc.LocalCluster, int], model_dir: Path
+) -> None:
+    """See [Note: chunks between decode steps]: while a session decodes, a long prompt that
+    arrives sends one chunk per run beside its decode step, so that session never waits for
+    more than one chunk; both generate ``transformers``' tokens."""
+    local, _ = cluster
+    g = torch.Generator().manual_seed(6)
+    short = torch.randint(1, VOCAB, (1, 10), generator=g)
+    long = torch.randint(1, VOCAB, (1, 200), generator=g)  # 7 chunks of at most 32
+    long_tokens: list[torch.Tensor] = []
+    with (
+        local.connect() as client,
+        client.create_job(model="prefix-llama", optimizer=None, prefill_chunk=32) as job,
+    ):
+        stream = job.stream(short, 40)
+        tokens = [next(stream), next(stream)]
+        other = threading.Thread(target=lambda: long_tokens.append(job.generate(long, 4)))
+        other.start()
+        tokens += list(stream)
+        other.join(timeout=120)
+        timelines = job.timelines()
+    reference = AutoModelForCausalLM.from_pretrained(model_dir)
+    reference.generation_config.eos_token_id = None
+    reference.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        want_short = reference.generate(short, max_new_tokens=40, do_sample=False)
+        want_long = reference.generate(long, max_new_tokens=4, do_sample=False)
+    assert torch.equal(torch.cat([short, torch.stack(tokens, dim=1)], dim=1), want_short)
+    assert torch.equal(long_tokens[0], want_long)
+    per_run: dict[int, set[int]] = {}
+    for event in timelines[0].events:
+        if event.name == "forward":
+            per_run.setdefault(event.run_id, set()).add(event.microbatch)
+    counts = [len(per_run[r]) for r in sorted(per_run)]
+    # The decode step, and beside it each of the long prompt's chunks in a run of its own
+    # (all 7 in one run would have made a run of 8 micro-batches).
+    assert max(counts) == 2 and counts.count(2) == 7, counts

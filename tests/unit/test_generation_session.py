@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pipesvc.coordinator.generation import ModelSupport, Session, plan_step
+from pipesvc.coordinator.prefixes import Prefix
 from pipesvc.core.sampling import Sampling
 from pipesvc.errors import InvalidArgumentError
 
@@ -176,3 +177,37 @@ def test_chunks_only_where_the_stages_can_cut_caches_back_and_not_when_off() -> 
     for support, chunk in ((CACHED, 4), (FUSING, 0), (FUSING, 10)):
         s = Session(ids, None, parts=1, sampling=Sampling(), support=support, prefill_chunk=chunk)
         assert [t.shape[1] for t in s.next_batch(epoch=1).inputs] == [10]
+
+
+def test_beside_a_decoding_session_a_long_prompt_sends_one_chunk_per_run() -> None:
+    """See [Note: chunks between decode steps]: each run holds the decode step and one chunk
+    of each part of the prompt, which makes no token until its last chunk ran; alone, the
+    prompt's chunks all go in one run."""
+    decoding = Session(
+        torch.tensor([[3, 4, 5]]), None, parts=1, sampling=Sampling(), support=FUSING
+    )
+    plan_step([decoding], epoch=1, fuse=True)
+    decoding.advance([torch.tensor([7])], epoch=1)
+    assert decoding.decodes(1) and not decoding.decodes(2)  # another epoch: a replay
+    ids = torch.arange(1, 11).repeat(2, 1)
+    prompt = Session(ids, None, parts=2, sampling=Sampling(), support=FUSING, prefill_chunk=4)
+    prompt.keep = Prefix("p", 8)  # what the coordinator would keep of it
+    made = []
+    for reach in (4, 8, 10):
+        run = plan_step([decoding, prompt], epoch=1, fuse=True)
+        chunk = [r for refs in run.batch.caches for r in refs if r.session == prompt.id]
+        # One chunk per part, fresh only in the first run, never keeping a prefix.
+        start = (reach - 1) // 4 * 4
+        assert [(r.part, r.positions, r.fresh, r.keep_as) for r in chunk] == [
+            (0, reach - start, reach == 4, ""), (1, reach - start, reach == 4, "")
+        ]  # fmt: skip
+        decoding.advance([torch.tensor([7])], epoch=1)
+        made.append(prompt.advance([torch.tensor([1]), torch.tensor([2])], epoch=1))
+        assert prompt.cached == (reach if reach < 10 else 10)
+    assert made[:2] == [None, None] and made[2] is not None and made[2].tolist() == [1, 2]
+    assert prompt.keep is None
+    # With no session decoding, a prompt's chunks all go in one run.
+    alone = Session(ids, None, parts=1, sampling=Sampling(), support=FUSING, prefill_chunk=4)
+    run = plan_step([alone], epoch=1, fuse=True)
+    assert [t.shape[1] for t in run.batch.inputs] == [4, 4, 2]
+    assert alone.advance([torch.tensor([1, 2])], epoch=1) is not None
