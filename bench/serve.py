@@ -28,7 +28,10 @@ Long-prompt rows (``--long N``, default 2048; 0 skips them): a prompt of ``N`` r
 (no start kept: each new), one at a time through the Python client, on a job that prefills
 whole prompts (``prefill_chunk=0``) and on one that prefills them in chunks (the default, see
 [Note: chunked prefill]); ``x whole`` is the time to the first token against the whole
-prompt's.
+prompt's. ``beside a stream``: the same prompt asked for while another session streams (a
+16-token prompt, 96 new tokens): its time to the first token, and the streaming session's
+longest wait between two tokens (``gap ms``), which the whole prompt's prefill stretches and
+chunks cut to about one chunk (see [Note: chunks between decode steps]).
 
 Usage: ``python bench/serve.py [--quick] [--stages 2,4] [--clients 1,4,16] [--new-tokens 32]
 [--prefix 1024] [--long 2048]``
@@ -37,6 +40,7 @@ Usage: ``python bench/serve.py [--quick] [--stages 2,4] [--clients 1,4,16] [--ne
 from __future__ import annotations
 
 import argparse
+import itertools
 import re
 import statistics
 import sys
@@ -142,7 +146,8 @@ def prefixed(api: object, length: int, new: int, vocab: int, rounds: int = 3) ->
 
 
 def long_rows(directory: Path, stages: int, length: int, vocab: int, rounds: int = 2) -> None:
-    """The long-prompt rows: mean time to the first token, whole and in chunks."""
+    """The long-prompt rows: mean time to the first token, whole and in chunks; then the same
+    prompt arriving while another session streams, and that session's longest wait for a token."""
     g = torch.Generator().manual_seed(9)
     with (
         pipesvc.LocalCluster(
@@ -152,6 +157,7 @@ def long_rows(directory: Path, stages: int, length: int, vocab: int, rounds: int
     ):
         print(f"{'run':<26} {'TTFT ms':>9} {'':>9} {'':>9} {'x whole':>9}")
         base = 0.0
+        beside: list[tuple[str, float, float]] = []
         for name, chunk in (("whole", 0), ("chunks", None)):
             with client.create_job(
                 model="bench-llama",
@@ -167,10 +173,42 @@ def long_rows(directory: Path, stages: int, length: int, vocab: int, rounds: int
                     started = time.perf_counter()
                     next(iter(job.stream(ids, 1)))
                     times.append(time.perf_counter() - started)
+                ids = torch.randint(0, vocab, (1, length), generator=g)
+                beside.append((name, *_beside_a_stream(job, ids, vocab, g)))
             seconds = statistics.mean(times)
             base = base or seconds
             print(f"{f'{stages} stages, {length}, {name}':<26} {seconds * 1e3:>9.1f} {'':>9} "
                   f"{'':>9} {seconds / base:>9.2f}")  # fmt: skip
+        print(f"{'beside a stream':<26} {'TTFT ms':>9} {'gap ms':>9} {'':>9} {'gap x whole':>11}")
+        for name, ttft, gap in beside:
+            print(f"{f'{stages} stages, {length}, {name}':<26} {ttft * 1e3:>9.1f} "
+                  f"{gap * 1e3:>9.1f} {'':>9} {gap / beside[0][2]:>11.2f}")  # fmt: skip
+
+
+def _beside_a_stream(
+    job: pipesvc.Job, ids: torch.Tensor, vocab: int, g: torch.Generator
+) -> tuple[float, float]:
+    """A session streams 96 tokens; after its 8th, ``ids`` asks for its first token. Returns
+    that token's time, and the streaming session's longest wait between two of its tokens
+    (see [Note: chunks between decode steps])."""
+    arrived: list[float] = []
+    reading = threading.Event()
+
+    def read() -> None:
+        for _ in job.stream(torch.randint(0, vocab, (1, 16), generator=g), 96):
+            arrived.append(time.perf_counter())
+            if len(arrived) == 8:
+                reading.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    reading.wait()
+    started = time.perf_counter()
+    next(iter(job.stream(ids, 1)))
+    ttft = time.perf_counter() - started
+    reader.join()
+    gaps = [b - a for a, b in itertools.pairwise(arrived[8:])]
+    return ttft, max(gaps)
 
 
 def served(

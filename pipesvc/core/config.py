@@ -11,12 +11,11 @@ from typing import Any
 
 from pipesvc.core.limits import MAX_MICROBATCHES
 from pipesvc.core.loss import check_loss
+from pipesvc.core.model_args import INPUT_DTYPES, MAX_INPUT_DIMS, check_model_args
 from pipesvc.core.optim import DEFAULT_OPTIMIZER, check_optimizer
 from pipesvc.core.partition import get_partition
 from pipesvc.core.schedule import check_virtual_stages, get_schedule
 from pipesvc.errors import InvalidArgumentError
-from pipesvc.models import check_model_args
-from pipesvc.models.registry import INPUT_DTYPES, MAX_INPUT_DIMS
 from pipesvc.v1 import common_pb2
 
 _MODEL_NAME = re.compile(r"[a-z][a-z0-9_-]{0,63}")

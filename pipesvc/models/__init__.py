@@ -8,6 +8,7 @@ own layer range, with weights identical to a local ``build(name, seed=..., **arg
 
 from __future__ import annotations
 
+from pipesvc.core.model_args import check_model_args
 from pipesvc.models import cnn, gpt, mlp
 from pipesvc.models.hf import register_hf_model
 from pipesvc.models.registry import (
@@ -21,7 +22,6 @@ from pipesvc.models.registry import (
     build,
     build_layer,
     build_layers,
-    check_model_args,
     describe,
     import_model_modules,
     known_models,

@@ -21,10 +21,10 @@ LAYERS: dict[str, frozenset[str]] = {
     "errors": frozenset(),
     "v1": frozenset(),
     "registry": frozenset({"errors"}),
-    "models": frozenset({"errors", "registry", "storage"}),
+    "models": frozenset({"errors", "registry", "storage", "core"}),
     "storage": frozenset({"errors"}),
     "observe": frozenset({"errors"}),
-    "core": frozenset({"errors", "registry", "v1", "models"}),
+    "core": frozenset({"errors", "registry", "v1"}),  # neither models nor gRPC
     "wire": frozenset({"errors", "registry", "v1", "core"}),
     "stage": frozenset(
         {"errors", "registry", "v1", "core", "models", "storage", "observe", "wire"}
