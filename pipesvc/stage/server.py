@@ -260,3 +260,4 @@ def run_stage(
         health.enter_graceful_shutdown()
         # Bounded: grpc's stop can hang after a stream whose request failed to deserialize.
         server.stop(grace=2.0).wait(timeout=5.0)
+        service.close()

@@ -390,6 +390,19 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
         logger.info("job %s: released", request.job_id)
         return stage_pb2.ReleaseResponse()
 
+    def close(self) -> None:
+        """Ends the service once its server has stopped: closes the job it holds (its
+        links, shared memory and caches), its channels, and the workers of its Control
+        streams. Idempotent."""
+        with self._lock:
+            job, self._job = self._job, None
+            channels, self._channels = list(self._channels.values()), {}
+        if job is not None:
+            job.close()
+        for channel in channels:
+            channel.close()
+        self._control_pool.shutdown(wait=False, cancel_futures=True)
+
     @handle_errors
     def Info(self, request: stage_pb2.InfoRequest, context: object) -> stage_pb2.StageInfo:
         info = stage_pb2.StageInfo(

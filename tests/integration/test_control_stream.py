@@ -105,6 +105,7 @@ def start_stage() -> Iterator[Callable[..., Stage]]:
     yield start
     for stage in started:
         stage.server.stop(grace=None).wait()
+        stage.service.close()
 
 
 @pytest.fixture
@@ -518,3 +519,29 @@ def _wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
+
+
+def test_a_closed_stage_service_leaves_no_control_worker_behind(
+    start_stage: Callable[..., Stage], registry: StageRegistry
+) -> None:
+    """A stage's Control workers (``control_N``) live as long as its service: once its server
+    stopped and the service closed (as ``run_stage`` does on its way out), none is left, and
+    the job it held is closed."""
+    before = {t for t in threading.enumerate() if t.name.startswith("control_")}
+    stage = start_stage()
+    _assign(stage.address)
+    _register(registry, stage.address)
+    with futures.ThreadPoolExecutor(2) as pool:
+        group = _group(registry, stage.address, pool)
+        x, y = MLP.batch(6, seed=0)
+        group.run_step(1, stage_pb2.TRAIN, RunBatch.split(x, y, None, 2), what="t")
+    workers = {t for t in threading.enumerate() if t.name.startswith("control_")} - before
+    assert workers  # the run was handled on them
+    registry.close()
+    stage.server.stop(grace=None).wait()
+    stage.service.close()
+    assert not stage.service.holds_job
+    for worker in workers:
+        worker.join(timeout=10.0)
+    assert not any(w.is_alive() for w in workers)
+    stage.service.close()  # twice: nothing happens
