@@ -23,7 +23,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from pipesvc.coordinator.generation import ModelSupport, Session, plan_step  # noqa: E402
+from pipesvc.coordinator.session import ModelSupport, Session, plan_step  # noqa: E402
 from pipesvc.core.config import JobConfig  # noqa: E402
 from pipesvc.core.sampling import Sampling  # noqa: E402
 from pipesvc.stage.engine import RunInputs, StepEngine  # noqa: E402

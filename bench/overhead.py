@@ -61,7 +61,7 @@ sys.path.insert(0, str(REPO_ROOT))  # spawned children inherit sys.path
 
 import pipesvc  # noqa: E402
 from bench import pipeline as base  # noqa: E402
-from pipesvc.coordinator.state_db import JobRecord, StateDB  # noqa: E402
+from pipesvc.coordinator.database import JobRecord, StateDB  # noqa: E402
 from pipesvc.coordinator.step_log import LoggedBatch, StepLog  # noqa: E402
 from pipesvc.core.partition import uniform  # noqa: E402
 from pipesvc.observe.trace import StageTimeline  # noqa: E402

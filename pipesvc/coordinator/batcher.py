@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipesvc.coordinator.generation import Session
+from pipesvc.coordinator.session import Session
 from pipesvc.errors import InvalidArgumentError, PipesvcError, ResourceExhaustedError
 
 logger = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ class StepBatcher:
         ]
         now = time.monotonic()
         # None: a prompt's first chunks only, no token yet (see [Note: chunks between decode
-        # steps] in generation.py); its time to first token runs on.
+        # steps] in session.py); its time to first token runs on.
         tokened = [(s, t) for s, t in zip(group, made, strict=True) if t is not None]
         with self._lock:
             for stream, tokens in tokened:

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
+from pipesvc.coordinator.database import JobRecord
 from pipesvc.coordinator.job_storage import JobStorage
 from pipesvc.coordinator.ledger import Ledger
 from pipesvc.coordinator.stage_group import StageGroup
-from pipesvc.coordinator.state_db import JobRecord
 from pipesvc.core.cadence import CheckpointCadence, log_bound
 from pipesvc.core.tensor_codec import read_named_frames
 from pipesvc.errors import InternalError

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import grpc
 
 from pipesvc.coordinator.job import JobDriver
-from pipesvc.coordinator.registry import StageRegistry
+from pipesvc.coordinator.stage_registry import StageRegistry
 from pipesvc.core.link_codecs import links
 from pipesvc.core.plan import PipelineStage
 from pipesvc.observe.trace import COMPUTE_EVENTS

@@ -29,9 +29,9 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from pipesvc.coordinator.job_state import PendingCommit
-from pipesvc.coordinator.registry import StageRegistry
+from pipesvc.coordinator.job_counters import PendingCommit
 from pipesvc.coordinator.stage_calls import Deadlines, StageLostError, call_all, where
+from pipesvc.coordinator.stage_registry import StageRegistry
 from pipesvc.core.plan import PipelineStage
 from pipesvc.errors import PipesvcError, StageUnavailableError
 from pipesvc.v1 import stage_pb2

@@ -67,18 +67,18 @@ import torch
 from pipesvc.coordinator import planner
 from pipesvc.coordinator.checkpointer import Checkpointer
 from pipesvc.coordinator.commit import GroupCommitter
+from pipesvc.coordinator.database import MAX_STEP, JobRecord, StepResult
 from pipesvc.coordinator.fair_lock import FairLock
-from pipesvc.coordinator.job_state import JobState
+from pipesvc.coordinator.generation import JobGeneration
+from pipesvc.coordinator.job_counters import JobState
 from pipesvc.coordinator.job_storage import JobStorage
 from pipesvc.coordinator.ledger import Ledger
 from pipesvc.coordinator.rebalance import Decision, Replanner
 from pipesvc.coordinator.recovery import Recovery
-from pipesvc.coordinator.registry import StageRegistry
 from pipesvc.coordinator.replicas import Rendezvous, RunReplies
-from pipesvc.coordinator.serving import JobGeneration
 from pipesvc.coordinator.stage_calls import Deadlines
 from pipesvc.coordinator.stage_group import StageGroup
-from pipesvc.coordinator.state_db import MAX_STEP, JobRecord, StepResult
+from pipesvc.coordinator.stage_registry import StageRegistry
 from pipesvc.coordinator.step_log import LoggedBatch
 from pipesvc.coordinator.step_runner import StepRunner
 from pipesvc.core import microbatch

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipesvc.coordinator.state_db import StateDB
+from pipesvc.coordinator.database import StateDB
 from pipesvc.coordinator.step_log import StepLog
 from pipesvc.storage.checkpoint import CheckpointStore
 

@@ -58,8 +58,8 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
-from pipesvc.coordinator.job_state import JobState, PendingCommit
-from pipesvc.coordinator.state_db import JobRecord, StateDB
+from pipesvc.coordinator.database import JobRecord, StateDB
+from pipesvc.coordinator.job_counters import JobState, PendingCommit
 from pipesvc.core.config import JobConfig, config_to_dict
 from pipesvc.core.plan import PipelineStage, plan_to_dicts
 from pipesvc.errors import PipesvcError

@@ -13,8 +13,8 @@ import math
 from collections.abc import Mapping, Sequence
 
 from pipesvc.coordinator import placement
-from pipesvc.coordinator.registry import StageRecord, StageRegistry
 from pipesvc.coordinator.stage_calls import call_stage
+from pipesvc.coordinator.stage_registry import StageRecord, StageRegistry
 from pipesvc.core.config import JobConfig
 from pipesvc.core.health import Health
 from pipesvc.core.plan import PipelineStage, servers_of

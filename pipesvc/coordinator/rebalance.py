@@ -42,8 +42,8 @@ from pipesvc.coordinator import placement, planner
 from pipesvc.coordinator.checkpointer import Checkpointer
 from pipesvc.coordinator.ledger import Ledger
 from pipesvc.coordinator.recovery import Recovery
-from pipesvc.coordinator.registry import StageRecord
 from pipesvc.coordinator.stage_group import StageGroup
+from pipesvc.coordinator.stage_registry import StageRecord
 from pipesvc.core import throughput
 from pipesvc.core.config import WIRE_AUTO, JobConfig
 from pipesvc.core.link_codecs import (

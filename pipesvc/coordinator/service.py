@@ -15,12 +15,12 @@ import grpc
 import torch
 
 from pipesvc.coordinator import planner
+from pipesvc.coordinator.database import StateDB
 from pipesvc.coordinator.job import JobDriver, create_job
 from pipesvc.coordinator.job_storage import JobStorage
-from pipesvc.coordinator.registry import StageRecord, StageRegistry
 from pipesvc.coordinator.replicas import Rendezvous
 from pipesvc.coordinator.stage_calls import Deadlines, call_stage
-from pipesvc.coordinator.state_db import StateDB
+from pipesvc.coordinator.stage_registry import StageRecord, StageRegistry
 from pipesvc.coordinator.step_request import forward_batch, train_batch
 from pipesvc.coordinator.train_stream import TrainStream
 from pipesvc.core.config import config_from_proto

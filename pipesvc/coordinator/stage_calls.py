@@ -18,7 +18,7 @@ from typing import Any, Protocol, TypeAlias, TypeVar, overload
 
 import grpc
 
-from pipesvc.coordinator.registry import StageRegistry
+from pipesvc.coordinator.stage_registry import StageRegistry
 from pipesvc.core.health import Health
 from pipesvc.core.plan import PipelineStage
 from pipesvc.errors import (

@@ -11,7 +11,6 @@ from typing import Any, TypeVar
 from google.protobuf.message import Message
 
 from pipesvc.coordinator.commit import commit_all
-from pipesvc.coordinator.registry import StageRegistry
 from pipesvc.coordinator.replicas import Rendezvous, RunReplies
 from pipesvc.coordinator.stage_calls import (
     Deadlines,
@@ -24,7 +23,8 @@ from pipesvc.coordinator.stage_calls import (
     stream_stage,
     where,
 )
-from pipesvc.coordinator.state_transfer import load_into_stages
+from pipesvc.coordinator.stage_registry import StageRegistry
+from pipesvc.coordinator.state_io import load_into_stages
 from pipesvc.core import microbatch
 from pipesvc.core.config import JobConfig, config_to_proto
 from pipesvc.core.health import Health
@@ -424,7 +424,7 @@ class StageGroup:
             )
 
     def load_state(self, frames: Iterable[common_pb2.TensorFrame], step: int | None) -> int:
-        """Loads a full state into every stage, each its own layers (see ``state_transfer``);
+        """Loads a full state into every stage, each its own layers (see ``state_io``);
         returns the number of tensors.
 
         Raises:

@@ -14,7 +14,7 @@ import math
 from concurrent import futures
 
 from pipesvc.coordinator.checkpointer import Checkpointer
-from pipesvc.coordinator.job_state import PendingCommit
+from pipesvc.coordinator.job_counters import PendingCommit
 from pipesvc.coordinator.ledger import Ledger
 from pipesvc.coordinator.replicas import RunReplies
 from pipesvc.coordinator.stage_calls import StageLostError

@@ -137,7 +137,7 @@ class JobConfig:
     prefill_chunk: int | None = None
     """Generation: prompt tokens per chunk of a long prompt's prefill, whose chunks flow through
     the stages like micro-batches so the first token comes sooner (see [Note: chunked
-    prefill] in ``pipesvc.coordinator.generation``); 0: every prompt at once. None: 256."""
+    prefill] in ``pipesvc.coordinator.session``); 0: every prompt at once. None: 256."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not _MODEL_NAME.fullmatch(self.model):

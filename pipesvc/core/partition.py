@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from pipesvc.errors import InternalError, InvalidArgumentError
-from pipesvc.registry import Registry
+from pipesvc.name_registry import Registry
 
 __all__ = [
     "PARTITION_NAME_PATTERN",

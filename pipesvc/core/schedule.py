@@ -30,7 +30,7 @@ from typing import Any, Protocol, TypeVar
 
 from pipesvc.core.action import Action, ActionKind
 from pipesvc.errors import InternalError, InvalidArgumentError
-from pipesvc.registry import Registry
+from pipesvc.name_registry import Registry
 
 __all__ = [
     "SCHEDULE_NAME_PATTERN",

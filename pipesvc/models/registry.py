@@ -26,7 +26,7 @@ from pipesvc.core.model_args import INPUT_DTYPES, MAX_INPUT_DIMS, check_model_ar
 from pipesvc.errors import InternalError, InvalidArgumentError, UnknownModelError
 from pipesvc.models.carry import CarrySpec
 from pipesvc.models.rng import RNG_LOCK as _RNG_LOCK
-from pipesvc.registry import Registry
+from pipesvc.name_registry import Registry
 
 ModelFactory = Callable[..., list["LayerSpec"]]
 """A factory takes JSON-typed keyword arguments and returns the model's unbuilt layers."""

@@ -86,7 +86,7 @@ class RunResult:
     """Weighted loss of each micro-batch, in order (last stage, training only)."""
     outputs: list[torch.Tensor]
     """Output of each micro-batch, in order (last stage, inference only)."""
-    max_live_activations: int
+    peak_in_flight: int
     """Most micro-batches whose activations were held at once."""
     grad_norm_sq: float | None
     """Squared norm of this stage's gradients (training with clipping only)."""
@@ -313,7 +313,7 @@ class StepEngine:
             return RunResult(
                 losses=losses,
                 outputs=outputs,
-                max_live_activations=rt.max_live,
+                peak_in_flight=rt.peak_in_flight,
                 grad_norm_sq=grad_norm_sq,
             )
 

@@ -235,7 +235,7 @@ class StageRuntime:
         params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(config.optimizer, params) if params else None
         self.step = 0
-        self.max_live = 0
+        self.peak_in_flight = 0
         self.profiler = StageProfiler()
         self._saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # A carried vector's start and total per micro-batch in flight, and the start's
@@ -293,7 +293,7 @@ class StageRuntime:
         ``i`` is micro-batch ``microbatch_offset + i`` of the step (a replica's share)."""
         self._microbatch_offset = microbatch_offset
         self._drop_run()
-        self.max_live = 0
+        self.peak_in_flight = 0
         if training:
             self._training_run = True
             self._zero_grads()
@@ -517,7 +517,7 @@ class StageRuntime:
         if deferred is not None:
             self._deferred[key] = deferred
         self._saved[key] = (x, y)
-        self.max_live = max(self.max_live, len(self._saved))
+        self.peak_in_flight = max(self.peak_in_flight, len(self._saved))
         return y if last else self._to_wire(y, self._down[0])
 
     def _carry_start(

@@ -423,7 +423,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
             info.parameter_names.extend(name for name, _ in rt.module.named_parameters())
             info.num_parameters = rt.num_parameters
             info.step = rt.step
-            info.max_live_activations = rt.max_live
+            info.peak_in_flight = rt.peak_in_flight
             info.num_duplicates_dropped = job.mailbox.num_duplicates
             info.num_stale_dropped = job.mailbox.num_stale
             info.plan_epoch = job.epoch
@@ -514,7 +514,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
         response = stage_pb2.RunStepResponse(
             losses=result.losses,
             outputs=[encode(output) for output in result.outputs],
-            max_live_activations=result.max_live_activations,
+            peak_in_flight=result.peak_in_flight,
         )
         if result.grad_norm_sq is not None:
             response.grad_norm_sq = result.grad_norm_sq
@@ -866,7 +866,7 @@ def _cache_refs(
         InvalidArgumentError: caches outside GENERATE, not one entry per micro-batch, a bad
             session id, a part named twice other than as a chunked prefill (later micro-batches
             of their own extending it, see [Note: chunked prefill] in
-            ``pipesvc.coordinator.generation``), or a fused micro-batch that mixes parts
+            ``pipesvc.coordinator.session``), or a fused micro-batch that mixes parts
             starting and extending caches.
     """
     if len(request.caches) not in ((0, m) if generating else (0,)):

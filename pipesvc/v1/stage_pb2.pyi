@@ -756,12 +756,12 @@ class RunStepResponse(_message.Message):
     LOSSES_FIELD_NUMBER: _builtins.int
     OUTPUTS_FIELD_NUMBER: _builtins.int
     GRAD_NORM_SQ_FIELD_NUMBER: _builtins.int
-    MAX_LIVE_ACTIVATIONS_FIELD_NUMBER: _builtins.int
+    PEAK_IN_FLIGHT_FIELD_NUMBER: _builtins.int
     grad_norm_sq: _builtins.float
     """Sum of squared per-parameter gradient norms of this stage (TRAIN mode, and only when the
     job clips gradients: otherwise 0, sparing a pass over every gradient).
     """
-    max_live_activations: _builtins.int
+    peak_in_flight: _builtins.int
     """Most micro-batches whose activations were alive at once."""
     @_builtins.property
     def losses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
@@ -777,11 +777,11 @@ class RunStepResponse(_message.Message):
         losses: _abc.Iterable[_builtins.float] | None = ...,
         outputs: _abc.Iterable[_common_pb2.Tensor] | None = ...,
         grad_norm_sq: _builtins.float = ...,
-        max_live_activations: _builtins.int = ...,
+        peak_in_flight: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["grad_norm_sq", b"grad_norm_sq", "losses", b"losses", "max_live_activations", b"max_live_activations", "outputs", b"outputs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grad_norm_sq", b"grad_norm_sq", "losses", b"losses", "outputs", b"outputs", "peak_in_flight", b"peak_in_flight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1105,7 +1105,7 @@ class StageInfo(_message.Message):
     NUM_PARAMETERS_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
     NUM_THREADS_FIELD_NUMBER: _builtins.int
-    MAX_LIVE_ACTIVATIONS_FIELD_NUMBER: _builtins.int
+    PEAK_IN_FLIGHT_FIELD_NUMBER: _builtins.int
     NUM_DUPLICATES_DROPPED_FIELD_NUMBER: _builtins.int
     NUM_STALE_DROPPED_FIELD_NUMBER: _builtins.int
     PLAN_EPOCH_FIELD_NUMBER: _builtins.int
@@ -1140,7 +1140,7 @@ class StageInfo(_message.Message):
     """Steps committed in the current job."""
     num_threads: _builtins.int
     """torch intra-op threads."""
-    max_live_activations: _builtins.int
+    peak_in_flight: _builtins.int
     """Most micro-batches whose activations were alive at once during the last run."""
     num_duplicates_dropped: _builtins.int
     """Tensors that arrived twice in the current job and were dropped (never applied twice)."""
@@ -1191,7 +1191,7 @@ class StageInfo(_message.Message):
         num_parameters: _builtins.int = ...,
         step: _builtins.int = ...,
         num_threads: _builtins.int = ...,
-        max_live_activations: _builtins.int = ...,
+        peak_in_flight: _builtins.int = ...,
         num_duplicates_dropped: _builtins.int = ...,
         num_stale_dropped: _builtins.int = ...,
         plan_epoch: _builtins.int = ...,
@@ -1209,7 +1209,7 @@ class StageInfo(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "cache_bytes", b"cache_bytes", "control_streams_open", b"control_streams_open", "control_streams_opened", b"control_streams_opened", "device", b"device", "downstream_shm", b"downstream_shm", "end_layer", b"end_layer", "job_id", b"job_id", "last_run_id", b"last_run_id", "max_live_activations", b"max_live_activations", "memory_bytes", b"memory_bytes", "microbatches_per_s", b"microbatches_per_s", "models", b"models", "num_duplicates_dropped", b"num_duplicates_dropped", "num_parameters", b"num_parameters", "num_stale_dropped", b"num_stale_dropped", "num_threads", b"num_threads", "parameter_names", b"parameter_names", "pending_run_id", b"pending_run_id", "pid", b"pid", "plan_epoch", b"plan_epoch", "rank", b"rank", "rss_bytes", b"rss_bytes", "sessions", b"sessions", "start_layer", b"start_layer", "step", b"step", "upstream_shm", b"upstream_shm"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "cache_bytes", b"cache_bytes", "control_streams_open", b"control_streams_open", "control_streams_opened", b"control_streams_opened", "device", b"device", "downstream_shm", b"downstream_shm", "end_layer", b"end_layer", "job_id", b"job_id", "last_run_id", b"last_run_id", "memory_bytes", b"memory_bytes", "microbatches_per_s", b"microbatches_per_s", "models", b"models", "num_duplicates_dropped", b"num_duplicates_dropped", "num_parameters", b"num_parameters", "num_stale_dropped", b"num_stale_dropped", "num_threads", b"num_threads", "parameter_names", b"parameter_names", "peak_in_flight", b"peak_in_flight", "pending_run_id", b"pending_run_id", "pid", b"pid", "plan_epoch", b"plan_epoch", "rank", b"rank", "rss_bytes", b"rss_bytes", "sessions", b"sessions", "start_layer", b"start_layer", "step", b"step", "upstream_shm", b"upstream_shm"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -24,9 +24,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import pipesvc
-from pipesvc.coordinator.generation import Session
 from pipesvc.coordinator.job import JobDriver
 from pipesvc.coordinator.service import CoordinatorService
+from pipesvc.coordinator.session import Session
 from pipesvc.core.health import Health
 from pipesvc.core.microbatch import RunBatch
 from pipesvc.core.sampling import Sampling

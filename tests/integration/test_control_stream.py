@@ -17,9 +17,9 @@ import grpc
 import pytest
 import torch
 
-from pipesvc.coordinator.registry import StageRecord, StageRegistry
 from pipesvc.coordinator.stage_calls import Deadlines, call_stage
 from pipesvc.coordinator.stage_group import StageGroup
+from pipesvc.coordinator.stage_registry import StageRecord, StageRegistry
 from pipesvc.core.config import JobConfig, config_to_proto
 from pipesvc.core.limits import Limits
 from pipesvc.core.microbatch import RunBatch

@@ -70,7 +70,7 @@ def test_schedule_bounds_live_activations(client: pipesvc.Client, schedule: str)
         x, y = MLP.batch(16, seed=0)
         job.train_step(x, y)
         for stage in job.plan:
-            live = stage_info(stage.address).max_live_activations
+            live = stage_info(stage.address).peak_in_flight
             expected = max_in_flight(
                 schedule,
                 rank=stage.rank,

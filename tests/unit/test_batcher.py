@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pipesvc.coordinator.batcher import StepBatcher
-from pipesvc.coordinator.generation import ModelSupport, Session
+from pipesvc.coordinator.session import ModelSupport, Session
 from pipesvc.core.sampling import Sampling
 from pipesvc.errors import (
     InvalidArgumentError,

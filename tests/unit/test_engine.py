@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pipesvc import models
-from pipesvc.coordinator.generation import ModelSupport, Session, plan_step
+from pipesvc.coordinator.session import ModelSupport, Session, plan_step
 from pipesvc.core import microbatch, schedule
 from pipesvc.core.microbatch import CacheRef
 from pipesvc.core.sampling import Sampling

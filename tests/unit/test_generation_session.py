@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipesvc.coordinator.generation import ModelSupport, Session, plan_step
 from pipesvc.coordinator.prefixes import Prefix
+from pipesvc.coordinator.session import ModelSupport, Session, plan_step
 from pipesvc.core.sampling import Sampling
 from pipesvc.errors import InvalidArgumentError
 

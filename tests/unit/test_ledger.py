@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from pipesvc.coordinator.job_state import JobState, PendingCommit
+from pipesvc.coordinator.database import StateDB, StepResult
+from pipesvc.coordinator.job_counters import JobState, PendingCommit
 from pipesvc.coordinator.ledger import Ledger, TransitionError
-from pipesvc.coordinator.state_db import StateDB, StepResult
 from pipesvc.core.config import JobConfig, config_from_dict
 from pipesvc.core.plan import PipelineStage
 from pipesvc.errors import StageUnavailableError
@@ -30,7 +30,7 @@ GUARDED = (
     "decided_at",
 )
 """The ledger's state: only ``ledger.py`` assigns these (or their private ``_`` names)."""
-NOT_THE_LEDGERS = {("state_transfer.py", "request.step")}
+NOT_THE_LEDGERS = {("state_io.py", "request.step")}
 """Assignments of those names in the coordinator that are not the job's state (a proto
 field)."""
 

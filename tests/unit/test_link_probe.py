@@ -20,7 +20,7 @@ from pipesvc.coordinator.rebalance import (
     _measurements,
     probe_pairs,
 )
-from pipesvc.coordinator.registry import StageRecord
+from pipesvc.coordinator.stage_registry import StageRecord
 from pipesvc.core import throughput
 from pipesvc.core.config import JobConfig
 from pipesvc.core.link_codecs import links, wire_fraction

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from pipesvc.coordinator.database import StateDB
 from pipesvc.coordinator.job import JobDriver
 from pipesvc.coordinator.job_storage import JobStorage
-from pipesvc.coordinator.registry import StageRegistry
 from pipesvc.coordinator.stage_calls import Deadlines
-from pipesvc.coordinator.state_db import StateDB
+from pipesvc.coordinator.stage_registry import StageRegistry
 from pipesvc.core.config import JobConfig
 from pipesvc.errors import InvalidArgumentError
 from pipesvc.v1 import common_pb2

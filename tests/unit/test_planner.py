@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pipesvc.coordinator import placement, planner
-from pipesvc.coordinator.registry import StageRecord, StageRegistry
+from pipesvc.coordinator.stage_registry import StageRecord, StageRegistry
 from pipesvc.core.config import JobConfig
 from pipesvc.core.plan import PipelineStage
 from pipesvc.errors import PlanError, ResourceExhaustedError

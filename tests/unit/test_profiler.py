@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pipesvc.coordinator.rebalance import _measurements
-from pipesvc.coordinator.registry import StageRecord
+from pipesvc.coordinator.stage_registry import StageRecord
 from pipesvc.core.plan import PipelineStage
 from pipesvc.errors import FailedPreconditionError
 from pipesvc.stage.profiler import RECENT, StageProfiler

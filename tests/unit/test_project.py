@@ -20,25 +20,25 @@ LAYERS: dict[str, frozenset[str]] = {
     # A folder (or top-level module) of the package, and what it may import from the package.
     "errors": frozenset(),
     "v1": frozenset(),
-    "registry": frozenset({"errors"}),
-    "models": frozenset({"errors", "registry", "storage", "core"}),
+    "name_registry": frozenset({"errors"}),
+    "models": frozenset({"errors", "name_registry", "storage", "core"}),
     "storage": frozenset({"errors"}),
     "observe": frozenset({"errors"}),
-    "core": frozenset({"errors", "registry", "v1"}),  # neither models nor gRPC
-    "wire": frozenset({"errors", "registry", "v1", "core"}),
+    "core": frozenset({"errors", "name_registry", "v1"}),  # neither models nor gRPC
+    "wire": frozenset({"errors", "name_registry", "v1", "core"}),
     "stage": frozenset(
-        {"errors", "registry", "v1", "core", "models", "storage", "observe", "wire"}
+        {"errors", "name_registry", "v1", "core", "models", "storage", "observe", "wire"}
     ),
     "coordinator": frozenset(
-        {"errors", "registry", "v1", "core", "models", "storage", "observe", "wire"}
+        {"errors", "name_registry", "v1", "core", "models", "storage", "observe", "wire"}
     ),
     "client": frozenset(
-        {"errors", "registry", "v1", "core", "models", "storage", "observe", "wire"}
+        {"errors", "name_registry", "v1", "core", "models", "storage", "observe", "wire"}
     ),
 }
 """The rest (``cli``, ``local_cluster``, ``demo``, ``tokenizer``, ``__init__``) is the
 application on top."""
-PURE_LAYERS = ("errors", "registry", "models", "storage", "observe", "core")
+PURE_LAYERS = ("errors", "name_registry", "models", "storage", "observe", "core")
 """Folders that must never reach gRPC, directly or through another module."""
 PURE_IN_SERVERS = (
     "pipesvc.stage.engine",
@@ -55,9 +55,9 @@ PURE_IN_SERVERS = (
     "pipesvc.stage.slot_allocator",
     "pipesvc.stage.malloc",
     "pipesvc.stage.sessions",
-    "pipesvc.coordinator.generation",
+    "pipesvc.coordinator.session",
     "pipesvc.coordinator.placement",
-    "pipesvc.coordinator.job_state",
+    "pipesvc.coordinator.job_counters",
     "pipesvc.coordinator.job_storage",
     "pipesvc.coordinator.ledger",
     "pipesvc.coordinator.step_log",

@@ -18,7 +18,7 @@ from pipesvc.core.plan import PipelineStage, plan_from_dicts, plan_to_dicts
 from pipesvc.core.schedule import Action, ActionKind
 from pipesvc.errors import InternalError, InvalidArgumentError, NotFoundError, UnknownModelError
 from pipesvc.models import registry as model_registry
-from pipesvc.registry import Registry
+from pipesvc.name_registry import Registry
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from pipesvc.coordinator import planner
-from pipesvc.coordinator.registry import StageRecord, StageRegistry
+from pipesvc.coordinator.stage_registry import StageRecord, StageRegistry
 from pipesvc.core.config import JobConfig
 from pipesvc.errors import InvalidArgumentError
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pipesvc.coordinator import placement
-from pipesvc.coordinator.registry import StageRecord
+from pipesvc.coordinator.stage_registry import StageRecord
 from pipesvc.core.config import JobConfig, config_from_proto, config_to_proto
 from pipesvc.core.health import Health
 from pipesvc.core.microbatch import replica_shares

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipesvc.coordinator.state_db import (
+from pipesvc.coordinator.database import (
     REMEMBERED_RESULTS,
     TRIM_EVERY,
     JobRecord,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pipesvc.coordinator import placement
-from pipesvc.coordinator.registry import StageRecord
+from pipesvc.coordinator.stage_registry import StageRecord
 from pipesvc.core.config import JobConfig
 from pipesvc.core.health import Health
 from pipesvc.core.plan import PipelineStage, check_plan, servers_of

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from pipesvc.coordinator.generation import MAX_NEW_TOKENS
 from pipesvc.coordinator.serve_http.served_model import ModelText
+from pipesvc.coordinator.session import MAX_NEW_TOKENS
 from pipesvc.core.sampling import Sampling
 from pipesvc.errors import InvalidArgumentError
 

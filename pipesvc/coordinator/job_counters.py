@@ -7,7 +7,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pipesvc.coordinator.state_db import REMEMBERED_RESULTS, JobRecord, StepResult
+from pipesvc.coordinator.database import REMEMBERED_RESULTS, JobRecord, StepResult
 from pipesvc.v1 import stage_pb2
 
 

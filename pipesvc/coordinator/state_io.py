@@ -13,8 +13,8 @@ from typing import Any
 
 import grpc
 
-from pipesvc.coordinator.registry import StageRegistry
 from pipesvc.coordinator.stage_calls import StageStub, call_all, call_stage
+from pipesvc.coordinator.stage_registry import StageRegistry
 from pipesvc.core.plan import PipelineStage, servers_of
 from pipesvc.errors import InvalidArgumentError, PipesvcError
 from pipesvc.storage.checkpoint import OPTIM_PREFIX, layer_of
