@@ -26,11 +26,11 @@ sys.path.insert(0, str(REPO_ROOT))
 from pipesvc.coordinator.session import ModelSupport, Session, plan_step  # noqa: E402
 from pipesvc.core.config import JobConfig  # noqa: E402
 from pipesvc.core.sampling import Sampling  # noqa: E402
-from pipesvc.stage.engine import RunInputs, StepEngine  # noqa: E402
-from pipesvc.stage.mailbox import Mailbox  # noqa: E402
-from pipesvc.stage.recorder import RunRecorder  # noqa: E402
-from pipesvc.stage.runtime import StageRuntime  # noqa: E402
-from pipesvc.stage.sessions import SessionCaches  # noqa: E402
+from pipesvc.stage.compute.engine import RunInputs, StepEngine  # noqa: E402
+from pipesvc.stage.compute.recorder import RunRecorder  # noqa: E402
+from pipesvc.stage.compute.runtime import StageRuntime  # noqa: E402
+from pipesvc.stage.compute.sessions import SessionCaches  # noqa: E402
+from pipesvc.stage.dataplane.mailbox import Mailbox  # noqa: E402
 
 MIB = 2**20
 ARGS = {"vocab_size": 64, "block_size": 4096, "embed_dim": 64, "num_heads": 4, "num_blocks": 2}

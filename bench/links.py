@@ -90,7 +90,7 @@ CODECS: dict[str, str | dict[str, str] | None] = {
 ``a``, gradients in ``g``). ``auto`` re-plans for throughput before each round's timed steps
 (after ``AUTO_SETTLE_STEPS`` steps at the round's rate, so the stages' compute timings are the
 round's), which probes the link and decides its codecs by the probed rate (see [Note: link
-probe] in ``pipesvc.stage.probe``); the round prints what it chose and the rate."""
+probe] in ``pipesvc.stage.net.probe``); the round prints what it chose and the rate."""
 AUTO_SETTLE_STEPS = 3
 """Steps the ``auto`` row runs at a new rate before it re-plans (see ``CODECS``)."""
 RUNS = ("torch", *CODECS)

@@ -37,7 +37,7 @@ def _run_timed(role: str, out: str, transport: str, *args: Any) -> None:
     import torch  # noqa: F401
     import transport as t
 
-    import pipesvc.stage.links  # noqa: F401
+    import pipesvc.stage.net.links  # noqa: F401
 
     start = time.process_time()
     t.TRANSPORTS[transport][0 if role == "server" else 1](*args)

@@ -63,9 +63,9 @@ def _timed(plan: Plan, round_trip: Callable[[torch.Tensor], None]) -> list[float
 
 def _pipesvc_server(q: Queue, plan: Plan, shm_bytes: int = DEFAULT_SHM_BYTES) -> None:
     from pipesvc.core.tensor_codec import CodecLimits
-    from pipesvc.stage.links import UpstreamLink
-    from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
-    from pipesvc.stage.malloc import tune_malloc
+    from pipesvc.stage.dataplane.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
+    from pipesvc.stage.dataplane.malloc import tune_malloc
+    from pipesvc.stage.net.links import UpstreamLink
     from pipesvc.stage.server import add_stage_service
     from pipesvc.v1 import stage_pb2_grpc
     from pipesvc.wire.transport import create_server
@@ -104,9 +104,9 @@ def _pipesvc_server(q: Queue, plan: Plan, shm_bytes: int = DEFAULT_SHM_BYTES) ->
 
 def _pipesvc_client(q: Queue, address: str, plan: Plan, shm_bytes: int = DEFAULT_SHM_BYTES) -> None:
     from pipesvc.core.tensor_codec import CodecLimits
-    from pipesvc.stage.links import DownstreamLink
-    from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
-    from pipesvc.stage.malloc import tune_malloc
+    from pipesvc.stage.dataplane.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
+    from pipesvc.stage.dataplane.malloc import tune_malloc
+    from pipesvc.stage.net.links import DownstreamLink
     from pipesvc.wire.transport import open_channel
 
     torch.set_num_threads(1)
@@ -366,7 +366,7 @@ def main() -> None:
     print(
         "\nEcho round trips of one float32 tensor between two processes on loopback; MB/s "
         "(1e6 B/s) counts both directions.\npipesvc = DownstreamLink -> Exchange stream -> "
-        "UpstreamLink (pipesvc.stage.links) with an echo servicer in place of StageService;\n"
+        "UpstreamLink (pipesvc.stage.net.links) with an echo servicer in place of StageService;\n"
         "its payloads go through shared memory (both processes share this host's /dev/shm);\n"
         "frames = the same with shared memory off (--shm-bytes 0): payloads in frames on the\n"
         "stream, as between stages on different hosts; grpc = a plain gRPC bytes echo.\n"

@@ -169,7 +169,7 @@ def _warn_if_exposed(listen: str, security: Security) -> None:
 def _cmd_coordinator(args: argparse.Namespace) -> int:
     from pipesvc.coordinator.server import run_coordinator
     from pipesvc.coordinator.stage_calls import Deadlines
-    from pipesvc.stage.malloc import single_arena
+    from pipesvc.stage.dataplane.malloc import single_arena
 
     single_arena()
     security = _security(args)
@@ -219,8 +219,8 @@ def _cmd_stage(args: argparse.Namespace) -> int:
     import torch
 
     from pipesvc import models
-    from pipesvc.stage.faults import FaultKill
-    from pipesvc.stage.malloc import tune_malloc
+    from pipesvc.stage.compute.faults import FaultKill
+    from pipesvc.stage.dataplane.malloc import tune_malloc
     from pipesvc.stage.server import default_device, device_memory_bytes, run_stage
     from pipesvc.stage.service import StageOptions
 
@@ -906,7 +906,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``pipesvc`` console script."""
     args = build_parser().parse_args(argv)
     if args.command == "stage":
-        from pipesvc.stage.malloc import reexec_with_tunables
+        from pipesvc.stage.dataplane.malloc import reexec_with_tunables
 
         reexec_with_tunables(sys.argv[1:] if argv is None else list(argv))
     logs.install(args.log_level, args.log_format)

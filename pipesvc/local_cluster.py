@@ -17,7 +17,7 @@ from pipesvc.client import Client
 from pipesvc.core.health import Health
 from pipesvc.errors import PipesvcError, StageUnavailableError
 from pipesvc.owner import owner_environ
-from pipesvc.stage.malloc import stage_environ
+from pipesvc.stage.dataplane.malloc import stage_environ
 from pipesvc.wire.security import Security
 
 

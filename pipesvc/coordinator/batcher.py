@@ -9,11 +9,11 @@ tokens left to make, has not finished, and its reader is at most ``ahead`` steps
 client that reads slowly pauses only its own session and never holds the others back, and
 sessions that keep up share every run (sessions join and leave between runs). In a run a part
 that starts its cache (a prompt, a replay) is a micro-batch of its own, and the decode parts of
-all the sessions share one (see [Note: fused decode] in ``pipesvc.stage.fused_cache``), so each
-stage reads its weights once per step for all of them. When a shared run fails on an error of
+all the sessions share one (see [Note: fused decode] in ``pipesvc.stage.compute.fused_cache``), so
+each stage reads its weights once per step for all of them. When a shared run fails on an error of
 the caller's kind (a KV budget, an input a layer refuses), each session's step runs again alone,
 so only the sessions at fault fail: the stages put every session of the failed run back as it
-was (see [Note: session runs] in ``pipesvc.stage.sessions``), so the others lose nothing. No
+was (see [Note: session runs] in ``pipesvc.stage.compute.sessions``), so the others lose nothing. No
 gRPC here.
 """
 

@@ -65,7 +65,7 @@ class Checkpointer:
         ``checkpoint_every=0`` job's step log) says its step is due a checkpoint, the run that
         carries its commit has the stages snapshot their state, which then streams to a
         checkpoint while later steps train (see [Note: snapshot checkpoint] in
-        stage/engine.py); with no such run, the flush of the commit reads the stages instead
+        stage/compute/engine.py); with no such run, the flush of the commit reads the stages instead
         (``flush``)."""
         ledger, cadence = self._ledger, self.cadence
         cadence.step_took(took)
@@ -175,7 +175,7 @@ class Checkpointer:
     def stream_snapshot(self, step: int) -> None:
         """After a run carried the commit of ``step`` with a snapshot: streams the stages'
         snapshots to a new checkpoint on the job's pool while later steps run (see [Note:
-        snapshot checkpoint] in stage/engine.py); it counts once durable, like a background
+        snapshot checkpoint] in stage/compute/engine.py); it counts once durable, like a background
         write (see [Note: background checkpoint])."""
         self.finish(wait=True)  # one at a time, in step order
         frames = self._group.stream_state(

@@ -147,7 +147,7 @@ class JobGeneration:
             except SessionCacheLostError as exc:
                 # A stage no longer holds these sessions (idle too long, or released), and
                 # every stage put the run's sessions back as they were (see [Note: session
-                # runs] in ``pipesvc.stage.sessions``): they replay their tokens, the others
+                # runs] in ``pipesvc.stage.compute.sessions``): they replay their tokens, the others
                 # take their step as planned. Each session replays at most once here.
                 lost = [s for s in sessions if s.id in exc.sessions and (s.cached or s.source)]
                 if not lost:

@@ -24,7 +24,7 @@ class PendingCommit:
     """The global clipping scale, or None when the job does not clip."""
     snapshot: bool = False
     """The step is due a periodic checkpoint: the run that carries the commit asks every
-    stage for a snapshot (see [Note: snapshot checkpoint] in stage/engine.py)."""
+    stage for a snapshot (see [Note: snapshot checkpoint] in stage/compute/engine.py)."""
 
     def request(self, job_id: str, epoch: int) -> stage_pb2.CommitRequest:
         """The explicit Commit that flushes it."""

@@ -233,7 +233,7 @@ class Ledger:
 
     def snapshot_due(self) -> None:
         """The pending step is due a periodic checkpoint: the run that carries its commit asks
-        every stage for a snapshot (see [Note: snapshot checkpoint] in stage/engine.py).
+        every stage for a snapshot (see [Note: snapshot checkpoint] in stage/compute/engine.py).
 
         Raises:
             TransitionError: no commit is pending.

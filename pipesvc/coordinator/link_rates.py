@@ -1,6 +1,6 @@
 """Probed link rates between hosts, kept for a while (no gRPC).
 
-[Note: link rate cache] A link probe (see [Note: link probe] in ``pipesvc.stage.probe``) costs
+[Note: link rate cache] A link probe (see [Note: link probe] in ``pipesvc.stage.net.probe``) costs
 0.1 to 0.5 s of the link per pair of hosts, and a job measures on every re-plan, settling round
 and ``wire_dtype="auto"`` decision, while the rate between two hosts is a property of the
 network, not of a job. The coordinator keeps each pair's last probed rate, for every job, for

@@ -1,5 +1,5 @@
 """Which prompt prefixes the stages keep, so a prompt that starts as an earlier one did runs
-only its rest (see [Note: prefix reuse] in ``pipesvc.stage.sessions``). No gRPC here.
+only its rest (see [Note: prefix reuse] in ``pipesvc.stage.compute.sessions``). No gRPC here.
 
 [Note: prefix index] The coordinator names prefixes by the tokens they hold. A prompt is cut
 into blocks of ``BLOCK`` tokens, and the running hash of its first ``k`` blocks names the prefix

@@ -92,7 +92,7 @@ class Measurements:
     """The current plan's predicted seconds per micro-batch, per rank."""
     link_rates: dict[frozenset[str], float] = dataclasses.field(default_factory=dict)
     """The probed rate of links between hosts (see [Note: link probe] in
-    ``pipesvc.stage.probe``), by the pair of hosts they join (either way: a link's two
+    ``pipesvc.stage.net.probe``), by the pair of hosts they join (either way: a link's two
     directions are taken to have the same rate): the current plan's links and the other pairs
     of the candidates' hosts; what ``wire_dtype="auto"`` decides by."""
 
@@ -179,7 +179,7 @@ class Replanner:
         self, pairs: list[tuple[str, str]], *, probe_again: bool = False
     ) -> dict[frozenset[str], float]:
         """The rate of each pair of hosts, probed from the first stage of a pair to the second
-        (see [Note: link probe] in ``pipesvc.stage.probe``), one pair at a time, unless the
+        (see [Note: link probe] in ``pipesvc.stage.net.probe``), one pair at a time, unless the
         coordinator probed that pair of hosts lately (see [Note: link rate cache]); a pair
         whose probe failed (a stage too old to probe, one gone) is left out: its links stay
         unmeasured, so ``auto`` keeps them exact."""
@@ -404,7 +404,7 @@ def _measurements(
 ) -> Measurements:
     """Layer costs and stage speeds from the job's stages' timings (see [Note: measured
     speed]), and link rates from ``probed`` (by pair of hosts, see [Note: link probe] in
-    ``pipesvc.stage.probe``): a stage's link is the probed rate of its link to the next stage
+    ``pipesvc.stage.net.probe``): a stage's link is the probed rate of its link to the next stage
     where that was probed, else the rate of its own send calls (a link on one host)."""
     probed = probed or {}
     times: dict[int, float] = {}

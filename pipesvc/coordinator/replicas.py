@@ -10,10 +10,10 @@ stage draws training randomness by the micro-batch's index in the whole step, so
 computes exactly the terms one process would. Before a stage replies to the run, it sums its
 gradients with the stages of the same rank in the other replicas: a gloo all-reduce over a
 process group of the job, plan epoch, generation and rank (see [Note: gradient group] in
-``pipesvc.stage.replica_group``). The sum of weighted terms is the whole batch's gradient, so
-no division follows. The global norm for clipping is read from replica 0 alone (after the sum
-every replica holds the same gradients). The commit, the abort and the deferred commit go to
-all ``R x num_stages`` stages as one (see [Note: commit]): all or none.
+``pipesvc.stage.collective.replica_group``). The sum of weighted terms is the whole batch's
+gradient, so no division follows. The global norm for clipping is read from replica 0 alone
+(after the sum every replica holds the same gradients). The commit, the abort and the deferred
+commit go to all ``R x num_stages`` stages as one (see [Note: commit]): all or none.
 
 Checkpoints, state reads and generation use replica 0; state loads and recovery restores go to
 every replica. A lost stage is replaced by a spare in its place; with none, a job whose

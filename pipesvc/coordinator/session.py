@@ -63,7 +63,7 @@ class ModelSupport:
     side_inputs: tuple[str, ...]
     fuses_caches: bool = False
     """Decode steps of several sessions can share a micro-batch (see [Note: fused decode] in
-    ``pipesvc.stage.fused_cache``)."""
+    ``pipesvc.stage.compute.fused_cache``)."""
     max_positions: int = 0
     """The most positions the model takes, prompt and new tokens together (0: no limit)."""
 
@@ -294,7 +294,7 @@ def plan_step(sessions: list[Session], epoch: int, *, fuse: bool = False) -> Ste
     """The run of one step of each of ``sessions`` in plan epoch ``epoch``: each part is a
     micro-batch, or with ``fuse`` the parts that start their caches (prompts, replays) share
     one micro-batch and the parts that extend theirs by one position share another (see
-    [Note: fused decode] in ``pipesvc.stage.fused_cache``)."""
+    [Note: fused decode] in ``pipesvc.stage.compute.fused_cache``)."""
     alone: list[_Part] = []
     starting: list[_Part] = []
     extending: list[_Part] = []

@@ -77,7 +77,7 @@ class StageGroup:
         """Where the gradient groups of a job with replicas meet (see [Note: replicas])."""
         self.generation = 0
         """Bumped by every abort: a later run's gradient groups are new (see [Note: gradient
-        group] in ``pipesvc.stage.replica_group``)."""
+        group] in ``pipesvc.stage.collective.replica_group``)."""
 
     @property
     def epoch(self) -> int:

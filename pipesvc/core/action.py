@@ -21,7 +21,7 @@ class ActionKind(enum.Enum):
     backward in two: ``B(mb)`` computes the gradient of the stage's input (and of the
     parameters outside matrix products) and sends it upstream, and ``W(mb)`` later computes the
     linear layers' weight gradients from the inputs and output gradients ``B`` recorded (see
-    ``pipesvc.stage.weight_grads``). Without ``W(mb)``, ``B(mb)`` does both. The micro-batch
+    ``pipesvc.stage.compute.weight_grads``). Without ``W(mb)``, ``B(mb)`` does both. The micro-batch
     counts as in flight until its last backward pass.
     """
 

@@ -3,7 +3,7 @@
 [Note: checkpoint cadence]
 A checkpoint costs about the same whatever the step: its bytes stream from the stages to the
 coordinator and are written and synced, beside the training that goes on meanwhile (see
-[Note: snapshot checkpoint] in stage/engine.py). Every N steps is a fine rule when the steps
+[Note: snapshot checkpoint] in stage/compute/engine.py). Every N steps is a fine rule when the steps
 are long and the state is small; with short steps and a large state it costs a fifth of the
 training time on a host whose cores the stages already keep busy. So, as CheckFreq (Mohan et
 al., FAST '21) does, the default cadence is set by cost, not by a step count:

@@ -103,7 +103,7 @@ class JobConfig:
     or per role, ``{"activations": "int8", "gradients": "bfloat16"}`` (a role left out or None
     crosses exact). The layers still compute in ``precision``; the result equals one process
     that applies the same codec at the same stage boundaries (see [Note: wire dtype] in
-    ``pipesvc.stage.runtime``). None: the compute dtype (bfloat16 under the bf16 precisions,
+    ``pipesvc.stage.compute.runtime``). None: the compute dtype (bfloat16 under the bf16 precisions,
     which refuse float16). ``"auto"``: exact until the job is measured, then int8 activations
     and bfloat16 gradients on the links between hosts whose measured rate makes them the
     bottleneck, exact elsewhere, chosen at a re-plan and kept in the plan (see [Note:
@@ -129,7 +129,7 @@ class JobConfig:
     precision: str = "fp32"
     """``fp32``; ``bf16-mixed`` (float32 weights and optimizer state, layers under bfloat16
     autocast, bfloat16 between stages); or ``bf16`` (weights, gradients and optimizer state in
-    bfloat16). See [Note: precision] in ``pipesvc.stage.runtime``."""
+    bfloat16). See [Note: precision] in ``pipesvc.stage.compute.runtime``."""
     name: str | None = None
     """What the job is called where models are named: the ``model`` of the coordinator's
     OpenAI-compatible HTTP API (``pipesvc.coordinator.serve_http``); unique among the

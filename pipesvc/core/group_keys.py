@@ -1,5 +1,5 @@
 """Where the gradient groups of a job with replicas keep their keys in the coordinator's store
-(see [Note: gradient group] in ``pipesvc.stage.replica_group``).
+(see [Note: gradient group] in ``pipesvc.stage.collective.replica_group``).
 
 One prefix per job, plan epoch, generation and rank: the stages form their groups and meet
 under it, and the coordinator, which alone knows which generation is current, deletes the keys

@@ -7,7 +7,7 @@ nothing. So ``JobConfig.wire_dtype`` applies only to links whose two ends have d
 in their plan addresses (the host part of ``host:port``, compared as text: a stage that
 advertises ``localhost`` and one that advertises ``127.0.0.1`` count as two hosts, which costs
 speed, never correctness). A link on one host still carries the precision's own dtype
-(bfloat16 under the bf16 precisions, see [Note: wire dtype] in ``pipesvc.stage.runtime``).
+(bfloat16 under the bf16 precisions, see [Note: wire dtype] in ``pipesvc.stage.compute.runtime``).
 
 Both ends of a link, the coordinator and the client compute the same answer from the plan, so
 the choice needs no message of its own and is the same after every re-plan that keeps the
@@ -43,7 +43,7 @@ compute stays compressed until the transfer takes less than ``HOLD`` (80%) of th
 stage's compute: near the threshold, measurement noise would otherwise flip the link at every
 re-plan, and each flip is a new plan epoch.
 
-The measured rate is the link probe's (see [Note: link probe] in ``pipesvc.stage.probe``):
+The measured rate is the link probe's (see [Note: link probe] in ``pipesvc.stage.net.probe``):
 bytes that arrived at the downstream stage per second of a send of filler timed to its
 answer, probed by the re-planner when it measures. (A stage's own ``send_bytes_per_s`` times
 the send call, a put into the sender's queue; it reads gigabytes per second on any link, so

@@ -78,7 +78,7 @@ def check_side(inputs: torch.Tensor, side: Mapping[str, torch.Tensor]) -> None:
 @dataclass(frozen=True, slots=True)
 class CacheRef:
     """The key/value cache one micro-batch of a generation run reads and extends on every stage
-    (see [Note: generation sessions] in ``pipesvc.stage.sessions``)."""
+    (see [Note: generation sessions] in ``pipesvc.stage.compute.sessions``)."""
 
     session: str
     part: int
@@ -90,7 +90,7 @@ class CacheRef:
     """The positions this step adds (the part's own width; 1 for a decode step)."""
     source: str = ""
     """With ``fresh``: start from the first ``source_positions`` positions of this kept
-    prefix, not empty (see [Note: prefix reuse] in ``pipesvc.stage.sessions``)."""
+    prefix, not empty (see [Note: prefix reuse] in ``pipesvc.stage.compute.sessions``)."""
     source_positions: int = 0
     keep_as: str = ""
     """After the run, keep the first ``keep_positions`` positions as this prefix."""
@@ -101,7 +101,7 @@ MicrobatchCaches = tuple[CacheRef, ...]
 """The caches one micro-batch of a generation run reads and extends: one part's, or several
 sessions' parts fused into one micro-batch, their rows one after another, all starting their
 caches or all extending them by one position (see [Note: fused decode] in
-``pipesvc.stage.fused_cache``)."""
+``pipesvc.stage.compute.fused_cache``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -312,8 +312,8 @@ class FrameAssembler:
     [Note: borrowed frames] With ``borrow`` a tensor that came in one frame is a view of that
     frame's received bytes, with no copy (a 1 MiB copy, with the zeroing of a fresh buffer,
     cost about as much CPU as gRPC's own handling of the message). The receiver must own those
-    bytes alone, as the Exchange stream's parser does (``pipesvc.stage.frame_wire.parse``: the
-    message's ``bytes`` object is referenced by nothing else once gRPC hands it over), since
+    bytes alone, as the Exchange stream's parser does (``pipesvc.stage.dataplane.frame_wire.parse``:
+    the message's ``bytes`` object is referenced by nothing else once gRPC hands it over), since
     the tensor may be written to by the model (an in-place op) and keeps the whole message
     alive while it lives. A tensor of several frames is copied into one buffer, which is not
     zeroed first (every byte is written by a frame before the tensor is returned).

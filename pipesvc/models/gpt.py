@@ -41,7 +41,7 @@ def _init_linear_and_embedding(module: nn.Module, *, std: float = INIT_STD) -> N
 
 class KVCache:
     """The keys and values of the blocks on one stage, for one part of a generation session
-    (see [Note: generation sessions] in ``pipesvc.stage.sessions``)."""
+    (see [Note: generation sessions] in ``pipesvc.stage.compute.sessions``)."""
 
     def __init__(self) -> None:
         self._store: CacheTensors = {}

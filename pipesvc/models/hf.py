@@ -490,9 +490,9 @@ def _cache_from_tensors(directory: str, tensors: CacheTensors) -> Any:
 
 def cache_layout(directory: str) -> CacheLayout | None:
     """How several sessions' caches of the model in ``directory`` stack into one batch (see
-    [Note: fused decode] in ``pipesvc.stage.fused_cache``); None for a model with sliding-window
-    layers (a window's cache drops old positions, so rows of different lengths do not line up)
-    and for a ``transformers`` whose caches keep no per-layer objects."""
+    [Note: fused decode] in ``pipesvc.stage.compute.fused_cache``); None for a model with
+    sliding-window layers (a window's cache drops old positions, so rows of different lengths do not
+    line up) and for a ``transformers`` whose caches keep no per-layer objects."""
     from transformers import DynamicCache
 
     if not _full_attention_only(_checkpoint(directory).meta_model.config):

@@ -165,7 +165,7 @@ CacheTensors = dict[Hashable, tuple[torch.Tensor, torch.Tensor]]
 class CacheLayout:
     """How a model's generation cache shows its tensors, so a stage can stack several
     sessions' caches into one micro-batch and split them again (see [Note: fused decode] in
-    ``pipesvc.stage.fused_cache``)."""
+    ``pipesvc.stage.compute.fused_cache``)."""
 
     tensors: Callable[[Any], CacheTensors]
     """The cache's keys and values by layer (every layer it holds, all of one length)."""

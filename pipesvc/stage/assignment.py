@@ -24,15 +24,15 @@ import grpc
 import torch
 
 from pipesvc.errors import FailedPreconditionError
-from pipesvc.stage.engine import StepEngine
-from pipesvc.stage.links import DownstreamLink, UpstreamLink
-from pipesvc.stage.mailbox import MAX_ITEMS, PARTS, Mailbox, MailKey
+from pipesvc.stage.collective.replica_group import ReplicaGroup
+from pipesvc.stage.compute.engine import StepEngine
+from pipesvc.stage.compute.recorder import RunRecorder
+from pipesvc.stage.compute.runtime import StageRuntime, storage_bytes
+from pipesvc.stage.compute.sessions import ExpiryTimer, SessionCaches, expiry_interval
+from pipesvc.stage.dataplane.mailbox import MAX_ITEMS, PARTS, Mailbox, MailKey
+from pipesvc.stage.net.links import DownstreamLink, UpstreamLink
+from pipesvc.stage.net.tied_link import TiedLink
 from pipesvc.stage.options import StageOptions
-from pipesvc.stage.recorder import RunRecorder
-from pipesvc.stage.replica_group import ReplicaGroup
-from pipesvc.stage.runtime import StageRuntime, storage_bytes
-from pipesvc.stage.sessions import ExpiryTimer, SessionCaches, expiry_interval
-from pipesvc.stage.tied_link import TiedLink
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class Assignment:
         self.engine = StepEngine(
             runtime=runtime,
             # Two tensors per micro-batch where the model carries a vector (see [Note: mailbox
-            # bound] in pipesvc.stage.mailbox).
+            # bound] in pipesvc.stage.dataplane.mailbox).
             mailbox=Mailbox(MAX_ITEMS * (PARTS if runtime.features.carry else 1)),
             send_activation=self._send_activation,
             send_gradient=self._send_gradient,

@@ -8,8 +8,8 @@ import torch
 
 from pipesvc.core.limits import Limits
 from pipesvc.observe.metrics import Metrics
-from pipesvc.stage.faults import FaultKill
-from pipesvc.stage.shm import DEFAULT_AREA_BYTES
+from pipesvc.stage.compute.faults import FaultKill
+from pipesvc.stage.dataplane.shm import DEFAULT_AREA_BYTES
 from pipesvc.wire.security import Security
 
 

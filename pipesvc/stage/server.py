@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2
 from pipesvc import models
 from pipesvc.core.health import Health
 from pipesvc.errors import StageUnavailableError
-from pipesvc.stage.frame_wire import parse, serialize
+from pipesvc.stage.dataplane.frame_wire import parse, serialize
 from pipesvc.stage.service import StageOptions, StageService
 from pipesvc.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2_grpc
 from pipesvc.wire.control_wire import parse_request, reply_bytes

@@ -2,7 +2,7 @@
 
 It decodes and checks requests, holds at most one job (``Assignment``: its step engine and its
 links to the neighbours) and delegates runs, commits and aborts to ``StepEngine``
-(pipesvc.stage.engine), which has no gRPC in it.
+(pipesvc.stage.compute.engine), which has no gRPC in it.
 """
 
 from __future__ import annotations
@@ -36,18 +36,18 @@ from pipesvc.errors import (
     StepAbortedError,
     WireFormatError,
 )
-from pipesvc.stage import probe
 from pipesvc.stage.assignment import Assignment
+from pipesvc.stage.collective.replica_group import GroupSpec, ReplicaGroup
+from pipesvc.stage.compute.engine import Carried, RunInputs
+from pipesvc.stage.compute.profiler import calibrate
+from pipesvc.stage.compute.runtime import StageRuntime
 from pipesvc.stage.control import ControlServer
-from pipesvc.stage.engine import Carried, RunInputs
-from pipesvc.stage.frame_wire import OutFrame
-from pipesvc.stage.links import UpstreamLink
-from pipesvc.stage.malloc import give_back
+from pipesvc.stage.dataplane.frame_wire import OutFrame
+from pipesvc.stage.dataplane.malloc import give_back
+from pipesvc.stage.net import probe
+from pipesvc.stage.net.links import UpstreamLink
+from pipesvc.stage.net.tied_link import TiedLink
 from pipesvc.stage.options import StageOptions
-from pipesvc.stage.profiler import calibrate
-from pipesvc.stage.replica_group import GroupSpec, ReplicaGroup
-from pipesvc.stage.runtime import StageRuntime
-from pipesvc.stage.tied_link import TiedLink
 from pipesvc.v1 import common_pb2, stage_pb2, stage_pb2_grpc
 from pipesvc.wire.control_wire import Reply, Unreadable, failed, ok
 from pipesvc.wire.payload_wire import RUN_STEP, Incoming
@@ -928,7 +928,8 @@ def _cache_refs(
 
 
 def _check_prefix_ref(ref: stage_pb2.CacheRef, *, fused: bool) -> None:
-    """A cache reference's prefix fields (see [Note: prefix reuse] in pipesvc.stage.sessions).
+    """A cache reference's prefix fields (see [Note: prefix reuse] in
+    pipesvc.stage.compute.sessions).
 
     Raises:
         InvalidArgumentError: a prefix name over 128 characters, a source on a cache that is

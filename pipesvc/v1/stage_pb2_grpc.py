@@ -263,7 +263,7 @@ class StageServiceServicer:
         (1 MiB first, 8 times more while a send takes under 50 ms, up to a cap) and times each
         send from its first byte to the target's answer, which comes once all of it arrived. The
         coordinator's measurement asks each stage for its link to the next (see [Note: link
-        probe] in pipesvc/stage/probe.py).
+        probe] in pipesvc/stage/net/probe.py).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -95,7 +95,7 @@ class StageServiceStub:
     (1 MiB first, 8 times more while a send takes under 50 ms, up to a cap) and times each
     send from its first byte to the target's answer, which comes once all of it arrived. The
     coordinator's measurement asks each stage for its link to the next (see [Note: link
-    probe] in pipesvc/stage/probe.py).
+    probe] in pipesvc/stage/net/probe.py).
     """
     Sink: _grpc.StreamUnaryMultiCallable[_stage_pb2.SinkFrame, _stage_pb2.SinkResponse]
     """Receives a link probe's filler, counting and discarding it as it comes, and answers when
@@ -166,7 +166,7 @@ class StageServiceAsyncStub(StageServiceStub):
     (1 MiB first, 8 times more while a send takes under 50 ms, up to a cap) and times each
     send from its first byte to the target's answer, which comes once all of it arrived. The
     coordinator's measurement asks each stage for its link to the next (see [Note: link
-    probe] in pipesvc/stage/probe.py).
+    probe] in pipesvc/stage/net/probe.py).
     """
     Sink: _aio.StreamUnaryMultiCallable[_stage_pb2.SinkFrame, _stage_pb2.SinkResponse]  # type: ignore[assignment]
     """Receives a link probe's filler, counting and discarding it as it comes, and answers when
@@ -336,7 +336,7 @@ class StageServiceServicer(metaclass=_abc_1.ABCMeta):
         (1 MiB first, 8 times more while a send takes under 50 ms, up to a cap) and times each
         send from its first byte to the target's answer, which comes once all of it arrived. The
         coordinator's measurement asks each stage for its link to the next (see [Note: link
-        probe] in pipesvc/stage/probe.py).
+        probe] in pipesvc/stage/net/probe.py).
         """
 
     @_abc_1.abstractmethod

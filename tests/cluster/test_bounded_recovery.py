@@ -1,6 +1,6 @@
 """A neighbour's death costs the survivor one bounded wait and nothing that accumulates.
 
-[Note: bounded waits] in pipesvc.stage.links: a send to a stream that has ended fails at once,
+[Note: bounded waits] in pipesvc.stage.net.links: a send to a stream that has ended fails at once,
 and Abort wakes a send waiting for room, so a dead or stopped neighbour never holds a
 survivor's step (and its run lock) until the control deadline.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import pipesvc
-from pipesvc.stage.sender import SEND_QUEUE_ITEMS
+from pipesvc.stage.dataplane.sender import SEND_QUEUE_ITEMS
 from tests.support.faults import MLP, OPTIMIZER, Run, stage_pid
 from tests.support.reference import Problem, Reference
 

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import pipesvc
-from pipesvc.stage.sender import SEND_QUEUE_ITEMS
+from pipesvc.stage.dataplane.sender import SEND_QUEUE_ITEMS
 from tests.support.faults import stage_pid
 from tests.support.reference import PROBLEMS, Problem
 

@@ -1,4 +1,4 @@
-"""The link probe on a real slow link (see [Note: link probe] in pipesvc/stage/probe.py): two
+"""The link probe on a real slow link (see [Note: link probe] in pipesvc/stage/net/probe.py): two
 stage hosts joined by a veth shaped to 100 Mbit/s with ``tc tbf`` (``bench/links.py``'s
 ``Topology``: network namespaces, a private ``/dev/shm`` per stage host, the coordinator and
 this test's client on a third). The probe reads the link's rate within 30% of 12.5 MB/s, and

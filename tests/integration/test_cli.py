@@ -202,7 +202,7 @@ def test_a_plain_stage_restarts_itself_without_glibc_tcache() -> None:
     [Note: stage malloc tunables] by re-executing itself: same pid, new environment."""
     import socket
 
-    from pipesvc.stage.malloc import STAGE_GLIBC_TUNABLES
+    from pipesvc.stage.dataplane.malloc import STAGE_GLIBC_TUNABLES
 
     with socket.socket() as probe:  # a port nobody listens on: the stage keeps retrying
         probe.bind(("127.0.0.1", 0))

@@ -1,5 +1,5 @@
 """The link probe on real stage servers on hosts of their own (see [Note: link probe] in
-pipesvc/stage/probe.py): a stage measures its link to another by ``ProbeLink`` and reads a
+pipesvc/stage/net/probe.py): a stage measures its link to another by ``ProbeLink`` and reads a
 positive rate; a ``Sink`` refuses bad streams with typed errors and keeps serving; a job whose
 re-plan probes its links trains exactly like one process. (What ``auto`` decides from a probed
 rate on a real slow link: tests/cluster/test_link_probe_shaped.py.)"""
@@ -14,7 +14,7 @@ import torch
 
 import pipesvc
 from pipesvc.errors import InvalidArgumentError, PipesvcError
-from pipesvc.stage import probe
+from pipesvc.stage.net import probe
 from pipesvc.v1 import stage_pb2, stage_pb2_grpc
 from pipesvc.wire.transport import call
 from tests.support.reference import PROBLEMS, Reference

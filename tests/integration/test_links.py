@@ -13,11 +13,11 @@ import torch
 from pipesvc.core.tensor_codec import CodecLimits
 from pipesvc.errors import StageUnavailableError, StepAbortedError
 from pipesvc.observe.metrics import NO_METRICS
-from pipesvc.stage.frame_wire import OutFrame
-from pipesvc.stage.links import DownstreamLink, UpstreamLink
-from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
-from pipesvc.stage.reader import FrameReader
-from pipesvc.stage.sender import SEND_QUEUE_ITEMS, Sender
+from pipesvc.stage.dataplane.frame_wire import OutFrame
+from pipesvc.stage.dataplane.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
+from pipesvc.stage.dataplane.reader import FrameReader
+from pipesvc.stage.dataplane.sender import SEND_QUEUE_ITEMS, Sender
+from pipesvc.stage.net.links import DownstreamLink, UpstreamLink
 from pipesvc.stage.server import add_stage_service
 from pipesvc.v1 import stage_pb2, stage_pb2_grpc
 from pipesvc.wire.transport import create_server, open_channel
@@ -218,7 +218,7 @@ def test_a_slot_without_an_accepted_offer_is_a_wire_error() -> None:
 def test_doorbell_frames_are_checked() -> None:
     from pipesvc.core.tensor_codec import make_header
     from pipesvc.errors import WireFormatError
-    from pipesvc.stage.shm import MAX_AREA_BYTES, ShmArea, ShmView
+    from pipesvc.stage.dataplane.shm import MAX_AREA_BYTES, ShmArea, ShmView
 
     area = ShmArea.create(4 << 20)
     assert area is not None

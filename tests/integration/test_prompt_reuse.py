@@ -1,5 +1,5 @@
 """Long and shared prompts: prefixes kept on the stages (see [Note: prefix reuse] in
-``pipesvc.stage.sessions``) and prompts prefilled in chunks (see [Note: chunked prefill] in
+``pipesvc.stage.compute.sessions``) and prompts prefilled in chunks (see [Note: chunked prefill] in
 ``pipesvc.coordinator.session``). Prompts that share a start, or run in chunks, generate
 exactly what ``transformers`` generates; a prefix a stage dropped to stay within its KV budget
 costs a replay, never a wrong token."""

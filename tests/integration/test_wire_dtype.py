@@ -1,9 +1,9 @@
 """``wire_dtype``: activations and gradients cross the links between hosts in bfloat16,
 float16, int8 or int4, one codec or one per role, links on one host stay exact, and training
 equals one process that applies the same codecs at the same stage boundaries (see [Note: wire
-dtype] in pipesvc/stage/runtime.py and [Note: codecs per link] in pipesvc/core/link_codecs.py).
-The stages of ``hosts`` listen on loopback addresses of their own, so their links count as
-links between hosts."""
+dtype] in pipesvc/stage/compute/runtime.py and [Note: codecs per link] in
+pipesvc/core/link_codecs.py). The stages of ``hosts`` listen on loopback addresses of their own, so
+their links count as links between hosts."""
 
 from __future__ import annotations
 

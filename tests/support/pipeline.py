@@ -17,12 +17,12 @@ from pipesvc.core import microbatch, partition
 from pipesvc.core.config import JobConfig
 from pipesvc.core.microbatch import RunBatch
 from pipesvc.errors import StageUnavailableError
-from pipesvc.stage.engine import Carried, RunInputs, RunResult, SendFn, StepEngine
-from pipesvc.stage.faults import FaultKill
-from pipesvc.stage.mailbox import Mailbox, MailKey
-from pipesvc.stage.recorder import RunRecorder
-from pipesvc.stage.runtime import StageRuntime
-from pipesvc.stage.sessions import SessionCaches
+from pipesvc.stage.compute.engine import Carried, RunInputs, RunResult, SendFn, StepEngine
+from pipesvc.stage.compute.faults import FaultKill
+from pipesvc.stage.compute.recorder import RunRecorder
+from pipesvc.stage.compute.runtime import StageRuntime
+from pipesvc.stage.compute.sessions import SessionCaches
+from pipesvc.stage.dataplane.mailbox import Mailbox, MailKey
 from tests.support.reference import Problem
 
 NUM_MICROBATCHES = 4

@@ -27,7 +27,7 @@ from pipesvc.core.microbatch import loss_weights, split
 from pipesvc.core.optim import build_optimizer
 from pipesvc.core.plan import PipelineStage, check_plan
 from pipesvc.errors import InvalidArgumentError
-from pipesvc.stage import mailbox
+from pipesvc.stage.dataplane import mailbox
 from pipesvc.v1 import common_pb2
 
 

@@ -24,9 +24,9 @@ from pipesvc.errors import (
     StageUnavailableError,
     StepAbortedError,
 )
-from pipesvc.stage import fused_cache
-from pipesvc.stage.engine import Carried, RunInputs, RunResult, StepEngine
-from pipesvc.stage.faults import FaultKill
+from pipesvc.stage.compute import fused_cache
+from pipesvc.stage.compute.engine import Carried, RunInputs, RunResult, StepEngine
+from pipesvc.stage.compute.faults import FaultKill
 from tests.support.pipeline import NUM_MICROBATCHES, Pipeline
 from tests.support.reference import DROPOUT_GPT, PROBLEMS, Problem, Reference
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from pipesvc.errors import InvalidArgumentError, ResourceExhaustedError
-from pipesvc.stage.faults import FaultKill
+from pipesvc.stage.compute.faults import FaultKill
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipesvc.stage.frame_wire import OutFrame, parse, serialize
+from pipesvc.stage.dataplane.frame_wire import OutFrame, parse, serialize
 from pipesvc.v1 import common_pb2, stage_pb2
 
 

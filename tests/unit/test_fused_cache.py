@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from pipesvc import models
 from pipesvc.errors import InvalidArgumentError
 from pipesvc.models.hf import register_hf_model
-from pipesvc.stage import fused_cache
+from pipesvc.stage.compute import fused_cache
 
 VOCAB = 40
 

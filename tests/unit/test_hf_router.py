@@ -22,7 +22,7 @@ from pipesvc.models import registry
 from pipesvc.models.carry import Carry, CarrySpec, check_carried
 from pipesvc.models.hf import register_hf_model
 from pipesvc.models.hf_router import RouterLoss, aux_loss, router_loss_of, statistics
-from pipesvc.stage.engine import RunResult
+from pipesvc.stage.compute.engine import RunResult
 from tests.support.hf_families import TESTED, VOCAB
 from tests.support.pipeline import Pipeline
 from tests.support.reference import Problem

@@ -1,4 +1,4 @@
-"""The link probe's pure parts (see [Note: link probe] in pipesvc/stage/probe.py): how large
+"""The link probe's pure parts (see [Note: link probe] in pipesvc/stage/net/probe.py): how large
 each send is, what a ``Sink`` accepts, which pairs of stages a measurement probes, that a
 probed rate is the one ``auto`` and the planner read, and that a re-plan decides the links of
 the ranges it keeps again. No gRPC here."""
@@ -26,7 +26,7 @@ from pipesvc.core.config import JobConfig
 from pipesvc.core.link_codecs import links, wire_fraction
 from pipesvc.core.plan import PipelineStage
 from pipesvc.errors import InvalidArgumentError, StageUnavailableError
-from pipesvc.stage import probe
+from pipesvc.stage.net import probe
 from pipesvc.v1 import stage_pb2
 
 MiB = 1 << 20

@@ -1,4 +1,5 @@
-"""Unit tests for pipesvc.stage.mailbox: exactly-once delivery, staleness, abort, timeouts."""
+"""Unit tests for pipesvc.stage.dataplane.mailbox: exactly-once delivery, staleness, abort,
+timeouts."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pipesvc.errors import (
     StageUnavailableError,
     StepAbortedError,
 )
-from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
+from pipesvc.stage.dataplane.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
 
 SHORT_S = 0.05
 

@@ -1,5 +1,5 @@
 """The thread waiting for mail reads the shared-memory doorbells itself (see [Note: the waiter
-reads the doorbell] in pipesvc.stage.mailbox): what must still end or wake such a wait."""
+reads the doorbell] in pipesvc.stage.dataplane.mailbox): what must still end or wake such a wait."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import torch
 from pipesvc.core.tensor_codec import CodecLimits
 from pipesvc.errors import StageUnavailableError, StepAbortedError
 from pipesvc.observe.metrics import NO_METRICS
-from pipesvc.stage import mailbox as mailbox_module
-from pipesvc.stage.frame_wire import InFrame
-from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
-from pipesvc.stage.microbatch_id import opposite
-from pipesvc.stage.reader import FrameReader
-from pipesvc.stage.sender import Sender
+from pipesvc.stage.dataplane import mailbox as mailbox_module
+from pipesvc.stage.dataplane.frame_wire import InFrame
+from pipesvc.stage.dataplane.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
+from pipesvc.stage.dataplane.microbatch_id import opposite
+from pipesvc.stage.dataplane.reader import FrameReader
+from pipesvc.stage.dataplane.sender import Sender
 
 _JOIN_S = 30.0
 """A bound for a thread that must end; a hang fails the test instead of the run."""

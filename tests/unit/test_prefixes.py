@@ -13,8 +13,8 @@ from pipesvc.core.sampling import Sampling
 from pipesvc.errors import InvalidArgumentError, ResourceExhaustedError, SessionCacheLostError
 from pipesvc.models.gpt import KVCache
 from pipesvc.models.registry import CacheLayout
+from pipesvc.stage.compute.sessions import SessionCaches
 from pipesvc.stage.service import _check_prefix_ref
-from pipesvc.stage.sessions import SessionCaches
 from pipesvc.v1 import stage_pb2
 
 LAYOUT = CacheLayout(tensors=KVCache.tensors, build=KVCache.from_tensors)

@@ -11,7 +11,7 @@ from pipesvc.coordinator.rebalance import _measurements
 from pipesvc.coordinator.stage_registry import StageRecord
 from pipesvc.core.plan import PipelineStage
 from pipesvc.errors import FailedPreconditionError
-from pipesvc.stage.profiler import RECENT, StageProfiler
+from pipesvc.stage.compute.profiler import RECENT, StageProfiler
 from pipesvc.v1 import stage_pb2
 
 

@@ -40,21 +40,19 @@ LAYERS: dict[str, frozenset[str]] = {
 application on top."""
 PURE_LAYERS = ("errors", "name_registry", "models", "storage", "observe", "core")
 """Folders that must never reach gRPC, directly or through another module."""
+STAGE_FOLDERS: dict[str, frozenset[str]] = {
+    # A folder of ``pipesvc.stage``, and which of the stage's folders it may import.
+    "compute": frozenset({"dataplane", "collective"}),  # the step engine, runtime, caches
+    "dataplane": frozenset(),  # mailboxes, frames, shared memory, a link's two sides
+    "collective": frozenset(),  # the gradient group of replicas (gloo)
+    "net": frozenset({"compute", "dataplane"}),  # the gRPC streams between stages
+}
+"""The stage server's modules at the top of ``pipesvc.stage`` (server, service, assignment,
+control, options) are its RPC edge, over all three."""
+PURE_STAGE_FOLDERS = ("compute", "dataplane", "collective")
+"""Stage folders that must never reach gRPC, directly or through another module."""
 PURE_IN_SERVERS = (
-    "pipesvc.stage.engine",
-    "pipesvc.stage.runtime",
-    "pipesvc.stage.mailbox",
-    "pipesvc.stage.frame_wire",
     "pipesvc.stage.options",
-    "pipesvc.stage.microbatch_id",
-    "pipesvc.stage.reader",
-    "pipesvc.stage.sender",
-    "pipesvc.stage.shm_handshake",
-    "pipesvc.stage.shm",
-    "pipesvc.stage.shm_files",
-    "pipesvc.stage.slot_allocator",
-    "pipesvc.stage.malloc",
-    "pipesvc.stage.sessions",
     "pipesvc.coordinator.session",
     "pipesvc.coordinator.placement",
     "pipesvc.coordinator.job_counters",
@@ -62,8 +60,8 @@ PURE_IN_SERVERS = (
     "pipesvc.coordinator.ledger",
     "pipesvc.coordinator.step_log",
 )
-"""The step engine and its parts, and the coordinator's pure planning and state: testable in one
-process without a server."""
+"""The coordinator's pure planning and state, and the stage's options: testable in one process
+without a server."""
 BANNED_MODULES = ("pickle", "cPickle", "_pickle", "marshal", "dill", "shelve")
 BANNED_BUILTINS = ("eval", "exec")
 
@@ -74,7 +72,7 @@ def module_name(path: Path) -> str:
 
 
 def layer_of(module: str) -> str:
-    """``pipesvc.stage.engine`` -> ``stage``; ``pipesvc.client`` -> ``client``."""
+    """``pipesvc.stage.compute.engine`` -> ``stage``; ``pipesvc.client`` -> ``client``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 
@@ -140,10 +138,19 @@ def test_grpc_reach_is_transitive() -> None:
     assert bound["pkg.stub"] == ["pkg.v1.stage_pb2_grpc"]
 
 
+def stage_folder(module: str) -> str:
+    """``pipesvc.stage.compute.engine`` -> ``compute``; ``pipesvc.stage.service`` -> ``""``."""
+    parts = module.split(".")
+    in_folder = len(parts) > 2 and parts[1] == "stage" and parts[2] in STAGE_FOLDERS
+    return parts[2] if in_folder else ""
+
+
 def test_pure_modules_never_reach_grpc() -> None:
     sources = package_sources()
     assert [m for m in PURE_IN_SERVERS if m not in sources] == []
     pure = [m for m in sources if layer_of(m) in PURE_LAYERS] + list(PURE_IN_SERVERS)
+    pure += [m for m in sources if stage_folder(m) in PURE_STAGE_FOLDERS]
+    assert {stage_folder(m) for m in pure} >= set(PURE_STAGE_FOLDERS)
     bound = reaches_grpc(sources)
     assert {m: bound[m] for m in sorted(pure) if m in bound} == {}
 
@@ -160,6 +167,22 @@ def test_every_folder_imports_only_its_lower_layers() -> None:
             if name.startswith("pipesvc.")
         }
         if extra := sorted(layers - allowed - {layer_of(module)}):
+            wrong[module] = extra
+    assert wrong == {}
+
+
+def test_each_stage_folder_imports_only_the_folders_below_it() -> None:
+    wrong = {}
+    for module, source in package_sources().items():
+        folder = stage_folder(module)
+        if not folder:
+            continue
+        reached = {
+            stage_folder(name) or name
+            for name in imported_modules(ast.parse(source), module)
+            if name.startswith("pipesvc.stage.")
+        }
+        if extra := sorted(reached - STAGE_FOLDERS[folder] - {folder}):
             wrong[module] = extra
     assert wrong == {}
 

@@ -14,8 +14,8 @@ from torch import distributed
 
 from pipesvc.coordinator.replicas import Rendezvous
 from pipesvc.errors import StageUnavailableError, StepAbortedError
-from pipesvc.stage import replica_group
-from pipesvc.stage.replica_group import GroupSpec, ReplicaGroup
+from pipesvc.stage.collective import replica_group
+from pipesvc.stage.collective.replica_group import GroupSpec, ReplicaGroup
 from tests.support.faults import free_port
 
 

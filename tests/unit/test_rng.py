@@ -17,8 +17,8 @@ from pipesvc import models
 from pipesvc.core.config import JobConfig
 from pipesvc.errors import InvalidArgumentError
 from pipesvc.models import registry
-from pipesvc.stage import runtime as runtime_module
-from pipesvc.stage.runtime import StageRuntime
+from pipesvc.stage.compute import runtime as runtime_module
+from pipesvc.stage.compute.runtime import StageRuntime
 
 GPT_ARGS = {
     "vocab_size": 17,

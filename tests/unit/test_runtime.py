@@ -9,8 +9,8 @@ import torch
 
 from pipesvc import models
 from pipesvc.core.config import JobConfig
-from pipesvc.stage.malloc import STAGE_GLIBC_TUNABLES, stage_environ
-from pipesvc.stage.runtime import StageRuntime
+from pipesvc.stage.compute.runtime import StageRuntime
+from pipesvc.stage.dataplane.malloc import STAGE_GLIBC_TUNABLES, stage_environ
 
 ARGS = {"in_features": 6, "hidden_features": 10, "out_features": 3, "num_layers": 4}
 NUM_MICROBATCHES = 3

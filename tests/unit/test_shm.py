@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipesvc.errors import WireFormatError
-from pipesvc.stage import shm
-from pipesvc.stage.shm import ALIGN, HEADER_BYTES, ShmArea, ShmView, SlotAllocator
+from pipesvc.stage.dataplane import shm
+from pipesvc.stage.dataplane.shm import ALIGN, HEADER_BYTES, ShmArea, ShmView, SlotAllocator
 
 
 def _area() -> ShmArea:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from pipesvc.stage import shm
-from pipesvc.stage.shm import HEADER_BYTES, ShmArea, ShmView
+from pipesvc.stage.dataplane import shm
+from pipesvc.stage.dataplane.shm import HEADER_BYTES, ShmArea, ShmView
 
 _ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -46,7 +46,7 @@ def test_received_tensor_outlives_its_closed_link() -> None:
     child = _run_child(
         """
         import gc, torch
-        from pipesvc.stage import shm
+        from pipesvc.stage.dataplane import shm
 
         def mapped(name):
             with open("/proc/self/maps") as maps:
@@ -79,7 +79,7 @@ def test_closing_an_area_while_a_thread_writes_into_it() -> None:
     child = _run_child(
         """
         import threading, torch
-        from pipesvc.stage import shm
+        from pipesvc.stage.dataplane import shm
 
         big = torch.randn(4 << 20)  # 16 MiB
         for _ in range(30):
@@ -107,7 +107,7 @@ def test_closing_the_doorbell_while_a_thread_rings() -> None:
     child = _run_child(
         """
         import os, threading
-        from pipesvc.stage import shm
+        from pipesvc.stage.dataplane import shm
 
         for _ in range(200):
             area = shm.ShmArea.create(1 << 20)
@@ -194,7 +194,8 @@ def test_stale_area_of_a_killed_sender_is_removed(tmp_path: Path) -> None:
         [
             sys.executable,
             "-c",
-            "import os, signal; from pipesvc.stage import shm; a = shm.ShmArea.create(1 << 20); "
+            "import os, signal; from pipesvc.stage.dataplane import shm; "
+            "a = shm.ShmArea.create(1 << 20); "
             "print(a.path, flush=True); os.kill(os.getpid(), signal.SIGKILL)",
         ],
         env={**os.environ, "PYTHONPATH": _ROOT},

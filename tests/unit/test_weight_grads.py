@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pipesvc.stage.weight_grads import DeferWeightGrads, WeightGradStore
+from pipesvc.stage.compute.weight_grads import DeferWeightGrads, WeightGradStore
 
 
 def model() -> torch.nn.Module:

@@ -95,8 +95,8 @@ from pipesvc.models import (
     uses_rng,
 )
 from pipesvc.models.carry import Carry, check_carried
-from pipesvc.stage.profiler import FlopCount, StageProfiler, output_bytes
-from pipesvc.stage.weight_grads import DeferWeightGrads, WeightGradStore
+from pipesvc.stage.compute.profiler import FlopCount, StageProfiler, output_bytes
+from pipesvc.stage.compute.weight_grads import DeferWeightGrads, WeightGradStore
 from pipesvc.storage.checkpoint import OPTIM_PREFIX, group_by_layer
 
 _LayerCall = tuple[int, nn.Module, bool, tuple[str, ...], bool, bool]
@@ -377,7 +377,7 @@ class StageRuntime:
     ) -> torch.Tensor:
         """Runs the layers (see [Note: precision]); in training, stochastic ones run seeded.
         With ``deferred`` (a split backward), the linear layers' backward leaves their weight
-        gradients there (see pipesvc.stage.weight_grads)."""
+        gradients there (see pipesvc.stage.compute.weight_grads)."""
         # torch.autocast(enabled=False) costs a few µs per call and changes nothing here
         # (no caller runs a stage inside an autocast region), so it is entered only when on;
         # without either context the layers run directly (see [Note: per-action cost]).
@@ -431,7 +431,7 @@ class StageRuntime:
                     f"layer {index} failed on an input of shape {list(x.shape)} and dtype "
                     f"{x.dtype}: {exc}"
                 ) from exc
-            if profiler is not None:  # a training forward (see pipesvc.stage.profiler)
+            if profiler is not None:  # a training forward (see pipesvc.stage.compute.profiler)
                 seconds = time.perf_counter() - started
                 samples.append((index, seconds, output_bytes(x, self._profile_wire)))
         if profiler is not None:

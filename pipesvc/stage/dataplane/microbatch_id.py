@@ -3,7 +3,7 @@ direction (``MicrobatchId``), and the mapping between wire and mailbox direction
 
 from __future__ import annotations
 
-from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, MailKey
+from pipesvc.stage.dataplane.mailbox import ACTIVATION, GRADIENT, MailKey
 from pipesvc.v1 import stage_pb2
 
 DIRECTIONS = {stage_pb2.ACTIVATION: ACTIVATION, stage_pb2.GRADIENT: GRADIENT}

@@ -2,7 +2,8 @@
 descriptors shared between threads, their mappings, and reading the doorbell FIFO (no gRPC
 here).
 
-See [Note: the shared-memory path] and [Note: shared-memory lifetime] in pipesvc.stage.shm.
+See [Note: the shared-memory path] and [Note: shared-memory lifetime] in
+pipesvc.stage.dataplane.shm.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ into a micro-batch of their own: their tokens left-padded to the longest, and ea
 the last of the new positions, as many as it brought (``CacheRef.positions``). The two kinds
 never share a micro-batch: a part's positions would not be contiguous. Each part keeps a copy
 of its own rows and positions, and the stacked cache goes with its run: a cut would keep the
-whole stacked, padded cache alive (see [Note: cache memory] in ``pipesvc.stage.sessions``), so
-each run stacks its parts' caches again. A model offers
+whole stacked, padded cache alive (see [Note: cache memory] in ``pipesvc.stage.compute.sessions``),
+so each run stacks its parts' caches again. A model offers
 this with a ``CacheLayout`` (how its cache shows its tensors) and by reading
 ``attention_mask``; a model with sliding-window layers does not (a window's cache drops old
 positions, so the rows would not line up) and runs each part as its own micro-batch.
@@ -49,7 +49,7 @@ class StackedCaches:
 
     def split(self) -> list[Any]:
         """Each part's cache after the run: its rows, its own positions and the new ones, copied
-        out of the stacked cache (see [Note: cache memory] in ``pipesvc.stage.sessions``).
+        out of the stacked cache (see [Note: cache memory] in ``pipesvc.stage.compute.sessions``).
 
         Raises:
             InvalidArgumentError: a part adds more positions than the run did, or a part with a

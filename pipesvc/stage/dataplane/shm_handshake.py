@@ -3,8 +3,8 @@
 The sending end (``ShmOutlet``) creates an area, offers it on the stream and, once the peer
 accepts, writes tensors into it and rings the doorbell; the receiving end (``ShmInlet``) maps an
 offered area, answers, and registers the doorbell with the mailbox, whose waiting thread reads
-it. See [Note: the shared-memory path] in pipesvc.stage.shm and [Note: the waiter reads the
-doorbell] in pipesvc.stage.mailbox.
+it. See [Note: the shared-memory path] in pipesvc.stage.dataplane.shm and [Note: the waiter reads
+the doorbell] in pipesvc.stage.dataplane.mailbox.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from google.protobuf.message import DecodeError
 from pipesvc.core.tensor_codec import make_header
 from pipesvc.errors import PipesvcError, StepAbortedError, WireFormatError
 from pipesvc.observe.metrics import Metrics
-from pipesvc.stage.mailbox import MailKey, MailSource
-from pipesvc.stage.microbatch_id import microbatch_id, opposite
-from pipesvc.stage.shm import MAX_AREA_BYTES, ShmArea, ShmView
+from pipesvc.stage.dataplane.mailbox import MailKey, MailSource
+from pipesvc.stage.dataplane.microbatch_id import microbatch_id, opposite
+from pipesvc.stage.dataplane.shm import MAX_AREA_BYTES, ShmArea, ShmView
 from pipesvc.v1 import stage_pb2
 
 logger = logging.getLogger(__name__)

@@ -13,12 +13,12 @@ import torch
 from pipesvc.core.tensor_codec import CodecLimits, FrameAssembler, check_header, view_as_header
 from pipesvc.errors import PipesvcError, WireFormatError
 from pipesvc.observe.metrics import Metrics
-from pipesvc.stage.frame_wire import InFrame
-from pipesvc.stage.mailbox import PARTS, Mailbox, MailKey
-from pipesvc.stage.microbatch_id import DIRECTIONS
-from pipesvc.stage.sender import Sender
-from pipesvc.stage.shm import ShmView
-from pipesvc.stage.shm_handshake import ShmInlet
+from pipesvc.stage.dataplane.frame_wire import InFrame
+from pipesvc.stage.dataplane.mailbox import PARTS, Mailbox, MailKey
+from pipesvc.stage.dataplane.microbatch_id import DIRECTIONS
+from pipesvc.stage.dataplane.sender import Sender
+from pipesvc.stage.dataplane.shm import ShmView
+from pipesvc.stage.dataplane.shm_handshake import ShmInlet
 from pipesvc.v1 import stage_pb2
 
 
@@ -30,7 +30,7 @@ class FrameReader:
     once it has mapped the peer's area hands its doorbell to the mailbox, whose waiting thread
     reads it: each tensor goes to the mailbox and an error to ``fail``. ``on_first_accepted``
     runs once, before the first tensor the mailbox accepts from it becomes visible to a waiter
-    (see [Note: the link before the tensor] in pipesvc.stage.links).
+    (see [Note: the link before the tensor] in pipesvc.stage.net.links).
     """
 
     def __init__(

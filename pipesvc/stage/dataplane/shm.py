@@ -23,8 +23,8 @@ its slots until a backward that needs the very tensor being sent.
 Beside the area the sender makes a FIFO (the area's name plus ``.bell``), the *doorbell*: once
 the offer is accepted, a tensor's header and slot (a few hundred bytes) are written to it by the
 sending thread itself, and the receiver's thread waiting for that tensor (polling the doorbell
-itself, see [Note: the waiter reads the doorbell] in pipesvc.stage.mailbox) reads and delivers
-it.
+itself, see [Note: the waiter reads the doorbell] in pipesvc.stage.dataplane.mailbox) reads and
+delivers it.
 The stream stays the control path (offer, answer, fallback frames) and the liveness signal;
 the doorbell takes gRPC's per-message cost (queues, its threads and completion queues on both
 sides) off every activation and gradient, which is what small micro-batches are bound by. A
@@ -37,12 +37,12 @@ neighbour) can unmap memory or close an fd under a thread still using it. The ``
 closed explicitly: closing an area or a view only drops its own references, and the mapping
 goes with the last Python object over it; every tensor over it holds one (``torch.frombuffer``
 references the mmap, ``numpy.frombuffer`` exports it, and a copy in flight holds the byte
-tensor in a local). The area's fd and the doorbell's fd are ``SharedFd`` (pipesvc.stage.shm_files):
-a call uses the fd under a count, closing only marks it closed, and the last user closes the
-number, so a write never lands on a reused fd number. The doorbell's reading end is closed by
-the mailbox polling it, once no poll uses it (``Mailbox.remove_source``). Waits on the doorbell
-poll with a short timeout and end when their side is closed (or the caller cancels), so closing
-wakes every waiter.
+tensor in a local). The area's fd and the doorbell's fd are ``SharedFd``
+(pipesvc.stage.dataplane.shm_files): a call uses the fd under a count, closing only marks it closed,
+and the last user closes the number, so a write never lands on a reused fd number. The doorbell's
+reading end is closed by the mailbox polling it, once no poll uses it (``Mailbox.remove_source``).
+Waits on the doorbell poll with a short timeout and end when their side is closed (or the caller
+cancels), so closing wakes every waiter.
 
 Pages of a tmpfs file are allocated on first touch; writing to one when ``/dev/shm`` is full
 raises SIGBUS. The sender therefore reserves pages with ``posix_fallocate`` before it first
@@ -78,7 +78,7 @@ import numpy
 import torch
 
 from pipesvc.errors import WireFormatError
-from pipesvc.stage.shm_files import (
+from pipesvc.stage.dataplane.shm_files import (
     AREA_NAME,
     BELL_SUFFIX,
     POLL_S,
@@ -91,7 +91,7 @@ from pipesvc.stage.shm_files import (
     read_some,
     remove_stale_areas,
 )
-from pipesvc.stage.slot_allocator import ALIGN, Slot, SlotAllocator
+from pipesvc.stage.dataplane.slot_allocator import ALIGN, Slot, SlotAllocator
 
 __all__ = [
     "ALIGN",

@@ -1,7 +1,7 @@
 """One direction of an Exchange stream: the tensors (and control frames) a stage sends.
 
 Sends wait only in short polls and fail once the stream ended or the run was aborted (see
-[Note: bounded waits] in pipesvc.stage.links). No gRPC here: gRPC pulls ``frames()``.
+[Note: bounded waits] in pipesvc.stage.net.links). No gRPC here: gRPC pulls ``frames()``.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import torch
 from pipesvc.core.tensor_codec import STREAM_FRAME_BYTES, frame_views
 from pipesvc.errors import PipesvcError, StageUnavailableError, StepAbortedError
 from pipesvc.observe.metrics import NO_METRICS, Metrics
-from pipesvc.stage.frame_wire import OutFrame
-from pipesvc.stage.mailbox import MailKey
-from pipesvc.stage.microbatch_id import microbatch_id
-from pipesvc.stage.shm import DEFAULT_AREA_BYTES
-from pipesvc.stage.shm_handshake import ShmOutlet
+from pipesvc.stage.dataplane.frame_wire import OutFrame
+from pipesvc.stage.dataplane.mailbox import MailKey
+from pipesvc.stage.dataplane.microbatch_id import microbatch_id
+from pipesvc.stage.dataplane.shm import DEFAULT_AREA_BYTES
+from pipesvc.stage.dataplane.shm_handshake import ShmOutlet
 from pipesvc.v1 import stage_pb2
 
 SEND_QUEUE_ITEMS = 64

@@ -4,7 +4,8 @@ The upstream stage opens ``Exchange`` on its downstream neighbour once per job a
 activation frames flow down the request side, gradient frames come back on the response side.
 Encoding and sending run on gRPC's stream threads, fed by bounded queues, so a stage computes
 the next micro-batch while the previous one is on the wire. Between stages on one host the
-payloads go through shared memory instead (see [Note: the shared-memory path] in pipesvc.stage.shm).
+payloads go through shared memory instead (see [Note: the shared-memory path] in
+pipesvc.stage.dataplane.shm).
 
 [Note: bounded waits] No wait in the data plane outlives the stream or the run it serves. A
 send waits for room in its queue (or the doorbell's pipe) in short polls, and fails at once
@@ -25,9 +26,9 @@ for frames), so it showed only under load, in the fault tests. Hence the reader 
 the link first, once the mailbox says it would accept the tensor (``Mailbox.accepts``), then
 puts it.
 
-Each link pairs a ``Sender`` (pipesvc.stage.sender) for the direction it sends with a
-``FrameReader`` (pipesvc.stage.reader) for the other, wired so that the reader answers
-shared-memory offers through the sender (pipesvc.stage.shm_handshake).
+Each link pairs a ``Sender`` (pipesvc.stage.dataplane.sender) for the direction it sends with a
+``FrameReader`` (pipesvc.stage.dataplane.reader) for the other, wired so that the reader answers
+shared-memory offers through the sender (pipesvc.stage.dataplane.shm_handshake).
 """
 
 from __future__ import annotations
@@ -42,12 +43,12 @@ import torch
 from pipesvc.core.tensor_codec import CodecLimits
 from pipesvc.errors import PipesvcError, StageUnavailableError
 from pipesvc.observe.metrics import NO_METRICS, Metrics
-from pipesvc.stage.frame_wire import InFrame, OutFrame, parse, serialize
-from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
-from pipesvc.stage.microbatch_id import opposite
-from pipesvc.stage.reader import FrameReader
-from pipesvc.stage.sender import Sender
-from pipesvc.stage.shm import DEFAULT_AREA_BYTES
+from pipesvc.stage.dataplane.frame_wire import InFrame, OutFrame, parse, serialize
+from pipesvc.stage.dataplane.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
+from pipesvc.stage.dataplane.microbatch_id import opposite
+from pipesvc.stage.dataplane.reader import FrameReader
+from pipesvc.stage.dataplane.sender import Sender
+from pipesvc.stage.dataplane.shm import DEFAULT_AREA_BYTES
 from pipesvc.v1 import stage_pb2
 from pipesvc.wire.rpc_status import error_from_rpc
 

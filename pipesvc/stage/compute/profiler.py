@@ -2,7 +2,7 @@
 
 Per layer: forward seconds and output bytes per micro-batch; per stage: backward seconds per
 micro-batch, and the rate of its send calls downstream (puts into the sender's queue: not the
-link's rate, which ``pipesvc.stage.probe`` measures). Each is a running mean that turns into an
+link's rate, which ``pipesvc.stage.net.probe`` measures). Each is a running mean that turns into an
 exponential one (weight ``RECENT``) once it has that many samples behind it, so it follows a
 stage that slows down while it trains.
 

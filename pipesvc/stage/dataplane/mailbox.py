@@ -5,8 +5,8 @@ once: a duplicate is dropped, a key of a finished run is stale and dropped, and 
 aborted wakes its waiter with StepAbortedError. So no tensor is ever applied twice.
 
 [Note: the waiter reads the doorbell] Tensors from a neighbour on the same host arrive as
-doorbell messages (see [Note: the shared-memory path] in pipesvc.stage.shm). No thread of its
-own reads a doorbell: a link registers it here as a ``MailSource``, and the thread waiting in
+doorbell messages (see [Note: the shared-memory path] in pipesvc.stage.dataplane.shm). No thread of
+its own reads a doorbell: a link registers it here as a ``MailSource``, and the thread waiting in
 ``get`` polls the doorbells itself and delivers what they hold, which saves a thread hand-off
 per tensor (a wake-up of the reader, then of the waiter, each a context switch and a fight for
 the GIL). While nobody waits, messages stay in the pipe: the schedule takes tensors only in

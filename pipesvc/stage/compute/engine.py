@@ -32,8 +32,8 @@ backwards are split are worked out once (``_plan``); the timeout messages of wai
 once; each layer's call plan (seeded or not, side inputs, cache) is fixed when it is built, so a
 layer without randomness runs with no generator touched and a stochastic one under its seed as
 before (see [Note: training randomness]); autocast and the split backward's hooks are entered
-only when on; spans are cheap (see [Note: cheap spans] in ``pipesvc.stage.recorder``). None of
-this changes what is computed, or in which order.
+only when on; spans are cheap (see [Note: cheap spans] in ``pipesvc.stage.compute.recorder``). None
+of this changes what is computed, or in which order.
 """
 
 from __future__ import annotations
@@ -51,13 +51,13 @@ from pipesvc.core.microbatch import MicrobatchCaches
 from pipesvc.core.schedule import Action, ActionKind, forward_only_actions, stage_actions
 from pipesvc.errors import FailedPreconditionError, InvalidArgumentError
 from pipesvc.observe.metrics import NO_METRICS, Metrics
-from pipesvc.stage import fused_cache
-from pipesvc.stage.faults import FaultKill
-from pipesvc.stage.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
-from pipesvc.stage.recorder import RunRecorder
-from pipesvc.stage.replica_group import GroupSpec, ReplicaGroup, parked
-from pipesvc.stage.runtime import StageRuntime
-from pipesvc.stage.sessions import SessionCaches
+from pipesvc.stage.collective.replica_group import GroupSpec, ReplicaGroup, parked
+from pipesvc.stage.compute import fused_cache
+from pipesvc.stage.compute.faults import FaultKill
+from pipesvc.stage.compute.recorder import RunRecorder
+from pipesvc.stage.compute.runtime import StageRuntime
+from pipesvc.stage.compute.sessions import SessionCaches
+from pipesvc.stage.dataplane.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
 
 logger = logging.getLogger(__name__)
 

@@ -312,8 +312,8 @@ class SessionCaches:
 
     def put(self, ref: CacheRef, cache: Any) -> None:
         """Replaces the cache of ``ref``'s part (after a fused run cut it back, see [Note: fused
-        decode] in ``pipesvc.stage.fused_cache``), copying what it keeps if it is a view (see
-        [Note: cache memory])."""
+        decode] in ``pipesvc.stage.compute.fused_cache``), copying what it keeps if it is a view
+        (see [Note: cache memory])."""
         kept = compact(cache, self._layout)
         with self._lock:
             self._caches[(ref.session, ref.part)] = kept

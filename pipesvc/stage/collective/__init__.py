@@ -1,0 +1,2 @@
+"""The gradient group of a rank's replicas (data parallel x pipeline): an all-reduce over gloo,
+not gRPC."""
