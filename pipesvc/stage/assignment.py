@@ -23,7 +23,13 @@ from collections.abc import Callable
 import grpc
 import torch
 
-from pipesvc.errors import FailedPreconditionError
+from pipesvc import models
+from pipesvc.core.config import JobConfig, config_from_proto
+from pipesvc.core.link_codecs import stage_codecs
+from pipesvc.core.plan import PipelineStage
+from pipesvc.core.tensor_codec import CodecLimits
+from pipesvc.core.tying import stage_ties
+from pipesvc.errors import FailedPreconditionError, InvalidArgumentError
 from pipesvc.stage.collective.replica_group import ReplicaGroup
 from pipesvc.stage.compute.engine import StepEngine
 from pipesvc.stage.compute.recorder import RunRecorder
@@ -33,6 +39,8 @@ from pipesvc.stage.dataplane.mailbox import MAX_ITEMS, PARTS, Mailbox, MailKey
 from pipesvc.stage.net.links import DownstreamLink, UpstreamLink
 from pipesvc.stage.net.tied_link import TiedLink
 from pipesvc.stage.options import StageOptions
+from pipesvc.v1 import stage_pb2
+from pipesvc.wire.transport import split_address
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +94,81 @@ class Assignment:
         )
         self._expiry = ExpiryTimer(
             self.engine.expire_sessions, expiry_interval(options.session_idle_s)
+        )
+
+    @classmethod
+    def build(
+        cls,
+        request: stage_pb2.AssignRequest,
+        config: JobConfig,
+        chunks: list[tuple[int, int]],
+        *,
+        options: StageOptions,
+        dial: Callable[[str], grpc.Channel],
+        codec: CodecLimits,
+    ) -> Assignment:
+        """The job an Assign describes (checked by ``check_assign``): its runtime with the
+        layers built, the tied-weight link and the replicas' gradient group where it has them,
+        its engine and its links.
+
+        Raises:
+            InvalidArgumentError: the model refuses its arguments.
+            ResourceExhaustedError: the layers do not fit.
+        """
+        stage = request.stage
+        groups = models.tied_parameters(config.model, config.model_args)
+        ties = stage_ties(groups, _plan_ranges(request), stage.rank) if groups else None
+        runtime = StageRuntime(
+            config=config,
+            start_layer=stage.start_layer,
+            end_layer=stage.end_layer,
+            rank=stage.rank,
+            num_stages=request.num_stages,
+            device=options.device,
+            ties=ties,
+            chunks=chunks,
+            links=stage_codecs(
+                config, [PipelineStage.from_proto(p) for p in request.plan], stage.rank
+            ),
+        )
+        tied = None
+        if runtime.ties.peers:
+            params = dict(runtime.module.named_parameters())
+            tied = TiedLink(
+                job_id=request.job_id,
+                epoch=request.plan_epoch,
+                rank=stage.rank,
+                ties=runtime.ties,
+                shapes={
+                    g: (tuple(params[keys[0]].shape), params[keys[0]].dtype)
+                    for g, keys in runtime.ties.local.items()
+                },
+                addresses={p.rank: p.address for p in request.plan},
+                dial=dial,
+                limits=codec,
+                timeout_s=options.recv_timeout_s,
+            )
+        replicas = None
+        if request.num_replicas > 1:
+            replicas = ReplicaGroup(
+                job_id=request.job_id,
+                epoch=request.plan_epoch,
+                rank=stage.rank,
+                replica=stage.replica,
+                num_replicas=request.num_replicas,
+                own_host=split_address(options.address)[0],
+                coordinator_host=options.coordinator_host,
+                timeout_s=options.recv_timeout_s,
+            )
+        return cls(
+            job_id=request.job_id,
+            epoch=request.plan_epoch,
+            runtime=runtime,
+            downstream_address=request.downstream_address,
+            options=options,
+            dial=dial,
+            tied=tied,
+            replicas=replicas,
         )
 
     @property
@@ -156,3 +239,89 @@ class Assignment:
             logger.warning(
                 "job %s: a run is still computing; its memory is freed when it ends", self.job_id
             )
+
+
+def check_assign(request: stage_pb2.AssignRequest) -> tuple[JobConfig, list[tuple[int, int]]]:
+    """An Assign's job configuration and this stage's layer ranges, checked before anything
+    of the stage changes.
+
+    Raises:
+        InvalidArgumentError: no job id, a rank or replica out of range, a downstream address
+            where none belongs (or none where one does), or a plan that disagrees with the
+            stage's own entry.
+    """
+    if not request.job_id:
+        raise InvalidArgumentError("job_id must not be empty")
+    config = config_from_proto(request.spec)
+    stage = request.stage
+    if not stage.rank < request.num_stages:
+        raise InvalidArgumentError(
+            f"rank ({stage.rank}) must be below num_stages ({request.num_stages})"
+        )
+    chunks = _chunk_ranges(request)
+    is_last = stage.rank == request.num_stages - 1 and len(chunks) == 1
+    if is_last == bool(request.downstream_address):
+        raise InvalidArgumentError(
+            f"rank {stage.rank} of {request.num_stages} got downstream address "
+            f"{request.downstream_address!r}; only the last stage has none (and none "
+            "when the stages hold several layer ranges each)"
+        )
+    if request.num_replicas > 1 and not stage.replica < request.num_replicas:
+        raise InvalidArgumentError(
+            f"replica ({stage.replica}) must be below num_replicas ({request.num_replicas})"
+        )
+    if models.tied_parameters(config.model, config.model_args):
+        _plan_ranges(request)  # refused here, before the old job is dropped
+    return config, chunks
+
+
+def _chunk_ranges(request: stage_pb2.AssignRequest) -> list[tuple[int, int]]:
+    """This stage's layer ranges, chunk 0 first (see [Note: virtual stages]): its own entry,
+    then those of its rank in the plan an Assign carries.
+
+    Raises:
+        InvalidArgumentError: the plan's entries of this rank are not chunks 0, 1, ... in
+            layer order, or chunk 0 is not the stage's own range.
+    """
+    stage = request.stage
+    mine = sorted((p for p in request.plan if p.rank == stage.rank), key=lambda p: p.chunk)
+    if not mine:
+        return [(stage.start_layer, stage.end_layer)]
+    ranges = [(p.start_layer, p.end_layer) for p in mine]
+    if [p.chunk for p in mine] != list(range(len(mine))) or ranges[0] != (
+        stage.start_layer,
+        stage.end_layer,
+    ):
+        raise InvalidArgumentError(
+            f"the plan gives rank {stage.rank} chunks {[p.chunk for p in mine]} with layers "
+            f"{ranges}; expected chunks 0, 1, ... starting with [{stage.start_layer}, "
+            f"{stage.end_layer})"
+        )
+    if len(ranges) != request.spec.virtual_stages and request.spec.virtual_stages > 1:
+        raise InvalidArgumentError(
+            f"the plan gives rank {stage.rank} {len(ranges)} layer ranges; the job has "
+            f"virtual_stages {request.spec.virtual_stages}"
+        )
+    return ranges
+
+
+def _plan_ranges(request: stage_pb2.AssignRequest) -> list[tuple[int, int]]:
+    """Each rank's layer range from the plan an Assign carries (for tied parameters).
+
+    Raises:
+        InvalidArgumentError: the plan does not list each rank once, or disagrees with the
+            stage's own entry.
+    """
+    by_rank = {p.rank: (p.start_layer, p.end_layer) for p in request.plan}
+    own = request.stage
+    if sorted(by_rank) != list(range(request.num_stages)) or len(request.plan) != len(by_rank):
+        raise InvalidArgumentError(
+            f"the plan lists ranks {sorted(p.rank for p in request.plan)}; a model with tied "
+            f"parameters needs each of the {request.num_stages} ranks once"
+        )
+    if by_rank[own.rank] != (own.start_layer, own.end_layer):
+        raise InvalidArgumentError(
+            f"the plan gives rank {own.rank} layers {list(by_rank[own.rank])}; the stage entry "
+            f"says [{own.start_layer}, {own.end_layer}]"
+        )
+    return [by_rank[r] for r in range(request.num_stages)]

@@ -21,13 +21,10 @@ import grpc
 import torch
 
 from pipesvc import models
-from pipesvc.core.config import JobConfig, config_from_proto, parse_json_object
+from pipesvc.core.config import JobConfig, parse_json_object
 from pipesvc.core.limits import MAX_MICROBATCHES
-from pipesvc.core.link_codecs import stage_codecs
 from pipesvc.core.microbatch import CacheRef, MicrobatchCaches
-from pipesvc.core.plan import PipelineStage
 from pipesvc.core.tensor_codec import decode, encode, named_frames, read_named_frames
-from pipesvc.core.tying import stage_ties
 from pipesvc.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -36,17 +33,15 @@ from pipesvc.errors import (
     StepAbortedError,
     WireFormatError,
 )
-from pipesvc.stage.assignment import Assignment
-from pipesvc.stage.collective.replica_group import GroupSpec, ReplicaGroup
+from pipesvc.stage.assignment import Assignment, check_assign
+from pipesvc.stage.collective.replica_group import GroupSpec
 from pipesvc.stage.compute.engine import Carried, RunInputs
 from pipesvc.stage.compute.profiler import calibrate
-from pipesvc.stage.compute.runtime import StageRuntime
 from pipesvc.stage.control import ControlServer
 from pipesvc.stage.dataplane.frame_wire import OutFrame
 from pipesvc.stage.dataplane.malloc import give_back
 from pipesvc.stage.net import probe
 from pipesvc.stage.net.links import UpstreamLink
-from pipesvc.stage.net.tied_link import TiedLink
 from pipesvc.stage.options import StageOptions
 from pipesvc.v1 import common_pb2, stage_pb2, stage_pb2_grpc
 from pipesvc.wire.control_wire import Reply, Unreadable, failed, ok
@@ -80,58 +75,6 @@ def _carried(request: stage_pb2.RunStepRequest) -> Carried | None:
     carried = request.commit
     scale = carried.grad_scale if carried.HasField("grad_scale") else None
     return Carried(run_id=carried.run_id, grad_scale=scale, snapshot=carried.snapshot)
-
-
-def _chunk_ranges(request: stage_pb2.AssignRequest) -> list[tuple[int, int]]:
-    """This stage's layer ranges, chunk 0 first (see [Note: virtual stages]): its own entry,
-    then those of its rank in the plan an Assign carries.
-
-    Raises:
-        InvalidArgumentError: the plan's entries of this rank are not chunks 0, 1, ... in
-            layer order, or chunk 0 is not the stage's own range.
-    """
-    stage = request.stage
-    mine = sorted((p for p in request.plan if p.rank == stage.rank), key=lambda p: p.chunk)
-    if not mine:
-        return [(stage.start_layer, stage.end_layer)]
-    ranges = [(p.start_layer, p.end_layer) for p in mine]
-    if [p.chunk for p in mine] != list(range(len(mine))) or ranges[0] != (
-        stage.start_layer,
-        stage.end_layer,
-    ):
-        raise InvalidArgumentError(
-            f"the plan gives rank {stage.rank} chunks {[p.chunk for p in mine]} with layers "
-            f"{ranges}; expected chunks 0, 1, ... starting with [{stage.start_layer}, "
-            f"{stage.end_layer})"
-        )
-    if len(ranges) != request.spec.virtual_stages and request.spec.virtual_stages > 1:
-        raise InvalidArgumentError(
-            f"the plan gives rank {stage.rank} {len(ranges)} layer ranges; the job has "
-            f"virtual_stages {request.spec.virtual_stages}"
-        )
-    return ranges
-
-
-def _plan_ranges(request: stage_pb2.AssignRequest) -> list[tuple[int, int]]:
-    """Each rank's layer range from the plan an Assign carries (for tied parameters).
-
-    Raises:
-        InvalidArgumentError: the plan does not list each rank once, or disagrees with the
-            stage's own entry.
-    """
-    by_rank = {p.rank: (p.start_layer, p.end_layer) for p in request.plan}
-    own = request.stage
-    if sorted(by_rank) != list(range(request.num_stages)) or len(request.plan) != len(by_rank):
-        raise InvalidArgumentError(
-            f"the plan lists ranks {sorted(p.rank for p in request.plan)}; a model with tied "
-            f"parameters needs each of the {request.num_stages} ranks once"
-        )
-    if by_rank[own.rank] != (own.start_layer, own.end_layer):
-        raise InvalidArgumentError(
-            f"the plan gives rank {own.rank} layers {list(by_rank[own.rank])}; the stage entry "
-            f"says [{own.start_layer}, {own.end_layer}]"
-        )
-    return [by_rank[r] for r in range(request.num_stages)]
 
 
 @functools.lru_cache(maxsize=8)
@@ -246,99 +189,30 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
 
     @handle_errors
     def Assign(self, request: stage_pb2.AssignRequest, context: object) -> stage_pb2.AssignResponse:
-        if not request.job_id:
-            raise InvalidArgumentError("job_id must not be empty")
-        config = config_from_proto(request.spec)
-        stage = request.stage
-        if not stage.rank < request.num_stages:
-            raise InvalidArgumentError(
-                f"rank ({stage.rank}) must be below num_stages ({request.num_stages})"
-            )
-        chunks = _chunk_ranges(request)
-        is_last = stage.rank == request.num_stages - 1 and len(chunks) == 1
-        if is_last == bool(request.downstream_address):
-            raise InvalidArgumentError(
-                f"rank {stage.rank} of {request.num_stages} got downstream address "
-                f"{request.downstream_address!r}; only the last stage has none (and none "
-                "when the stages hold several layer ranges each)"
-            )
+        config, chunks = check_assign(request)
         with self._lock:
             previous = self._job
         if previous is not None and previous.job_id != request.job_id:
             # The coordinator is the authority: a stage it declared lost and now reuses may
             # still hold an old job, which is dropped here.
             logger.warning("dropping job %s to serve job %s", previous.job_id, request.job_id)
-        groups = models.tied_parameters(config.model, config.model_args)
-        ties = stage_ties(groups, _plan_ranges(request), stage.rank) if groups else None
-        if request.num_replicas > 1 and not stage.replica < request.num_replicas:
-            raise InvalidArgumentError(
-                f"replica ({stage.replica}) must be below num_replicas ({request.num_replicas})"
-            )
         if previous is not None and not self._fits_beside(previous, config, chunks):
             self._drop(previous, request.downstream_address)
-        runtime = StageRuntime(
-            config=config,
-            start_layer=stage.start_layer,
-            end_layer=stage.end_layer,
-            rank=stage.rank,
-            num_stages=request.num_stages,
-            device=self._options.device,
-            ties=ties,
-            chunks=chunks,
-            links=stage_codecs(
-                config, [PipelineStage.from_proto(p) for p in request.plan], stage.rank
-            ),
-        )
-        tied = None
-        if runtime.ties.peers:
-            params = dict(runtime.module.named_parameters())
-            tied = TiedLink(
-                job_id=request.job_id,
-                epoch=request.plan_epoch,
-                rank=stage.rank,
-                ties=runtime.ties,
-                shapes={
-                    g: (tuple(params[keys[0]].shape), params[keys[0]].dtype)
-                    for g, keys in runtime.ties.local.items()
-                },
-                addresses={p.rank: p.address for p in request.plan},
-                dial=self._dial,
-                limits=self._codec,
-                timeout_s=self._options.recv_timeout_s,
-            )
-        replicas = None
-        if request.num_replicas > 1:
-            replicas = ReplicaGroup(
-                job_id=request.job_id,
-                epoch=request.plan_epoch,
-                rank=stage.rank,
-                replica=stage.replica,
-                num_replicas=request.num_replicas,
-                own_host=split_address(self._options.address)[0],
-                coordinator_host=self._options.coordinator_host,
-                timeout_s=self._options.recv_timeout_s,
-            )
-        assignment = Assignment(
-            job_id=request.job_id,
-            epoch=request.plan_epoch,
-            runtime=runtime,
-            downstream_address=request.downstream_address,
-            options=self._options,
-            dial=self._dial,
-            tied=tied,
-            replicas=replicas,
+        assignment = Assignment.build(
+            request, config, chunks, options=self._options, dial=self._dial, codec=self._codec
         )
         with self._lock:
             previous, self._job = self._job, assignment
         if previous is not None:
             previous.close()
             self._close_channel(previous.downstream_address, request.downstream_address)
+        runtime = assignment.engine.runtime
         logger.info(
             "job %s: holding layers [%d, %d) as rank %d of %d (%d parameters)",
             request.job_id,
-            stage.start_layer,
-            stage.end_layer,
-            stage.rank,
+            request.stage.start_layer,
+            request.stage.end_layer,
+            request.stage.rank,
             request.num_stages,
             runtime.num_parameters,
         )
