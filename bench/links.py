@@ -445,7 +445,7 @@ def pipesvc_client(coordinator: str, schedule: str, counters: str, runs: Sequenc
 
     import pipesvc
     from bench import pipeline as base
-    from pipesvc.core.partition import uniform
+    from pipesvc.core.planning.partition import uniform
     from pipesvc.v1 import stage_pb2, stage_pb2_grpc
     from pipesvc.wire.security import Security
     from pipesvc.wire.transport import open_channel

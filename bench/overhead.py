@@ -63,7 +63,7 @@ import pipesvc  # noqa: E402
 from bench import pipeline as base  # noqa: E402
 from pipesvc.coordinator.database import JobRecord, StateDB  # noqa: E402
 from pipesvc.coordinator.step_log import LoggedBatch, StepLog  # noqa: E402
-from pipesvc.core.partition import uniform  # noqa: E402
+from pipesvc.core.planning.partition import uniform  # noqa: E402
 from pipesvc.observe.trace import StageTimeline  # noqa: E402
 
 BATCH, NUM_MICROBATCHES, LR = 64, 4, 1e-3

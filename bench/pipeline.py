@@ -1,6 +1,7 @@
 """Training steps/s: pipesvc vs torch.distributed.pipelining vs one process, same model.
 
-Two models, each split uniformly (``pipesvc.core.partition.uniform``: equal layer counts) over 2 or
+Two models, each split uniformly (``pipesvc.core.planning.partition.uniform``: equal layer counts)
+over 2 or
 4 stages, 8 micro-batches, SGD (lr 1e-3), one torch thread per stage process:
 
 - mlp: 8 x (Linear(1024, 1024) + ReLU) (``bench-mlp``), batch 64, MSE loss.
@@ -57,7 +58,7 @@ import torch
 import torch.nn.functional as F
 
 import pipesvc
-from pipesvc.core.partition import uniform
+from pipesvc.core.planning.partition import uniform
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WIDTH, DEPTH, BATCH, NUM_MICROBATCHES, LR = 1024, 8, 64, 8, 1e-3

@@ -85,8 +85,8 @@ from pipesvc.core import microbatch
 from pipesvc.core.config import JobConfig, config_from_dict, config_to_proto
 from pipesvc.core.microbatch import RunBatch
 from pipesvc.core.optim import trains
-from pipesvc.core.partition import get_partition
 from pipesvc.core.plan import PipelineStage, plan_from_dicts
+from pipesvc.core.planning.partition import get_partition
 from pipesvc.core.settle import REBALANCE_EVERY, Policy
 from pipesvc.core.tensor_codec import decode
 from pipesvc.errors import (
@@ -719,7 +719,7 @@ def create_job(
         PlanError: fewer free stages than ``num_stages``.
     """
     layers = planner.describe(registry, config, deadlines.control_s)
-    plan = planner.first_plan(registry, config, layers, job_id)
+    plan = planner.plan_job(registry, config, layers, job_id)
     planner.place(registry, plan)
     driver = JobDriver(
         job_id=job_id,

@@ -12,12 +12,12 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 
-from pipesvc.coordinator import placement
 from pipesvc.coordinator.stage_calls import call_stage
 from pipesvc.coordinator.stage_registry import StageRecord, StageRegistry
 from pipesvc.core.config import JobConfig
 from pipesvc.core.health import Health
 from pipesvc.core.plan import PipelineStage, servers_of
+from pipesvc.core.planning import placement
 from pipesvc.errors import InvalidArgumentError, PlanError, UnknownModelError
 from pipesvc.v1 import stage_pb2
 
@@ -102,7 +102,7 @@ def describe(
     return list(reply.layers)
 
 
-def first_plan(
+def plan_job(
     registry: StageRegistry,
     config: JobConfig,
     layers: Sequence[stage_pb2.LayerDescription],
@@ -133,7 +133,7 @@ def spare_candidates(
     return [r for r in registry.free(config.model) if r.address not in lost]
 
 
-def replan(
+def plan_after_loss(
     registry: StageRegistry,
     config: JobConfig,
     layers: Sequence[stage_pb2.LayerDescription],

@@ -1,5 +1,5 @@
 """Measuring a job's stages and moving its layers between steps (see [Note: throughput plan]
-in ``pipesvc.core.throughput``).
+in ``pipesvc.core.planning.throughput``).
 
 [Note: replan] ``Replanner.apply`` moves a running job to a new plan between two steps: it
 commits the decided step everywhere, writes a checkpoint of every stage's weights and
@@ -38,13 +38,12 @@ import statistics
 from concurrent import futures
 from dataclasses import dataclass
 
-from pipesvc.coordinator import placement, planner
+from pipesvc.coordinator import planner
 from pipesvc.coordinator.checkpointer import Checkpointer
 from pipesvc.coordinator.ledger import Ledger
 from pipesvc.coordinator.recovery import Recovery
 from pipesvc.coordinator.stage_group import StageGroup
 from pipesvc.coordinator.stage_registry import StageRecord
-from pipesvc.core import throughput
 from pipesvc.core.config import WIRE_AUTO, JobConfig
 from pipesvc.core.link_codecs import (
     Codecs,
@@ -58,6 +57,7 @@ from pipesvc.core.link_codecs import (
     wire_fraction,
 )
 from pipesvc.core.plan import PipelineStage
+from pipesvc.core.planning import placement, throughput
 from pipesvc.core.settle import Policy, Settler
 from pipesvc.errors import FailedPreconditionError, PipesvcError, PlanError
 from pipesvc.v1 import stage_pb2

@@ -145,7 +145,7 @@ class Recovery:
             health = health_of(
                 group.registry, [r.address for r in candidates], group.deadlines.health_s
             )
-            group.plan = planner.replan(
+            group.plan = planner.plan_after_loss(
                 group.registry,
                 group.config,
                 group.layers,

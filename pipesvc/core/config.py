@@ -13,7 +13,7 @@ from pipesvc.core.limits import MAX_MICROBATCHES
 from pipesvc.core.loss import check_loss
 from pipesvc.core.model_args import INPUT_DTYPES, MAX_INPUT_DIMS, check_model_args
 from pipesvc.core.optim import DEFAULT_OPTIMIZER, check_optimizer
-from pipesvc.core.partition import get_partition
+from pipesvc.core.planning.partition import get_partition
 from pipesvc.core.schedule import check_virtual_stages, get_schedule
 from pipesvc.errors import InvalidArgumentError
 from pipesvc.v1 import common_pb2
@@ -68,9 +68,9 @@ class JobConfig:
     loss: str = "cross_entropy"
     """``cross_entropy`` or ``mse``, mean-reduced."""
     partition: str = "parameters"
-    """A registered partition method (``pipesvc.core.partition.partition_names()``): ``parameters``
-    (balance parameter counts), ``uniform`` (equal layer counts), ``memory`` (balance each
-    stage's memory estimate against its budget), ``throughput`` (the fastest step from the
+    """A registered partition method (``pipesvc.core.planning.partition.partition_names()``):
+    ``parameters`` (balance parameter counts), ``uniform`` (equal layer counts), ``memory`` (balance
+    each stage's memory estimate against its budget), ``throughput`` (the fastest step from the
     stages' measured speeds: balanced by parameters for the first steps, then measured and
     re-planned, and again when the cluster changes; see [Note: settling] in
     ``pipesvc.core.settle``), or any registered

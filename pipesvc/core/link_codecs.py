@@ -17,7 +17,7 @@ plan entry whose ``link_codec`` is set overrides the rule for the link out of th
 
 [Note: automatic codecs] ``wire_dtype="auto"`` compresses a link only where the link is what
 the step waits for. With the throughput model (see [Note: throughput plan] in
-``pipesvc.core.throughput``), a link between hosts is the bottleneck when moving one
+``pipesvc.core.planning.throughput``), a link between hosts is the bottleneck when moving one
 micro-batch's activation forward and its gradient back at the exact dtype, at the link's
 measured rate (bytes per second that reach the downstream stage, see below), takes longer than
 the slower of its two stages computes one micro-batch:

@@ -1,7 +1,8 @@
 """When a job measures its stages, and whether it moves to the plan the measurement found.
 
 No I/O here: the coordinator feeds in each step's wall time, the plan epoch and the stages that
-could take part, and the predicted bottlenecks of a measurement (see ``core/throughput.py``).
+could take part, and the predicted bottlenecks of a measurement (see
+``core/planning/throughput.py``).
 
 [Note: settling] A plan found from a measurement is only as good as the measurement, and a
 move costs real time (a checkpoint of the whole job, loading it into the new plan, a slow

@@ -13,9 +13,10 @@ from typing import Any
 import torch
 
 from pipesvc import models
-from pipesvc.core import microbatch, partition
+from pipesvc.core import microbatch
 from pipesvc.core.config import JobConfig
 from pipesvc.core.microbatch import RunBatch
+from pipesvc.core.planning import partition
 from pipesvc.errors import StageUnavailableError
 from pipesvc.stage.compute.engine import Carried, RunInputs, RunResult, SendFn, StepEngine
 from pipesvc.stage.compute.faults import FaultKill

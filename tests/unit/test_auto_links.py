@@ -15,10 +15,10 @@ import pytest
 from pipesvc.coordinator.planner import keep_link_codecs
 from pipesvc.coordinator.rebalance import Measurements, Replanner, decide_links
 from pipesvc.coordinator.stage_registry import StageRecord
-from pipesvc.core import throughput
 from pipesvc.core.config import JobConfig
 from pipesvc.core.link_codecs import AUTO_CODECS, links, wire_fraction
 from pipesvc.core.plan import PipelineStage
+from pipesvc.core.planning import throughput
 from pipesvc.v1 import stage_pb2
 
 LAYERS = 4

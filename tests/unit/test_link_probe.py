@@ -21,10 +21,10 @@ from pipesvc.coordinator.rebalance import (
     probe_pairs,
 )
 from pipesvc.coordinator.stage_registry import StageRecord
-from pipesvc.core import throughput
 from pipesvc.core.config import JobConfig
 from pipesvc.core.link_codecs import links, wire_fraction
 from pipesvc.core.plan import PipelineStage
+from pipesvc.core.planning import throughput
 from pipesvc.errors import InvalidArgumentError, StageUnavailableError
 from pipesvc.stage.net import probe
 from pipesvc.v1 import stage_pb2

@@ -1,4 +1,5 @@
-"""Unit tests for pipesvc.core.partition: coverage, optimality against brute force, errors."""
+"""Unit tests for pipesvc.core.planning.partition: coverage, optimality against brute force,
+errors."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import random
 
 import pytest
 
-from pipesvc.core.partition import (
+from pipesvc.core.planning.partition import (
     balanced,
     max_stage_cost,
     partition,
@@ -146,7 +147,7 @@ def _all_cuts(num_layers: int, num_stages: int) -> list[list[tuple[int, int]]]:
 
 @pytest.mark.parametrize("seed", range(30))
 def test_fit_capacities_is_optimal_against_brute_force(seed: int) -> None:
-    from pipesvc.core.partition import fit_capacities
+    from pipesvc.core.planning.partition import fit_capacities
 
     rng = random.Random(seed)
     num_layers = rng.randint(1, 8)
@@ -165,7 +166,7 @@ def test_fit_capacities_is_optimal_against_brute_force(seed: int) -> None:
 
 
 def test_fit_capacities_gives_big_budgets_more() -> None:
-    from pipesvc.core.partition import fit_capacities
+    from pipesvc.core.planning.partition import fit_capacities
 
     assert fit_capacities([1] * 8, [1, 3]) == [(0, 2), (2, 8)]
     with pytest.raises(InvalidArgumentError, match="positive"):
@@ -175,7 +176,7 @@ def test_fit_capacities_gives_big_budgets_more() -> None:
 @pytest.mark.parametrize("seed", range(30))
 def test_fit_capacities_with_per_rank_copies_is_optimal_against_brute_force(seed: int) -> None:
     """Activations: each rank holds ``copies[rank]`` micro-batches of its layers' per-copy cost."""
-    from pipesvc.core.partition import fit_capacities
+    from pipesvc.core.planning.partition import fit_capacities
 
     rng = random.Random(1000 + seed)
     num_layers = rng.randint(1, 8)
@@ -197,7 +198,7 @@ def test_fit_capacities_with_per_rank_copies_is_optimal_against_brute_force(seed
 
 
 def test_fit_capacities_moves_layers_off_ranks_that_hold_more_activations() -> None:
-    from pipesvc.core.partition import fit_capacities
+    from pipesvc.core.planning.partition import fit_capacities
 
     # Equal weights and budgets; rank 0 holds 4 micro-batches in flight, rank 1 one (1F1B).
     assert fit_capacities([10] * 6, [100, 100]) == [(0, 3), (3, 6)]

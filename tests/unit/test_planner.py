@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from pipesvc.coordinator import placement, planner
+from pipesvc.coordinator import planner
 from pipesvc.coordinator.stage_registry import StageRecord, StageRegistry
 from pipesvc.core.config import JobConfig
 from pipesvc.core.plan import PipelineStage
+from pipesvc.core.planning import placement
 from pipesvc.errors import PlanError, ResourceExhaustedError
 from pipesvc.v1 import stage_pb2
 
@@ -142,7 +143,7 @@ def test_planner_replan_marks_lost_claims_the_spare_and_places_the_plan() -> Non
     candidates = planner.spare_candidates(registry, config, lost)
     assert [c.address for c in candidates] == ["127.0.0.1:3", "127.0.0.1:4"]
     health = {"127.0.0.1:3": "NOT_SERVING", "127.0.0.1:4": "SERVING"}
-    new_plan = planner.replan(
+    new_plan = planner.plan_after_loss(
         registry,
         config,
         _layers(10, 10, 10, 10),

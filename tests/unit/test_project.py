@@ -54,7 +54,6 @@ PURE_STAGE_FOLDERS = ("compute", "dataplane", "collective")
 PURE_IN_SERVERS = (
     "pipesvc.stage.options",
     "pipesvc.coordinator.session",
-    "pipesvc.coordinator.placement",
     "pipesvc.coordinator.job_counters",
     "pipesvc.coordinator.job_storage",
     "pipesvc.coordinator.ledger",

@@ -11,10 +11,11 @@ from typing import Any
 import pytest
 
 from pipesvc.cli import build_parser
-from pipesvc.coordinator.placement import check_schedule
-from pipesvc.core import partition, schedule
+from pipesvc.core import schedule
 from pipesvc.core.config import JobConfig
 from pipesvc.core.plan import PipelineStage, plan_from_dicts, plan_to_dicts
+from pipesvc.core.planning import partition
+from pipesvc.core.planning.placement import check_schedule
 from pipesvc.core.schedule import Action, ActionKind
 from pipesvc.errors import InternalError, InvalidArgumentError, NotFoundError, UnknownModelError
 from pipesvc.models import registry as model_registry

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from pipesvc.coordinator import placement
 from pipesvc.coordinator.stage_registry import StageRecord
 from pipesvc.core.config import JobConfig, config_from_proto, config_to_proto
 from pipesvc.core.health import Health
 from pipesvc.core.microbatch import replica_shares
 from pipesvc.core.plan import PipelineStage, check_plan, plan_from_dicts, plan_to_dicts
+from pipesvc.core.planning import placement
 from pipesvc.errors import InvalidArgumentError, PlanError, ResourceExhaustedError
 from pipesvc.v1 import stage_pb2
 

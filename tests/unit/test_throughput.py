@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from pipesvc.core import throughput
-from pipesvc.core.throughput import LayerCosts, StageRate
+from pipesvc.core.planning import throughput
+from pipesvc.core.planning.throughput import LayerCosts, StageRate
 from pipesvc.errors import InvalidArgumentError, ResourceExhaustedError
 
 

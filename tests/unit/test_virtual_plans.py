@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from pipesvc.coordinator import placement
 from pipesvc.coordinator.stage_registry import StageRecord
 from pipesvc.core.config import JobConfig
 from pipesvc.core.health import Health
 from pipesvc.core.plan import PipelineStage, check_plan, servers_of
+from pipesvc.core.planning import placement
 from pipesvc.errors import InvalidArgumentError, ResourceExhaustedError
 from pipesvc.v1 import stage_pb2
 

@@ -288,7 +288,7 @@ register_partition("parameters")(balanced)
 # With equal budgets, balancing memory is balancing these costs; the planner calls
 # fit_capacities itself when the budgets differ.
 register_partition("memory")(balanced)
-# ``throughput`` plans from measured speeds (pipesvc.core.throughput); until a job has
+# ``throughput`` plans from measured speeds (pipesvc.core.planning.throughput); until a job has
 # measurements (when it starts, or re-partitions after losing a stage) it balances parameters.
 register_partition("throughput")(balanced)
 

@@ -17,12 +17,13 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from pipesvc.core import partition, schedule, throughput
+from pipesvc.core import schedule
 from pipesvc.core.config import JobConfig
 from pipesvc.core.health import Health
 from pipesvc.core.link_codecs import host_of
 from pipesvc.core.optim import NO_OPTIMIZER
 from pipesvc.core.plan import PipelineStage, check_plan, replicas_of, servers_of
+from pipesvc.core.planning import partition, throughput
 from pipesvc.errors import InvalidArgumentError, PlanError, ResourceExhaustedError
 from pipesvc.v1 import stage_pb2
 
@@ -209,7 +210,7 @@ def throughput_plan(
 ) -> tuple[list[PipelineStage], list[float]]:
     """``config.num_stages`` of ``stages`` (each at the rate with its index), their order and
     their ranges, for the fastest step within every chosen stage's memory (see [Note:
-    throughput plan] in ``pipesvc.core.throughput``); and each rank's predicted seconds per
+    throughput plan] in ``pipesvc.core.planning.throughput``); and each rank's predicted seconds per
     micro-batch.
 
     Raises:
