@@ -73,7 +73,7 @@ from pipesvc.coordinator.generation import JobGeneration
 from pipesvc.coordinator.job_counters import JobState
 from pipesvc.coordinator.job_storage import JobStorage
 from pipesvc.coordinator.ledger import Ledger
-from pipesvc.coordinator.rebalance import Decision, Replanner
+from pipesvc.coordinator.rebalance import Replanner
 from pipesvc.coordinator.recovery import Recovery
 from pipesvc.coordinator.replicas import Rendezvous, RunReplies
 from pipesvc.coordinator.stage_calls import Deadlines
@@ -86,6 +86,7 @@ from pipesvc.core.config import JobConfig, config_from_dict, config_to_proto
 from pipesvc.core.microbatch import RunBatch
 from pipesvc.core.optim import trains
 from pipesvc.core.plan import PipelineStage, plan_from_dicts
+from pipesvc.core.planning.measured import Decision
 from pipesvc.core.planning.partition import get_partition
 from pipesvc.core.settle import REBALANCE_EVERY, Policy
 from pipesvc.core.tensor_codec import decode

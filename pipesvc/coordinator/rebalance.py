@@ -30,13 +30,10 @@ settles, and the job measures again only when its step time or its stages change
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import math
 import os
-import statistics
 from concurrent import futures
-from dataclasses import dataclass
 
 from pipesvc.coordinator import planner
 from pipesvc.coordinator.checkpointer import Checkpointer
@@ -44,22 +41,29 @@ from pipesvc.coordinator.ledger import Ledger
 from pipesvc.coordinator.recovery import Recovery
 from pipesvc.coordinator.stage_group import StageGroup
 from pipesvc.coordinator.stage_registry import StageRecord
-from pipesvc.core.config import WIRE_AUTO, JobConfig
+from pipesvc.core.config import JobConfig
 from pipesvc.core.link_codecs import (
-    Codecs,
-    Link,
-    LinkMeasure,
-    choose_auto,
-    crosses_hosts,
-    host_of,
-    link_codec_text,
     links,
     wire_fraction,
 )
 from pipesvc.core.plan import PipelineStage
 from pipesvc.core.planning import placement, throughput
+from pipesvc.core.planning.measured import (
+    Decision,
+    Measurements,
+    codecs_of,
+    decide_links,
+    decides_links,
+    exact_itemsize,
+    link_hosts,
+    measurements,
+    operations,
+    probe_pairs,
+    report,
+    with_codecs,
+)
 from pipesvc.core.settle import Policy, Settler
-from pipesvc.errors import FailedPreconditionError, PipesvcError, PlanError
+from pipesvc.errors import PipesvcError, PlanError
 from pipesvc.v1 import stage_pb2
 from pipesvc.wire.transport import call
 
@@ -74,42 +78,8 @@ have measured this many bytes per second instead (a slow link on demand on one m
 choice of ``wire_dtype="auto"`` is deterministic; the probes still run)."""
 PROBE_TIMEOUT_S = 120.0
 """Deadline of one stage's link probe beyond the control deadline (its sends have 30 s each)."""
-MAX_PROBES = 16
-"""Pairs of hosts one measurement probes at most (each costs up to about half a second)."""
 AUTO_ROUNDS = 3
 """Plans the ``auto`` search tries at most (see ``Replanner.choose``)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Measurements:
-    """One measurement of a job: the model's layer costs per micro-batch, and every candidate
-    stage's rate (the job's stages first, in rank order, then the free stages)."""
-
-    costs: throughput.LayerCosts
-    stages: list[StageRecord]
-    rates: list[throughput.StageRate]
-    current_s: list[float]
-    """The current plan's predicted seconds per micro-batch, per rank."""
-    link_rates: dict[frozenset[str], float] = dataclasses.field(default_factory=dict)
-    """The probed rate of links between hosts (see [Note: link probe] in
-    ``pipesvc.stage.net.probe``), by the pair of hosts they join (either way: a link's two
-    directions are taken to have the same rate): the current plan's links and the other pairs
-    of the candidates' hosts; what ``wire_dtype="auto"`` decides by."""
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """What a replan found: the plan (the old one when nothing moved) and, for the
-    ``throughput`` partition, the predicted seconds per micro-batch of each rank before and
-    after."""
-
-    plan: list[PipelineStage]
-    moved: bool
-    current_s: list[float]
-    predicted_s: list[float]
-    partition: str
-    based_on: list[PipelineStage]
-    """The plan the decision was made on (a recovery since makes it stale)."""
 
 
 class Replanner:
@@ -141,18 +111,16 @@ class Replanner:
         stages = [records[s.address] for s in group.plan]
         free = group.registry.free(group.config.model)
         profiles = [] if free else self._profile(stages, 0.0)
-        if free or any(not _operations(p) for p in profiles):
+        if free or any(not operations(p) for p in profiles):
             stages += free
             profiles = self._profile(stages, CALIBRATE_S)
         probed = self._probe_links(probe_pairs(group.plan, stages), probe_again=probe_again)
         forced = os.environ.get(LINK_RATE_ENV)
         if forced:
             probed = {pair: float(forced) for pair in probed}
-        measured = _measurements(group.plan, len(group.layers), stages, profiles, probed)
-        if _decides_links(group.config):  # the boundary bytes are exact; the links may not be
-            rates = _with_codecs(
-                group.config, measured, group.plan, links(group.config, group.plan)
-            )
+        measured = measurements(group.plan, len(group.layers), stages, profiles, probed)
+        if decides_links(group.config):  # the boundary bytes are exact; the links may not be
+            rates = with_codecs(group.config, measured, group.plan, links(group.config, group.plan))
             ranges = [(s.start_layer, s.end_layer) for s in group.plan]
             current_s = throughput.predict(measured.costs, rates, ranges)
             measured = dataclasses.replace(measured, current_s=current_s)
@@ -187,7 +155,7 @@ class Replanner:
         cache = group.registry.link_rates
         rates: dict[frozenset[str], float] = {}
         for source, target in pairs:
-            pair = _hosts(source, target)
+            pair = link_hosts(source, target)
             known = None if probe_again else cache.fresh(pair)
             if known is not None:
                 rates[pair] = known
@@ -236,7 +204,7 @@ class Replanner:
         predicted_s: list[float] = []
         if partition == "throughput":
             measured = self.measure(probe_again=probe_again)
-            if _decides_links(config):
+            if decides_links(config):
                 plan, predicted_s = self._auto_plan(config, measured)
             else:
                 plan, predicted_s = placement.throughput_plan(
@@ -244,22 +212,22 @@ class Replanner:
                 )
             current_s = measured.current_s
             logger.info(
-                "job %s: measured\n%s", group.job_id, _report(measured, current, plan, predicted_s)
+                "job %s: measured\n%s", group.job_id, report(measured, current, plan, predicted_s)
             )
             if max(predicted_s) >= max(current_s):  # not faster
                 plan, predicted_s = current, current_s
-                if _decides_links(config):
+                if decides_links(config):
                     # The same ranges, their links decided again by this measurement: a link
                     # compressed while it was slow goes back to exact once it is fast (there
                     # the current plan, compressed, predicts as fast as the exact one, so the
                     # plan found is not faster). Only a change of codecs is a move (a reason's
                     # figures change with every measurement; a move costs a checkpoint).
                     decided = decide_links(config, current, measured)
-                    if _codecs(config, decided) != _codecs(config, current):
+                    if codecs_of(config, decided) != codecs_of(config, current):
                         plan = decided
                         predicted_s = throughput.predict(
                             measured.costs,
-                            _with_codecs(config, measured, plan, links(config, plan)),
+                            with_codecs(config, measured, plan, links(config, plan)),
                             [(s.start_layer, s.end_layer) for s in plan],
                         )
         else:
@@ -288,7 +256,7 @@ class Replanner:
         """
         layers = self._group.layers
         index = {record.address: i for i, record in enumerate(measured.stages)}
-        itemsize = _itemsize(config)
+        itemsize = exact_itemsize(config)
         fractions: dict[int, float] = {}
         best: tuple[list[PipelineStage], list[float]] | None = None
         for _ in range(AUTO_ROUNDS):
@@ -303,7 +271,7 @@ class Replanner:
             chosen = links(config, plan)
             predicted = throughput.predict(
                 measured.costs,
-                _with_codecs(config, measured, plan, chosen),
+                with_codecs(config, measured, plan, chosen),
                 [(s.start_layer, s.end_layer) for s in plan],
             )
             if best is None or max(predicted) < max(best[1]):
@@ -372,202 +340,3 @@ class Replanner:
         for stage in leaving:
             group.release(stage)
         registry.unclaim([s.address for s in leaving])
-
-
-def probe_pairs(plan: list[PipelineStage], stages: list[StageRecord]) -> list[tuple[str, str]]:
-    """The (sender, receiver) stage addresses whose links a measurement probes: each link of
-    ``plan`` between hosts, then one pair of stages for every other pair of hosts among
-    ``stages`` (the candidates a throughput plan may chain), at most ``MAX_PROBES``; each pair
-    of hosts once (a link's rate is taken to be the same both ways)."""
-    pairs: list[tuple[str, str]] = []
-    seen: set[frozenset[str]] = set()
-    ordered = sorted((s for s in plan if s.chunk == 0 and s.replica == 0), key=lambda s: s.rank)
-    candidates = [(a.address, b.address) for a, b in itertools.pairwise(ordered)]
-    first_on: dict[str, str] = {}
-    for record in stages:
-        first_on.setdefault(host_of(record.address), record.address)
-    candidates += list(itertools.combinations(first_on.values(), 2))
-    for a, b in candidates:
-        pair = _hosts(a, b)
-        if len(pair) == 2 and pair not in seen and len(pairs) < MAX_PROBES:
-            seen.add(pair)
-            pairs.append((a, b))
-    return pairs
-
-
-def _measurements(
-    plan: list[PipelineStage],
-    num_layers: int,
-    stages: list[StageRecord],
-    profiles: list[stage_pb2.StageProfile],
-    probed: dict[frozenset[str], float] | None = None,
-) -> Measurements:
-    """Layer costs and stage speeds from the job's stages' timings (see [Note: measured
-    speed]), and link rates from ``probed`` (by pair of hosts, see [Note: link probe] in
-    ``pipesvc.stage.net.probe``): a stage's link is the probed rate of its link to the next stage
-    where that was probed, else the rate of its own send calls (a link on one host)."""
-    probed = probed or {}
-    times: dict[int, float] = {}
-    boundary: dict[int, int] = {}
-    speeds: list[float | None] = []
-    for stage, profile in zip(plan, profiles, strict=False):
-        flops = forward_s = 0.0
-        for layer in profile.layers:
-            if stage.start_layer <= layer.index < stage.end_layer:
-                times[layer.index] = layer.forward_s + layer.backward_s
-                boundary[layer.index] = layer.output_bytes
-                if layer.flops > 0:  # a layer without counted operations says nothing of speed
-                    flops += layer.flops
-                    forward_s += layer.forward_s
-        speeds.append(flops / forward_s if flops > 0 and forward_s > 0 else None)
-    missing = [i for i in range(num_layers) if i not in times]
-    if missing:
-        raise FailedPreconditionError(
-            f"layer {missing[0]} has no timings on its stage yet; train a step on this plan "
-            "before planning for throughput"
-        )
-    # Calibrated speeds in the units of the measured ones, for the stages without a measured
-    # speed (free stages; a job's stage whose layers count no operations).
-    ratios = [
-        s / p.speed for s, p in zip(speeds, profiles, strict=False) if s is not None and p.speed > 0
-    ]
-    scale = statistics.median(ratios) if ratios else 1.0
-    speeds += [None] * (len(stages) - len(speeds))
-    speed = [
-        s if s is not None else max(p.speed * scale, 1e-9)
-        for s, p in zip(speeds, profiles, strict=True)
-    ]
-    own_link = [
-        probed.get(_hosts(a.address, b.address), 0.0) or profile.send_bytes_per_s
-        for a, b, profile in zip(plan, plan[1:], profiles, strict=False)
-    ]
-    known = [rate for rate in own_link if rate > 0]
-    default_rate = statistics.median(known) if known else float("inf")
-    own_link += [0.0] * (len(stages) - len(own_link))
-    rates = [
-        throughput.StageRate(
-            speed=v, memory_bytes=record.memory_bytes, link_bytes_per_s=link or default_rate
-        )
-        for record, link, v in zip(stages, own_link, speed, strict=True)
-    ]
-    holder = {i: r for r, s in enumerate(plan) for i in range(s.start_layer, s.end_layer)}
-    costs = throughput.LayerCosts(
-        work=[times[i] * speed[holder[i]] for i in range(num_layers)],
-        boundary_bytes=[boundary[i] for i in range(num_layers)],
-    )
-    ranges = [(s.start_layer, s.end_layer) for s in plan]
-    current_s = throughput.predict(costs, rates[: len(plan)], ranges)
-    link_rates = {pair: rate for pair, rate in probed.items() if len(pair) == 2}
-    return Measurements(costs, stages, rates, current_s, link_rates)
-
-
-def _hosts(a: str, b: str) -> frozenset[str]:
-    """The hosts a link between the stages at addresses ``a`` and ``b`` joins."""
-    return frozenset((host_of(a), host_of(b)))
-
-
-def decide_links(
-    config: JobConfig, plan: list[PipelineStage], measured: Measurements
-) -> list[PipelineStage]:
-    """``plan`` (one pipeline, chunk 0 only) with each link's codecs and the reason fixed by
-    the rule of [Note: automatic codecs] in ``pipesvc.core.link_codecs``, from ``measured``:
-    a link's rate is the one measured between its two hosts (in either direction: a plan that
-    reverses two stages still knows their link), and each stage's compute is its range's work
-    at its speed."""
-    index = {record.address: i for i, record in enumerate(measured.stages)}
-    costs = measured.costs
-    compute = [
-        throughput.stage_seconds(
-            costs, measured.rates[index[s.address]], s.start_layer, s.end_layer, last=True
-        )
-        for s in plan
-    ]
-    decided = []
-    for rank, stage in enumerate(plan):
-        if rank == len(plan) - 1:
-            decided.append(dataclasses.replace(stage, link_codec="", link_reason=""))
-            continue
-        after = plan[rank + 1].address
-        codecs, why = choose_auto(
-            LinkMeasure(
-                between_hosts=crosses_hosts(stage.address, after),
-                boundary_bytes=costs.boundary_bytes[stage.end_layer - 1],
-                link_bytes_per_s=measured.link_rates.get(_hosts(stage.address, after)),
-                compute_s=(compute[rank], compute[rank + 1]),
-                compressed=bool(stage.link_codec),
-            )
-        )
-        decided.append(
-            dataclasses.replace(stage, link_codec=link_codec_text(codecs), link_reason=why)
-        )
-    return decided
-
-
-def _codecs(config: JobConfig, plan: list[PipelineStage]) -> list[Codecs]:
-    """What each link of ``plan`` sends in, in rank order."""
-    return [link.codecs for link in links(config, plan)]
-
-
-def _decides_links(config: JobConfig) -> bool:
-    """Whether a measurement of ``config``'s job decides its links' codecs: under
-    ``wire_dtype="auto"``, for a job of one pipeline with one range per stage (the jobs a
-    re-plan moves)."""
-    return (
-        config.wire_dtype == WIRE_AUTO and config.data_parallel == 1 and config.virtual_stages == 1
-    )
-
-
-def _itemsize(config: JobConfig) -> int:
-    """Bytes of one exact activation value under ``config``'s precision."""
-    return 4 if config.precision == "fp32" else 2
-
-
-def _with_codecs(
-    config: JobConfig,
-    measured: Measurements,
-    plan: list[PipelineStage],
-    chosen: list[Link],
-) -> list[throughput.StageRate]:
-    """The rates of ``plan``'s stages in rank order, each link counted in its codecs."""
-    index = {record.address: i for i, record in enumerate(measured.stages)}
-    codecs: dict[int, Codecs] = {link.source: link.codecs for link in chosen}
-    itemsize = _itemsize(config)
-    return [
-        dataclasses.replace(
-            measured.rates[index[s.address]],
-            wire_fraction=wire_fraction(codecs.get(rank, (None, None)), itemsize),
-        )
-        for rank, s in enumerate(plan)
-    ]
-
-
-def _operations(profile: stage_pb2.StageProfile) -> int:
-    return sum(layer.flops for layer in profile.layers)
-
-
-def _report(
-    measured: Measurements,
-    current: list[PipelineStage],
-    chosen: list[PipelineStage],
-    chosen_s: list[float],
-) -> str:
-    """A table of the candidates: speed, link rate, and their place and time per micro-batch
-    in the current and the chosen plan."""
-
-    def place(plan: list[PipelineStage], seconds: list[float], address: str) -> str:
-        for stage, s in zip(plan, seconds, strict=True):
-            if stage.address == address:
-                return f"[{stage.start_layer}, {stage.end_layer}) {1e3 * s:.2f} ms"
-        return "-"
-
-    lines = [f"{'stage':<22} {'GFLOP/s':>8} {'link MB/s':>10}  {'now':<22} {'planned':<22}"]
-    for record, rate in zip(measured.stages, measured.rates, strict=True):
-        link = (
-            "-" if rate.link_bytes_per_s == float("inf") else f"{rate.link_bytes_per_s / 1e6:.0f}"
-        )
-        lines.append(
-            f"{record.address:<22} {rate.speed / 1e9:8.2f} {link:>10}  "
-            f"{place(current, measured.current_s, record.address):<22} "
-            f"{place(chosen, chosen_s, record.address):<22}"
-        )
-    return "\n".join(lines)

@@ -13,12 +13,13 @@ from typing import Any
 import pytest
 
 from pipesvc.coordinator.planner import keep_link_codecs
-from pipesvc.coordinator.rebalance import Measurements, Replanner, decide_links
+from pipesvc.coordinator.rebalance import Replanner
 from pipesvc.coordinator.stage_registry import StageRecord
 from pipesvc.core.config import JobConfig
 from pipesvc.core.link_codecs import AUTO_CODECS, links, wire_fraction
 from pipesvc.core.plan import PipelineStage
 from pipesvc.core.planning import throughput
+from pipesvc.core.planning.measured import Measurements, decide_links
 from pipesvc.v1 import stage_pb2
 
 LAYERS = 4

@@ -12,19 +12,19 @@ from typing import Any
 import pytest
 
 from pipesvc.coordinator.link_rates import LinkRates
-from pipesvc.coordinator.rebalance import (
-    MAX_PROBES,
-    Decision,
-    Measurements,
-    Replanner,
-    _measurements,
-    probe_pairs,
-)
+from pipesvc.coordinator.rebalance import Replanner
 from pipesvc.coordinator.stage_registry import StageRecord
 from pipesvc.core.config import JobConfig
 from pipesvc.core.link_codecs import links, wire_fraction
 from pipesvc.core.plan import PipelineStage
 from pipesvc.core.planning import throughput
+from pipesvc.core.planning.measured import (
+    MAX_PROBES,
+    Decision,
+    Measurements,
+    measurements,
+    probe_pairs,
+)
 from pipesvc.errors import InvalidArgumentError, StageUnavailableError
 from pipesvc.stage.net import probe
 from pipesvc.v1 import stage_pb2
@@ -133,7 +133,7 @@ def test_the_probed_rate_is_the_links_rate_not_the_send_calls() -> None:
     records = [_record(s.address) for s in plan] + [_record("10.0.0.3:1")]
     profiles = [_profile(0), _profile(1), _profile(2), stage_pb2.StageProfile(speed=1.0)]
     slow = {frozenset(("10.0.0.1", "10.0.0.2")): 12.5e6}
-    measured = _measurements(plan, 3, records, profiles, slow)
+    measured = measurements(plan, 3, records, profiles, slow)
     assert measured.link_rates == slow
     # Rank 0's link is the probed one; rank 1's, on one host, its send calls'; the last
     # stage's and the free one's the median of the known.

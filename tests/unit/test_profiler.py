@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from pipesvc.coordinator.rebalance import _measurements
 from pipesvc.coordinator.stage_registry import StageRecord
 from pipesvc.core.plan import PipelineStage
+from pipesvc.core.planning.measured import measurements
 from pipesvc.errors import FailedPreconditionError
 from pipesvc.stage.compute.profiler import RECENT, StageProfiler
 from pipesvc.v1 import stage_pb2
@@ -69,7 +69,7 @@ def test_costs_are_the_same_layer_wherever_it_ran_and_free_stages_get_scaled_spe
     fast = _profile([(0, 1.0, 2.0, 100), (1, 1.0, 2.0, 100)], speed=10.0)
     slow = _profile([(2, 2.0, 4.0, 100), (3, 2.0, 4.0, 100)], speed=5.0)
     spare = stage_pb2.StageProfile(speed=10.0)
-    measured = _measurements(
+    measured = measurements(
         plan, 4, [_record("a"), _record("b"), _record("c")], [fast, slow, spare]
     )
     assert measured.costs.work == [300.0] * 4
@@ -82,4 +82,4 @@ def test_a_layer_without_timings_is_refused() -> None:
     plan = [_stage(0, 1, 0, "a"), _stage(1, 2, 1, "b")]
     profiles = [_profile([(0, 1.0, 1.0, 10)]), _profile([])]
     with pytest.raises(FailedPreconditionError, match="layer 1 has no timings"):
-        _measurements(plan, 2, [_record("a"), _record("b")], profiles)
+        measurements(plan, 2, [_record("a"), _record("b")], profiles)
