@@ -52,6 +52,21 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _describe(pid: int) -> str:
+    """A live process's command line and where each of its threads waits, for a failure's
+    message."""
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")[:120]
+        threads = []
+        for task in sorted(Path(f"/proc/{pid}/task").iterdir()):
+            name = (task / "comm").read_text().strip()
+            wchan = (task / "wchan").read_text().strip() if (task / "wchan").exists() else "?"
+            threads.append(f"{name}:{wchan}")
+    except OSError as exc:
+        return f"{pid} ({exc})"
+    return f"{pid} {command!r} threads [{', '.join(threads)}]"
+
+
 def _start_owner(on: str) -> tuple[subprocess.Popen[str], dict[str, list[Any]]]:
     owner = subprocess.Popen(
         [sys.executable, "-c", OWNER, on], stdout=subprocess.PIPE, text=True, env=dict(os.environ)
@@ -88,7 +103,8 @@ def test_the_cluster_goes_when_its_owner_is_killed(signum: int, on: str) -> None
         while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.2)
         survivors = [pid for pid in pids if _alive(pid)]
-        assert not survivors, f"still running {GONE_WITHIN_S} s after the owner died: {survivors}"
+        described = "; ".join(_describe(pid) for pid in survivors)
+        assert not survivors, f"still running {GONE_WITHIN_S} s after the owner died: {described}"
     finally:
         if owner.poll() is None:
             owner.kill()
