@@ -109,7 +109,6 @@ class JobGeneration:
             ),
         )
         self._metrics.inc("generation_sessions_total")
-        self._choose_prefixes(session, self._group.epoch)
         stream = self.batcher.open(session, max_new_tokens)
         try:
             while (tokens := self.batcher.next(stream)) is not None:
@@ -168,10 +167,10 @@ class JobGeneration:
         return [(logits, epoch) for logits in run.logits(outputs)]
 
     def _choose_prefixes(self, session: Session, epoch: int) -> None:
-        """Chooses, for a session whose first run in plan epoch ``epoch`` is still to come,
-        the kept prefix it starts from and what of its prompt to keep. Chosen again when the
-        epoch changed before that run (a recovery): the stages of the new plan hold no prefix
-        of the old one, and may hold one kept since."""
+        """Chooses, before each run of plan epoch ``epoch`` until a session's first run is
+        done, the kept prefix it starts from and what of its prompt to keep. Chosen again when
+        the epoch changed before that run (a recovery): the stages of the new plan hold no
+        prefix of the old one, and may hold one kept since."""
         if session.cached or session.prefix_epoch == epoch:
             return
         if not (session.support.fuses_caches and session.one_row):

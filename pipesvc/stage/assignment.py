@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import NamedTuple
 
 import grpc
 import torch
@@ -28,7 +29,7 @@ from pipesvc.core.config import JobConfig, config_from_proto
 from pipesvc.core.link_codecs import stage_codecs
 from pipesvc.core.plan import PipelineStage
 from pipesvc.core.tensor_codec import CodecLimits
-from pipesvc.core.tying import stage_ties
+from pipesvc.core.tying import StageTies, stage_ties
 from pipesvc.errors import FailedPreconditionError, InvalidArgumentError
 from pipesvc.stage.collective.replica_group import ReplicaGroup
 from pipesvc.stage.compute.engine import StepEngine
@@ -99,25 +100,22 @@ class Assignment:
     @classmethod
     def build(
         cls,
-        request: stage_pb2.AssignRequest,
-        config: JobConfig,
-        chunks: list[tuple[int, int]],
+        checked: CheckedAssign,
         *,
         options: StageOptions,
         dial: Callable[[str], grpc.Channel],
         codec: CodecLimits,
     ) -> Assignment:
-        """The job an Assign describes (checked by ``check_assign``): its runtime with the
-        layers built, the tied-weight link and the replicas' gradient group where it has them,
-        its engine and its links.
+        """The job an Assign describes (see ``check_assign``): its runtime with the layers
+        built, the tied-weight link and the replicas' gradient group where it has them, its
+        engine and its links.
 
         Raises:
             InvalidArgumentError: the model refuses its arguments.
             ResourceExhaustedError: the layers do not fit.
         """
+        request, config, chunks, ties = checked
         stage = request.stage
-        groups = models.tied_parameters(config.model, config.model_args)
-        ties = stage_ties(groups, _plan_ranges(request), stage.rank) if groups else None
         runtime = StageRuntime(
             config=config,
             start_layer=stage.start_layer,
@@ -241,9 +239,19 @@ class Assignment:
             )
 
 
-def check_assign(request: stage_pb2.AssignRequest) -> tuple[JobConfig, list[tuple[int, int]]]:
-    """An Assign's job configuration and this stage's layer ranges, checked before anything
-    of the stage changes.
+class CheckedAssign(NamedTuple):
+    """An Assign's request, checked: its job's configuration, this stage's layer ranges and
+    the ties of its parameters (None: the model ties none)."""
+
+    request: stage_pb2.AssignRequest
+    config: JobConfig
+    chunks: list[tuple[int, int]]
+    ties: StageTies | None
+
+
+def check_assign(request: stage_pb2.AssignRequest) -> CheckedAssign:
+    """An Assign's job configuration, this stage's layer ranges and its ties, checked before
+    anything of the stage changes.
 
     Raises:
         InvalidArgumentError: no job id, a rank or replica out of range, a downstream address
@@ -270,9 +278,9 @@ def check_assign(request: stage_pb2.AssignRequest) -> tuple[JobConfig, list[tupl
         raise InvalidArgumentError(
             f"replica ({stage.replica}) must be below num_replicas ({request.num_replicas})"
         )
-    if models.tied_parameters(config.model, config.model_args):
-        _plan_ranges(request)  # refused here, before the old job is dropped
-    return config, chunks
+    groups = models.tied_parameters(config.model, config.model_args)
+    ties = stage_ties(groups, _plan_ranges(request), stage.rank) if groups else None
+    return CheckedAssign(request, config, chunks, ties)
 
 
 def _chunk_ranges(request: stage_pb2.AssignRequest) -> list[tuple[int, int]]:

@@ -189,17 +189,17 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
 
     @handle_errors
     def Assign(self, request: stage_pb2.AssignRequest, context: object) -> stage_pb2.AssignResponse:
-        config, chunks = check_assign(request)
+        checked = check_assign(request)
         with self._lock:
             previous = self._job
         if previous is not None and previous.job_id != request.job_id:
             # The coordinator is the authority: a stage it declared lost and now reuses may
             # still hold an old job, which is dropped here.
             logger.warning("dropping job %s to serve job %s", previous.job_id, request.job_id)
-        if previous is not None and not self._fits_beside(previous, config, chunks):
+        if previous is not None and not self._fits_beside(previous, checked.config, checked.chunks):
             self._drop(previous, request.downstream_address)
         assignment = Assignment.build(
-            request, config, chunks, options=self._options, dial=self._dial, codec=self._codec
+            checked, options=self._options, dial=self._dial, codec=self._codec
         )
         with self._lock:
             previous, self._job = self._job, assignment

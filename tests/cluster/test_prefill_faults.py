@@ -5,8 +5,6 @@ with the same start reuses the prefix the replay kept on the new plan."""
 
 from __future__ import annotations
 
-import socket
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import pipesvc
 from pipesvc.coordinator.prefixes import BLOCK
-from tests.support.faults import stage_pid
+from tests.integration.test_prompt_reuse import counters
+from tests.support.faults import free_port, stage_pid
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,21 +34,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("prefill-llama")
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     return directory
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def counter(port: int, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-        for line in reply.read().decode().splitlines():
-            key, _, value = line.partition(" ")
-            if key == f"pipesvc_{name}":
-                return float(value)
-    return 0.0
 
 
 def prompts() -> list[torch.Tensor]:
@@ -97,7 +81,7 @@ def test_a_stage_killed_mid_prefill_from_a_kept_prefix_changes_no_token(
         survivor_pid = stage_pid(survivor)
         victim = job.plan[rank].address
         got = [job.generate(first, NEW_TOKENS)]
-        assert counter(port, "prefix_hits_total") == 0
+        assert counters(port).get("prefix_hits_total", 0) == 0
         got.append(job.generate(second, NEW_TOKENS))
         assert (tmp_path / "fired").exists()
         job.refresh()
@@ -106,10 +90,10 @@ def test_a_stage_killed_mid_prefill_from_a_kept_prefix_changes_no_token(
         assert stage_pid(survivor) == survivor_pid  # the neighbour lived through it
         # Its replay chose again on the new plan, which keeps no prefix of the old one, so no
         # run started from a prefix that was gone.
-        assert counter(port, "generation_replays_total") == 0
-        hits_after_fault = counter(port, "prefix_hits_total")
+        assert counters(port).get("generation_replays_total", 0) == 0
+        hits_after_fault = counters(port).get("prefix_hits_total", 0)
         got.append(job.generate(third, NEW_TOKENS))
         # The replayed second prompt kept its start on the new plan; the third reuses it.
-        assert counter(port, "prefix_hits_total") == hits_after_fault + 1
+        assert counters(port).get("prefix_hits_total", 0) == hits_after_fault + 1
     for tokens, expected in zip(got, want, strict=True):
         assert torch.equal(tokens, expected)

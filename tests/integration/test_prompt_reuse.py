@@ -6,7 +6,6 @@ costs a replay, never a wrong token."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import pipesvc
 from pipesvc.coordinator.prefixes import BLOCK
+from tests.support.faults import free_port
 
 VOCAB = 64
 NEW_TOKENS = 6
@@ -34,12 +34,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("prefix-llama")
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     return directory
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def counters(port: int) -> dict[str, float]:
