@@ -772,6 +772,30 @@ def payloads_beside(draw: st.DrawFn, strategy: Strategy[Message]) -> Message:
     return message  # type: ignore[no-any-return]
 
 
+@st.composite
+def controls(
+    draw: st.DrawFn,
+    t: Target,
+    runs: Strategy[stage_pb2.RunStepRequest],
+    commits: Strategy[stage_pb2.CommitRequest],
+    aborts: Strategy[stage_pb2.AbortRequest],
+) -> stage_pb2.ControlRequest:
+    """One message of a Control stream: a run (its payloads moved beside it, as the
+    coordinator sends them), a commit, an abort or nothing, under an id that may repeat."""
+    message = stage_pb2.ControlRequest(id=draw(st.sampled_from((1, 2, 3, 0, 2**64 - 1))))
+    kind = draw(st.sampled_from(("run", "commit", "abort", "none")))
+    if kind == "run":
+        run = draw(runs)
+        message.payloads.extend(run.payloads)
+        run.ClearField("payloads")
+        message.run.CopyFrom(run)
+    elif kind == "commit":
+        message.commit.CopyFrom(draw(commits))
+    elif kind == "abort":
+        message.abort.CopyFrom(draw(aborts))
+    return message
+
+
 def _one(strategy: Strategy[Message]) -> Strategy[list[Message]]:
     return strategy.map(lambda m: [m])
 
@@ -781,6 +805,15 @@ def _bases(t: Target) -> dict[str, Strategy[list[Message]]]:
     c, s = coordinator_pb2, stage_pb2
     job = job_ids(t)
     kinds = st.one_of(st.sampled_from((1, 2, 0)), st.sampled_from(ENUM_EXTRA))
+    runs = payloads_beside(run_steps(t))
+    commits = st.builds(
+        s.CommitRequest,
+        job_id=job,
+        plan_epoch=epochs(t),
+        run_id=run_ids(),
+        grad_scale=st.sampled_from(DOUBLES),
+    )
+    aborts = st.builds(s.AbortRequest, job_id=job, plan_epoch=epochs(t), run_id=run_ids())
     return {
         "coordinator.RegisterStage": _one(
             st.builds(
@@ -835,19 +868,10 @@ def _bases(t: Target) -> dict[str, Strategy[list[Message]]]:
                 downstream_address=addresses(t),
             )
         ),
-        "stage.RunStep": _one(payloads_beside(run_steps(t))),
-        "stage.Commit": _one(
-            st.builds(
-                s.CommitRequest,
-                job_id=job,
-                plan_epoch=epochs(t),
-                run_id=run_ids(),
-                grad_scale=st.sampled_from(DOUBLES),
-            )
-        ),
-        "stage.Abort": _one(
-            st.builds(s.AbortRequest, job_id=job, plan_epoch=epochs(t), run_id=run_ids())
-        ),
+        "stage.RunStep": _one(runs),
+        "stage.Commit": _one(commits),
+        "stage.Abort": _one(aborts),
+        "stage.Control": st.lists(controls(t, runs, commits, aborts), min_size=0, max_size=4),
         "stage.GetState": _one(st.builds(s.GetStateRequest, job_id=job, kind=kinds)),
         "stage.LoadState": _framed_requests(t, s.LoadStateRequest),
         "stage.ApplyState": _one(st.builds(s.ApplyStateRequest, job_id=job, apply=st.booleans())),
@@ -997,6 +1021,10 @@ def _safe_message(rpc_id: str, request: Any, t: Target) -> bool:
         return not _may_assign(request)
     if rpc_id in ("coordinator.TrainStep", "coordinator.Train"):
         return not (real and _would_train(request, t))
+    if rpc_id == "stage.Control":
+        kind = request.WhichOneof("kind")
+        inner = {"run": "stage.RunStep", "commit": "stage.Commit", "abort": "stage.Abort"}
+        return kind is None or _safe_message(inner[kind], getattr(request, kind), t)
     if rpc_id in ("stage.RunStep", "stage.Abort"):
         # Run ids belong to the coordinator: a run the stage accepts, or an abort of one,
         # uses up ids the coordinator will send. Run 0 is never one of them.
@@ -1015,6 +1043,8 @@ def _make_message_safe(rpc_id: str, request: Any, t: Target) -> None:
     if rpc_id == "stage.Assign":
         # An empty layer range is refused after every other check.
         request.stage.end_layer = request.stage.start_layer
+    elif rpc_id == "stage.Control":
+        getattr(request, request.WhichOneof("kind")).run_id = 0
     elif rpc_id in ("stage.RunStep", "stage.Abort"):
         request.run_id = 0
     elif rpc_id == "stage.Exchange":
