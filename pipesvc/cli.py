@@ -221,7 +221,7 @@ def _cmd_stage(args: argparse.Namespace) -> int:
     from pipesvc import models
     from pipesvc.stage.compute.faults import FaultKill
     from pipesvc.stage.dataplane.malloc import tune_malloc
-    from pipesvc.stage.server import default_device, device_memory_bytes, run_stage
+    from pipesvc.stage.server import device_memory_bytes, run_stage, stage_device
     from pipesvc.stage.service import StageOptions
 
     if args.threads:
@@ -233,7 +233,7 @@ def _cmd_stage(args: argparse.Namespace) -> int:
         models.register_hf_model(name, directory)
     security = _security(args)
     _warn_if_exposed(args.listen, security)
-    device = torch.device(args.device) if args.device else default_device()
+    device = stage_device(args.device)
     run_stage(
         StageOptions(
             address="",

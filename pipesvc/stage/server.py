@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2
 
 from pipesvc import models
 from pipesvc.core.health import Health
-from pipesvc.errors import StageUnavailableError
+from pipesvc.errors import InvalidArgumentError, StageUnavailableError
 from pipesvc.stage.dataplane.frame_wire import parse, serialize
 from pipesvc.stage.service import StageOptions, StageService
 from pipesvc.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2_grpc
@@ -36,9 +36,39 @@ from pipesvc.wire.transport import (
 logger = logging.getLogger(__name__)
 
 
-def default_device() -> torch.device:
-    """CUDA when one is available, else the CPU."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def stage_device(name: str | None = None) -> torch.device:
+    """The device a stage computes on: ``name`` (``cpu``, ``cuda`` or ``cuda:N``), or CUDA when
+    one is available and the CPU otherwise. The result always has an index when it is CUDA
+    (``cuda`` alone means the current device, ``cuda:0`` on a fresh process): CUDA's calls that
+    pin a device refuse one without.
+
+    Raises:
+        InvalidArgumentError: ``name`` is no device, or names a CUDA device this host lacks.
+    """
+    if not name:
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise InvalidArgumentError(
+            f"device {name!r} is not a device: expected cpu, cuda or cuda:N"
+        ) from exc
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type != "cuda":
+        raise InvalidArgumentError(f"device {name!r}: a stage runs on cpu, cuda or cuda:N")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise InvalidArgumentError(
+            f"device {name!r}: this host has no CUDA device that torch {torch.__version__} can "
+            f"use (use --device cpu, or install a CUDA build of torch)"
+        )
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= count:
+        raise InvalidArgumentError(
+            f"device {name!r}: this host has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+        )
+    return torch.device("cuda", index)
 
 
 def device_memory_bytes(device: torch.device) -> int:

@@ -139,6 +139,14 @@ def test_a_bad_hf_model_flag_stops_the_stage_with_what_is_wrong(tmp_path: Path) 
     assert "Traceback" not in result.stderr
 
 
+def test_a_device_the_host_lacks_stops_the_stage_with_what_it_has() -> None:
+    wanted = "cuda:7" if torch.cuda.is_available() else "cuda"
+    result = _pipesvc("stage", "--device", wanted, "--coordinator", "127.0.0.1:1")
+    assert result.returncode == 2
+    assert f"device '{wanted}'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_help_lists_every_command() -> None:
     result = _pipesvc("--help")
     for command in ("coordinator", "stage", "up", "demo", "status", "job", "generate", "health"):
