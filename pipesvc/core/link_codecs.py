@@ -58,7 +58,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipesvc.core import quant
-from pipesvc.core.config import WIRE_AUTO, JobConfig, canonical_wire, wire_roles
+from pipesvc.core.config import JobConfig
+from pipesvc.core.job_sections import WIRE_AUTO, canonical_wire, wire_roles
 from pipesvc.core.plan import PipelineStage
 from pipesvc.errors import InvalidArgumentError
 

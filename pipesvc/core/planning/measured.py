@@ -12,7 +12,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipesvc.core.config import WIRE_AUTO, JobConfig
+from pipesvc.core.config import JobConfig
+from pipesvc.core.job_sections import WIRE_AUTO
 from pipesvc.core.link_codecs import (
     Codecs,
     Link,
