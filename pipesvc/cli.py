@@ -7,8 +7,6 @@ This is the only module that reads flags and installs logging handlers.
 from __future__ import annotations
 
 import argparse
-import ast
-import dataclasses
 import inspect
 import itertools
 import json
@@ -17,33 +15,22 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
+from pipesvc.coordinator.options import DEFAULT_COORDINATOR, CoordinatorOptions
+from pipesvc.coordinator.stage_calls import Deadlines
 from pipesvc.core.limits import Limits, parse_bytes
+from pipesvc.core.option_flags import add_flags, field_default, flag_values
 from pipesvc.core.schedule import schedule_names
 from pipesvc.errors import PipesvcError
 from pipesvc.observe import logs
 from pipesvc.observe.metrics import NO_METRICS, Metrics
 from pipesvc.owner import follow_owner
+from pipesvc.stage.options import StageOptions
 from pipesvc.wire.security import Security
 
 logger = logging.getLogger("pipesvc")
-DEFAULT_COORDINATOR = "127.0.0.1:7070"
-"""Where `coordinator` and `up` listen and `status` and `trace` look unless told otherwise."""
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
-
-
-def _default(cls: type, name: str) -> Any:
-    """The default of field ``name`` of dataclass ``cls``: flags take their defaults from the
-    options they fill, so each default is written once."""
-    for f in dataclasses.fields(cls):
-        if f.name == name:
-            if f.default is not dataclasses.MISSING:
-                return f.default
-            if f.default_factory is not dataclasses.MISSING:
-                return f.default_factory()
-    raise KeyError(f"{cls.__name__} has no field {name!r} with a default")
 
 
 def _param_default(function: Callable[..., object], name: str) -> Any:
@@ -52,43 +39,6 @@ def _param_default(function: Callable[..., object], name: str) -> Any:
     if default is inspect.Parameter.empty:
         raise KeyError(f"{function.__qualname__} has no default for {name!r}")
     return default
-
-
-def _field_docs(cls: type) -> dict[str, str]:
-    """The docstrings under the fields of dataclass ``cls`` (the text a flag's help repeats);
-    empty when the source cannot be read."""
-    try:
-        tree = ast.parse(inspect.getsource(cls).strip())
-    except (OSError, TypeError, SyntaxError):
-        return {}
-    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-    docs = {}
-    for field, doc in itertools.pairwise(body):
-        if (
-            isinstance(field, ast.AnnAssign)
-            and isinstance(field.target, ast.Name)
-            and isinstance(doc, ast.Expr)
-            and isinstance(doc.value, ast.Constant)
-            and isinstance(doc.value.value, str)
-        ):
-            docs[field.target.id] = " ".join(doc.value.value.split())
-    return docs
-
-
-def _help(doc: str) -> str:
-    """A field's docstring as argparse help text, with the default after it."""
-    if not doc:
-        return "default %(default)s"
-    text = doc.replace("%", "%%").rstrip(".")
-    return f"{text[:1].lower()}{text[1:]} (default %(default)s)"
-
-
-def _bytes_text(count: int) -> str:
-    """``268435456`` as ``"256MiB"``: a size in the form ``--shm-bytes`` takes."""
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if count and count % size == 0:
-            return f"{count // size}{unit}"
-    return str(count)
 
 
 def _stop_on_signals() -> threading.Event:
@@ -112,7 +62,7 @@ def _security(args: argparse.Namespace) -> Security:
 
 
 def _limits(args: argparse.Namespace) -> Limits:
-    return Limits(**{name: getattr(args, name) for name in Limits.__dataclass_fields__})
+    return Limits(**flag_values(args, Limits, every_field=True))
 
 
 def _add_security_flags(parser: argparse.ArgumentParser) -> None:
@@ -127,15 +77,7 @@ def _add_security_flags(parser: argparse.ArgumentParser) -> None:
 
 def _add_limit_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("limits (exceeding one gets RESOURCE_EXHAUSTED)")
-    docs = _field_docs(Limits)
-    for name in Limits.__dataclass_fields__:
-        group.add_argument(
-            "--" + name.replace("_", "-"),
-            dest=name,
-            type=int,
-            default=_default(Limits, name),
-            help=_help(docs.get(name, "")),
-        )
+    add_flags(group, Limits, every_field=True)
 
 
 def _metrics(args: argparse.Namespace) -> Metrics:
@@ -168,31 +110,19 @@ def _warn_if_exposed(listen: str, security: Security) -> None:
 
 def _cmd_coordinator(args: argparse.Namespace) -> int:
     from pipesvc.coordinator.server import run_coordinator
-    from pipesvc.coordinator.stage_calls import Deadlines
     from pipesvc.stage.dataplane.malloc import single_arena
 
     single_arena()
     security = _security(args)
     _warn_if_exposed(args.listen, security)
-    run_coordinator(
-        listen=args.listen,
-        state_dir=Path(args.state_dir),
-        stop=_stop_on_signals(),
-        address_file=Path(args.address_file) if args.address_file else None,
-        deadlines=Deadlines(
-            control_s=args.control_timeout_s,
-            step_s=args.step_timeout_s,
-            health_interval_s=args.health_interval_s,
-            health_failures=args.health_failures,
-        ),
+    options = CoordinatorOptions(
+        deadlines=Deadlines(**flag_values(args, Deadlines)),
         security=security,
         limits=_limits(args),
         metrics=_metrics(args),
-        http_port=args.http_port,
-        store_host=args.store_host,
-        store_port=args.store_port,
-        forget_stages_after_s=args.forget_stages_after_s,
+        **flag_values(args, CoordinatorOptions),
     )
+    run_coordinator(options, _stop_on_signals())
     return 0
 
 
@@ -222,7 +152,6 @@ def _cmd_stage(args: argparse.Namespace) -> int:
     from pipesvc.stage.compute.faults import FaultKill
     from pipesvc.stage.dataplane.malloc import tune_malloc
     from pipesvc.stage.server import device_memory_bytes, run_stage, stage_device
-    from pipesvc.stage.service import StageOptions
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -243,16 +172,12 @@ def _cmd_stage(args: argparse.Namespace) -> int:
                 if args.memory_budget
                 else device_memory_bytes(device)
             ),
-            recv_timeout_s=args.recv_timeout_s,
             security=security,
             limits=_limits(args),
-            shm_bytes=0 if args.shm_bytes.strip() == "0" else parse_bytes(args.shm_bytes),
-            duplicate_sends=args.duplicate_sends,
             serve_control=not args.no_control_stream,
             fault_kill=FaultKill.parse(args.fault_kill) if args.fault_kill else None,
             metrics=_metrics(args),
-            kv_budget_bytes=parse_bytes(args.kv_budget),
-            session_idle_s=args.session_idle_s,
+            **flag_values(args, StageOptions),
         ),
         coordinator=args.coordinator,
         listen=args.listen,
@@ -632,10 +557,7 @@ def _add_job_commands(sub: Any) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
-    from pipesvc.coordinator.server import run_coordinator
-    from pipesvc.coordinator.stage_calls import Deadlines
     from pipesvc.demo import DemoOptions
-    from pipesvc.stage.options import StageOptions
     from pipesvc.stage.server import run_stage
 
     parser = argparse.ArgumentParser(
@@ -651,62 +573,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("coordinator", help="run the coordinator server")
-    p.add_argument("--listen", default=DEFAULT_COORDINATOR, help="HOST:PORT (default %(default)s)")
-    p.add_argument("--state-dir", default="pipesvc-state", help="state directory")
-    p.add_argument("--address-file", help="write the bound HOST:PORT here once serving")
-    p.add_argument(
-        "--step-timeout-s",
-        type=float,
-        default=_default(Deadlines, "step_s"),
-        help="deadline of one pipelined step on a stage (default %(default)s)",
-    )
-    p.add_argument(
-        "--control-timeout-s",
-        type=float,
-        default=_default(Deadlines, "control_s"),
-        help="deadline of assign, commit, abort and state calls (default %(default)s)",
-    )
-    p.add_argument(
-        "--health-interval-s",
-        type=float,
-        default=_default(Deadlines, "health_interval_s"),
-        help="health-check the stages a step waits on this often (default %(default)s)",
-    )
-    p.add_argument(
-        "--health-failures",
-        type=int,
-        default=_default(Deadlines, "health_failures"),
-        help="missed health checks in a row that declare a stage lost (default %(default)s)",
-    )
+    add_flags(p, CoordinatorOptions)
+    add_flags(p, Deadlines)
     _add_metrics_flag(p)
-    p.add_argument(
-        "--http-port",
-        type=int,
-        help="serve the live page (stages, plans, step times, the last step's timeline) and "
-        "the OpenAI-compatible API (/v1/models, /v1/completions, /v1/chat/completions) on "
-        "this port, on the --listen host (0: any free port)",
-    )
-    p.add_argument(
-        "--store-port",
-        type=int,
-        default=0,
-        help="port of the key-value store where the stages of a job with replicas "
-        "(data_parallel > 1) form their gradient groups (default: any free port, opened "
-        "when the first such job starts)",
-    )
-    p.add_argument(
-        "--store-host",
-        default="",
-        help="host the stages dial for that store (default: the host of the coordinator "
-        "address each stage registered with)",
-    )
-    p.add_argument(
-        "--forget-stages-after-s",
-        type=float,
-        default=_param_default(run_coordinator, "forget_stages_after_s"),
-        help="forget a stage that has not registered (heartbeat) for this long, unless a job "
-        "uses it; a stage that comes back registers anew (default %(default)s)",
-    )
     _add_security_flags(p)
     _add_limit_flags(p)
     p.set_defaults(func=_cmd_coordinator)
@@ -728,12 +597,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_hf_model_flag(p)
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: default)")
-    p.add_argument(
-        "--recv-timeout-s",
-        type=float,
-        default=_default(StageOptions, "recv_timeout_s"),
-        help=_help(_field_docs(StageOptions).get("recv_timeout_s", "")),
-    )
     p.add_argument(
         "--register-timeout-s",
         type=float,
@@ -757,25 +620,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--memory-budget",
         help="memory the planner may fill on this stage, e.g. 8GiB (default: free now)",
     )
-    p.add_argument(
-        "--shm-bytes",
-        default=_bytes_text(_default(StageOptions, "shm_bytes")),
-        help="shared-memory area offered to a neighbour on the same host; 0 turns the "
-        "shared-memory path off both ways: no area offered, none of a neighbour's mapped "
-        "(default %(default)s)",
-    )
-    p.add_argument(
-        "--kv-budget",
-        default=_bytes_text(_default(StageOptions, "kv_budget_bytes")),
-        help=_help(_field_docs(StageOptions).get("kv_budget_bytes", "")),
-    )
-    p.add_argument(
-        "--session-idle-s",
-        type=float,
-        default=_default(StageOptions, "session_idle_s"),
-        help=_help(_field_docs(StageOptions).get("session_idle_s", "")),
-    )
-    p.add_argument("--duplicate-sends", action="store_true", help=argparse.SUPPRESS)
+    add_flags(p, StageOptions)
     # Version-skew tests: a stage without the Control stream, as one built before it.
     p.add_argument("--no-control-stream", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--fault-kill", help=argparse.SUPPRESS)
@@ -810,24 +655,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--stages",
         type=int,
-        default=_default(DemoOptions, "num_stages"),
+        default=field_default(DemoOptions, "num_stages"),
         help="pipeline stages (default %(default)s)",
     )
     p.add_argument(
         "--minutes",
         type=float,
-        default=_default(DemoOptions, "duration_s") / 60,
+        default=field_default(DemoOptions, "duration_s") / 60,
         help="training time (default %(default)s)",
     )
     p.add_argument(
         "--max-steps",
         type=int,
-        default=_default(DemoOptions, "max_steps"),
+        default=field_default(DemoOptions, "max_steps"),
         help="stop after this many steps (0: none)",
     )
     p.add_argument(
         "--schedule",
-        default=_default(DemoOptions, "schedule"),
+        default=field_default(DemoOptions, "schedule"),
         choices=schedule_names(),
         help="pipeline schedule (default %(default)s)",
     )

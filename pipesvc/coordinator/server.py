@@ -4,20 +4,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from pathlib import Path
 
 import grpc
 
 from pipesvc.coordinator import cluster_view
+from pipesvc.coordinator.options import CoordinatorOptions
 from pipesvc.coordinator.replicas import Rendezvous
 from pipesvc.coordinator.serve_http.app import HttpServer
-from pipesvc.coordinator.service import FORGET_STAGES_AFTER_S, CoordinatorService
-from pipesvc.coordinator.stage_calls import Deadlines
-from pipesvc.core.limits import Limits
-from pipesvc.observe.metrics import Metrics
+from pipesvc.coordinator.service import CoordinatorService
 from pipesvc.v1 import coordinator_pb2_grpc
 from pipesvc.wire.payload_wire import FORWARD, TRAIN_STEP
-from pipesvc.wire.security import Security
 from pipesvc.wire.transport import Codec, add_service, create_server, split_address
 
 logger = logging.getLogger(__name__)
@@ -37,43 +33,31 @@ def add_coordinator_service(service: CoordinatorService, server: grpc.Server) ->
     )
 
 
-def run_coordinator(
-    *,
-    listen: str,
-    state_dir: Path,
-    stop: threading.Event,
-    address_file: Path | None = None,
-    deadlines: Deadlines | None = None,
-    security: Security | None = None,
-    limits: Limits | None = None,
-    metrics: Metrics | None = None,
-    http_port: int | None = None,
-    store_host: str = "",
-    store_port: int = 0,
-    forget_stages_after_s: float = FORGET_STAGES_AFTER_S,
-) -> None:
+def run_coordinator(options: CoordinatorOptions, stop: threading.Event) -> None:
     """Serves the coordinator until ``stop`` is set.
 
-    ``address_file``, when given, receives the bound ``host:port`` once the server is up (so a
-    parent that asked for port 0 learns the real one). ``http_port``: also serve the live page
-    (``pipesvc.observe.dashboard``) and the OpenAI-compatible API
-    (``pipesvc.coordinator.serve_http``) there, on the listen host (0: any free port).
-    ``store_host``/``store_port``: where the stages of jobs with replicas reach the gradient
-    groups' store (see [Note: replicas]); by default the host they registered with and a free
-    port. ``forget_stages_after_s``: forget a stage that has not registered (heartbeat) for
-    this long (see [Note: forgetting stages]).
+    ``options.address_file``, when given, receives the bound ``host:port`` once the server is
+    up. ``options.http_port``: also serve the live page (``pipesvc.observe.dashboard``) and the
+    OpenAI-compatible API (``pipesvc.coordinator.serve_http``) there, on the listen host.
+    ``options.store_host``/``store_port``: where the stages of jobs with replicas reach the
+    gradient groups' store (see [Note: replicas]).
     """
+    listen, security, limits = options.listen, options.security, options.limits
     host, _ = split_address(listen)
     # Said at start with its full path, and whether it is new: a relative default
     # (./pipesvc-state) lands wherever the command ran.
-    state_dir = state_dir.resolve()
+    state_dir = options.state_dir.resolve()
     created = not state_dir.exists()
     state_dir.mkdir(parents=True, exist_ok=True)
-    security = security or Security()
-    limits = limits or Limits()
-    rendezvous = Rendezvous(host=store_host, port=store_port, bind=host.strip("[]"))
+    rendezvous = Rendezvous(host=options.store_host, port=options.store_port, bind=host.strip("[]"))
     service = CoordinatorService(
-        state_dir, deadlines, security, limits, metrics, rendezvous, forget_stages_after_s
+        state_dir,
+        options.deadlines,
+        security,
+        limits,
+        options.metrics,
+        rendezvous,
+        options.forget_stages_after_s,
     )
     service.open()
     server, port, health = create_server(
@@ -90,14 +74,14 @@ def run_coordinator(
         " (created)" if created else "",
     )
     page = None
-    if http_port is not None:
+    if options.http_port is not None:
         try:
             # With TLS on, HTTPS only, with the gRPC servers' certificate and CA.
             page = HttpServer(
                 lambda: cluster_view.snapshot(service.registry, service.jobs),
                 service.jobs,
                 host.strip("[]"),
-                http_port,
+                options.http_port,
                 security.token,
                 security.tls,
             )
@@ -108,10 +92,10 @@ def run_coordinator(
         url = f"{page.scheme}://{host}:{page.port}/"
         logger.info("live page on %s", url)
         logger.info("OpenAI-compatible API on %sv1", url)
-    if address_file is not None:
-        tmp = address_file.with_suffix(".tmp")
+    if options.address_file is not None:
+        tmp = options.address_file.with_suffix(".tmp")
         tmp.write_text(address)
-        tmp.replace(address_file)
+        tmp.replace(options.address_file)
     maintenance = threading.Thread(
         target=service.maintain_forever, args=(stop,), name="maintenance", daemon=True
     )

@@ -13,13 +13,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeAlias, TypeVar, overload
 
 import grpc
 
 from pipesvc.coordinator.stage_registry import StageRegistry
 from pipesvc.core.health import Health
+from pipesvc.core.option_flags import flag
 from pipesvc.core.plan import PipelineStage
 from pipesvc.errors import (
     PipelineTimeoutError,
@@ -47,18 +48,18 @@ method's name, its request type and its reply type at the call site."""
 class Deadlines:
     """Deadlines and fault-detection settings of the coordinator's outbound calls."""
 
-    control_s: float = 120.0
-    """Assign, commit, release and state calls."""
-    step_s: float = 600.0
-    """One RunStep (a whole pipelined step on one stage)."""
+    control_s: float = field(default=120.0, metadata=flag("--control-timeout-s"))
+    """Deadline of assign, commit, abort and state calls."""
+    step_s: float = field(default=600.0, metadata=flag("--step-timeout-s"))
+    """Deadline of one pipelined step on a stage."""
     abort_s: float = 5.0
     """An Abort (sent to stages that may be dead)."""
     health_s: float = 1.0
     """One health check."""
-    health_interval_s: float = 1.0
-    """Between health checks of stages a step waits on."""
-    health_failures: int = 2
-    """Failed checks in a row that declare a stage lost."""
+    health_interval_s: float = field(default=1.0, metadata=flag())
+    """Health-check the stages a step waits on this often."""
+    health_failures: int = field(default=2, metadata=flag())
+    """Missed health checks in a row that declare a stage lost."""
     reconcile_s: float = 30.0
     """After a coordinator restart: how long to wait for a job's stages to re-register."""
 

@@ -6,16 +6,28 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipesvc.core.limits import Limits
+from pipesvc.core.limits import Limits, parse_bytes
+from pipesvc.core.option_flags import bytes_text, flag
 from pipesvc.observe.metrics import Metrics
 from pipesvc.stage.compute.faults import FaultKill
 from pipesvc.stage.dataplane.shm import DEFAULT_AREA_BYTES
 from pipesvc.wire.security import Security
 
 
-@dataclass(kw_only=True)
+def parse_size_or_zero(text: str) -> int:
+    """A byte size as ``parse_bytes`` takes it, or ``0`` (off).
+
+    Raises:
+        InvalidArgumentError: neither.
+    """
+    return 0 if text.strip() == "0" else parse_bytes(text)
+
+
+@dataclass(frozen=True, kw_only=True)
 class StageOptions:
-    """How a stage server runs; set once from the command line."""
+    """How a stage server runs, from the command line (its flags are generated from the fields
+    marked ``flag``: see [Note: flags from options] in ``pipesvc.core.option_flags``). The address
+    and the coordinator's host are known once the server is bound (``StageService.advertise``)."""
 
     address: str
     """host:port that neighbours and the coordinator dial."""
@@ -26,15 +38,18 @@ class StageOptions:
     """Where layers live and compute runs."""
     memory_bytes: int
     """Memory of that device, reported to the coordinator."""
-    recv_timeout_s: float = 300.0
+    recv_timeout_s: float = field(default=300.0, metadata=flag())
     """Longest wait for one activation or gradient before the run fails."""
     limits: Limits = field(default_factory=Limits)
     """Limits on everything received (tensors here; messages and calls in the server)."""
-    shm_bytes: int = DEFAULT_AREA_BYTES
-    """Size of the shared-memory area offered to a neighbour on the same host (0: never)."""
+    shm_bytes: int = field(
+        default=DEFAULT_AREA_BYTES, metadata=flag(parse=parse_size_or_zero, show=bytes_text)
+    )
+    """Shared-memory area offered to a neighbour on the same host; 0 turns the shared-memory
+    path off both ways: no area offered, none of a neighbour's mapped."""
     security: Security = field(default_factory=Security)
     """Token and TLS for the channels this stage opens to its neighbour."""
-    duplicate_sends: bool = False
+    duplicate_sends: bool = field(default=False, metadata=flag(hidden=True))
     """Fault injection for tests: send every activation and gradient twice."""
     serve_control: bool = True
     """False for version-skew tests: serve no Control stream, as a stage built before it (the
@@ -43,7 +58,9 @@ class StageOptions:
     """Fault injection for tests: SIGKILL this stage at a chosen point."""
     metrics: Metrics = field(default_factory=Metrics)
     """Where the stage records its metrics (nothing by default)."""
-    kv_budget_bytes: int = 1 << 30
+    kv_budget_bytes: int = field(
+        default=1 << 30, metadata=flag("--kv-budget", parse=parse_bytes, show=bytes_text)
+    )
     """Most bytes the generation sessions' key/value caches may hold on this stage."""
-    session_idle_s: float = 300.0
+    session_idle_s: float = field(default=300.0, metadata=flag())
     """A generation session idle this long is dropped from the stage."""

@@ -247,8 +247,7 @@ def run_stage(
     )
     settle_garbage_collector()
     address = advertise or f"{host}:{port}"
-    options.address = address
-    options.coordinator_host = split_address(coordinator)[0]
+    service.advertise(address, split_address(coordinator)[0])
     logger.info(
         "stage listening on %s:%d, advertised as %s, device %s",
         host,

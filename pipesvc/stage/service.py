@@ -7,6 +7,7 @@ links to the neighbours) and delegates runs, commits and aborts to ``StepEngine`
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -111,6 +112,13 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
             # As the server's request threads (see stage.server._same_threads): a run computes
             # here with the process's torch thread count.
             initializer=lambda: torch.set_num_threads(threads),
+        )
+
+    def advertise(self, address: str, coordinator_host: str) -> None:
+        """The address neighbours and the coordinator dial, and the coordinator's host, once
+        the server is bound (before it registers, so before any request names them)."""
+        self._options = dataclasses.replace(
+            self._options, address=address, coordinator_host=coordinator_host
         )
 
     @property

@@ -97,8 +97,8 @@ def start_stage() -> Iterator[Callable[..., Stage]]:
             security=security,
             thread_initializer=_name_stage_thread,
         )
-        options.address = f"127.0.0.1:{port}"
-        stage = Stage(options.address, service, server)
+        service.advertise(f"127.0.0.1:{port}", "127.0.0.1")
+        stage = Stage(f"127.0.0.1:{port}", service, server)
         started.append(stage)
         return stage
 

@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 
 from pipesvc.cli import build_parser
+from pipesvc.coordinator.options import CoordinatorOptions
 from pipesvc.coordinator.stage_calls import Deadlines
-from pipesvc.core.limits import Limits, parse_bytes
+from pipesvc.core.limits import Limits
 from pipesvc.demo import DemoOptions
 from pipesvc.stage.options import StageOptions
 from pipesvc.stage.server import run_stage
@@ -37,20 +38,33 @@ def parsed(command: str) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("flag", "cls", "name"),
     [
-        ("step_timeout_s", Deadlines, "step_s"),
-        ("control_timeout_s", Deadlines, "control_s"),
-        ("health_interval_s", Deadlines, "health_interval_s"),
-        ("health_failures", Deadlines, "health_failures"),
+        ("--step-timeout-s", Deadlines, "step_s"),
+        ("--control-timeout-s", Deadlines, "control_s"),
+        ("--health-interval-s", Deadlines, "health_interval_s"),
+        ("--health-failures", Deadlines, "health_failures"),
+        ("--state-dir", CoordinatorOptions, "state_dir"),
+        ("--listen", CoordinatorOptions, "listen"),
+        ("--forget-stages-after-s", CoordinatorOptions, "forget_stages_after_s"),
+        ("--store-port", CoordinatorOptions, "store_port"),
     ],
 )
-def test_coordinator_flags_default_to_the_deadlines(flag: str, cls: type, name: str) -> None:
-    assert parsed("coordinator")[flag] == field_default(cls, name)
+def test_coordinator_flags_default_to_the_options_they_fill(
+    flag: str, cls: type, name: str
+) -> None:
+    assert parsed("coordinator")[name] == field_default(cls, name)
+    value = "7" if isinstance(field_default(cls, name), int | float) else "x:1"
+    assert str(vars(build_parser().parse_args(["coordinator", flag, value]))[name]) in (
+        value,
+        f"{value}.0",
+    )
 
 
 def test_stage_flags_default_to_the_stage_options_and_run_stage() -> None:
     args = parsed("stage")
     assert args["recv_timeout_s"] == field_default(StageOptions, "recv_timeout_s")
-    assert parse_bytes(args["shm_bytes"]) == field_default(StageOptions, "shm_bytes")
+    assert args["shm_bytes"] == field_default(StageOptions, "shm_bytes")
+    assert args["kv_budget_bytes"] == field_default(StageOptions, "kv_budget_bytes")
+    assert args["session_idle_s"] == field_default(StageOptions, "session_idle_s")
     signature = inspect.signature(run_stage).parameters
     for name in ("heartbeat_interval_s", "drain_timeout_s"):
         assert args[name] == signature[name].default, name
