@@ -20,7 +20,8 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 _KEY = "pipesvc.flag"
-_NOTE_POINTER = re.compile(r" ?\(see \[Note: [^\]]+\][^)]*\)")
+_NOTE_POINTER = re.compile(r" ?\(see \[" + r"Note: [^\]]+\][^)]*\)")
+"""A docstring's pointer to one of the code's notes (useless in a flag's help)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
 """Log formats for the command line: one line per event, with job, step, stage and micro-batch.
 
 Code logs context as ``extra={"job": ..., "step": ..., "rank": ..., "microbatch": ...}``; the
-formatters show whichever are present. Only ``cli.py`` installs them.
+formatters show whichever are present. Only ``pipesvc.cli`` installs them.
 """
 
 from __future__ import annotations
