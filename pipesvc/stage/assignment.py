@@ -34,8 +34,9 @@ from pipesvc.errors import FailedPreconditionError, InvalidArgumentError
 from pipesvc.stage.collective.replica_group import ReplicaGroup
 from pipesvc.stage.compute.engine import StepEngine
 from pipesvc.stage.compute.recorder import RunRecorder
-from pipesvc.stage.compute.runtime import StageRuntime, storage_bytes
+from pipesvc.stage.compute.runtime import StageRuntime
 from pipesvc.stage.compute.sessions import ExpiryTimer, SessionCaches, expiry_interval
+from pipesvc.stage.compute.stage_state import storage_bytes
 from pipesvc.stage.dataplane.mailbox import MAX_ITEMS, PARTS, Mailbox, MailKey
 from pipesvc.stage.net.links import DownstreamLink, UpstreamLink
 from pipesvc.stage.net.tied_link import TiedLink

@@ -15,7 +15,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from concurrent import futures
 
 import grpc
@@ -24,8 +24,7 @@ import torch
 from pipesvc import models
 from pipesvc.core.config import JobConfig, parse_json_object
 from pipesvc.core.limits import MAX_MICROBATCHES
-from pipesvc.core.microbatch import CacheRef, MicrobatchCaches
-from pipesvc.core.tensor_codec import decode, encode, named_frames, read_named_frames
+from pipesvc.core.tensor_codec import decode, encode, named_frames
 from pipesvc.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -36,7 +35,7 @@ from pipesvc.errors import (
 )
 from pipesvc.stage.assignment import Assignment, check_assign
 from pipesvc.stage.collective.replica_group import GroupSpec
-from pipesvc.stage.compute.engine import Carried, RunInputs
+from pipesvc.stage.compute.engine import RunInputs
 from pipesvc.stage.compute.profiler import calibrate
 from pipesvc.stage.control import ControlServer
 from pipesvc.stage.dataplane.frame_wire import OutFrame
@@ -44,6 +43,8 @@ from pipesvc.stage.dataplane.malloc import give_back
 from pipesvc.stage.net import probe
 from pipesvc.stage.net.links import UpstreamLink
 from pipesvc.stage.options import StageOptions
+from pipesvc.stage.run_request import cache_refs, carried_commit
+from pipesvc.stage.state_rpcs import StateRpcs
 from pipesvc.v1 import common_pb2, stage_pb2, stage_pb2_grpc
 from pipesvc.wire.control_wire import Reply, Unreadable, failed, ok
 from pipesvc.wire.payload_wire import RUN_STEP, Incoming
@@ -57,25 +58,6 @@ CONTROL_WORKERS = 16
 """Threads that handle Control streams' messages, over every stream of the stage."""
 MAX_CALIBRATE_S = 5.0
 """The longest calibration a Profile call may ask for."""
-
-_STATE_KINDS = {
-    common_pb2.PARAMETERS: "parameters",
-    common_pb2.GRADIENTS: "gradients",
-    common_pb2.CHECKPOINT: "checkpoint",
-}
-
-
-def _as_is(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
-
-
-def _carried(request: stage_pb2.RunStepRequest) -> Carried | None:
-    """The commit a RunStep carries, if any."""
-    if not request.HasField("commit"):
-        return None
-    carried = request.commit
-    scale = carried.grad_scale if carried.HasField("grad_scale") else None
-    return Carried(run_id=carried.run_id, grad_scale=scale, snapshot=carried.snapshot)
 
 
 @functools.lru_cache(maxsize=8)
@@ -94,7 +76,7 @@ def _rss_bytes() -> int:
         return 0
 
 
-class StageService(stage_pb2_grpc.StageServiceServicer):
+class StageService(StateRpcs, stage_pb2_grpc.StageServiceServicer):
     """Serves one stage; holds at most one job's layers at a time."""
 
     def __init__(self, options: StageOptions) -> None:
@@ -363,7 +345,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
             raise InvalidArgumentError(
                 f"side inputs for {len(request.side_inputs)} micro-batches; expected 0 or {m}"
             )
-        caches = _cache_refs(request, m, generating)
+        caches = cache_refs(request, m, generating)
         # Inputs and side inputs go to the layers, which may write to them in place: on the
         # CPU they are copies of their own, elsewhere the move to the device copies them.
         # Targets only reach the loss, which reads them where they lie in the request.
@@ -390,7 +372,7 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
                 if request.HasField("replicas")
                 else None,
             ),
-            commit=_carried(request),
+            commit=carried_commit(request),
             generating=generating,
         )
         response = stage_pb2.RunStepResponse(
@@ -547,112 +529,6 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
         except Exception as exc:
             return failed(message.id, to_pipesvc(exc, f"Control ({kind or 'unknown'})"))
 
-    # -- state -------------------------------------------------------------------------------
-
-    @handle_errors
-    def GetState(
-        self, request: stage_pb2.GetStateRequest, context: object
-    ) -> Iterator[common_pb2.TensorFrame]:
-        job = self._current(request.job_id)
-        if request.kind not in _STATE_KINDS:
-            raise InvalidArgumentError(
-                f"state kind {request.kind} must be PARAMETERS, GRADIENTS or CHECKPOINT"
-            )
-        if request.HasField("snapshot_step"):
-            yield from self._stream_snapshot(job, request)
-            return
-        with job.engine.run_lock:
-            tensors = job.runtime.tensors(_STATE_KINDS[request.kind])
-
-        # One tensor copied at a time (under the run lock, so never mid-commit), not the whole
-        # state up front: a stage's peak while it is saved grows by one tensor, not by all of
-        # its weights and optimizer state. The coordinator runs no step while it reads state.
-        def copied(live: torch.Tensor) -> torch.Tensor:
-            with job.engine.run_lock:
-                return live.to("cpu", copy=True)
-
-        checkpoint = request.kind == common_pb2.CHECKPOINT
-        yield from self._state_frames(job, job.runtime.step, tensors, copied, checkpoint)
-
-    def _state_frames(
-        self,
-        job: Assignment,
-        step: int,
-        tensors: dict[str, torch.Tensor],
-        take: Callable[[torch.Tensor], torch.Tensor],
-        checkpoint: bool,
-    ) -> Iterator[common_pb2.TensorFrame]:
-        """Frames of ``tensors``, each as ``take`` gives it; a checkpoint's pass the
-        ``checkpoint`` fault point before each tensor."""
-        fault = self._options.fault_kill if checkpoint else None
-        for index, (name, tensor) in enumerate(tensors.items()):
-            if fault is not None:
-                fault.check(
-                    when="checkpoint",
-                    step=step,
-                    rank=job.runtime.rank,
-                    microbatch=index,
-                    last_mb=len(tensors) - 1,
-                )
-            yield from named_frames(name, take(tensor))
-
-    def _stream_snapshot(
-        self, job: Assignment, request: stage_pb2.GetStateRequest
-    ) -> Iterator[common_pb2.TensorFrame]:
-        """The copy a carried commit took (see [Note: snapshot checkpoint] in engine.py),
-        streamed without the run lock while later runs train; dropped once sent."""
-        if request.kind != common_pb2.CHECKPOINT:
-            raise InvalidArgumentError("snapshot_step is for the CHECKPOINT state kind only")
-        snapshot = job.engine.snapshot
-        if snapshot is None or snapshot.step != request.snapshot_step:
-            held = "none" if snapshot is None else f"step {snapshot.step}"
-            raise FailedPreconditionError(
-                f"no snapshot of step {request.snapshot_step} on this stage (it holds {held})"
-            )
-        yield from self._state_frames(job, snapshot.step, snapshot.tensors, _as_is, True)
-        job.engine.drop_snapshot(snapshot.step)
-
-    @handle_errors
-    def LoadState(
-        self, request_iterator: Iterable[stage_pb2.LoadStateRequest], context: object
-    ) -> stage_pb2.LoadStateResponse:
-        staged: dict[str, torch.Tensor] = {}
-        job: Assignment | None = None
-
-        def frames() -> Iterator[common_pb2.TensorFrame]:
-            nonlocal job
-            for request in request_iterator:
-                job = job or self._current(request.job_id)
-                if request.job_id != job.job_id:
-                    raise InvalidArgumentError(
-                        f"state stream switched from job {job.job_id!r} to {request.job_id!r}"
-                    )
-                yield request.frame
-
-        for name, tensor in read_named_frames(frames(), self._codec):
-            if name in staged:
-                raise InvalidArgumentError(f"tensor {name!r} sent twice")
-            staged[name] = tensor
-        if job is not None:
-            with job.engine.run_lock:
-                job.staged = staged
-        return stage_pb2.LoadStateResponse(num_tensors=len(staged))
-
-    @handle_errors
-    def ApplyState(
-        self, request: stage_pb2.ApplyStateRequest, context: object
-    ) -> stage_pb2.ApplyStateResponse:
-        job = self._current(request.job_id)
-        with job.engine.run_lock:
-            if request.check:
-                job.runtime.check_state(job.staged)
-                return stage_pb2.ApplyStateResponse()
-            staged, job.staged = job.staged, {}
-            if request.apply:
-                step = request.step if request.HasField("step") else None
-                job.runtime.load_state(job.runtime.check_state(staged, owned=True), step)
-        return stage_pb2.ApplyStateResponse()
-
     @handle_errors
     def GetTrace(
         self, request: common_pb2.GetTraceRequest, context: object
@@ -737,101 +613,3 @@ class StageService(stage_pb2_grpc.StageServiceServicer):
             return
         except PipesvcError as exc:
             abort_with(context, exc)
-
-
-def _cache_refs(
-    request: stage_pb2.RunStepRequest, m: int, generating: bool
-) -> list[MicrobatchCaches]:
-    """The caches of each micro-batch of a run request, checked.
-
-    Raises:
-        InvalidArgumentError: caches outside GENERATE, not one entry per micro-batch, a bad
-            session id, a part named twice other than as a chunked prefill (later micro-batches
-            of their own extending it, see [Note: chunked prefill] in
-            ``pipesvc.coordinator.session``), or a fused micro-batch that mixes parts
-            starting and extending caches.
-    """
-    if len(request.caches) not in ((0, m) if generating else (0,)):
-        raise InvalidArgumentError(
-            f"caches for {len(request.caches)} micro-batches in mode {request.mode}; "
-            f"expected {'0 or ' + str(m) if generating else 0}"
-        )
-    seen: set[tuple[str, int]] = set()
-    caches: list[MicrobatchCaches] = []
-    for index, entry in enumerate(request.caches):
-        if not 1 <= len(entry.refs) <= MAX_MICROBATCHES:
-            raise InvalidArgumentError(
-                f"micro-batch {index} names {len(entry.refs)} caches; expected 1 to "
-                f"{MAX_MICROBATCHES}"
-            )
-        fused = len(entry.refs) > 1
-        for ref in entry.refs:
-            if not 1 <= len(ref.session) <= 128:
-                raise InvalidArgumentError(
-                    f"session id of {len(ref.session)} characters; expected 1 to 128"
-                )
-            if (ref.session, ref.part) in seen and (ref.fresh or fused or ref.keep_as):
-                raise InvalidArgumentError(
-                    f"session {ref.session!r} part {ref.part} is named twice in one run, the "
-                    "second time starting its cache, fused or keeping a prefix; a part named "
-                    "again extends it alone"
-                )
-            seen.add((ref.session, ref.part))
-            _check_prefix_ref(ref, fused=fused)
-        fresh = {ref.fresh for ref in entry.refs}
-        if fused and (
-            len(fresh) > 1
-            or any(r.rows == 0 or r.positions == 0 for r in entry.refs)
-            or (fresh == {False} and any(r.positions != 1 for r in entry.refs))
-        ):
-            raise InvalidArgumentError(
-                f"micro-batch {index} fuses {len(entry.refs)} caches; expected all starting "
-                "(fresh) or all extending by one position, each over rows > 0 adding "
-                "positions > 0; got (fresh, rows, positions) "
-                + str([(r.fresh, r.rows, r.positions) for r in entry.refs])
-            )
-        caches.append(
-            tuple(
-                CacheRef(
-                    r.session,
-                    r.part,
-                    r.fresh,
-                    r.rows,
-                    r.positions,
-                    r.source,
-                    r.source_positions,
-                    r.keep_as,
-                    r.keep_positions,
-                )
-                for r in entry.refs
-            )
-        )
-    return caches
-
-
-def _check_prefix_ref(ref: stage_pb2.CacheRef, *, fused: bool) -> None:
-    """A cache reference's prefix fields (see [Note: prefix reuse] in
-    pipesvc.stage.compute.sessions).
-
-    Raises:
-        InvalidArgumentError: a prefix name over 128 characters, a source on a cache that is
-            not fresh, or a prefix over several rows, in a fused micro-batch or of 0 positions.
-    """
-    for name, positions, what in (
-        (ref.source, ref.source_positions, "source"),
-        (ref.keep_as, ref.keep_positions, "keep_as"),
-    ):
-        if not name:
-            continue
-        if len(name) > 128 or positions == 0 or ref.rows != 1 or fused:
-            raise InvalidArgumentError(
-                f"session {ref.session!r} part {ref.part}: {what} {name[:32]!r} of "
-                f"{len(name)} characters at {positions} positions over {ref.rows} row(s)"
-                f"{' in a fused micro-batch' if fused else ''}; expected a name of 1 to 128 "
-                "characters, positions > 0, one row, not fused"
-            )
-    if ref.source and not ref.fresh:
-        raise InvalidArgumentError(
-            f"session {ref.session!r} part {ref.part} names source {ref.source!r} but is not "
-            "fresh: only a starting cache starts from a prefix"
-        )

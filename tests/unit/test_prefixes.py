@@ -14,7 +14,7 @@ from pipesvc.errors import InvalidArgumentError, ResourceExhaustedError, Session
 from pipesvc.models.gpt import KVCache
 from pipesvc.models.registry import CacheLayout
 from pipesvc.stage.compute.sessions import SessionCaches
-from pipesvc.stage.service import _check_prefix_ref
+from pipesvc.stage.run_request import check_prefix_ref
 from pipesvc.v1 import stage_pb2
 
 LAYOUT = CacheLayout(tensors=KVCache.tensors, build=KVCache.from_tensors)
@@ -169,5 +169,5 @@ def test_a_stage_refuses_prefix_fields_that_do_not_fit(
 ) -> None:
     ref = stage_pb2.CacheRef(session="s", part=0, **{"fresh": True, "rows": 1, **fields})
     with pytest.raises(InvalidArgumentError, match=match):
-        _check_prefix_ref(ref, fused=fused)
-    _check_prefix_ref(stage_pb2.CacheRef(session="s", fresh=True, rows=1), fused=fused)
+        check_prefix_ref(ref, fused=fused)
+    check_prefix_ref(stage_pb2.CacheRef(session="s", fresh=True, rows=1), fused=fused)

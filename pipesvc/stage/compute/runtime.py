@@ -6,17 +6,6 @@ This module owns no threads and no network; the stage service drives it.
 micro-batch until its ``backward``; the output tensor is handed to the sender as is and is never
 modified in place, so it can be sent while compute goes on.
 
-[Note: gradient buffers] A training run zeroes the previous step's gradients in place rather
-than dropping them (``zero_grad(set_to_none=True)``) and allocating new ones in backward. On
-glibc before 2.38 a freed block of exactly a tensor's size is too small for the next
-``posix_memalign`` of that size (torch aligns CPU tensors to 64 bytes, and glibc asks for the
-size plus the alignment), so dropped gradients would stay resident as holes beside their
-replacements; reusing the buffers also spares the page faults of fresh memory. A parameter that
-gets no gradient in a run still ends it with ``grad`` None, as after
-``zero_grad(set_to_none=True)``, so the optimizer skips it: ``_settle_grads`` drops the buffers
-that no backward has added to since they were zeroed (their version counter is unchanged). The
-sums are those of fresh buffers, since ``0 + g`` is ``g``.
-
 [Note: train and eval mode] A training run puts the layers in training mode and runs each
 layer that draws random numbers under the seed of [Note: training randomness]
 (``pipesvc.models.rng``), for the step being computed (``step + 1``), so a replayed step draws
@@ -37,82 +26,47 @@ copies of floating-point inputs. Integer inputs (token ids) are never cast. One 
 matches a job exactly only with the same casts at the stage boundaries, since autocast's
 output dtypes depend on the op; against one process under autocast without them, losses agree
 to bfloat16's precision (about 3 significant digits), which the tests allow for.
-
-[Note: stage out of memory] Memory exhausted in a run's compute (a layer's forward, the loss,
-a backward, a split backward's weight gradients) raises ``StageOutOfMemoryError``: the stage's
-failure, never the ``InvalidArgumentError`` of a layer that refused its input. It is a final
-error: the coordinator aborts the run everywhere and recovers nothing (the same plan would run
-out again), so the job stays at its step. torch's CPU allocator raises a plain RuntimeError,
-recognised by its text (``_out_of_memory``). An optimizer step that runs out is left as it was
-(a stage fault, recovered from), since it may have updated some parameters.
-
-[Note: wire dtype] ``JobConfig.wire_dtype`` sends activations and gradients between stages in
-a codec of their own, per role (``JobConfig.wire_codecs``), under any precision: a stage encodes
-its output (and, in backward, its input's gradient) before sending, and the receiver decodes
-it. A float codec (bfloat16, float16) is a cast: the receiver casts an arriving activation back
-to its compute dtype (float32, or bfloat16 under ``bf16``; under ``bf16-mixed`` autocast takes
-it as it is) and a gradient to its output's dtype. A quantizing codec (int8, int4) sends every
-tensor as a packed blob (see [Note: packed blob] in ``pipesvc.core.quant``) that the receiver
-decodes to the dtype it was sent in. The numbers are those of one process that runs
-``quant.through_wire(t, activations, gradients)`` on each boundary's activation (for a float
-codec on both roles that is ``t.to(wire).to(compute)``, through which autograd casts the
-gradient the same way). float16 keeps 10 bits of mantissa against bfloat16's 7 but only 5 of
-exponent: gradients below about 6e-8 flush to zero (no loss scaling here).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import math
 import time
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from pipesvc.core import quant
 from pipesvc.core.config import JobConfig
 from pipesvc.core.link_codecs import Codecs
 from pipesvc.core.loss import compute_loss
-from pipesvc.core.optim import build_optimizer, trains
+from pipesvc.core.optim import build_optimizer
 from pipesvc.core.tying import StageTies
 from pipesvc.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     StageOutOfMemoryError,
-    WireFormatError,
 )
 from pipesvc.models import (
-    batch_statistics,
-    build_layers,
     layer_rng,
-    model_export,
     model_features,
-    tied_parameters,
-    uses_rng,
 )
 from pipesvc.models.carry import Carry, check_carried
+from pipesvc.stage.compute.grad_buffers import GradBuffers
+from pipesvc.stage.compute.layer_plan import build_chunks, settle_trainable
+from pipesvc.stage.compute.out_of_memory import memory_exhausted, out_of_memory
 from pipesvc.stage.compute.profiler import FlopCount, StageProfiler, output_bytes
+from pipesvc.stage.compute.stage_state import (
+    PreparedState,
+    apply_state,
+    prepare_state,
+    state_tensors,
+)
+from pipesvc.stage.compute.tied_grads import TiedGrads
 from pipesvc.stage.compute.weight_grads import DeferWeightGrads, WeightGradStore
-from pipesvc.storage.checkpoint import OPTIM_PREFIX, group_by_layer
-
-_LayerCall = tuple[int, nn.Module, bool, tuple[str, ...], bool, bool]
-"""How one layer is called: its global index, the layer, whether its training call is seeded
-(see [Note: training randomness]), the side inputs it reads, whether it reads a generation
-cache and whether it adds to a carried vector (see [Note: carried vector] in
-``pipesvc.models.carry``); fixed when the layer is built."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _Prepared:
-    """State checked by ``check_state``, ready to apply."""
-
-    weights: dict[str, torch.Tensor]
-    optim_state: dict[torch.nn.Parameter, dict[str, torch.Tensor]]
-    has_optim: bool
+from pipesvc.stage.compute.wire_casts import WireCasts, from_wire, to_wire
 
 
 class StageRuntime:
@@ -150,83 +104,16 @@ class StageRuntime:
                 "(several layer ranges per stage) do not support tied parameters"
             )
         # Per chunk, each layer's call plan, fixed at build time (see [Note: per-action cost]).
-        self._chunk_layers: list[list[_LayerCall]] = []
-        for a, b in self.chunks:
-            built = build_layers(
-                config.model,
-                config.model_args,
-                seed=config.seed,
-                start_layer=a,
-                end_layer=b,
-                device=device,
-            )
-            if config.num_microbatches > 1:
-                _refuse_batch_statistics(a, built, config.num_microbatches)
-            if config.precision == "bf16":
-                for layer in built:
-                    layer.to(torch.bfloat16)
-            self._chunk_layers.append(
-                [
-                    (
-                        a + i,
-                        layer,
-                        uses_rng(layer),
-                        tuple(getattr(layer, "side_inputs", ())),
-                        bool(getattr(layer, "uses_cache", False)),
-                        bool(getattr(layer, "adds_to_carry", False)),
-                    )
-                    for i, layer in enumerate(built)
-                ]
-            )
+        self._chunk_layers = build_chunks(config, self.chunks, device)
         self._layers = [entry for chunk in self._chunk_layers for entry in chunk]
         self._autocast = config.precision == "bf16-mixed"
-        # The codecs of the links in and out (see [Note: codecs per link]); without a plan,
-        # the job's on both.
-        self._up, self._down = links or (config.wire_codecs, config.wire_codecs)
-        act = self._up[0]
-        # The float dtype activations arrive in, cast back on arrival (None: quantized or exact).
-        self._wire_float: torch.dtype | None = (
-            getattr(torch, act) if act is not None and act not in quant.CODE_BITS else None
-        )
+        self._wire = WireCasts.of(config, links)
         self._compute_dtype = torch.bfloat16 if config.precision == "bf16" else torch.float32
-        # What forward casts a floating-point input to the compute dtype for (see [Note: wire
-        # dtype]): always (bf16 weights, or a quantized codec outside autocast), or only when it
-        # arrives in the float codec's dtype (None: never).
-        self._cast_always = config.precision == "bf16" or (
-            act in quant.CODE_BITS and not self._autocast
-        )
-        self._cast_from: torch.dtype | None = None if self._autocast else self._wire_float
-        # The codec activations leave in, for the profiler's bytes (a property that parses).
-        self._profile_wire = config.wire_codecs[0]
         # Keys "{global layer}.{param}", as build(...).state_dict() keys the whole model.
         self.module = nn.ModuleDict({str(entry[0]): entry[1] for entry in self._layers})
         self._training = True  # modules are built in training mode
-        ties = ties or StageTies()
-        if not trains(config.optimizer):  # an inference job: no gradients, no state
-            self.module.requires_grad_(False)
-        elif config.trainable is not None:
-            self._freeze_all_but(config.trainable, ties)
-        params_by_key = dict(self.module.named_parameters())
-        for keys in ties.local.values():
-            missing = [k for k in keys if k not in params_by_key]
-            if missing:
-                raise InvalidArgumentError(
-                    f"tied keys {missing} are not parameters of layers [{start_layer}, "
-                    f"{end_layer}) of model {config.model!r}"
-                )
-        # Tied groups that train (a frozen group, as under LoRA, has no gradient to share).
-        self.ties = StageTies(
-            local={
-                g: keys for g, keys in ties.local.items() if params_by_key[keys[0]].requires_grad
-            },
-            peers={
-                g: peer
-                for g, peer in ties.peers.items()
-                if params_by_key[ties.local[g][0]].requires_grad
-            },
-            out_of_norm=ties.out_of_norm,
-        )
-        self._tied_partials: dict[int, torch.Tensor] = {}
+        self.ties = settle_trainable(self.module, config, ties or StageTies(), self.chunks[0])
+        self._tied = TiedGrads(self.ties)
         self.features = model_features(config.model, config.model_args)
         """The side inputs the model's layers read and its generation cache."""
         # Frozen parameters (LoRA's base weights, those ``trainable`` leaves out) get no
@@ -246,30 +133,11 @@ class StageRuntime:
         # the weight gradients their B leaves for W, and B's seconds once it ran.
         self._deferred: dict[int, WeightGradStore] = {}
         self._backward_s: dict[int, float] = {}
-        # Gradient buffers zeroed for this run, with their version after zeroing (see Note).
-        self._zeroed: list[tuple[torch.nn.Parameter, torch.Tensor, int]] = []
+        self._grads = GradBuffers()  # see [Note: gradient buffers]
         # A training run began and is not committed: its gradients replace the last step's.
         self._training_run = False
         self._microbatch_offset = 0
         """The step-wide index of this run's first micro-batch (see ``begin_run``)."""
-
-    def _freeze_all_but(self, patterns: tuple[str, ...], ties: StageTies) -> None:
-        """Only parameters whose name (the model's own, as ``Job.state_dict()`` shows it)
-        matches one of ``patterns`` keep training; a tied parameter trains if any name of its
-        group matches (one parameter in one process), so every stage decides the same."""
-        export = model_export(self.config.model, self.config.model_args)
-        own = export.get("keys") if export else None
-        names: dict[str, str] = own if isinstance(own, dict) else {}
-
-        def matches(key: str) -> bool:
-            return any(fnmatch.fnmatchcase(names.get(key, key), p) for p in patterns)
-
-        group_of = {key: g for g, keys in ties.local.items() for key in keys}
-        groups = tied_parameters(self.config.model, self.config.model_args)
-        for key, param in self.module.named_parameters():
-            keys = groups[group_of[key]] if key in group_of else (key,)
-            if not any(matches(k) for k in keys):
-                param.requires_grad_(False)
 
     @property
     def is_first(self) -> bool:
@@ -296,7 +164,7 @@ class StageRuntime:
         self.peak_in_flight = 0
         if training:
             self._training_run = True
-            self._zero_grads()
+            self._grads.zero(self.module)
 
     def _drop_run(self) -> None:
         """Forgets what the run in flight keeps for its backward."""
@@ -306,51 +174,11 @@ class StageRuntime:
         self._carried.clear()
         self._carried_grads.clear()
 
-    def _zero_grads(self) -> None:
-        """Zeroes the gradient buffers in place for the run to accumulate into (see Note)."""
-        self._zeroed = []
-        for p in self.module.parameters():
-            grad = p.grad
-            if grad is None:
-                continue
-            if grad.grad_fn is not None:
-                grad.detach_()
-            else:
-                grad.requires_grad_(False)
-            grad.zero_()
-            self._zeroed.append((p, grad, grad._version))
-
-    def _settle_grads(self) -> None:
-        """Drops the zeroed gradient buffers that no backward of the run accumulated into."""
-        for p, grad, version in self._zeroed:
-            if p.grad is grad and grad._version == version:
-                p.grad = None
-        self._zeroed = []
-
     def _set_mode(self, training: bool) -> None:
         """Training or eval mode for every layer (see [Note: train and eval mode])."""
         if training != self._training:
             self.module.train(training)
             self._training = training
-
-    @staticmethod
-    def _to_wire(t: torch.Tensor, codec: str | None) -> torch.Tensor:
-        """What is sent to a neighbour with ``codec`` (see [Note: wire dtype])."""
-        if codec is None:
-            return t
-        if codec in quant.CODE_BITS:
-            return quant.to_blob(t.detach(), codec)  # every tensor: see [Note: packed blob]
-        return t.detach().to(getattr(torch, codec)) if t.is_floating_point() else t
-
-    @staticmethod
-    def _from_wire(t: torch.Tensor, codec: str | None) -> torch.Tensor:
-        """What a neighbour sent with ``codec``, as it stands (a quantized one decoded)."""
-        if codec is None or codec not in quant.CODE_BITS:
-            return t
-        try:
-            return quant.from_blob(t)
-        except WireFormatError as exc:
-            raise InvalidArgumentError(f"a tensor from a neighbour stage: {exc}") from exc
 
     def first_virtual(self, chunk: int) -> bool:
         """Whether ``chunk`` here is the model's first virtual stage (it takes the inputs)."""
@@ -425,7 +253,7 @@ class StageRuntime:
                 else:
                     x = self._call_layer(layer, x, kwargs, seeded, seed, step, mb, index)
             except (RuntimeError, IndexError, ValueError, MemoryError) as exc:
-                if _out_of_memory(exc):
+                if out_of_memory(exc):
                     raise self._memory_exhausted(f"the forward of layer {index}", exc) from exc
                 raise InvalidArgumentError(
                     f"layer {index} failed on an input of shape {list(x.shape)} and dtype "
@@ -433,7 +261,7 @@ class StageRuntime:
                 ) from exc
             if profiler is not None:  # a training forward (see pipesvc.stage.compute.profiler)
                 seconds = time.perf_counter() - started
-                samples.append((index, seconds, output_bytes(x, self._profile_wire)))
+                samples.append((index, seconds, output_bytes(x, self._wire.profile_wire)))
         if profiler is not None:
             profiler.layers(samples)
         return x
@@ -489,9 +317,9 @@ class StageRuntime:
                 )
         first = self.rank == 0 and chunk == 0
         if not first:
-            x = self._from_wire(x, self._up[0])
+            x = from_wire(x, self._wire.up[0])
         x = x.to(self.device)
-        if x.is_floating_point() and (self._cast_always or x.dtype == self._cast_from):
+        if x.is_floating_point() and (self._wire.cast_always or x.dtype == self._wire.cast_from):
             x = x.to(self._compute_dtype)  # see [Note: wire dtype]
         if training != self._training:
             self._set_mode(training)
@@ -499,7 +327,7 @@ class StageRuntime:
         if not training:
             with torch.no_grad():
                 out = self._apply(x, None, side, cache, chunk=chunk)
-            return out if last else self._to_wire(out, self._down[0])
+            return out if last else to_wire(out, self._wire.down[0])
         if not first:
             if not x.is_floating_point():
                 raise InvalidArgumentError(
@@ -518,7 +346,7 @@ class StageRuntime:
             self._deferred[key] = deferred
         self._saved[key] = (x, y)
         self.peak_in_flight = max(self.peak_in_flight, len(self._saved))
-        return y if last else self._to_wire(y, self._down[0])
+        return y if last else to_wire(y, self._wire.down[0])
 
     def _carry_start(
         self, carry: torch.Tensor | None, first: bool, chunk: int
@@ -569,7 +397,7 @@ class StageRuntime:
                 loss = loss + spec.loss(carried[1])
             loss = loss * weight
         except (RuntimeError, MemoryError) as exc:
-            if not _out_of_memory(exc):
+            if not out_of_memory(exc):
                 raise
             raise self._memory_exhausted("the loss", exc) from exc
         self._saved[key] = (x, loss)
@@ -611,9 +439,9 @@ class StageRuntime:
             # the embedding under LoRA): there is no gradient to compute or send.
             if carried is not None and not first:
                 self._carried_grads[key] = torch.zeros_like(carried[0])
-            return None if first else self._to_wire(torch.zeros_like(x), self._up[1])
+            return None if first else to_wire(torch.zeros_like(x), self._wire.up[1])
         if grad_output is not None:
-            grad_output = self._from_wire(grad_output, self._down[1])
+            grad_output = from_wire(grad_output, self._wire.down[1])
         if grad_output is not None and grad_output.shape != y.shape:
             raise InvalidArgumentError(
                 f"gradient of shape {list(grad_output.shape)} for an output of shape "
@@ -627,7 +455,7 @@ class StageRuntime:
             else:
                 torch.autograd.backward(y, grad_output.to(device=self.device, dtype=y.dtype))
         except (RuntimeError, MemoryError) as exc:
-            if not _out_of_memory(exc):
+            if not out_of_memory(exc):
                 raise
             where = f"the backward of micro-batch {microbatch}"
             raise self._memory_exhausted(where, exc) from exc
@@ -639,7 +467,7 @@ class StageRuntime:
             start = carried[0]
             found = start.grad
             self._carried_grads[key] = found if found is not None else torch.zeros_like(start)
-        return None if first or x.grad is None else self._to_wire(x.grad, self._up[1])
+        return None if first or x.grad is None else to_wire(x.grad, self._wire.up[1])
 
     def _backward_carried(
         self,
@@ -696,13 +524,7 @@ class StageRuntime:
 
     def _memory_exhausted(self, where: str, exc: BaseException) -> StageOutOfMemoryError:
         """The error of memory exhausted in ``where`` (see [Note: stage out of memory])."""
-        ranges = ", ".join(f"[{a}, {b})" for a, b in self.chunks)
-        return StageOutOfMemoryError(
-            f"rank {self.rank} (layers {ranges}) ran out of {self.device} memory in {where}: "
-            f"{exc}; the run was aborted and nothing changed. Use smaller micro-batches (a "
-            "smaller batch or a larger num_microbatches) or more stages, whose budgets "
-            "partition='memory' counts"
-        )
+        return memory_exhausted(where, exc, rank=self.rank, chunks=self.chunks, device=self.device)
 
     @contextlib.contextmanager
     def _memory_of_the_stage(self, where: str) -> Iterator[None]:
@@ -710,20 +532,20 @@ class StageRuntime:
         try:
             yield
         except (RuntimeError, MemoryError) as exc:
-            if not _out_of_memory(exc):
+            if not out_of_memory(exc):
                 raise
             raise self._memory_exhausted(where, exc) from exc
 
     def settled_parameters(self) -> list[nn.Parameter]:
         """After a training run's last backward: the parameters that train, each with its
         gradient of the run or none if no backward reached it."""
-        self._settle_grads()
+        self._grads.settle()
         return [p for p in self.module.parameters() if p.requires_grad]
 
     def grad_norm_sq(self) -> float:
         """Sum over parameters of the squared gradient norm (for global clipping); a tied
         group counts once (see [Note: tied parameters] in ``pipesvc.core.tying``)."""
-        self._settle_grads()
+        self._grads.settle()
         total = 0.0
         for key, p in self.module.named_parameters():
             if p.grad is not None and key not in self.ties.out_of_norm:
@@ -734,44 +556,16 @@ class StageRuntime:
         """After a training run's last backward: each tied group's gradient summed over its
         copies on this stage; returns those of the groups shared with another stage (to swap
         with it, then ``settle_ties``)."""
-        self._settle_grads()
-        params = dict(self.module.named_parameters())
-        self._tied_partials = {}
-        for group, keys in self.ties.local.items():
-            grads = [params[k].grad for k in keys]
-            partial = torch.zeros_like(params[keys[0]])
-            for grad in grads:
-                if grad is not None:
-                    partial += grad
-            self._tied_partials[group] = partial
-        return {g: self._tied_partials[g] for g in self.ties.peers}
+        self._grads.settle()
+        return self._tied.partials(self.module)
 
     def settle_ties(self, theirs: dict[int, torch.Tensor]) -> None:
-        """Gives every tied copy here its group's total: this stage's partial plus the other
-        stage's (``theirs``, for groups shared with one).
+        """Gives every tied copy here its group's total (see ``TiedGrads.settle``).
 
         Raises:
             InvalidArgumentError: ``theirs`` lacks a shared group or does not match its shape.
         """
-        params = dict(self.module.named_parameters())
-        for group, keys in self.ties.local.items():
-            total = self._tied_partials[group]
-            if group in self.ties.peers:
-                other = theirs.get(group)
-                if other is None or other.shape != total.shape:
-                    raise InvalidArgumentError(
-                        f"tied group {group}: expected a gradient of shape {list(total.shape)} "
-                        f"from rank {self.ties.peers[group]}; got "
-                        f"{None if other is None else list(other.shape)}"
-                    )
-                total = total + other.to(device=total.device, dtype=total.dtype)
-            for key in keys:
-                p = params[key]
-                if p.grad is None:
-                    p.grad = total.clone()
-                else:
-                    p.grad.copy_(total)
-        self._tied_partials = {}
+        self._tied.settle(self.module, theirs)
 
     def commit(self, grad_scale: float | None) -> int:
         """Applies the optimizer step (after scaling gradients); returns the step count.
@@ -779,7 +573,7 @@ class StageRuntime:
         Raises:
             InvalidArgumentError: ``grad_scale`` is not a finite non-negative number.
         """
-        self._settle_grads()
+        self._grads.settle()
         if grad_scale is not None:
             if not (math.isfinite(grad_scale) and grad_scale >= 0):
                 raise InvalidArgumentError(f"grad_scale ({grad_scale}) must be finite and >= 0")
@@ -799,142 +593,50 @@ class StageRuntime:
         self._drop_run()
         if self._training_run:
             self._training_run = False
-            self._zeroed = []
+            self._grads.forget()
             self.module.zero_grad(set_to_none=True)
 
     def tensors(self, kind: str) -> dict[str, torch.Tensor]:
-        """The stage's tensors under global keys.
-
-        ``kind`` is ``"parameters"`` (the state_dict), ``"gradients"`` (of the last committed
-        step) or ``"checkpoint"`` (the state_dict plus optimizer state, see OPTIM_PREFIX).
-        """
+        """The stage's tensors under global keys (see ``state_tensors``); ``"gradients"`` are
+        those of the last committed step."""
         if kind == "gradients":
-            self._settle_grads()
-            return {
-                name: p.grad.detach()
-                for name, p in self.module.named_parameters()
-                if p.grad is not None
-            }
-        result = {k: v.detach() for k, v in self.module.state_dict().items()}
-        if kind == "checkpoint" and self.optimizer is not None:
-            for name, p in self.module.named_parameters():
-                for key, value in self.optimizer.state.get(p, {}).items():
-                    if isinstance(value, torch.Tensor):
-                        result[f"{OPTIM_PREFIX}{name}.{key}"] = value.detach()
-            return dict(group_by_layer(result))
-        return result
+            self._grads.settle()
+        return state_tensors(self.module, self.optimizer, kind)
 
     def held_tensors(self) -> list[torch.Tensor]:
         """Every tensor this runtime holds: weights and buffers, gradients, optimizer state and
         the activations of a run in flight (see ``storage_bytes``)."""
-        held = list(self.module.state_dict().values())
-        held += [p.grad for p in self.module.parameters() if p.grad is not None]
-        if self.optimizer is not None:
-            for slots in self.optimizer.state.values():
-                held += [v for v in slots.values() if isinstance(v, torch.Tensor)]
-        for x, y in self._saved.values():
-            held += [x, y]
-        return held
+        held = state_tensors(self.module, self.optimizer, "held")
+        return [*held.values(), *(t for pair in self._saved.values() for t in pair)]
 
     def release(self) -> None:
         """Drops every tensor this runtime holds (its job was replaced or released); the
         runtime computes nothing afterwards (see [Note: one copy while reassigned] in
         ``pipesvc.stage.assignment``)."""
         self._drop_run()
-        self._zeroed = []
-        self._tied_partials = {}
+        self._grads.forget()
+        self._tied.forget()
         self.optimizer = None
         self._chunk_layers = [[] for _ in self.chunks]
         self._layers = []
         self.module = nn.ModuleDict()
 
-    def check_state(self, staged: dict[str, torch.Tensor], *, owned: bool = False) -> _Prepared:
-        """Checks that ``staged`` is exactly this stage's state_dict (plus, optionally,
-        optimizer state under OPTIM_PREFIX keys) and prepares it; changes nothing.
-
-        ``owned``: the caller hands ``staged`` over (it was decoded for this call and is
-        dropped after it), so its optimizer tensors already on the right device become the
-        optimizer state as they are; a copy would hold that state twice while a recovery
-        restores it, above the budget the plan counted.
+    def check_state(self, staged: dict[str, torch.Tensor], *, owned: bool = False) -> PreparedState:
+        """Checks that ``staged`` is exactly this stage's state (see ``prepare_state``) and
+        prepares it; changes nothing.
 
         Raises:
             InvalidArgumentError: missing or unexpected keys, or a shape or dtype mismatch.
         """
-        weights = {k: v for k, v in staged.items() if not k.startswith(OPTIM_PREFIX)}
-        optim = {k[len(OPTIM_PREFIX) :]: v for k, v in staged.items() if k.startswith(OPTIM_PREFIX)}
-        current = self.module.state_dict()
-        missing = sorted(set(current) - set(weights))
-        unexpected = sorted(set(weights) - set(current))
-        if missing or unexpected:
-            raise InvalidArgumentError(
-                f"state for layers [{self.start_layer}, {self.end_layer}) is missing "
-                f"{missing[:5]} and has unexpected {unexpected[:5]}"
-            )
-        for name, tensor in weights.items():
-            if tensor.shape != current[name].shape or tensor.dtype != current[name].dtype:
-                raise InvalidArgumentError(
-                    f"state tensor {name} has shape {list(tensor.shape)} {tensor.dtype}; "
-                    f"expected {list(current[name].shape)} {current[name].dtype}"
-                )
-        params = dict(self.module.named_parameters())
-        optim_state: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
-        for key, tensor in optim.items():
-            name, _, slot = key.rpartition(".")
-            if name not in params or self.optimizer is None:
-                raise InvalidArgumentError(
-                    f"optimizer state {OPTIM_PREFIX}{key} names no parameter of layers "
-                    f"[{self.start_layer}, {self.end_layer})"
-                )
-            param = params[name]
-            if tensor.dim() > 0 and (tensor.shape != param.shape or tensor.dtype != param.dtype):
-                raise InvalidArgumentError(
-                    f"optimizer state {OPTIM_PREFIX}{key} is {list(tensor.shape)} "
-                    f"{tensor.dtype}; its parameter is {list(param.shape)} {param.dtype}"
-                )
-            if tensor.dim() == 0 and not tensor.is_floating_point():
-                raise InvalidArgumentError(
-                    f"optimizer state {OPTIM_PREFIX}{key} is a {tensor.dtype} scalar; "
-                    "a floating-point one is expected"
-                )
-            # Scalars (Adam's step count) stay on the CPU, as torch keeps them.
-            device = param.device if tensor.dim() > 0 else torch.device("cpu")
-            optim_state.setdefault(param, {})[slot] = tensor.to(device, copy=not owned)
-        return _Prepared(weights=weights, optim_state=optim_state, has_optim=bool(optim))
+        return prepare_state(
+            self.module, self.optimizer, (self.start_layer, self.end_layer), staged, owned=owned
+        )
 
-    def load_state(self, prepared: _Prepared, step: int | None = None) -> None:
+    def load_state(self, prepared: PreparedState, step: int | None = None) -> None:
         """Applies what ``check_state`` prepared; sets the step counter if ``step`` is given."""
-        current = self.module.state_dict()
-        weights, optim_state = prepared.weights, prepared.optim_state
-        with torch.no_grad():
-            for name, tensor in weights.items():
-                current[name].copy_(tensor)
-        if prepared.has_optim and self.optimizer is not None:
-            self.optimizer.state.clear()
-            for param, slots in optim_state.items():
-                self.optimizer.state[param] = slots
+        apply_state(self.module, self.optimizer, prepared)
         if step is not None:
             self.step = step
-
-
-def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the memory ``tensors`` hold, each storage once (views, tied parameters and a
-    state_dict's aliases of parameters count once, and a view holds its whole storage)."""
-    storages: dict[tuple[torch.device, int], int] = {}
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
-    return sum(storages.values())
-
-
-def _out_of_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` is a failed allocation (see [Note: stage out of memory])."""
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
-        return True
-    # torch's CPU allocator raises a plain RuntimeError (an enforce failure in alloc_cpu.cpp):
-    # its text is the only mark it has.
-    return isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(
-        exc
-    )
 
 
 _CHUNK_STRIDE = 1 << 20
@@ -942,22 +644,6 @@ _CHUNK_STRIDE = 1 << 20
 micro-batches than this are refused long before)."""
 
 
-def _refuse_batch_statistics(
-    start_layer: int, layers: list[nn.Module], num_microbatches: int
-) -> None:
-    """Raises InvalidArgumentError if a layer computes statistics across its batch.
-
-    Such a layer normalises each micro-batch with that micro-batch's statistics (and updates
-    its running averages once per micro-batch), so training it over more than one micro-batch
-    cannot equal one-process training on the whole batch.
-    """
-    for offset, layer in enumerate(layers):
-        found = batch_statistics(layer)
-        if found:
-            raise InvalidArgumentError(
-                f"layer {start_layer + offset} ({type(layer).__name__}) computes statistics "
-                f"across the batch ({', '.join(found)}): with num_microbatches "
-                f"({num_microbatches}) > 1 it would see micro-batches, not the batch, and "
-                "training would differ from one-process training; use num_microbatches=1, "
-                "or a per-sample normalisation (LayerNorm, GroupNorm)"
-            )
+_CHUNK_STRIDE = 1 << 20
+"""Keys of a micro-batch's chunks in flight: ``chunk * _CHUNK_STRIDE + microbatch`` (more
+micro-batches than this are refused long before)."""

@@ -1,0 +1,117 @@
+"""The parts of a run request a stage checks before it runs anything: the commit it carries
+and the generation caches of its micro-batches (no gRPC here)."""
+
+from __future__ import annotations
+
+from pipesvc.core.limits import MAX_MICROBATCHES
+from pipesvc.core.microbatch import CacheRef, MicrobatchCaches
+from pipesvc.errors import InvalidArgumentError
+from pipesvc.stage.compute.engine import Carried
+from pipesvc.v1 import stage_pb2
+
+
+def carried_commit(request: stage_pb2.RunStepRequest) -> Carried | None:
+    """The commit a RunStep carries, if any."""
+    if not request.HasField("commit"):
+        return None
+    carried = request.commit
+    scale = carried.grad_scale if carried.HasField("grad_scale") else None
+    return Carried(run_id=carried.run_id, grad_scale=scale, snapshot=carried.snapshot)
+
+
+def cache_refs(
+    request: stage_pb2.RunStepRequest, m: int, generating: bool
+) -> list[MicrobatchCaches]:
+    """The caches of each micro-batch of a run request, checked.
+
+    Raises:
+        InvalidArgumentError: caches outside GENERATE, not one entry per micro-batch, a bad
+            session id, a part named twice other than as a chunked prefill (later micro-batches
+            of their own extending it, see [Note: chunked prefill] in
+            ``pipesvc.coordinator.session``), or a fused micro-batch that mixes parts
+            starting and extending caches.
+    """
+    if len(request.caches) not in ((0, m) if generating else (0,)):
+        raise InvalidArgumentError(
+            f"caches for {len(request.caches)} micro-batches in mode {request.mode}; "
+            f"expected {'0 or ' + str(m) if generating else 0}"
+        )
+    seen: set[tuple[str, int]] = set()
+    caches: list[MicrobatchCaches] = []
+    for index, entry in enumerate(request.caches):
+        if not 1 <= len(entry.refs) <= MAX_MICROBATCHES:
+            raise InvalidArgumentError(
+                f"micro-batch {index} names {len(entry.refs)} caches; expected 1 to "
+                f"{MAX_MICROBATCHES}"
+            )
+        fused = len(entry.refs) > 1
+        for ref in entry.refs:
+            if not 1 <= len(ref.session) <= 128:
+                raise InvalidArgumentError(
+                    f"session id of {len(ref.session)} characters; expected 1 to 128"
+                )
+            if (ref.session, ref.part) in seen and (ref.fresh or fused or ref.keep_as):
+                raise InvalidArgumentError(
+                    f"session {ref.session!r} part {ref.part} is named twice in one run, the "
+                    "second time starting its cache, fused or keeping a prefix; a part named "
+                    "again extends it alone"
+                )
+            seen.add((ref.session, ref.part))
+            check_prefix_ref(ref, fused=fused)
+        fresh = {ref.fresh for ref in entry.refs}
+        if fused and (
+            len(fresh) > 1
+            or any(r.rows == 0 or r.positions == 0 for r in entry.refs)
+            or (fresh == {False} and any(r.positions != 1 for r in entry.refs))
+        ):
+            raise InvalidArgumentError(
+                f"micro-batch {index} fuses {len(entry.refs)} caches; expected all starting "
+                "(fresh) or all extending by one position, each over rows > 0 adding "
+                "positions > 0; got (fresh, rows, positions) "
+                + str([(r.fresh, r.rows, r.positions) for r in entry.refs])
+            )
+        caches.append(
+            tuple(
+                CacheRef(
+                    r.session,
+                    r.part,
+                    r.fresh,
+                    r.rows,
+                    r.positions,
+                    r.source,
+                    r.source_positions,
+                    r.keep_as,
+                    r.keep_positions,
+                )
+                for r in entry.refs
+            )
+        )
+    return caches
+
+
+def check_prefix_ref(ref: stage_pb2.CacheRef, *, fused: bool) -> None:
+    """A cache reference's prefix fields (see [Note: prefix reuse] in
+    pipesvc.stage.compute.sessions).
+
+    Raises:
+        InvalidArgumentError: a prefix name over 128 characters, a source on a cache that is
+            not fresh, or a prefix over several rows, in a fused micro-batch or of 0 positions.
+    """
+    for name, positions, what in (
+        (ref.source, ref.source_positions, "source"),
+        (ref.keep_as, ref.keep_positions, "keep_as"),
+    ):
+        if not name:
+            continue
+        if len(name) > 128 or positions == 0 or ref.rows != 1 or fused:
+            raise InvalidArgumentError(
+                f"session {ref.session!r} part {ref.part}: {what} {name[:32]!r} of "
+                f"{len(name)} characters at {positions} positions over {ref.rows} row(s)"
+                f"{' in a fused micro-batch' if fused else ''}; expected a name of 1 to 128 "
+                "characters, positions > 0, one row, not fused"
+            )
+    if ref.source and not ref.fresh:
+        raise InvalidArgumentError(
+            f"session {ref.session!r} part {ref.part} names source {ref.source!r} but is not "
+            "fresh: only a starting cache starts from a prefix"
+        )
