@@ -1,12 +1,19 @@
 """The commit phase of a training step: every stage applies its pending run, or none is left
 behind (see [Note: commit invariant]).
 
+[Note: commit] A training step is a prepare phase (RunStep on every stage: forward and backward,
+gradients pending) and a commit phase (each stage applies its optimizer step). If any stage
+fails in prepare, every stage gets Abort and no weights change anywhere. Once every stage has
+prepared the step and its batch is in the step log, the step is decided and counts as
+committed: every stage reaches it, or recovery brings them all there before any later call (see
+[Note: commit invariant] in commit.py).
+
 [Note: commit invariant] A commit is all-or-none as seen by every later call: either every stage
 of the plan reaches the step, or the job rebuilds them all to it before any later call (step,
 forward, state read or save) touches them. The step's batch is in the write-ahead step log and
 every stage holds it prepared before it is decided, so once decided the step counts as
 committed. Its commit is usually carried by the next RunStep (see [Note: deferred commit] in
-job.py); ``commit_all`` sends it explicitly (a flush), or settles it after a run that carried
+ledger.py); ``commit_all`` sends it explicitly (a flush), or settles it after a run that carried
 it failed (``after_failed_run``: some stages may hold it applied already):
 
 1. Commit goes to every stage under the same health watchdog as the run phase (see [Note:

@@ -2,7 +2,7 @@
 aborts, their replies matched to futures.
 
 [Note: control stream] A step used to be one unary RunStep per stage, its commit carried inside
-the next one (see [Note: deferred commit] in job.py), an explicit Commit per stage to flush it,
+the next one (see [Note: deferred commit] in ledger.py), an explicit Commit per stage to flush it,
 and an Abort per stage after a failure: a call, with its HTTP/2 stream, headers, trailers and a
 server thread, per stage per message. Now the coordinator opens one bidirectional ``Control``
 stream per (job, stage server, plan epoch) the first time it needs one, and keeps it open:

@@ -56,9 +56,9 @@ class JobRecord:
     """Step of the newest checkpoint, or -1 when the job's initial weights are its seed's."""
     closed: bool = False
     results: list[StepResult] = field(default_factory=list)
-    """Results of training steps by request id (see [Note: step request ids] in job.py), oldest
-    first: ``put_job`` stores these beside the row (those stored already are kept as they
-    are); ``open_jobs`` reads back every one the job remembers."""
+    """Results of training steps by request id (see [Note: step request ids] in
+    step_request.py), oldest first: ``put_job`` stores these beside the row (those stored
+    already are kept as they are); ``open_jobs`` reads back every one the job remembers."""
 
 
 MAX_STEP = 2**63 - 1

@@ -7,55 +7,13 @@ that runs its run phases and steps, and the ``Recovery`` that rebuilds the stage
 state; ``JobDriver`` takes calls over them under one lock.
 
 The coordinator runs no model code: it plans from a stage's description of the model and moves
-only micro-batch inputs, targets, losses and outputs.
-
-[Note: commit] A training step is a prepare phase (RunStep on every stage: forward and backward,
-gradients pending) and a commit phase (each stage applies its optimizer step). If any stage
-fails in prepare, every stage gets Abort and no weights change anywhere. Once every stage has
-prepared the step and its batch is in the step log, the step is decided and counts as
-committed: every stage reaches it, or recovery brings them all there before any later call (see
-[Note: commit invariant] in commit.py).
-
-[Note: deferred commit] The commit of a decided step is not a round trip of its own: the
-coordinator counts the step, writes the job's row (the durable record that it is decided; a
-restarted coordinator commits or replays it, see ``reconcile.reconcile``), replies, and keeps
-the commit as ``Ledger.pending``. The next run (training or inference) carries it in its
-RunStep, and each stage applies it before the run starts (``StepRunner.run``). A call that must
-see committed weights (state reads, checkpoints, load_state, GetJob, a graceful stop) flushes it
-first with an explicit Commit (``Ledger.flush``, or ``Checkpointer.flush`` when the step is due
-a checkpoint); maintenance flushes it once the job has been idle for ``IDLE_FLUSH_S``. A run
-that carried it and failed is aborted and the commit settled where it is still pending
-(``Ledger.settle``); when that cannot reach every stage, or a stage is lost first
-(``Ledger.lost``), the step is the replay target, exactly as for a failed Commit. Measured on
-a tiny model over 2 stages this took the ~1.4 ms Commit round off every step (see
-bench/README.md).
-
-[Note: recovery] Before it is decided, a step's batch goes to the write-ahead step log. When a
-stage is lost (or a step fails for a reason that is not the caller's), the job gets a new plan
-(a spare replaces each lost stage, or the model is re-partitioned over the survivors), every
-stage is assigned afresh, restores the newest checkpoint, and the logged steps after it are
-replayed; then the failed step runs again. Since each step is deterministic, the caller sees
-the same losses and weights as a run without the fault. If the batch cannot be written to the
-step log, the step is never decided: its prepared run is aborted on every stage at once
-(``StepLogError``), and nothing is committed anywhere.
-
-[Note: step request ids] A client may retry a step whose reply it lost (or that failed after
-the step was decided, e.g. writing the job's row). Each TrainStep (and each step of a Train
-stream, see [Note: pipelined steps] in train_stream.py) carries a client-chosen request id,
-the same on every retry; once a step is decided, its result (step, loss, and a
-digest of the batch) is kept under that id in ``JobState.results`` and written to the state
-database in the same transaction as the row that records the step as decided, so it survives
-a coordinator restart exactly when the step does. A request whose id is remembered is not run:
-it gets the first result (after writing it, if the first reply failed before that), and one
-that reuses an id for another batch is refused. A retry that arrives while the first attempt
-still runs waits for the job's lock and then finds the result. A step that was never decided
-(aborted, or lost with a coordinator that died before writing the row) has no result, and its
-retry runs it, once.
+only micro-batch inputs, targets, losses and outputs. How a step commits, is deferred,
+recovered and retried: [Note: commit] in commit.py, [Note: deferred commit] in ledger.py,
+[Note: recovery] in recovery.py and [Note: step request ids] in step_request.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -79,7 +37,7 @@ from pipesvc.coordinator.replicas import Rendezvous, RunReplies
 from pipesvc.coordinator.stage_calls import Deadlines
 from pipesvc.coordinator.stage_group import StageGroup
 from pipesvc.coordinator.stage_registry import StageRegistry
-from pipesvc.coordinator.step_log import LoggedBatch
+from pipesvc.coordinator.step_request import PreparedStep, prepare_step
 from pipesvc.coordinator.step_runner import StepRunner
 from pipesvc.core import microbatch
 from pipesvc.core.config import JobConfig, config_from_dict, config_to_proto
@@ -109,20 +67,6 @@ flushing."""
 IDLE_FLUSH_S = 1.0
 """A deferred commit is flushed by maintenance once the job has had no step for this long,
 so that stages do not hold a decided step's gradients uncommitted while the client is away."""
-MAX_REQUEST_ID = 128
-"""The longest request id a TrainStep may carry (see [Note: step request ids])."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class PreparedStep:
-    """A training step checked and split, not run yet (``JobDriver.prepare_step``)."""
-
-    batch: RunBatch
-    """Its micro-batches."""
-    logged: LoggedBatch
-    """What the step log keeps of it."""
-    request_id: str
-    """The client's id for it (empty: none; see [Note: step request ids])."""
 
 
 class JobDriver:
@@ -281,28 +225,14 @@ class JobDriver:
             InvalidArgumentError: the batch does not fit the job, or the request id is too long.
             FailedPreconditionError: the job is an inference job.
         """
-        if len(request_id) > MAX_REQUEST_ID:
-            raise InvalidArgumentError(
-                f"request id {request_id[:32]!r}... has {len(request_id)} characters; at most "
-                f"{MAX_REQUEST_ID} are allowed"
-            )
         if not trains(self.config.optimizer):
             raise FailedPreconditionError(
                 f"job {self.job_id} is an inference job (created with optimizer=None): it holds "
                 "no gradients or optimizer state and cannot train; create a job with an "
                 "optimizer to train"
             )
-        if inputs.dim() == 0 or targets.dim() == 0 or inputs.shape[0] != targets.shape[0]:
-            raise InvalidArgumentError(
-                f"inputs {list(inputs.shape)} and targets {list(targets.shape)} need the same "
-                "batch size in dimension 0"
-            )
-        side = dict(side or {})
-        microbatch.check_side(inputs, side)
-        return PreparedStep(
-            batch=RunBatch.split(inputs, targets, side, self.config.step_microbatches),
-            logged=LoggedBatch(inputs, targets, side),
-            request_id=request_id,
+        return prepare_step(
+            inputs, targets, side, self.config.step_microbatches, request_id=request_id
         )
 
     def train_step(

@@ -51,7 +51,7 @@ class JobState:
     """Recoveries from lost stages so far (not durable)."""
     results: OrderedDict[str, StepResult] = field(default_factory=OrderedDict)
     """The newest ``REMEMBERED_RESULTS`` training steps' results by request id, oldest first
-    (see [Note: step request ids] in job.py)."""
+    (see [Note: step request ids] in step_request.py)."""
     unsaved: list[StepResult] = field(default_factory=list)
     """Those of ``results`` not yet in the database (the ledger's next row carries them)."""
 

@@ -37,7 +37,7 @@ def reconcile(group: StageGroup, ledger: Ledger) -> set[str] | None:
             infos = group.call_all(lambda stub: stub.Info, lambda s: stage_pb2.InfoRequest(), 5.0)
         except PipesvcError:
             consistent = False
-    # The row's step is decided (see [Note: deferred commit] in job.py); a stage one step
+    # The row's step is decided (see [Note: deferred commit] in ledger.py); a stage one step
     # behind holds it prepared, with its commit not yet flushed, or did not get there.
     consistent = consistent and all(
         i.job_id == group.job_id

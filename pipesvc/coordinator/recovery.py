@@ -1,7 +1,16 @@
 """Rebuilding a job's stages from durable state: a new plan and assignment, the checkpoint
-restored, the logged steps replayed (see [Note: recovery] in job.py); and what leads to a
+restored, the logged steps replayed (see [Note: recovery] in recovery.py); and what leads to a
 rebuild: a lost stage, a leaving one, a coordinator restart (``reconcile.reconcile`` decides
 whether the stages can be adopted as they are).
+
+[Note: recovery] Before it is decided, a step's batch goes to the write-ahead step log. When a
+stage is lost (or a step fails for a reason that is not the caller's), the job gets a new plan
+(a spare replaces each lost stage, or the model is re-partitioned over the survivors), every
+stage is assigned afresh, restores the newest checkpoint, and the logged steps after it are
+replayed; then the failed step runs again. Since each step is deterministic, the caller sees
+the same losses and weights as a run without the fault. If the batch cannot be written to the
+step log, the step is never decided: its prepared run is aborted on every stage at once
+(``StepLogError``), and nothing is committed anywhere.
 
 ``Recovery`` takes what it needs explicitly: the stage group (plan, epoch, assignment), the
 ``Ledger`` (the step state; every change of it is a ledger transition, see [Note: step

@@ -1,5 +1,18 @@
 """A batch request on the coordinator: its tensors decoded from the wire, and its digest.
 
+[Note: step request ids] A client may retry a step whose reply it lost (or that failed after
+the step was decided, e.g. writing the job's row). Each TrainStep (and each step of a Train
+stream, see [Note: pipelined steps] in train_stream.py) carries a client-chosen request id,
+the same on every retry; once a step is decided, its result (step, loss, and a
+digest of the batch) is kept under that id in ``JobState.results`` and written to the state
+database in the same transaction as the row that records the step as decided, so it survives
+a coordinator restart exactly when the step does. A request whose id is remembered is not run:
+it gets the first result (after writing it, if the first reply failed before that), and one
+that reuses an id for another batch is refused. A retry that arrives while the first attempt
+still runs waits for the job's lock and then finds the result. A step that was never decided
+(aborted, or lost with a coordinator that died before writing the row) has no result, and its
+retry runs it, once.
+
 The one place a TrainStepRequest (or ForwardRequest) becomes tensors, whichever RPC carried it
 and however it was encoded (payloads beside the message, see [Note: payload wire], or an old
 client's ``Tensor.data``). The tensors of payloads are read-only views of the received bytes:
@@ -14,6 +27,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipesvc.coordinator.step_log import LoggedBatch
+from pipesvc.core import microbatch
+from pipesvc.core.microbatch import RunBatch
 from pipesvc.core.tensor_codec import CodecLimits, decode
 from pipesvc.errors import InvalidArgumentError, WireFormatError
 from pipesvc.v1 import common_pb2, coordinator_pb2
@@ -110,7 +126,7 @@ def batch_digest(
     message: coordinator_pb2.TrainStepRequest, payloads: Sequence[memoryview] = ()
 ) -> str:
     """SHA-256 of a step's batch as sent (inputs, targets, side inputs by name), which a
-    request id is remembered with (see [Note: step request ids] in job.py): each tensor's
+    request id is remembered with (see [Note: step request ids] in step_request.py): each tensor's
     header and bytes, wherever they travelled (``Tensor.data`` or a payload), so a retry
     digests the same whichever way either attempt was encoded. Call after ``train_batch``
     accepted the request (the payload indices are checked there)."""
@@ -125,3 +141,53 @@ def batch_digest(
             digest.update(len(piece).to_bytes(8, "little"))
             digest.update(piece)
     return digest.hexdigest()
+
+
+MAX_REQUEST_ID = 128
+"""The longest request id a TrainStep may carry (see [Note: step request ids])."""
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedStep:
+    """A training step checked and split, not run yet (``JobDriver.prepare_step``)."""
+
+    batch: RunBatch
+    """Its micro-batches."""
+    logged: LoggedBatch
+    """What the step log keeps of it."""
+    request_id: str
+    """The client's id for it (empty: none; see [Note: step request ids])."""
+
+
+def prepare_step(
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    side: Mapping[str, torch.Tensor] | None,
+    num_microbatches: int,
+    *,
+    request_id: str = "",
+) -> PreparedStep:
+    """A training step checked and split into ``num_microbatches``; touches nothing of the
+    job's, so the next step of a stream is prepared while one runs (see [Note: pipelined
+    steps]).
+
+    Raises:
+        InvalidArgumentError: the batch does not fit, or the request id is too long.
+    """
+    if len(request_id) > MAX_REQUEST_ID:
+        raise InvalidArgumentError(
+            f"request id {request_id[:32]!r}... has {len(request_id)} characters; at most "
+            f"{MAX_REQUEST_ID} are allowed"
+        )
+    if inputs.dim() == 0 or targets.dim() == 0 or inputs.shape[0] != targets.shape[0]:
+        raise InvalidArgumentError(
+            f"inputs {list(inputs.shape)} and targets {list(targets.shape)} need the same "
+            "batch size in dimension 0"
+        )
+    side = dict(side or {})
+    microbatch.check_side(inputs, side)
+    return PreparedStep(
+        batch=RunBatch.split(inputs, targets, side, num_microbatches),
+        logged=LoggedBatch(inputs, targets, side),
+        request_id=request_id,
+    )

@@ -1,5 +1,5 @@
 """One run phase on every stage, carrying the pending commit, and one training step up to its
-decision (see [Note: commit] and [Note: deferred commit] in job.py).
+decision (see [Note: commit] and [Note: deferred commit] in ledger.py).
 
 ``StepRunner`` is what a call runs and what recovery replays: both go through the same code, so
 a replayed step is decided, carried and settled exactly as the step it replays. Every change
@@ -68,7 +68,7 @@ class StepRunner:
 
     def run(self, mode: stage_pb2.RunMode.ValueType, batch: RunBatch) -> tuple[int, RunReplies]:
         """One run phase on every stage under a new run id, carrying the pending commit (see
-        [Note: deferred commit] in job.py); aborted everywhere if it fails.
+        [Note: deferred commit] in ledger.py); aborted everywhere if it fails.
 
         If a run that carried a commit fails, the commit is settled (completed where it is
         still pending; if that fails, the step becomes the replay target); after a final-class

@@ -11,7 +11,7 @@ runs three threads per call:
 - a worker runs the prepared steps one after another through ``JobDriver.train_prepared``,
   the same function ``TrainStep`` uses: the job's lock per step, the step log, the decision,
   the database row and the remembered request id, so every guarantee of ``TrainStep`` holds
-  step by step (see [Note: commit], [Note: recovery], [Note: step request ids] in job.py). The
+  step by step (see [Note: commit], [Note: recovery] and [Note: step request ids]). The
   moment step N is decided (its row written) the worker dispatches step N+1's run, which
   carries N's commit (see [Note: deferred commit]);
 - the call's own thread builds and sends each reply, in order, while the worker is already

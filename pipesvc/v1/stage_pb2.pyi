@@ -487,7 +487,7 @@ class RunStepRequest(_message.Message):
     @_builtins.property
     def commit(self) -> Global___CarriedCommit:
         """The decided training run this stage still holds, committed before this run starts (the
-        commit of step N carried by the next run, see [Note: deferred commit] in job.py). If the
+        commit of step N carried by the next run, see [Note: deferred commit] in ledger.py). If the
         stage does not hold it, the call fails and this run does not start.
         """
 

@@ -12,8 +12,8 @@ fails in transport (the coordinator restarted, the connection dropped) or reache
 after at least one reply (``timeout_s`` bounds a call, not a whole run of steps), a new call
 sends the unreplied requests again, under their request ids, and then the rest: the
 coordinator answers a step it decided with its first result and runs one it did not (see
-[Note: step request ids] in ``pipesvc/coordinator/job.py``), so each step is applied once and
-the losses come back in order. A call that fails with the coordinator's own error (a step
+[Note: step request ids] in ``pipesvc/coordinator/step_request.py``), so each step is applied
+once and the losses come back in order. A call that fails with the coordinator's own error (a step
 that failed) is not retried: that error is raised after the losses of the steps before it.
 """
 

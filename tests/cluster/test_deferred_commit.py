@@ -1,4 +1,4 @@
-"""The deferred commit (see [Note: deferred commit] in pipesvc/coordinator/job.py).
+"""The deferred commit (see [Note: deferred commit] in pipesvc/coordinator/ledger.py).
 
 After ``train_step`` returns step N, every stage holds step N prepared and not yet committed
 until the next run carries the commit or a call that reads weights flushes it. Each test first
