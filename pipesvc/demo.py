@@ -22,7 +22,7 @@ from pipesvc import models
 from pipesvc.client import Client, Job
 from pipesvc.core.schedule import ideal_bubble as schedule_bubble
 from pipesvc.local_cluster import LocalCluster
-from pipesvc.observe.trace import busy_idle
+from pipesvc.observe.trace import StageTimeline, busy_idle
 from pipesvc.wire.security import Security
 
 SEQUENCE_LENGTH = 64
@@ -371,19 +371,48 @@ def _train(
         "first_step_weight_diff": weight_diff,
         "uniform_loss": math.log(corpus.vocab_size),
     }
+    _print_summary(out, summary, elapsed, timelines, options)
+    print(f"  trace          {trace_json} (open in https://ui.perfetto.dev), {trace_png}", file=out)
+    print(f"\nsample through the pipeline:\n{text}\n", file=out, flush=True)
+    return summary
+
+
+BUBBLE_LEGEND = (
+    "                 idle: the share of each step's window (first to last action on any\n"
+    "                 stage) in which that rank ran nothing, waiting for a neighbour or a CPU;\n"
+    "                 ideal: the schedule's own bubble if every action took the same time\n"
+    "                 ((p-1)/(m+p-1) for GPipe and 1F1B, p stages, m micro-batches)"
+)
+"""What the summary's idle shares mean, printed under them."""
+
+
+def _print_summary(
+    out: TextIO,
+    summary: dict[str, float],
+    elapsed: float,
+    timelines: list[StageTimeline],
+    options: DemoOptions,
+) -> None:
+    """The run's summary: steps, loss, throughput, step 1's check and each rank's idle share
+    of the traced steps."""
+    steps = int(summary["steps"])
+    start, end, uniform = summary["start_loss"], summary["end_loss"], summary["uniform_loss"]
+    per_s = steps / max(elapsed, 1e-9)
     print("\nsummary", file=out)
-    print(f"  steps          {len(losses)} in {elapsed:.0f} s", file=out)
+    print(f"  steps          {steps} in {elapsed:.0f} s", file=out)
     print(
-        f"  loss           {first_loss:.3f} at start -> {end_loss:.3f} at end "
-        f"(uniform guess: {summary['uniform_loss']:.3f})",
+        f"  loss           {start:.3f} at start -> {end:.3f} at end (uniform guess: {uniform:.3f})",
         file=out,
     )
     print(
-        f"  throughput     {throughput:,.0f} tokens/s ({len(losses) / max(elapsed, 1e-9):.2f} "
-        "steps/s)",
+        f"  throughput     {summary['tokens_per_s']:,.0f} tokens/s ({per_s:.2f} steps/s)",
         file=out,
     )
-    print(f"  step 1 check   max |weight diff| {weight_diff:.2e} vs one process", file=out)
+    print(
+        f"  step 1 check   max |weight diff| {summary['first_step_weight_diff']:.2e} vs one "
+        "process",
+        file=out,
+    )
     # Each step's own window (first to last event across stages), summed over the traced
     # steps: the time between steps (client, coordinator, commit) is not a pipeline bubble.
     traced_steps = sorted({e.step for t in timelines for e in t.events if e.step > 0})
@@ -405,15 +434,3 @@ def _train(
         file=out,
     )
     print(BUBBLE_LEGEND, file=out)
-    print(f"  trace          {trace_json} (open in https://ui.perfetto.dev), {trace_png}", file=out)
-    print(f"\nsample through the pipeline:\n{text}\n", file=out, flush=True)
-    return summary
-
-
-BUBBLE_LEGEND = (
-    "                 idle: the share of each step's window (first to last action on any\n"
-    "                 stage) in which that rank ran nothing, waiting for a neighbour or a CPU;\n"
-    "                 ideal: the schedule's own bubble if every action took the same time\n"
-    "                 ((p-1)/(m+p-1) for GPipe and 1F1B, p stages, m micro-batches)"
-)
-"""What the summary's idle shares mean, printed under them."""

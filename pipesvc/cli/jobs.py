@@ -151,11 +151,25 @@ def _cmd_job_close(args: argparse.Namespace) -> int:
 def add_job_commands(sub: Any) -> None:
     """``pipesvc job create|list|close``: from a running cluster to a job id (which
     ``status``, ``generate`` and ``trace`` take) and back."""
-    from pipesvc.client import Client
-    from pipesvc.core.optim import DEFAULT_OPTIMIZER
-
     job = sub.add_parser("job", help="create, list and close jobs on a running cluster")
     commands = job.add_subparsers(dest="job_command", required=True)
+    _add_create_command(commands)
+
+    p = commands.add_parser("list", help="print the open jobs: id, model, step, stages")
+    add_coordinator_flags(p, timeout_s=30.0)
+    p.set_defaults(func=_cmd_job_list)
+
+    p = commands.add_parser("close", help="close a job and free its stages")
+    p.add_argument("job_id", metavar="ID", help="job id (from `job create` or `job list`)")
+    add_coordinator_flags(p, timeout_s=60.0)
+    p.set_defaults(func=_cmd_job_close)
+
+
+def _add_create_command(commands: Any) -> None:
+    """``pipesvc job create``: its flags are ``Client.create_job``'s keywords, with their
+    defaults."""
+    from pipesvc.client import Client
+    from pipesvc.core.optim import DEFAULT_OPTIMIZER
 
     def default(name: str) -> Any:
         return param_default(Client.create_job, name)
@@ -246,15 +260,6 @@ def add_job_commands(sub: Any) -> None:
     )
     add_coordinator_flags(p, timeout_s=600.0)
     p.set_defaults(func=_cmd_job_create)
-
-    p = commands.add_parser("list", help="print the open jobs: id, model, step, stages")
-    add_coordinator_flags(p, timeout_s=30.0)
-    p.set_defaults(func=_cmd_job_list)
-
-    p = commands.add_parser("close", help="close a job and free its stages")
-    p.add_argument("job_id", metavar="ID", help="job id (from `job create` or `job list`)")
-    add_coordinator_flags(p, timeout_s=60.0)
-    p.set_defaults(func=_cmd_job_close)
 
 
 def add_generate_command(sub: Any) -> None:

@@ -118,8 +118,12 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 def add_server_commands(sub: Any) -> None:
     """Adds ``coordinator``, ``stage`` and ``up``."""
-    from pipesvc.stage.server import run_stage
+    _add_coordinator_command(sub)
+    _add_stage_command(sub)
+    _add_up_command(sub)
 
+
+def _add_coordinator_command(sub: Any) -> None:
     p = sub.add_parser("coordinator", help="run the coordinator server")
     add_flags(p, CoordinatorOptions)
     add_flags(p, Deadlines)
@@ -127,6 +131,10 @@ def add_server_commands(sub: Any) -> None:
     add_security_flags(p)
     add_limit_flags(p)
     p.set_defaults(func=_cmd_coordinator)
+
+
+def _add_stage_command(sub: Any) -> None:
+    from pipesvc.stage.server import run_stage
 
     p = sub.add_parser("stage", help="run a stage server that registers with a coordinator")
     p.add_argument("--coordinator", required=True, help="coordinator HOST:PORT")
@@ -177,6 +185,8 @@ def add_server_commands(sub: Any) -> None:
     add_limit_flags(p)
     p.set_defaults(func=_cmd_stage)
 
+
+def _add_up_command(sub: Any) -> None:
     p = sub.add_parser("up", help="run a local cluster in the foreground until Ctrl-C")
     p.add_argument(
         "--listen",

@@ -81,6 +81,32 @@ def _ask(
         return None
 
 
+def _times(events: list[common_pb2.TraceEvent], window_ns: int) -> dict[str, float]:
+    """One stage's share of the last run: its own span, and its compute, waits and idle time
+    within the run's window (every stage's first to last event)."""
+    busy = sum(e.end_unix_ns - e.start_unix_ns for e in events if e.name in COMPUTE_EVENTS)
+    wait = sum(e.end_unix_ns - e.start_unix_ns for e in events if e.name == "wait")
+    span = max(e.end_unix_ns for e in events) - min(e.start_unix_ns for e in events)
+    return {
+        "step_ms": span / 1e6,
+        "busy_ms": busy / 1e6,
+        "wait_ms": wait / 1e6,
+        "idle_ms": max(0, window_ns - busy - wait) / 1e6,
+    }
+
+
+def _event(stage: PipelineStage, event: common_pb2.TraceEvent, origin_ns: int) -> dict[str, Any]:
+    """One timed action of the last run, on the page's timeline (ms from the run's start)."""
+    return {
+        "rank": stage.rank,
+        "replica": stage.replica,
+        "name": event.name,
+        "microbatch": event.microbatch,
+        "start_ms": (event.start_unix_ns - origin_ns) / 1e6,
+        "end_ms": (event.end_unix_ns - origin_ns) / 1e6,
+    }
+
+
 def _job_view(
     registry: StageRegistry,
     job: JobDriver,
@@ -100,18 +126,15 @@ def _job_view(
     origin = min((e.start_unix_ns for e in events), default=0)
     run_end = max((e.end_unix_ns for e in events), default=0)
     stages = []
-    timeline = []
+    timeline: list[dict[str, Any]] = []
     for stage, trace, profile in zip(plan, traces, profiles, strict=True):
+        info = infos.get(stage.address)
         row: dict[str, Any] = {
             "rank": stage.rank,
             "replica": stage.replica,
             "address": stage.address,
             "layers": [stage.start_layer, stage.end_layer],
-            "rss_mb": (
-                infos[stage.address].rss_bytes / 2**20
-                if infos.get(stage.address) is not None
-                else None
-            ),
+            "rss_mb": info.rss_bytes / 2**20 if info is not None else None,
             "send_mb_s": (
                 profile.send_bytes_per_s / 1e6
                 if profile is not None and profile.send_bytes_per_s > 0
@@ -120,27 +143,8 @@ def _job_view(
         }
         mine = list(trace.events) if trace is not None else []
         if mine:
-            busy = sum(e.end_unix_ns - e.start_unix_ns for e in mine if e.name in COMPUTE_EVENTS)
-            wait = sum(e.end_unix_ns - e.start_unix_ns for e in mine if e.name == "wait")
-            window = run_end - origin
-            row.update(
-                step_ms=(max(e.end_unix_ns for e in mine) - min(e.start_unix_ns for e in mine))
-                / 1e6,
-                busy_ms=busy / 1e6,
-                wait_ms=wait / 1e6,
-                idle_ms=max(0, window - busy - wait) / 1e6,
-            )
-            timeline += [
-                {
-                    "rank": stage.rank,
-                    "replica": stage.replica,
-                    "name": e.name,
-                    "microbatch": e.microbatch,
-                    "start_ms": (e.start_unix_ns - origin) / 1e6,
-                    "end_ms": (e.end_unix_ns - origin) / 1e6,
-                }
-                for e in mine
-            ]
+            row.update(_times(mine, run_end - origin))
+            timeline += [_event(stage, e, origin) for e in mine]
         stages.append(row)
     return {
         "id": job.job_id,

@@ -43,7 +43,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -453,23 +453,7 @@ class StepEngine:
     ) -> None:
         rt, rec = self.runtime, self.recorder
         mb, chunk = at.microbatch, at.chunk
-        cache, stacked = None, None
-        if data.caches:
-            assert self.sessions is not None  # checked when the run began
-            refs = data.caches[mb]
-            if len(refs) == 1:
-                cache = self.sessions.get(refs[0])
-            else:  # see [Note: fused decode]
-                layout = rt.features.cache_layout
-                if layout is None or not rt.features.fuses_caches:
-                    raise FailedPreconditionError(
-                        f"model {rt.config.model!r} cannot fuse sessions' caches in a micro-batch"
-                    )
-                parts = [self.sessions.get(ref) for ref in refs]
-                stacked = fused_cache.stack(
-                    layout, parts, [ref.rows for ref in refs], [ref.positions for ref in refs]
-                )
-                cache = stacked.cache
+        cache, stacked = self._microbatch_cache(data, mb)
         carries = training and rt.features.carry is not None
         carry = None
         if rt.first_virtual(chunk):
@@ -511,24 +495,55 @@ class StepEngine:
                 losses[mb] = float(loss.detach())  # float() of a tensor needing grad warns
         self._metrics.set("microbatches_in_flight", rt.live)
         if not last:
-            # The next virtual stage: this chunk on the next rank, or the next chunk on rank 0.
-            after = chunk + 1 if rt.rank == rt.num_stages - 1 else chunk
-            with rec.span("send", mb):
-                started = time.perf_counter()
-                self._send_activation(MailKey(run_id, ACTIVATION, at.wire(after)), y)
-                total = rt.carried(mb, chunk) if carries else None
-                if total is not None:
-                    self._send_activation(
-                        MailKey(run_id, ACTIVATION, at.wire(after), part=1), total
-                    )
-                if training:
-                    rt.profiler.sent(y.numel() * y.element_size(), time.perf_counter() - started)
+            self._send_output(run_id, at, y, training=training, carries=carries)
         elif generating and data.greedy:
             outputs[mb] = y[:, -1].argmax(dim=-1)  # the most likely next token of each row
         elif generating:
             outputs[mb] = y[:, -1].contiguous()  # the next token's logits only
         elif not training:
             outputs[mb] = y
+
+    def _microbatch_cache(
+        self, data: RunInputs, mb: int
+    ) -> tuple[Any, fused_cache.StackedCaches | None]:
+        """The generation cache micro-batch ``mb`` reads and extends, and, when it fuses
+        several sessions' caches (see [Note: fused decode]), their stack to split afterwards.
+
+        Raises:
+            FailedPreconditionError: the model cannot fuse caches.
+        """
+        if not data.caches:
+            return None, None
+        assert self.sessions is not None  # checked when the run began
+        rt, refs = self.runtime, data.caches[mb]
+        if len(refs) == 1:
+            return self.sessions.get(refs[0]), None
+        layout = rt.features.cache_layout
+        if layout is None or not rt.features.fuses_caches:
+            raise FailedPreconditionError(
+                f"model {rt.config.model!r} cannot fuse sessions' caches in a micro-batch"
+            )
+        parts = [self.sessions.get(ref) for ref in refs]
+        stacked = fused_cache.stack(
+            layout, parts, [ref.rows for ref in refs], [ref.positions for ref in refs]
+        )
+        return stacked.cache, stacked
+
+    def _send_output(
+        self, run_id: int, at: _Place, y: torch.Tensor, *, training: bool, carries: bool
+    ) -> None:
+        """Sends a forward's output (and its carried vector) to the next virtual stage: this
+        chunk on the next rank, or the next chunk on rank 0."""
+        rt, mb, chunk = self.runtime, at.microbatch, at.chunk
+        after = chunk + 1 if rt.rank == rt.num_stages - 1 else chunk
+        with self.recorder.span("send", mb):
+            started = time.perf_counter()
+            self._send_activation(MailKey(run_id, ACTIVATION, at.wire(after)), y)
+            total = rt.carried(mb, chunk) if carries else None
+            if total is not None:
+                self._send_activation(MailKey(run_id, ACTIVATION, at.wire(after), part=1), total)
+            if training:
+                rt.profiler.sent(y.numel() * y.element_size(), time.perf_counter() - started)
 
     def _backward(self, run_id: int, at: _Place) -> None:
         rt, rec = self.runtime, self.recorder
