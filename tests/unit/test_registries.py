@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from pipesvc.cli import build_parser
-from pipesvc.core import schedule
+from pipesvc.core import schedule, schedule_sim
 from pipesvc.core.config import JobConfig
 from pipesvc.core.plan import PipelineStage, plan_from_dicts, plan_to_dicts
 from pipesvc.core.planning import partition
@@ -206,7 +206,7 @@ def test_a_registered_schedule_is_valid_everywhere_and_simulated() -> None:
     demo = build_parser().parse_args(["demo", "--schedule", "lifo-gpipe"])
     assert demo.schedule == "lifo-gpipe"
     check_schedule("lifo-gpipe", 3, 4)
-    grid = schedule.validate(
+    grid = schedule_sim.validate(
         schedule.all_stage_actions("lifo-gpipe", num_stages=3, num_microbatches=4), 4
     )
     assert [a for a in grid[0] if a is not None][-1] == Action.parse("B0")
@@ -255,7 +255,7 @@ def test_every_registered_schedule_validates_on_a_grid(name: str) -> None:
             actions = schedule.all_stage_actions(
                 name, num_stages=num_stages, num_microbatches=num_microbatches
             )
-            schedule.validate(actions, num_microbatches)
+            schedule_sim.validate(actions, num_microbatches)
             for rank, rank_actions in enumerate(actions):
                 assert schedule.max_in_flight(
                     name, rank=rank, num_stages=num_stages, num_microbatches=num_microbatches

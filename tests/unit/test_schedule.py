@@ -8,17 +8,14 @@ from pipesvc.core.schedule import (
     Action,
     ActionKind,
     all_stage_actions,
-    bubble_fraction,
-    format_grid,
     forward_only_actions,
     ideal_bubble,
     max_in_flight,
     max_in_flight_of,
     schedule_names,
-    simulate,
     stage_actions,
-    validate,
 )
+from pipesvc.core.schedule_sim import bubble_fraction, format_grid, simulate, validate
 from pipesvc.errors import InvalidArgumentError
 
 SCHEDULES = schedule_names()

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pipesvc.core.schedule import Action, ActionKind, bubble_fraction, simulate, stage_actions
+from pipesvc.core.schedule import Action, ActionKind, stage_actions
+from pipesvc.core.schedule_sim import bubble_fraction, simulate
 from pipesvc.errors import InvalidArgumentError
 from pipesvc.observe.trace import (
     BETWEEN_RUNS,

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from pipesvc.core import schedule
+from pipesvc.core import schedule, schedule_sim
 from pipesvc.core.config import JobConfig
 from pipesvc.core.health import Health
 from pipesvc.core.link_codecs import host_of
@@ -56,7 +56,7 @@ def check_schedule(
     """
     if num_stages * num_microbatches * virtual_stages > MAX_SIMULATED_ACTIONS:
         return
-    schedule.validate(
+    schedule_sim.validate(
         schedule.all_stage_actions(
             name,
             num_stages=num_stages,
