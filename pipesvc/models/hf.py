@@ -44,15 +44,12 @@ from torch import nn
 from pipesvc.errors import InvalidArgumentError
 from pipesvc.models import hf_body
 from pipesvc.models.carry import Carry, CarrySpec
-from pipesvc.models.hf_checkpoint import Checkpoint, part_of
+from pipesvc.models.hf_cache import cache_layout, make_cache
+from pipesvc.models.hf_checkpoint import MODELS_KEPT, Checkpoint, checkpoint_of, part_of
 from pipesvc.models.hf_family import Family
 from pipesvc.models.hf_router import RouterLoss, RouterTap, router_loss_of
 from pipesvc.models.lora import add_lora, check_lora
-from pipesvc.models.registry import CacheLayout, CacheTensors, LayerSpec, register_model
-
-MODELS_KEPT = 64
-"""Hugging Face directories whose skeleton a process keeps built (parameters on meta: a few
-buffers each); a stage serving more rebuilds the least recently used one when asked."""
+from pipesvc.models.registry import CacheLayout, LayerSpec, register_model
 
 
 class Skeleton:
@@ -401,7 +398,7 @@ def export_info(
     ``config.json``, the dtype the model is stored in, the key map (``model_keys``), the tied
     tensors' keys and the LoRA arguments (see ``pipesvc.models.hf_export``)."""
     where = str(Path(directory).resolve())
-    ckpt = _checkpoint(where)
+    ckpt = checkpoint_of(where)
     return {
         "format": "huggingface",
         "source": where,
@@ -421,7 +418,7 @@ def model_keys(
     """Every ``"{layer}.{name}"`` key of the pipesvc model -> the key of the Hugging Face
     model's own ``state_dict()`` (LoRA adapters under peft's names); builds on meta only."""
     where = str(Path(directory).resolve())
-    ckpt = _checkpoint(where)
+    ckpt = checkpoint_of(where)
     keys = {}
     with torch.device("meta"):
         for index, spec in enumerate(hf_layer_specs(where, lora)):
@@ -431,83 +428,10 @@ def model_keys(
     return keys
 
 
-def make_cache(directory: str) -> Any:
-    """An empty ``transformers`` key/value cache for the model in ``directory`` (sliding-window
-    layers keep only their window), for one generation session's part on one stage."""
-    return _cache_maker(directory)()
-
-
-@functools.lru_cache(maxsize=MODELS_KEPT)
-def _cache_maker(directory: str) -> Any:
-    """The function ``make_cache`` calls for the model in ``directory``, chosen once (a stage
-    makes one per session part and step, and reading the config is not cheap)."""
-    from transformers import DynamicCache
-
-    config = _checkpoint(directory).meta_model.config
-    if _full_attention_only(config):
-        return DynamicCache  # plain layers, added as blocks use them (and cheap to make)
-    try:
-        DynamicCache(config=config)
-    except TypeError:  # transformers before the config argument
-        return DynamicCache
-    return functools.partial(DynamicCache, config=config)
-
-
-def _full_attention_only(config: Any) -> bool:
-    """Every block attends to every earlier position (no sliding window, no chunks)."""
-    types = getattr(config, "layer_types", None) or ()
-    return getattr(config, "sliding_window", None) is None and all(
-        t == "full_attention" for t in types
-    )
-
-
-def _cache_tensors(cache: Any) -> CacheTensors:
-    """The keys and values of each layer a ``transformers`` cache holds (a stage's cache holds
-    only its own blocks')."""
-    tensors: CacheTensors = {}
-    for index, layer in enumerate(cache.layers):
-        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-        if isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor) and keys.numel():
-            tensors[index] = (keys, values)
-    return tensors
-
-
-def _cache_from_tensors(directory: str, tensors: CacheTensors) -> Any:
-    """A cache holding ``tensors`` themselves (no copy: its layers keep these tensors, which may
-    be views of a stacked cache, until their next append makes new ones)."""
-    cache = make_cache(directory)
-    for index, (keys, values) in tensors.items():
-        if not isinstance(index, int):
-            raise InvalidArgumentError(f"cache layer {index!r}: expected a block index")
-        cache.update(keys[:, :, :0], values[:, :, :0], index)  # the layer, empty
-        layer = cache.layers[index]
-        if isinstance(getattr(layer, "keys", None), torch.Tensor):
-            layer.keys, layer.values = keys, values
-        else:  # a cache layer of another shape: its own append (a copy)
-            cache.update(keys, values, index)
-    return cache
-
-
-def cache_layout(directory: str) -> CacheLayout | None:
-    """How several sessions' caches of the model in ``directory`` stack into one batch (see
-    [Note: fused decode] in ``pipesvc.stage.compute.fused_cache``); None for a model with
-    sliding-window layers (a window's cache drops old positions, so rows of different lengths do not
-    line up) and for a ``transformers`` whose caches keep no per-layer objects."""
-    from transformers import DynamicCache
-
-    if not _full_attention_only(_checkpoint(directory).meta_model.config):
-        return None
-    if not hasattr(DynamicCache(), "layers"):
-        return None
-    return CacheLayout(
-        tensors=_cache_tensors, build=functools.partial(_cache_from_tensors, directory)
-    )
-
-
 def tied_keys(directory: str | os.PathLike[str]) -> list[tuple[str, ...]]:
     """The tied groups of the model in ``directory``: the input embedding and the head when
     its config ties them (see [Note: tied parameters] in ``pipesvc.core.tying``)."""
-    ckpt = _checkpoint(str(Path(directory).resolve()))
+    ckpt = checkpoint_of(str(Path(directory).resolve()))
     if not ckpt.tied:
         return []
     return [("0.embed.weight", f"{ckpt.num_blocks + 1}.head.weight")]
@@ -521,7 +445,7 @@ def build_hf_layer(
     On the meta device (describing the model) nothing is read. With ``lora`` the layer gets
     adapters and only they train (see [Note: LoRA on stages]).
     """
-    ckpt = _checkpoint(directory)
+    ckpt = checkpoint_of(directory)
     model, family, last = ckpt.meta_model, ckpt.family, ckpt.num_blocks + 1
     if not 0 <= index <= last:
         raise InvalidArgumentError(f"layer {index} is outside [0, {last}] of {directory!r}")
@@ -562,18 +486,13 @@ def build_hf_layer(
 
 
 @functools.lru_cache(maxsize=MODELS_KEPT)
-def _checkpoint(directory: str) -> Checkpoint:
-    return Checkpoint(directory)
-
-
-@functools.lru_cache(maxsize=MODELS_KEPT)
 def _router_loss(directory: str) -> RouterLoss | None:
-    return router_loss_of(_checkpoint(directory).meta_model, repr(directory))
+    return router_loss_of(checkpoint_of(directory).meta_model, repr(directory))
 
 
 @functools.lru_cache(maxsize=MODELS_KEPT)
 def _skeleton(directory: str) -> Skeleton:
-    ckpt = _checkpoint(directory)
+    ckpt = checkpoint_of(directory)
     return Skeleton(ckpt.meta_model, ckpt.family)
 
 
@@ -583,7 +502,7 @@ def hf_layer_specs(
     """The unbuilt layers of the model in ``directory``: embedding, blocks, norm with head;
     with LoRA adapters where ``lora`` says (peft's ``LoraConfig`` fields)."""
     where = str(Path(directory).resolve())
-    ckpt = _checkpoint(where)
+    ckpt = checkpoint_of(where)
     if lora is not None:
         lora = check_lora(lora)
     return [LayerSpec(build_hf_layer, where, i, lora) for i in range(ckpt.num_blocks + 2)]
@@ -601,7 +520,7 @@ def register_hf_model(name: str, directory: str | os.PathLike[str]) -> None:
         InvalidArgumentError: the name is invalid or taken, or the model family is unsupported.
     """
     where = str(Path(directory).resolve())
-    _checkpoint(where).prepare()
+    checkpoint_of(where).prepare()
     _skeleton(where).check()
     register_model(name)(_factory(where))
 
@@ -632,7 +551,7 @@ def _factory(directory: str) -> Any:
     def max_positions(lora: dict[str, object] | None = None) -> int | None:
         # The config's limit (gpt2's n_positions answers to this name too); a family
         # without one has none.
-        limit = getattr(_checkpoint(directory).meta_model.config, "max_position_embeddings", None)
+        limit = getattr(checkpoint_of(directory).meta_model.config, "max_position_embeddings", None)
         return limit if isinstance(limit, int) and limit > 0 else None
 
     factory.export = export  # type: ignore[attr-defined]

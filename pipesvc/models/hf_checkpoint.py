@@ -250,3 +250,14 @@ def part_of(model: nn.Module, path: str) -> Any:
     for attribute in path.split("."):
         part = getattr(part, attribute)
     return part
+
+
+MODELS_KEPT = 64
+"""Hugging Face directories whose skeleton a process keeps built (parameters on meta: a few
+buffers each); a stage serving more rebuilds the least recently used one when asked."""
+
+
+@functools.lru_cache(maxsize=MODELS_KEPT)
+def checkpoint_of(directory: str) -> Checkpoint:
+    """The checkpoint in ``directory`` (a resolved path), read once per process."""
+    return Checkpoint(directory)

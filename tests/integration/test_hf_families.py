@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import pipesvc
-from pipesvc.models.hf import cache_layout
+from pipesvc.models.hf_cache import cache_layout
 from pipesvc.models.hf_checkpoint import Checkpoint
 from tests.support.hf_families import TESTED, VOCAB
 
