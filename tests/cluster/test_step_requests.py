@@ -1,6 +1,6 @@
 """Training steps carry a request id (see [Note: step request ids] in
-pipesvc/coordinator/job.py): a step sent again under the same id is applied once, before and
-after a coordinator restart, and a step whose batch cannot be logged commits nowhere.
+pipesvc/coordinator/step_request.py): a step sent again under the same id is applied once,
+before and after a coordinator restart, and a step whose batch cannot be logged commits nowhere.
 
 Each test checks the weights against the one-process oracle trained on each batch once.
 """

@@ -1,7 +1,7 @@
 """The client's retries of a training step (see [Note: step request ids] in
-pipesvc/coordinator/job.py): a step whose call failed in transport is sent again under the same
-request id; an error the coordinator sent itself is not retried. A real gRPC server with a
-scripted servicer stands in for the coordinator (the seam)."""
+pipesvc/coordinator/step_request.py): a step whose call failed in transport is sent again
+under the same request id; an error the coordinator sent itself is not retried. A real gRPC
+server with a scripted servicer stands in for the coordinator (the seam)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ until then no other run starts. ``run_lock`` serialises every call that reads or
 runtime's state, so state is never read or replaced mid-run or mid-commit.
 
 The coordinator usually defers a decided commit to the next run (see [Note: deferred commit] in
-coordinator/job.py): ``run_step`` then gets it as ``commit`` and applies it, under the same lock
+coordinator/ledger.py): ``run_step`` then gets it as ``commit`` and applies it, under the same lock
 and fault point as ``commit``, before the run begins; if this stage does not hold that run, the
 call fails before anything changes. An abort of a later run than the pending one leaves the
 pending gradients alone (that run never began here: it would have committed them first), so
