@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from pipesvc.coordinator import planner
 from pipesvc.coordinator.checkpointer import Checkpointer
 from pipesvc.coordinator.commit import GroupCommitter
 from pipesvc.coordinator.database import MAX_STEP, JobRecord, StepResult
@@ -40,13 +39,12 @@ from pipesvc.coordinator.stage_registry import StageRegistry
 from pipesvc.coordinator.step_request import PreparedStep, prepare_step
 from pipesvc.coordinator.step_runner import StepRunner
 from pipesvc.core import microbatch
-from pipesvc.core.config import JobConfig, config_from_dict, config_to_proto
+from pipesvc.core.config import JobConfig, config_to_proto
 from pipesvc.core.microbatch import RunBatch
 from pipesvc.core.optim import trains
-from pipesvc.core.plan import PipelineStage, plan_from_dicts
+from pipesvc.core.plan import PipelineStage
 from pipesvc.core.planning.measured import Decision
 from pipesvc.core.planning.partition import get_partition
-from pipesvc.core.settle import REBALANCE_EVERY, Policy
 from pipesvc.core.tensor_codec import decode
 from pipesvc.errors import (
     FailedPreconditionError,
@@ -179,34 +177,6 @@ class JobDriver:
         """The job's database row."""
         return self.ledger.record()
 
-    @classmethod
-    def from_record(
-        cls,
-        record: JobRecord,
-        registry: StageRegistry,
-        deadlines: Deadlines,
-        storage: JobStorage,
-        metrics: Metrics = NO_METRICS,
-        rendezvous: Rendezvous | None = None,
-    ) -> JobDriver:
-        """A job read back after a coordinator restart; it reconciles with its stages first."""
-        layers = list(stage_pb2.DescribeResponse.FromString(record.layers).layers)
-        plan = plan_from_dicts(record.plan)
-        return cls(
-            job_id=record.job_id,
-            config=config_from_dict(record.spec),
-            layers=layers,
-            plan=plan,
-            registry=registry,
-            deadlines=deadlines,
-            storage=storage,
-            epoch=record.epoch,
-            record=record,
-            needs_reconcile=True,
-            metrics=metrics,
-            rendezvous=rendezvous,
-        )
-
     # -- calls ---------------------------------------------------------------------------------
 
     def prepare_step(
@@ -321,7 +291,7 @@ class JobDriver:
                 extra={"job": self.job_id, "step": ledger.step},
             )
             self.checkpoints.after_step(took)  # a snapshot if the step is due a checkpoint
-            self._rebalance_if_due(took)
+            self.replanner.rebalance_if_due(took, self._resilient)
             return loss, ledger.step
 
     def _repeated(self, first: StepResult, digest: str) -> tuple[float, int]:
@@ -372,50 +342,6 @@ class JobDriver:
             if decision.moved and self.group.plan == decision.plan:
                 self.replanner.settler.replanned(self.group.epoch)
             return decision
-
-    def _rebalance_if_due(self, took: float) -> None:
-        """After a committed step that took ``took`` seconds, for a ``throughput`` or a
-        ``rebalance`` job: measures and moves when the settler says so (see [Note: settling]
-        in core/settle.py and [Note: replan] in rebalance.py). A failed measurement or move
-        is logged and training goes on."""
-        step, config, group = self.ledger.step, self.config, self.group
-        if config.partition != "throughput" and not config.rebalance:
-            return
-        settler = self.replanner.settler
-        settler.policy = Policy(
-            probe=config.partition == "throughput",
-            every=REBALANCE_EVERY if config.rebalance else None,
-        )
-        members = [s.address for s in group.plan] + [
-            r.address for r in group.registry.free(config.model)
-        ]
-        reason = settler.step(group.epoch, took, members)
-        if reason is None:
-            return
-        started = time.monotonic()
-        try:
-            decision = self.replanner.choose("throughput")
-            verdict = settler.decide(max(decision.current_s), max(decision.predicted_s))
-            if verdict.move:
-                self._resilient(
-                    lambda: self.replanner.apply(decision, keep_partition=True),
-                    f"rebalance at step {step}",
-                )
-                if group.plan == decision.plan:
-                    settler.moved(group.epoch, time.monotonic() - started)
-        except PipesvcError as exc:
-            logger.warning("job %s: no rebalance at step %d: %s", self.job_id, step, exc)
-            return
-        logger.info(
-            "job %s: measured at step %d (%s); slowest stage %.2f ms per micro-batch, %s",
-            self.job_id,
-            step,
-            verdict.reason,
-            1e3 * max(decision.current_s),
-            f"moved (predicted {1e3 * max(decision.predicted_s):.2f} ms)"
-            if verdict.move
-            else "plan kept",
-        )
 
     def forward(
         self, inputs: torch.Tensor, side: Mapping[str, torch.Tensor] | None = None
@@ -631,43 +557,3 @@ class JobDriver:
             recoveries=self.state.recoveries,
             checkpoint_step=max(self.ledger.checkpoint_step, 0),
         )
-
-
-def create_job(
-    job_id: str,
-    config: JobConfig,
-    registry: StageRegistry,
-    deadlines: Deadlines,
-    storage: JobStorage,
-    metrics: Metrics = NO_METRICS,
-    rendezvous: Rendezvous | None = None,
-) -> JobDriver:
-    """Plans ``config`` onto free stages and assigns each its layers.
-
-    Raises:
-        UnknownModelError: no registered stage can build the model.
-        InvalidArgumentError: more stages than layers, or bad model arguments.
-        PlanError: fewer free stages than ``num_stages``.
-    """
-    layers = planner.describe(registry, config, deadlines.control_s)
-    plan = planner.plan_job(registry, config, layers, job_id)
-    planner.place(registry, plan)
-    driver = JobDriver(
-        job_id=job_id,
-        config=config,
-        layers=layers,
-        plan=plan,
-        registry=registry,
-        deadlines=deadlines,
-        storage=storage,
-        metrics=metrics,
-        rendezvous=rendezvous,
-    )
-    try:
-        driver.group.assign()
-    except PipesvcError:
-        driver.close()
-        raise
-    driver.ledger.persist()
-    logger.info("job %s: planned %s over %s", job_id, config.model, driver.group.describe())
-    return driver

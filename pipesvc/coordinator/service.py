@@ -16,7 +16,8 @@ import torch
 
 from pipesvc.coordinator import planner
 from pipesvc.coordinator.database import StateDB
-from pipesvc.coordinator.job import JobDriver, create_job
+from pipesvc.coordinator.job import JobDriver
+from pipesvc.coordinator.job_open import create_job, reopen_job
 from pipesvc.coordinator.job_storage import JobStorage
 from pipesvc.coordinator.replicas import Rendezvous
 from pipesvc.coordinator.stage_calls import Deadlines, call_stage
@@ -134,7 +135,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
             self.registry.register(record)
             self.registry.mark_lost(address)  # until it registers again
         for row in self._db.open_jobs():
-            job = JobDriver.from_record(
+            job = reopen_job(
                 row,
                 self.registry,
                 self._deadlines,
