@@ -291,7 +291,7 @@ class JobDriver:
                 extra={"job": self.job_id, "step": ledger.step},
             )
             self.checkpoints.after_step(took)  # a snapshot if the step is due a checkpoint
-            self.replanner.rebalance_if_due(took, self._resilient)
+            self._rebalance_if_due(took)
             return loss, ledger.step
 
     def _repeated(self, first: StepResult, digest: str) -> tuple[float, int]:
@@ -342,6 +342,38 @@ class JobDriver:
             if decision.moved and self.group.plan == decision.plan:
                 self.replanner.settler.replanned(self.group.epoch)
             return decision
+
+    def _rebalance_if_due(self, took: float) -> None:
+        """After a committed step that took ``took`` seconds: measures and moves when the
+        re-planner says so (``Replanner.rebalance_due``; see [Note: replan] in rebalance.py).
+        A failed measurement or move is logged and training goes on."""
+        step, group, replanner = self.ledger.step, self.group, self.replanner
+        started = time.monotonic()
+        try:
+            due = replanner.rebalance_due(took)
+            if due is None:
+                return
+            decision, verdict = due
+            if verdict.move:
+                self._resilient(
+                    lambda: replanner.apply(decision, keep_partition=True),
+                    f"rebalance at step {step}",
+                )
+                if group.plan == decision.plan:
+                    replanner.settler.moved(group.epoch, time.monotonic() - started)
+        except PipesvcError as exc:
+            logger.warning("job %s: no rebalance at step %d: %s", self.job_id, step, exc)
+            return
+        logger.info(
+            "job %s: measured at step %d (%s); slowest stage %.2f ms per micro-batch, %s",
+            self.job_id,
+            step,
+            verdict.reason,
+            1e3 * max(decision.current_s),
+            f"moved (predicted {1e3 * max(decision.predicted_s):.2f} ms)"
+            if verdict.move
+            else "plan kept",
+        )
 
     def forward(
         self, inputs: torch.Tensor, side: Mapping[str, torch.Tensor] | None = None

@@ -33,10 +33,7 @@ import dataclasses
 import logging
 import math
 import os
-import time
-from collections.abc import Callable
 from concurrent import futures
-from typing import Any
 
 from pipesvc.coordinator import planner
 from pipesvc.coordinator.checkpointer import Checkpointer
@@ -65,7 +62,7 @@ from pipesvc.core.planning.measured import (
     report,
     with_codecs,
 )
-from pipesvc.core.settle import REBALANCE_EVERY, Policy, Settler
+from pipesvc.core.settle import REBALANCE_EVERY, Policy, Settler, Verdict
 from pipesvc.errors import PipesvcError, PlanError
 from pipesvc.v1 import stage_pb2
 from pipesvc.wire.transport import call
@@ -312,50 +309,30 @@ class Replanner:
             self._move(decision.plan)
         self._ledger.persist()
 
-    def rebalance_if_due(self, took: float, resilient: Callable[[Any, str], Any]) -> None:
+    def rebalance_due(self, took: float) -> tuple[Decision, Verdict] | None:
         """After a committed step that took ``took`` seconds, for a ``throughput`` or a
-        ``rebalance`` job: measures and moves when the settler says so (see [Note: settling]
-        in core/settle.py and [Note: replan]). The move runs through ``resilient`` (the job's
-        recovering call); a failed measurement or move is logged and training goes on."""
+        ``rebalance`` job: measures when the settler says so (see [Note: settling] in
+        core/settle.py) and returns the throughput plan with the settler's verdict on it; None
+        when nothing is due. The job moves (``apply``) if the verdict says so.
+
+        Raises:
+            PipesvcError: the measurement failed.
+        """
         group = self._group
-        step, config, job_id = self._ledger.step, group.config, group.job_id
+        config = group.config
         if config.partition != "throughput" and not config.rebalance:
-            return
-        settler = self.settler
-        settler.policy = Policy(
+            return None
+        self.settler.policy = Policy(
             probe=config.partition == "throughput",
             every=REBALANCE_EVERY if config.rebalance else None,
         )
         members = [s.address for s in group.plan] + [
             r.address for r in group.registry.free(config.model)
         ]
-        reason = settler.step(group.epoch, took, members)
-        if reason is None:
-            return
-        started = time.monotonic()
-        try:
-            decision = self.choose("throughput")
-            verdict = settler.decide(max(decision.current_s), max(decision.predicted_s))
-            if verdict.move:
-                resilient(
-                    lambda: self.apply(decision, keep_partition=True),
-                    f"rebalance at step {step}",
-                )
-                if group.plan == decision.plan:
-                    settler.moved(group.epoch, time.monotonic() - started)
-        except PipesvcError as exc:
-            logger.warning("job %s: no rebalance at step %d: %s", job_id, step, exc)
-            return
-        logger.info(
-            "job %s: measured at step %d (%s); slowest stage %.2f ms per micro-batch, %s",
-            job_id,
-            step,
-            verdict.reason,
-            1e3 * max(decision.current_s),
-            f"moved (predicted {1e3 * max(decision.predicted_s):.2f} ms)"
-            if verdict.move
-            else "plan kept",
-        )
+        if self.settler.step(group.epoch, took, members) is None:
+            return None
+        decision = self.choose("throughput")
+        return decision, self.settler.decide(max(decision.current_s), max(decision.predicted_s))
 
     def _move(self, plan: list[PipelineStage]) -> None:
         group, registry = self._group, self._group.registry
