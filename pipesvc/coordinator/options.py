@@ -1,11 +1,10 @@
-"""How a coordinator server runs: its options, from the command line (no gRPC here)."""
+"""How a coordinator server runs: its options, from the command line."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipesvc.coordinator.service import FORGET_STAGES_AFTER_S
 from pipesvc.coordinator.stage_calls import Deadlines
 from pipesvc.core.limits import Limits
 from pipesvc.core.option_flags import flag
@@ -14,6 +13,9 @@ from pipesvc.wire.security import Security
 
 DEFAULT_COORDINATOR = "127.0.0.1:7070"
 """Where a coordinator listens, and where the CLI's commands look for one, by default."""
+FORGET_STAGES_AFTER_S = 600.0
+"""Default of ``--forget-stages-after-s``: a stage heartbeats every 2 s, so one unseen for ten
+minutes is gone (a restarted stage on a new port is a new address)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,6 +19,7 @@ from pipesvc.coordinator.database import StateDB
 from pipesvc.coordinator.job import JobDriver
 from pipesvc.coordinator.job_open import create_job, reopen_job
 from pipesvc.coordinator.job_storage import JobStorage
+from pipesvc.coordinator.options import FORGET_STAGES_AFTER_S
 from pipesvc.coordinator.replicas import Rendezvous
 from pipesvc.coordinator.stage_calls import Deadlines, call_stage
 from pipesvc.coordinator.stage_registry import StageRecord, StageRegistry
@@ -37,10 +38,6 @@ from pipesvc.wire.rpc_status import handle_errors
 from pipesvc.wire.security import Security
 
 logger = logging.getLogger(__name__)
-
-FORGET_STAGES_AFTER_S = 600.0
-"""Default of ``--forget-stages-after-s``: a stage heartbeats every 2 s, so one unseen for ten
-minutes is gone (a restarted stage on a new port is a new address)."""
 
 
 def _in_terms_of_the_batch(

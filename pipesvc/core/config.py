@@ -117,8 +117,8 @@ class JobConfig:
         # Each concern checks its own fields (see [Note: configuration sections]).
         for section in SECTIONS:
             checked = section.of(self)
-        assert isinstance(checked, Numerics)
-        object.__setattr__(self, "wire_dtype", checked.wire_dtype)
+            if isinstance(checked, Numerics):  # keeps wire_dtype in its canonical form
+                object.__setattr__(self, "wire_dtype", checked.wire_dtype)
 
     @property
     def wire_codecs(self) -> tuple[str | None, str | None]:

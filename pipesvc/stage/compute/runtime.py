@@ -61,6 +61,7 @@ from pipesvc.stage.compute.profiler import FlopCount, StageProfiler, output_byte
 from pipesvc.stage.compute.stage_state import (
     PreparedState,
     apply_state,
+    held_tensors,
     prepare_state,
     state_tensors,
 )
@@ -606,8 +607,8 @@ class StageRuntime:
     def held_tensors(self) -> list[torch.Tensor]:
         """Every tensor this runtime holds: weights and buffers, gradients, optimizer state and
         the activations of a run in flight (see ``storage_bytes``)."""
-        held = state_tensors(self.module, self.optimizer, "held")
-        return [*held.values(), *(t for pair in self._saved.values() for t in pair)]
+        saved = [t for pair in self._saved.values() for t in pair]
+        return held_tensors(self.module, self.optimizer) + saved
 
     def release(self) -> None:
         """Drops every tensor this runtime holds (its job was replaced or released); the

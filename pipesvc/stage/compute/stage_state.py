@@ -26,21 +26,29 @@ def state_tensors(
     module: nn.Module, optimizer: torch.optim.Optimizer | None, kind: str
 ) -> dict[str, torch.Tensor]:
     """``module``'s tensors under global keys, by ``kind``: ``"parameters"`` (the
-    state_dict), ``"gradients"`` (each parameter's, where it has one), ``"checkpoint"`` (the
-    state_dict plus optimizer state under OPTIM_PREFIX keys, grouped by layer) or ``"held"``
-    (everything that takes memory: the state_dict, gradients and optimizer state, under keys
-    of their own)."""
+    state_dict), ``"gradients"`` (each parameter's, where it has one) or ``"checkpoint"`` (the
+    state_dict plus optimizer state under OPTIM_PREFIX keys, grouped by layer)."""
     if kind == "gradients":
         return {n: p.grad.detach() for n, p in module.named_parameters() if p.grad is not None}
     result = {k: v.detach() for k, v in module.state_dict().items()}
-    if kind == "held":
-        result |= {f"grad.{n}": p.grad for n, p in module.named_parameters() if p.grad is not None}
-    if kind in ("checkpoint", "held") and optimizer is not None:
+    if kind == "checkpoint" and optimizer is not None:
         for name, p in module.named_parameters():
             for key, value in optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor):
                     result[f"{OPTIM_PREFIX}{name}.{key}"] = value.detach()
-    return dict(group_by_layer(result)) if kind == "checkpoint" else result
+        return dict(group_by_layer(result))
+    return result
+
+
+def held_tensors(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """Every tensor ``module`` and ``optimizer`` hold: weights and buffers, gradients and
+    optimizer state (see ``storage_bytes``)."""
+    held = list(module.state_dict().values())
+    held += [p.grad for p in module.parameters() if p.grad is not None]
+    if optimizer is not None:
+        for slots in optimizer.state.values():
+            held += [v for v in slots.values() if isinstance(v, torch.Tensor)]
+    return held
 
 
 def prepare_state(
