@@ -131,7 +131,9 @@ class StateRpcs:
         job = self._current(request.job_id)
         with job.engine.run_lock:
             if request.check:
-                job.runtime.check_state(job.staged)
+                # The prepared state is dropped: handed over, the optimizer's tensors are not
+                # copied, which would hold them twice on a stage restored to its budget.
+                job.runtime.check_state(job.staged, owned=True)
                 return stage_pb2.ApplyStateResponse()
             staged, job.staged = job.staged, {}
             if request.apply:

@@ -10,6 +10,7 @@ import torch
 from pipesvc import models
 from pipesvc.core.config import JobConfig
 from pipesvc.stage.compute.runtime import StageRuntime
+from pipesvc.stage.dataplane import malloc
 from pipesvc.stage.dataplane.malloc import STAGE_GLIBC_TUNABLES, stage_environ
 
 ARGS = {"in_features": 6, "hidden_features": 10, "out_features": 3, "num_layers": 4}
@@ -113,3 +114,15 @@ def test_stage_environ_adds_the_malloc_tunables_once() -> None:
     assert env == {"GLIBC_TUNABLES": f"glibc.malloc.hugetlb=1:{STAGE_GLIBC_TUNABLES}", "X": "1"}
     own = {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=3"}
     assert stage_environ(own) == own
+
+
+def test_tune_malloc_leaves_the_settings_the_environment_gives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    applied: list[list[tuple[int, int]]] = []
+    monkeypatch.setattr(malloc, "_mallopt", lambda settings: applied.append(list(settings)))
+    malloc.tune_malloc(1 << 20, environ={})
+    malloc.tune_malloc(1 << 20, environ={"MALLOC_MMAP_THRESHOLD_": "65536"})
+    malloc.tune_malloc(1 << 20, environ={"GLIBC_TUNABLES": "glibc.malloc.arena_max=4"})
+    every = [(-3, 1 << 20), (-1, 1 << 20), (-8, 1)]  # mmap and trim thresholds, arena count
+    assert applied == [every, every[1:], every[:2]]

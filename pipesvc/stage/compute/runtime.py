@@ -643,8 +643,3 @@ class StageRuntime:
 _CHUNK_STRIDE = 1 << 20
 """Keys of a micro-batch's chunks in flight: ``chunk * _CHUNK_STRIDE + microbatch`` (more
 micro-batches than this are refused long before)."""
-
-
-_CHUNK_STRIDE = 1 << 20
-"""Keys of a micro-batch's chunks in flight: ``chunk * _CHUNK_STRIDE + microbatch`` (more
-micro-batches than this are refused long before)."""

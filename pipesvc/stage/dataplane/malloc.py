@@ -49,16 +49,37 @@ def _mallopt(settings: Sequence[tuple[int, int]]) -> bool:
     return not refused
 
 
-def tune_malloc(threshold_bytes: int = DEFAULT_THRESHOLD_BYTES) -> bool:
+_GIVEN_BY = {
+    _M_MMAP_THRESHOLD: ("MALLOC_MMAP_THRESHOLD_", "glibc.malloc.mmap_threshold"),
+    _M_TRIM_THRESHOLD: ("MALLOC_TRIM_THRESHOLD_", "glibc.malloc.trim_threshold"),
+    _M_ARENA_MAX: ("MALLOC_ARENA_MAX", "glibc.malloc.arena_max"),
+}
+"""Each setting's environment variable and tunable, with which an operator sets it."""
+
+
+def _given(option: int, environ: Mapping[str, str]) -> bool:
+    variable, tunable = _GIVEN_BY[option]
+    return bool(environ.get(variable)) or tunable in environ.get("GLIBC_TUNABLES", "")
+
+
+def tune_malloc(
+    threshold_bytes: int = DEFAULT_THRESHOLD_BYTES, environ: Mapping[str, str] | None = None
+) -> bool:
     """A stage's settings: glibc's mmap and trim thresholds, and one arena for all threads;
-    returns False where there is no glibc."""
-    return _mallopt(
-        [
-            (_M_MMAP_THRESHOLD, threshold_bytes),
-            (_M_TRIM_THRESHOLD, threshold_bytes),
-            (_M_ARENA_MAX, 1),
-        ]
-    )
+    returns False where there is no glibc.
+
+    A setting the process's environment (``environ``, default ``os.environ``) already gives
+    glibc, as ``MALLOC_MMAP_THRESHOLD_`` or through ``GLIBC_TUNABLES``, is the operator's and
+    stays: a stage started with ``MALLOC_MMAP_THRESHOLD_=1048576``, say, maps every tensor of
+    1 MiB or more on its own, so that its resident memory is what it holds, at a cost to speed
+    (``tests/integration/test_reassign_memory.py`` measures a stage so)."""
+    env = os.environ if environ is None else environ
+    wanted = [
+        (_M_MMAP_THRESHOLD, threshold_bytes),
+        (_M_TRIM_THRESHOLD, threshold_bytes),
+        (_M_ARENA_MAX, 1),
+    ]
+    return _mallopt([(option, value) for option, value in wanted if not _given(option, env)])
 
 
 def single_arena() -> bool:
