@@ -169,7 +169,6 @@ def _add_create_command(commands: Any) -> None:
     """``pipesvc job create``: its flags are ``Client.create_job``'s keywords, with their
     defaults."""
     from pipesvc.client import Client
-    from pipesvc.core.optim import DEFAULT_OPTIMIZER
 
     def default(name: str) -> Any:
         return param_default(Client.create_job, name)
@@ -205,6 +204,35 @@ def _add_create_command(commands: Any) -> None:
         choices=schedule_names(),
         help="(default %(default)s)",
     )
+    _add_training_flags(p, default("loss"))
+    p.add_argument("--partition", default=default("partition"), help="(default %(default)s)")
+    p.add_argument("--precision", default=default("precision"), help="(default %(default)s)")
+    p.add_argument("--seed", type=int, default=default("seed"), help="(default %(default)s)")
+    _add_serving_flags(p)
+    p.add_argument(
+        "--wire-dtype",
+        type=_wire_dtype,
+        default=None,
+        metavar="CODEC",
+        help="how activations and gradients cross links between hosts: bfloat16, float16, "
+        "int8, int4, auto, or per role as activations=int8,gradients=bfloat16 (default: the "
+        "compute dtype)",
+    )
+    p.add_argument(
+        "--wait-for-stages-s",
+        type=float,
+        default=default("wait_for_stages_s"),
+        help="wait up to this long for enough free stages (default %(default)s: plan at once)",
+    )
+    add_coordinator_flags(p, timeout_s=600.0)
+    p.set_defaults(func=_cmd_job_create)
+
+
+def _add_training_flags(p: argparse.ArgumentParser, loss: str) -> None:
+    """How ``job create``'s job trains: its optimizer and learning rate, or none
+    (``--inference``), and its ``loss`` (the default, ``Client.create_job``'s)."""
+    from pipesvc.core.optim import DEFAULT_OPTIMIZER
+
     p.add_argument(
         "--optimizer",
         default=DEFAULT_OPTIMIZER["name"],
@@ -223,12 +251,14 @@ def _add_create_command(commands: Any) -> None:
     )
     p.add_argument(
         "--loss",
-        default=default("loss"),
+        default=loss,
         help="(default %(default)s; causal_lm for Hugging Face models)",
     )
-    p.add_argument("--partition", default=default("partition"), help="(default %(default)s)")
-    p.add_argument("--precision", default=default("precision"), help="(default %(default)s)")
-    p.add_argument("--seed", type=int, default=default("seed"), help="(default %(default)s)")
+
+
+def _add_serving_flags(p: argparse.ArgumentParser) -> None:
+    """How ``job create``'s job serves: its name in the coordinator's HTTP API and the chunks
+    of a long prompt's prefill."""
     p.add_argument(
         "--name",
         default=None,
@@ -243,23 +273,6 @@ def _add_create_command(commands: Any) -> None:
         help="generation: prompt tokens per chunk of a long prompt's prefill, whose chunks "
         "overlap on the stages (default 256; 0: whole prompts)",
     )
-    p.add_argument(
-        "--wire-dtype",
-        type=_wire_dtype,
-        default=None,
-        metavar="CODEC",
-        help="how activations and gradients cross links between hosts: bfloat16, float16, "
-        "int8, int4, auto, or per role as activations=int8,gradients=bfloat16 (default: the "
-        "compute dtype)",
-    )
-    p.add_argument(
-        "--wait-for-stages-s",
-        type=float,
-        default=default("wait_for_stages_s"),
-        help="wait up to this long for enough free stages (default %(default)s: plan at once)",
-    )
-    add_coordinator_flags(p, timeout_s=600.0)
-    p.set_defaults(func=_cmd_job_create)
 
 
 def add_generate_command(sub: Any) -> None:

@@ -179,6 +179,14 @@ class Client:
             name=name,
             prefill_chunk=prefill_chunk,
         )
+        return self._create(config, wait_for_stages_s=wait_for_stages_s, resume_from=resume_from)
+
+    def _create(
+        self, config: JobConfig, *, wait_for_stages_s: float, resume_from: str | Path | None
+    ) -> Job:
+        """Creates the job ``config`` describes on the coordinator, started from the checkpoint
+        in ``resume_from`` when given (checked against ``config`` before the job is created;
+        a job whose checkpoint then fails to load is closed)."""
         manifest = resume_manifest(resume_from, config) if resume_from is not None else None
         info = self._call(
             self._stub.CreateJob,

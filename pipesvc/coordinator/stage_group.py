@@ -29,7 +29,7 @@ from pipesvc.core import microbatch
 from pipesvc.core.config import JobConfig, config_to_proto
 from pipesvc.core.health import Health
 from pipesvc.core.loss import loss_units
-from pipesvc.core.microbatch import RunBatch
+from pipesvc.core.microbatch import MicrobatchCaches, RunBatch
 from pipesvc.core.plan import PipelineStage, replicas_of, servers_of
 from pipesvc.core.tensor_codec import payload_view
 from pipesvc.errors import (
@@ -46,6 +46,40 @@ _Req = TypeVar("_Req")
 _Resp = TypeVar("_Resp")
 
 logger = logging.getLogger(__name__)
+
+
+def _cache_messages(caches: Sequence[MicrobatchCaches]) -> list[stage_pb2.MicrobatchCaches]:
+    """Each micro-batch's cache references (generation) on the wire."""
+    return [
+        stage_pb2.MicrobatchCaches(
+            refs=[
+                stage_pb2.CacheRef(
+                    session=c.session,
+                    part=c.part,
+                    fresh=c.fresh,
+                    rows=c.rows,
+                    positions=c.positions,
+                    source=c.source,
+                    source_positions=c.source_positions,
+                    keep_as=c.keep_as,
+                    keep_positions=c.keep_positions,
+                )
+                for c in refs
+            ]
+        )
+        for refs in caches
+    ]
+
+
+def _without_snapshot(commit: stage_pb2.CarriedCommit | None) -> stage_pb2.CarriedCommit | None:
+    """The carried ``commit`` as replicas other than 0 get it: only replica 0 keeps a snapshot,
+    since checkpoints read it alone."""
+    if commit is None or not commit.snapshot:
+        return commit
+    others = stage_pb2.CarriedCommit()
+    others.CopyFrom(commit)
+    others.snapshot = False
+    return others
 
 
 class StageGroup:
@@ -179,31 +213,8 @@ class StageGroup:
         input_views = [payload_view(t) for t in inputs]
         target_views = [payload_view(t) for t in targets]
         side_views = [{n: payload_view(t) for n, t in side.items()} for side in batch.side]
-        caches = [
-            stage_pb2.MicrobatchCaches(
-                refs=[
-                    stage_pb2.CacheRef(
-                        session=c.session,
-                        part=c.part,
-                        fresh=c.fresh,
-                        rows=c.rows,
-                        positions=c.positions,
-                        source=c.source,
-                        source_positions=c.source_positions,
-                        keep_as=c.keep_as,
-                        keep_positions=c.keep_positions,
-                    )
-                    for c in refs
-                ]
-            )
-            for refs in batch.caches
-        ]
-        # Only replica 0 keeps a snapshot: checkpoints read it alone.
-        others_commit = commit
-        if commit is not None and commit.snapshot:
-            others_commit = stage_pb2.CarriedCommit()
-            others_commit.CopyFrom(commit)
-            others_commit.snapshot = False
+        caches = _cache_messages(batch.caches)
+        others_commit = _without_snapshot(commit)
         share_of = {p[0].replica: share for p, share in zip(pipelines, shares, strict=True)}
         last = len(pipelines[0]) - 1
 
@@ -237,7 +248,17 @@ class StageGroup:
         # run out; a carried commit must reach every stage, so the caller flushed it first.
         taking_part = [p for p, share in zip(pipelines, shares, strict=True) if len(share)]
         assert commit is None or len(taking_part) == len(pipelines), "flush the commit first"
-        stages = [s for p in taking_part for s in p]
+        return self._send_runs(taking_part, request, what)
+
+    def _send_runs(
+        self,
+        pipelines: list[list[PipelineStage]],
+        request: Callable[[PipelineStage], tuple[stage_pb2.RunStepRequest, list[memoryview]]],
+        what: str,
+    ) -> RunReplies:
+        """Sends every stage of ``pipelines`` its ``request(stage)`` on its Control stream and
+        gathers the replies under the health watchdog, grouped by replica."""
+        stages = [s for p in pipelines for s in p]
         deadlines = self.deadlines
         calls = []
         for stage in stages:
@@ -248,7 +269,7 @@ class StageGroup:
         )
         by_replica: list[list[stage_pb2.RunStepResponse]] = []
         index = 0
-        for pipeline in taking_part:
+        for pipeline in pipelines:
             by_replica.append(replies[index : index + len(pipeline)])
             index += len(pipeline)
         return RunReplies(by_replica=by_replica)

@@ -113,14 +113,47 @@ def load_into_stages(
     futures.wait(calls.values())
     failure = failure or next((c.exception() for c in calls.values() if c.exception()), None)
     missing = sorted(expected - seen)
-    if failure is None and not missing:
+    # Applied only when every key arrived and every stream ended well; discarded otherwise.
+    check_failure = _apply_staged(
+        registry,
+        job_id,
+        plan,
+        complete=failure is None and not missing,
+        step=step,
+        timeout_s=timeout_s,
+    )
+    failure = failure or check_failure
+    if failure is not None:
+        raise failure
+    if missing:
+        raise InvalidArgumentError(f"state_dict is missing {len(missing)} keys, e.g. {missing[:5]}")
+    return len(seen)
+
+
+def _apply_staged(
+    registry: StageRegistry,
+    job_id: str,
+    servers: Sequence[PipelineStage],
+    *,
+    complete: bool,
+    step: int | None,
+    timeout_s: float,
+) -> PipesvcError | None:
+    """The second phase of a load: when the state streamed was ``complete``, every stage checks
+    what it staged, and only if all checks pass does every stage apply it (setting ``step``,
+    if given); otherwise every stage discards it.
+
+    Returns the check that failed, if any (nothing was applied then).
+    """
+    failure: PipesvcError | None = None
+    if complete:
         # Every stage checks what it staged before any stage applies: all or none.
         check = stage_pb2.ApplyStateRequest(job_id=job_id, check=True)
         try:
-            call_all(registry, plan, lambda stub, s: (stub.ApplyState, check), timeout_s)
+            call_all(registry, servers, lambda stub, s: (stub.ApplyState, check), timeout_s)
         except PipesvcError as exc:
             failure = exc
-    apply = failure is None and not missing
+    apply = complete and failure is None
 
     def apply_request(
         stub: StageStub, stage: PipelineStage
@@ -133,12 +166,8 @@ def load_into_stages(
             request.step = step
         return stub.ApplyState, request
 
-    call_all(registry, plan, apply_request, timeout_s)
-    if failure is not None:
-        raise failure
-    if missing:
-        raise InvalidArgumentError(f"state_dict is missing {len(missing)} keys, e.g. {missing[:5]}")
-    return len(seen)
+    call_all(registry, servers, apply_request, timeout_s)
+    return failure
 
 
 def _route(

@@ -77,10 +77,10 @@ class JobConfig:
     or per role, ``{"activations": "int8", "gradients": "bfloat16"}`` (a role left out or None
     crosses exact). The layers still compute in ``precision``; the result equals one process
     that applies the same codec at the same stage boundaries (see [Note: wire dtype] in
-    ``pipesvc.stage.compute.runtime``). None: the compute dtype (bfloat16 under the bf16 precisions,
-    which refuse float16). ``"auto"``: exact until the job is measured, then int8 activations
-    and bfloat16 gradients on the links between hosts whose measured rate makes them the
-    bottleneck, exact elsewhere, chosen at a re-plan and kept in the plan (see [Note:
+    ``pipesvc.stage.compute.wire_casts``). None: the compute dtype (bfloat16 under the bf16
+    precisions, which refuse float16). ``"auto"``: exact until the job is measured, then int8
+    activations and bfloat16 gradients on the links between hosts whose measured rate makes
+    them the bottleneck, exact elsewhere, chosen at a re-plan and kept in the plan (see [Note:
     automatic codecs] in ``pipesvc.core.link_codecs``). Kept in its canonical text form: a
     codec's name, ``"auto"``, or ``"activations=int8,gradients=bfloat16"`` when the roles
     differ (``wire_codecs`` reads it)."""

@@ -7,7 +7,8 @@ nothing. So ``JobConfig.wire_dtype`` applies only to links whose two ends have d
 in their plan addresses (the host part of ``host:port``, compared as text: a stage that
 advertises ``localhost`` and one that advertises ``127.0.0.1`` count as two hosts, which costs
 speed, never correctness). A link on one host still carries the precision's own dtype
-(bfloat16 under the bf16 precisions, see [Note: wire dtype] in ``pipesvc.stage.compute.runtime``).
+(bfloat16 under the bf16 precisions, see [Note: wire dtype] in
+``pipesvc.stage.compute.wire_casts``).
 
 Both ends of a link, the coordinator and the client compute the same answer from the plan, so
 the choice needs no message of its own and is the same after every re-plan that keeps the

@@ -11,7 +11,7 @@ when its structure is the one nearly every decoder-only model has:
   ``get_input_embeddings()`` names, then for example GPT-2's learned positions), those
   registered after it are the final norm. Children without parameters (rotary tables,
   dropout) go to every layer that runs the body's code (see [Note: the body's own code] in
-  ``hf.py``).
+  ``hf_body.py``).
 
 Anything else is refused with what does not fit: no decoder list, a token embedding outside the
 body, parameters outside the body and the head (multi-token prediction layers), parameters on
@@ -126,6 +126,25 @@ def find_family(model: nn.Module, model_type: str = "") -> Family:
             f"{kind} ({model_type!r}) does not fit: its body holds parameters of its own "
             f"({', '.join(own)}); expected them in its embedding, layers or norm"
         )
+    embed, norm, shared = _sort_body_children(body, body_name, list_name, embed_name)
+    return Family(
+        body=body_name,
+        blocks=f"{body_name}.{list_name}",
+        embed=embed,
+        norm=norm,
+        head=head_path,
+        shared=shared,
+        stored=STORED_ALIASES.get(model_type, ()),
+    )
+
+
+def _sort_body_children(
+    body: nn.Module, body_name: str, list_name: str, embed_name: str
+) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...], tuple[str, ...]]:
+    """The body's children by where they go, in registration order: the embedding side's
+    (local name, path) pairs, the token embedding ``embed_name`` first; those of the final
+    norm, after the decoder list ``list_name``; and the paths of the children without
+    parameters (see [Note: recognising a family])."""
     embed: list[tuple[str, str]] = [("embed", f"{body_name}.{embed_name}")]
     norm: list[tuple[str, str]] = []
     shared: list[str] = []
@@ -145,12 +164,4 @@ def find_family(model: nn.Module, model_type: str = "") -> Family:
             if any(local == taken for taken, _ in embed):
                 local = name
             embed.append((local, path))
-    return Family(
-        body=body_name,
-        blocks=f"{body_name}.{list_name}",
-        embed=tuple(embed),
-        norm=tuple(norm),
-        head=head_path,
-        shared=tuple(shared),
-        stored=STORED_ALIASES.get(model_type, ()),
-    )
+    return tuple(embed), tuple(norm), tuple(shared)

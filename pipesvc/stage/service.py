@@ -2,7 +2,8 @@
 
 It decodes and checks requests, holds at most one job (``Assignment``: its step engine and its
 links to the neighbours) and delegates runs, commits and aborts to ``StepEngine``
-(pipesvc.stage.compute.engine), which has no gRPC in it.
+(pipesvc.stage.compute.engine), which has no gRPC in it. Its state RPCs (``StateRpcs`` in
+state_rpcs.py) and telemetry RPCs (``TelemetryRpcs`` in telemetry_rpcs.py) are mixed in.
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ import functools
 import itertools
 import json
 import logging
-import math
-import os
 import threading
 from collections.abc import Iterable, Iterator
 from concurrent import futures
@@ -36,7 +35,6 @@ from pipesvc.errors import (
 from pipesvc.stage.assignment import Assignment, check_assign
 from pipesvc.stage.collective.replica_group import GroupSpec
 from pipesvc.stage.compute.engine import RunInputs
-from pipesvc.stage.compute.profiler import calibrate
 from pipesvc.stage.control import ControlServer
 from pipesvc.stage.dataplane.frame_wire import OutFrame
 from pipesvc.stage.dataplane.malloc import give_back
@@ -45,6 +43,7 @@ from pipesvc.stage.net.links import UpstreamLink
 from pipesvc.stage.options import StageOptions
 from pipesvc.stage.run_request import cache_refs, carried_commit
 from pipesvc.stage.state_rpcs import StateRpcs
+from pipesvc.stage.telemetry_rpcs import TelemetryRpcs
 from pipesvc.v1 import common_pb2, stage_pb2, stage_pb2_grpc
 from pipesvc.wire.control_wire import Reply, Unreadable, failed, ok
 from pipesvc.wire.payload_wire import RUN_STEP, Incoming
@@ -56,8 +55,6 @@ __all__ = ["StageOptions", "StageService"]
 logger = logging.getLogger(__name__)
 CONTROL_WORKERS = 16
 """Threads that handle Control streams' messages, over every stream of the stage."""
-MAX_CALIBRATE_S = 5.0
-"""The longest calibration a Profile call may ask for."""
 
 
 @functools.lru_cache(maxsize=8)
@@ -67,16 +64,7 @@ def _layer_bytes(model: str, model_args_json: str) -> tuple[int, ...]:
     return tuple(int(layer.parameter_bytes) for layer in described.layers)
 
 
-def _rss_bytes() -> int:
-    """Resident memory of this process (0 where /proc is missing)."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-class StageService(StateRpcs, stage_pb2_grpc.StageServiceServicer):
+class StageService(StateRpcs, TelemetryRpcs, stage_pb2_grpc.StageServiceServicer):
     """Serves one stage; holds at most one job's layers at a time."""
 
     def __init__(self, options: StageOptions) -> None:
@@ -267,44 +255,6 @@ class StageService(StateRpcs, stage_pb2_grpc.StageServiceServicer):
             channel.close()
         self._control_pool.shutdown(wait=False, cancel_futures=True)
 
-    @handle_errors
-    def Info(self, request: stage_pb2.InfoRequest, context: object) -> stage_pb2.StageInfo:
-        info = stage_pb2.StageInfo(
-            address=self._options.address,
-            device=str(self._options.device),
-            memory_bytes=self._options.memory_bytes,
-            models=models.known_models(),
-            num_threads=torch.get_num_threads(),
-            pid=os.getpid(),
-            rss_bytes=_rss_bytes(),
-        )
-        with self._lock:
-            job = self._job
-        if job is not None:
-            rt = job.runtime
-            info.job_id = job.job_id
-            info.start_layer, info.end_layer, info.rank = rt.start_layer, rt.end_layer, rt.rank
-            info.parameter_names.extend(name for name, _ in rt.module.named_parameters())
-            info.num_parameters = rt.num_parameters
-            info.step = rt.step
-            info.peak_in_flight = rt.peak_in_flight
-            info.num_duplicates_dropped = job.mailbox.num_duplicates
-            info.num_stale_dropped = job.mailbox.num_stale
-            info.plan_epoch = job.epoch
-            info.last_run_id = job.engine.last_run_id
-            info.pending_run_id = job.engine.pending_commit or 0
-            info.microbatches_per_s = job.engine.recorder.microbatches_per_s
-            info.downstream_shm = job.downstream is not None and job.downstream.uses_shm
-            info.upstream_shm = job.upstream is not None and job.upstream.uses_shm
-            sessions = job.engine.sessions
-            if sessions is not None:  # a read only: expiry has its own timer
-                info.sessions = len(sessions.sessions())
-                info.cache_bytes = sessions.total_bytes()
-        with self._lock:
-            info.control_streams_opened = self._control_opened
-            info.control_streams_open = self._control_open
-        return info
-
     # -- runs --------------------------------------------------------------------------------
 
     @handle_errors
@@ -427,40 +377,6 @@ class StageService(StateRpcs, stage_pb2_grpc.StageServiceServicer):
         return stage_pb2.SinkResponse(received_bytes=probe.receive(request_iterator))
 
     @handle_errors
-    def Profile(self, request: stage_pb2.ProfileRequest, context: object) -> stage_pb2.StageProfile:
-        job = self._current(request.job_id) if request.job_id else None
-        if not (math.isfinite(request.calibrate_s) and 0 <= request.calibrate_s <= MAX_CALIBRATE_S):
-            raise InvalidArgumentError(
-                f"calibrate_s must be between 0 and {MAX_CALIBRATE_S} seconds; got "
-                f"{request.calibrate_s}"
-            )
-        reply = stage_pb2.StageProfile(address=self._options.address)
-        if job is not None:  # without a job id: a free stage's calibration only
-            profiler = job.runtime.profiler
-            measured = profiler.snapshot()
-            if request.reset:
-                profiler.reset()
-            reply.layers.extend(
-                stage_pb2.LayerTime(
-                    index=t.index,
-                    forward_s=t.forward_s,
-                    backward_s=t.backward_s,
-                    output_bytes=t.output_bytes,
-                    flops=t.flops,
-                )
-                for t in measured.layers
-            )
-            reply.microbatches = measured.microbatches
-            reply.send_bytes_per_s = measured.send_bytes_per_s
-        if request.calibrate_s > 0:
-            if job is None:
-                reply.speed = calibrate(request.calibrate_s, self._options.device)
-            else:
-                with job.engine.run_lock:  # not while a run computes: it would slow both
-                    reply.speed = calibrate(request.calibrate_s, self._options.device)
-        return reply
-
-    @handle_errors
     def Commit(self, request: stage_pb2.CommitRequest, context: object) -> stage_pb2.CommitResponse:
         return self._commit(request)
 
@@ -528,27 +444,6 @@ class StageService(StateRpcs, stage_pb2_grpc.StageServiceServicer):
             )
         except Exception as exc:
             return failed(message.id, to_pipesvc(exc, f"Control ({kind or 'unknown'})"))
-
-    @handle_errors
-    def GetTrace(
-        self, request: common_pb2.GetTraceRequest, context: object
-    ) -> common_pb2.StageTrace:
-        job = self._current(request.job_id)
-        return common_pb2.StageTrace(
-            rank=job.runtime.rank,
-            address=self._options.address,
-            events=[
-                common_pb2.TraceEvent(
-                    run_id=e.run_id,
-                    step=e.step,
-                    name=e.name,
-                    microbatch=e.microbatch,
-                    start_unix_ns=e.start_ns,
-                    end_unix_ns=e.end_ns,
-                )
-                for e in job.engine.recorder.events(request.max_runs)
-            ],
-        )
 
     # -- data plane --------------------------------------------------------------------------
 

@@ -344,6 +344,41 @@ def test_every_note_reference_names_exactly_one_note() -> None:
     assert {n: f for n, f in notes.items() if len(f) > 1} == {}, "a note written twice"
 
 
+REFERENCE_FILE = re.compile(r"\]\)?\s*(?:#\s*)?in\s+(?:#\s*)?``?([A-Za-z_][\w./]*\w)``?")
+"""What a reference names after the note: ``[Note: x] in ``pkg.module`` `` or ``in path.py``."""
+
+
+def test_every_note_reference_that_names_a_file_names_the_notes_own() -> None:
+    sources = [
+        p
+        for folder in ("pipesvc", "tests", "bench", "docs", "protos")
+        for p in (ROOT / folder).rglob("*")
+        if p.suffix in (".py", ".md", ".proto") and GENERATED not in p.parents
+    ] + list(ROOT.glob("*.md"))
+    homes = {
+        name: path.relative_to(ROOT).as_posix()
+        for path in sources
+        for name, is_note in notes_in(path.read_text())
+        if is_note
+    }
+    wrong = []
+    for path in sources:
+        text = path.read_text()
+        for found in NOTE.finditer(text):
+            name = " ".join(re.sub(r"\n\s*(#|//)?", " ", found.group(1)).split())
+            named = REFERENCE_FILE.match(text, found.end() - 1)
+            if named is None or name not in homes:
+                continue
+            where = named.group(1)
+            if not where.endswith((".py", ".md", ".proto")):
+                if "." not in where:
+                    continue  # "in the docs", "in it": no file
+                where = where.replace(".", "/") + ".py"
+            if not homes[name].endswith(where):
+                wrong.append(f"{path.relative_to(ROOT)}: [Note: {name}] is in {homes[name]}")
+    assert wrong == []
+
+
 def test_notes_and_references_are_told_apart() -> None:
     text = (
         '"""[Note: a] What a is.\n\nSee [Note: b] in x.py and\n[Note: c].\n"""\n'

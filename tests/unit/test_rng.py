@@ -17,7 +17,7 @@ from pipesvc import models
 from pipesvc.core.config import JobConfig
 from pipesvc.errors import InvalidArgumentError
 from pipesvc.models import registry
-from pipesvc.stage.compute import runtime as runtime_module
+from pipesvc.stage.compute import layer_calls
 from pipesvc.stage.compute.runtime import StageRuntime
 
 GPT_ARGS = {
@@ -224,7 +224,7 @@ def test_only_stochastic_layers_run_under_their_seed_and_match_the_reference(
         seeded.append((step, microbatch, layer))
         return real(seed, step, microbatch, layer, device)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(runtime_module, "layer_rng", counting)
+    monkeypatch.setattr(layer_calls, "layer_rng", counting)
     (rt,) = _stages(_config(num_stages=1), [0, NUM_LAYERS])
     model = models.build("gpt", seed=SEED, **GPT_ARGS)
     stochastic = [i for i, layer in enumerate(model) if models.uses_rng(layer)]
@@ -232,9 +232,9 @@ def test_only_stochastic_layers_run_under_their_seed_and_match_the_reference(
     rt.begin_run(True)
     for mb, (x, _) in enumerate(_batch(0)):
         out = rt.forward(mb, x, training=True)
-        monkeypatch.setattr(runtime_module, "layer_rng", real)
+        monkeypatch.setattr(layer_calls, "layer_rng", real)
         expected = models.seeded_forward(model, x, seed=SEED, step=1, microbatch=mb)
-        monkeypatch.setattr(runtime_module, "layer_rng", counting)
+        monkeypatch.setattr(layer_calls, "layer_rng", counting)
         assert torch.equal(out, expected)
     rt.abort()
     assert seeded == [(1, mb, i) for mb in range(NUM_MICROBATCHES) for i in stochastic]

@@ -1,4 +1,5 @@
-"""A stage's step engine: the run/commit state machine and the action loop of one run.
+"""A stage's step engine: the run/commit state machine around the action loop of one run
+(``pipesvc.stage.compute.action_loop``).
 
 No gRPC here: the engine takes the runtime, the mailbox its neighbours' tensors arrive in, a
 function per direction that sends a tensor on, and the recorder. The stage service decodes
@@ -40,29 +41,27 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from pipesvc.core.microbatch import MicrobatchCaches
-from pipesvc.core.schedule import Action, ActionKind, forward_only_actions, stage_actions
+from pipesvc.core.microbatch import CacheRef
+from pipesvc.core.schedule import forward_only_actions, stage_actions
 from pipesvc.errors import FailedPreconditionError, InvalidArgumentError
 from pipesvc.observe.metrics import NO_METRICS, Metrics
 from pipesvc.stage.collective.replica_group import GroupSpec, ReplicaGroup, parked
-from pipesvc.stage.compute import fused_cache
+from pipesvc.stage.compute.action_loop import ActionLoop, RunInputs, RunPlan, SendFn
 from pipesvc.stage.compute.faults import FaultKill
 from pipesvc.stage.compute.recorder import RunRecorder
 from pipesvc.stage.compute.runtime import StageRuntime
 from pipesvc.stage.compute.sessions import SessionCaches
-from pipesvc.stage.dataplane.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
+from pipesvc.stage.dataplane.mailbox import Mailbox
 
 logger = logging.getLogger(__name__)
 
-SendFn = Callable[[MailKey, torch.Tensor], None]
-"""Sends one tensor to a neighbour (waits while its queue is full; raises if it cannot)."""
+# RunInputs and SendFn belong to the action loop; callers of the engine take them from here.
+__all__ = ["Carried", "RunInputs", "RunResult", "SendFn", "Snapshot", "StepEngine", "TiedSwap"]
 
 
 class TiedSwap(Protocol):
@@ -110,73 +109,8 @@ class Snapshot:
     tensors: dict[str, torch.Tensor]
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RunInputs:
-    """A run's data: inputs on the first stage, targets and loss weights on the last, and
-    each micro-batch's side inputs on every stage (see [Note: side inputs])."""
-
-    inputs: list[torch.Tensor]
-    targets: list[torch.Tensor]
-    loss_weights: list[float]
-    side: list[dict[str, torch.Tensor]] = field(default_factory=list)
-    caches: list[MicrobatchCaches] = field(default_factory=list)
-    """Generation: the caches each micro-batch reads and extends (see [Note: generation
-    sessions]; several when sessions' decode steps are fused, see [Note: fused decode]); empty
-    otherwise."""
-    greedy: bool = False
-    """Generation: the last stage returns each row's most likely next token (int64), not its
-    next-token logits."""
-    microbatch_offset: int = 0
-    """The step-wide index of the run's first micro-batch (a replica's share starts after the
-    shares before it); training randomness is drawn per step-wide index."""
-    replicas: GroupSpec | None = None
-    """Training with replicas: where this stage's gradient group meets."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Place:
-    """Where an action is: its micro-batch, its chunk, and the run's micro-batch count.
-
-    [Note: chunk mail] On the links a tensor for chunk ``c`` of micro-batch ``i`` travels as
-    micro-batch ``c * count + i`` of the run (``wire``), so the frames, shared memory and the
-    mailbox need no notion of chunks; with one chunk it is ``i``.
-    """
-
-    microbatch: int
-    chunk: int
-    count: int
-
-    def wire(self, chunk: int) -> int:
-        """The micro-batch index this micro-batch's tensor for ``chunk`` travels as."""
-        return chunk * self.count + self.microbatch
-
-
 _MAX_PLANS = 64
 """Run plans an engine keeps (one per kind of run it saw; a job uses one or two)."""
-
-
-@dataclass(frozen=True, slots=True)
-class _RunPlan:
-    """A run's actions as the loop takes them: per action its kind, its place and whether its
-    backward is split (a ``W`` follows), and the run's last forward micro-batch."""
-
-    steps: tuple[tuple[ActionKind, _Place, bool], ...]
-    last_mb: int
-
-    @staticmethod
-    def of(actions: list[Action]) -> _RunPlan:
-        split = {(a.microbatch_index, a.chunk) for a in actions if a.kind is ActionKind.WEIGHT}
-        last_mb = sum(a.kind is ActionKind.FORWARD for a in actions) - 1
-        count = sum(a.kind is ActionKind.FORWARD and a.chunk == 0 for a in actions)
-        steps = tuple(
-            (
-                a.kind,
-                _Place(a.microbatch_index, a.chunk, count),
-                a.kind is ActionKind.FORWARD and (a.microbatch_index, a.chunk) in split,
-            )
-            for a in actions
-        )
-        return _RunPlan(steps, last_mb)
 
 
 class StepEngine:
@@ -208,14 +142,9 @@ class StepEngine:
         """The newest run begun or aborted here; a run must come after it."""
         self.pending_commit: int | None = None
         """The training run whose gradients await Commit or Abort."""
-        self._send_activation = send_activation
-        self._send_gradient = send_gradient
-        self._recv_timeout_s = recv_timeout_s
         self._job_id = job_id
         self._metrics = metrics
         self._fault_kill = fault_kill
-        self._chunked_runs = 0
-        """Generation runs of several micro-batches so far (what ``prefill`` faults count)."""
         self._tied = tied
         self.replicas = replicas
         """The gradient group with the other replicas' stages of this rank, if any."""
@@ -224,12 +153,20 @@ class StepEngine:
         self.snapshot: Snapshot | None = None
         """The state a carried commit asked to keep, until it is read."""
         self._snapshot_lock = threading.Lock()
-        self._plans: dict[tuple[bool, int], _RunPlan] = {}
+        self._plans: dict[tuple[bool, int], RunPlan] = {}
         """Each kind of run's plan (training or not, micro-batches), see ``_plan``."""
-        # What a wait names in its timeout's message (see Mailbox.get).
-        self._from_upstream = f" from rank {(runtime.rank - 1) % runtime.num_stages}"
-        self._from_downstream = (
-            f" from rank {(runtime.rank + 1) % runtime.num_stages} ({downstream_address})"
+        self._loop = ActionLoop(
+            runtime=runtime,
+            mailbox=mailbox,
+            send_activation=send_activation,
+            send_gradient=send_gradient,
+            recorder=recorder,
+            recv_timeout_s=recv_timeout_s,
+            job_id=job_id,
+            downstream_address=downstream_address,
+            metrics=metrics,
+            fault_kill=fault_kill,
+            sessions=sessions,
         )
 
     def run_step(
@@ -253,55 +190,24 @@ class StepEngine:
             PipesvcError: the run failed (a neighbour, a timeout, an abort); the runtime and
                 the run's mail are dropped (the carried commit stays applied).
         """
-        rt = self.runtime
         if data.caches and self.sessions is None:
             raise FailedPreconditionError("this stage keeps no generation caches")
         if commit is not None:
             self._check_commit_fault()
         with self.run_lock:
-            if run_id <= self.last_run_id:
-                raise FailedPreconditionError(
-                    f"run {run_id} is not after the last run {self.last_run_id}"
-                )
-            refs = [ref for refs in data.caches for ref in refs]
-            if self.sessions is not None:  # a lost cache fails the run before anything changes
-                self.sessions.begin(run_id, refs)
-            if commit is not None:
-                self._commit_locked(commit.run_id, commit.grad_scale)
-                if commit.snapshot:
-                    self._take_snapshot()
-            if self.pending_commit is not None:
-                raise FailedPreconditionError(
-                    f"run {self.pending_commit} awaits commit or abort; run {run_id} waits"
-                )
-            self.last_run_id = run_id
+            refs = self._begin_locked(run_id, data, commit)
+            rt = self.runtime
             plan = self._plan(training, num_microbatches)
             rt.begin_run(training, microbatch_offset=data.microbatch_offset)
-            sessions = sorted({ref.session for ref in refs})
             try:
-                losses, outputs = self._execute(
+                losses, outputs = self._loop.run(
                     run_id, plan, data, training=training, generating=generating
                 )
-                if training and rt.ties:
-                    self._share_tied(run_id)
-                if training and self.replicas is not None:
-                    self._sum_replicas(run_id, data.replicas)
-                if self.sessions is not None and sessions:
-                    try:
-                        self.sessions.keep(refs)
-                        self.sessions.settle(sessions)
-                    finally:
-                        self._metrics.set("open_generation_sessions", len(self.sessions.sessions()))
-                        self._metrics.set("kv_cache_bytes", self.sessions.total_bytes())
+                if training:
+                    self._settle_gradients(run_id, data.replicas)
+                self._keep_caches(refs)
             except BaseException:
-                rt.abort()
-                self.mailbox.abort(run_id)
-                if self._tied is not None:
-                    self._tied.abort(run_id)
-                if self.replicas is not None:
-                    self.replicas.abort(run_id)
-                if self.sessions is not None:  # every session as before the run
-                    self.sessions.undo(run_id)
+                self._drop_failed(run_id)
                 raise
             finally:
                 self.mailbox.finish(run_id)
@@ -317,7 +223,70 @@ class StepEngine:
                 grad_norm_sq=grad_norm_sq,
             )
 
-    def _plan(self, training: bool, num_microbatches: int) -> _RunPlan:
+    def _begin_locked(self, run_id: int, data: RunInputs, commit: Carried | None) -> list[CacheRef]:
+        """Under the run lock: checks that run ``run_id`` may begin, begins its sessions and
+        applies the carried ``commit`` (keeping a snapshot if it asks); returns the caches the
+        run reads and extends.
+
+        Raises:
+            FailedPreconditionError: as ``run_step`` (nothing changed).
+        """
+        if run_id <= self.last_run_id:
+            raise FailedPreconditionError(
+                f"run {run_id} is not after the last run {self.last_run_id}"
+            )
+        refs = [ref for refs in data.caches for ref in refs]
+        if self.sessions is not None:  # a lost cache fails the run before anything changes
+            self.sessions.begin(run_id, refs)
+        if commit is not None:
+            self._commit_locked(commit.run_id, commit.grad_scale)
+            if commit.snapshot:
+                self._take_snapshot()
+        if self.pending_commit is not None:
+            raise FailedPreconditionError(
+                f"run {self.pending_commit} awaits commit or abort; run {run_id} waits"
+            )
+        self.last_run_id = run_id
+        return refs
+
+    def _settle_gradients(self, run_id: int, spec: GroupSpec | None) -> None:
+        """After a training run's last action: gives tied copies their group's gradient and
+        sums every gradient with the other replicas'."""
+        if self.runtime.ties:
+            self._share_tied(run_id)
+        if self.replicas is not None:
+            self._sum_replicas(run_id, spec)
+
+    def _keep_caches(self, refs: list[CacheRef]) -> None:
+        """After a run that read and extended caches (``refs``): keeps the prefixes they ask
+        for and enforces the sessions' budget (see [Note: generation sessions])."""
+        sessions = sorted({ref.session for ref in refs})
+        if self.sessions is not None and sessions:
+            try:
+                self.sessions.keep(refs)
+                self.sessions.settle(sessions)
+            finally:
+                self._metrics.set("open_generation_sessions", len(self.sessions.sessions()))
+                self._metrics.set("kv_cache_bytes", self.sessions.total_bytes())
+
+    def _drop_failed(self, run_id: int) -> None:
+        """Drops what a failed run left: its activations and gradients, its waits and every
+        session as before it."""
+        self.runtime.abort()
+        self._wake(run_id)
+        if self.sessions is not None:  # every session as before the run
+            self.sessions.undo(run_id)
+
+    def _wake(self, run_id: int) -> None:
+        """Wakes run ``run_id``'s waits and sends (its mail, its tied swap, its gradient
+        group), which then raise, and drops its mail."""
+        self.mailbox.abort(run_id)
+        if self._tied is not None:
+            self._tied.abort(run_id)
+        if self.replicas is not None:
+            self.replicas.abort(run_id)
+
+    def _plan(self, training: bool, num_microbatches: int) -> RunPlan:
         """The actions of a run of ``num_microbatches`` and what the loop needs of them,
         worked out once per kind of run (see [Note: per-action cost])."""
         key = (training, num_microbatches)
@@ -334,7 +303,7 @@ class StepEngine:
                 )
             else:
                 actions = forward_only_actions(num_microbatches, len(rt.chunks))
-            plan = _RunPlan.of(actions)
+            plan = RunPlan.of(actions)
             if len(self._plans) >= _MAX_PLANS:
                 self._plans.clear()
             self._plans[key] = plan
@@ -395,189 +364,6 @@ class StepEngine:
         finally:
             self._metrics.set("parked_collectives", parked())
 
-    def _execute(
-        self,
-        run_id: int,
-        plan: _RunPlan,
-        data: RunInputs,
-        *,
-        training: bool,
-        generating: bool = False,
-    ) -> tuple[list[float], list[torch.Tensor]]:
-        rt = self.runtime
-        rec = self.recorder
-        rec.begin(run_id, rt.step + 1 if training else 0, job_id=self._job_id, rank=rt.rank)
-        losses: dict[int, float] = {}
-        outputs: dict[int, torch.Tensor] = {}
-        fault_kill, fault_when, fault_step = self._fault_kill, "", 0
-        if fault_kill is not None and training:
-            fault_step = rt.step + 1
-        elif fault_kill is not None and generating and plan.last_mb > 0:
-            self._chunked_runs += 1
-            fault_when, fault_step = "prefill", self._chunked_runs
-        else:
-            fault_kill = None
-        for kind, at, split_here in plan.steps:
-            if fault_kill is not None:
-                fault_kill.check(
-                    when=fault_when or ("forward" if kind is ActionKind.FORWARD else "backward"),
-                    step=fault_step,
-                    rank=rt.rank,
-                    microbatch=at.microbatch,
-                    last_mb=plan.last_mb,
-                )
-            if kind is ActionKind.FORWARD:
-                self._forward(
-                    run_id, at, data, training, losses, outputs, generating, split=split_here
-                )
-            elif kind is ActionKind.BACKWARD:
-                self._backward(run_id, at)
-            else:
-                with rec.span("weight", at.microbatch):
-                    rt.backward_weight(at.microbatch, at.chunk)
-                self._metrics.set("microbatches_in_flight", rt.live)
-        rec.end(training=training, generating=generating)
-        return [losses[i] for i in sorted(losses)], [outputs[i] for i in sorted(outputs)]
-
-    def _forward(
-        self,
-        run_id: int,
-        at: _Place,
-        data: RunInputs,
-        training: bool,
-        losses: dict[int, float],
-        outputs: dict[int, torch.Tensor],
-        generating: bool = False,
-        *,
-        split: bool = False,
-    ) -> None:
-        rt, rec = self.runtime, self.recorder
-        mb, chunk = at.microbatch, at.chunk
-        cache, stacked = self._microbatch_cache(data, mb)
-        carries = training and rt.features.carry is not None
-        carry = None
-        if rt.first_virtual(chunk):
-            x = data.inputs[mb]
-        else:
-            with rec.span("wait", mb):
-                x = self.mailbox.get(
-                    MailKey(run_id, ACTIVATION, at.wire(chunk)),
-                    self._recv_timeout_s,
-                    self._from_upstream,
-                )
-                if carries:  # see [Note: carried vector] in pipesvc.models.carry
-                    carry = self.mailbox.get(
-                        MailKey(run_id, ACTIVATION, at.wire(chunk), part=1),
-                        self._recv_timeout_s,
-                        self._from_upstream,
-                    )
-        with rec.span("forward", mb):
-            side = data.side[mb] if data.side else None
-            y = rt.forward(
-                mb,
-                x,
-                training=training,
-                side=side,
-                cache=cache,
-                split_backward=split,
-                chunk=chunk,
-                carry=carry,
-            )
-            if stacked is not None:
-                assert self.sessions is not None
-                refs = data.caches[mb]
-                for ref, part in zip(refs, stacked.split(), strict=True):
-                    self.sessions.put(ref, part)
-                stacked = cache = None  # the stacked cache goes now, not with the run
-            last = rt.last_virtual(chunk)
-            if last and training:
-                loss = rt.loss(mb, data.targets[mb], data.loss_weights[mb])
-                losses[mb] = float(loss.detach())  # float() of a tensor needing grad warns
-        self._metrics.set("microbatches_in_flight", rt.live)
-        if not last:
-            self._send_output(run_id, at, y, training=training, carries=carries)
-        elif generating and data.greedy:
-            outputs[mb] = y[:, -1].argmax(dim=-1)  # the most likely next token of each row
-        elif generating:
-            outputs[mb] = y[:, -1].contiguous()  # the next token's logits only
-        elif not training:
-            outputs[mb] = y
-
-    def _microbatch_cache(
-        self, data: RunInputs, mb: int
-    ) -> tuple[Any, fused_cache.StackedCaches | None]:
-        """The generation cache micro-batch ``mb`` reads and extends, and, when it fuses
-        several sessions' caches (see [Note: fused decode]), their stack to split afterwards.
-
-        Raises:
-            FailedPreconditionError: the model cannot fuse caches.
-        """
-        if not data.caches:
-            return None, None
-        assert self.sessions is not None  # checked when the run began
-        rt, refs = self.runtime, data.caches[mb]
-        if len(refs) == 1:
-            return self.sessions.get(refs[0]), None
-        layout = rt.features.cache_layout
-        if layout is None or not rt.features.fuses_caches:
-            raise FailedPreconditionError(
-                f"model {rt.config.model!r} cannot fuse sessions' caches in a micro-batch"
-            )
-        parts = [self.sessions.get(ref) for ref in refs]
-        stacked = fused_cache.stack(
-            layout, parts, [ref.rows for ref in refs], [ref.positions for ref in refs]
-        )
-        return stacked.cache, stacked
-
-    def _send_output(
-        self, run_id: int, at: _Place, y: torch.Tensor, *, training: bool, carries: bool
-    ) -> None:
-        """Sends a forward's output (and its carried vector) to the next virtual stage: this
-        chunk on the next rank, or the next chunk on rank 0."""
-        rt, mb, chunk = self.runtime, at.microbatch, at.chunk
-        after = chunk + 1 if rt.rank == rt.num_stages - 1 else chunk
-        with self.recorder.span("send", mb):
-            started = time.perf_counter()
-            self._send_activation(MailKey(run_id, ACTIVATION, at.wire(after)), y)
-            total = rt.carried(mb, chunk) if carries else None
-            if total is not None:
-                self._send_activation(MailKey(run_id, ACTIVATION, at.wire(after), part=1), total)
-            if training:
-                rt.profiler.sent(y.numel() * y.element_size(), time.perf_counter() - started)
-
-    def _backward(self, run_id: int, at: _Place) -> None:
-        rt, rec = self.runtime, self.recorder
-        mb, chunk = at.microbatch, at.chunk
-        grad = carry_grad = None
-        carries = rt.features.carry is not None
-        if not rt.last_virtual(chunk):
-            with rec.span("wait", mb):
-                grad = self.mailbox.get(
-                    MailKey(run_id, GRADIENT, at.wire(chunk)),
-                    self._recv_timeout_s,
-                    self._from_downstream,
-                )
-                if carries:  # see [Note: carried vector] in pipesvc.models.carry
-                    carry_grad = self.mailbox.get(
-                        MailKey(run_id, GRADIENT, at.wire(chunk), part=1),
-                        self._recv_timeout_s,
-                        self._from_downstream,
-                    )
-        with rec.span("backward", mb):
-            grad_input = rt.backward(mb, grad, chunk, carry_grad)
-        self._metrics.set("microbatches_in_flight", rt.live)
-        if grad_input is not None:
-            # The virtual stage before: this chunk on the rank before, or the chunk before on
-            # the last rank.
-            before = chunk - 1 if rt.rank == 0 else chunk
-            with rec.span("send", mb):
-                self._send_gradient(MailKey(run_id, GRADIENT, at.wire(before)), grad_input)
-                start_grad = rt.carried_grad(mb, chunk) if carries else None
-                if start_grad is not None:
-                    self._send_gradient(
-                        MailKey(run_id, GRADIENT, at.wire(before), part=1), start_grad
-                    )
-
     def commit(self, run_id: int, grad_scale: float | None) -> int:
         """Applies the pending run's optimizer step; returns the step count.
 
@@ -611,11 +397,7 @@ class StepEngine:
     def abort(self, run_id: int) -> None:
         """Aborts run ``run_id``: wakes its waits and sends, drops its mail, its activations
         and (if it is an uncommitted training run) its gradients; no later run may reuse it."""
-        self.mailbox.abort(run_id)
-        if self._tied is not None:
-            self._tied.abort(run_id)
-        if self.replicas is not None:
-            self.replicas.abort(run_id)
+        self._wake(run_id)
         with self.run_lock:
             self.last_run_id = max(self.last_run_id, run_id)
             if self.sessions is not None:  # a generation run that finished here: put back

@@ -49,15 +49,14 @@ from pipesvc.errors import (
     InvalidArgumentError,
     StageOutOfMemoryError,
 )
-from pipesvc.models import (
-    layer_rng,
-    model_features,
-)
-from pipesvc.models.carry import Carry, check_carried
+from pipesvc.models import model_features
+from pipesvc.models.carry import Carry
+from pipesvc.stage.compute.carried_vectors import CarriedVectors
 from pipesvc.stage.compute.grad_buffers import GradBuffers
+from pipesvc.stage.compute.layer_calls import LayerCalls
 from pipesvc.stage.compute.layer_plan import build_chunks, settle_trainable
 from pipesvc.stage.compute.out_of_memory import memory_exhausted, out_of_memory
-from pipesvc.stage.compute.profiler import FlopCount, StageProfiler, output_bytes
+from pipesvc.stage.compute.profiler import StageProfiler
 from pipesvc.stage.compute.stage_state import (
     PreparedState,
     apply_state,
@@ -66,7 +65,7 @@ from pipesvc.stage.compute.stage_state import (
     state_tensors,
 )
 from pipesvc.stage.compute.tied_grads import TiedGrads
-from pipesvc.stage.compute.weight_grads import DeferWeightGrads, WeightGradStore
+from pipesvc.stage.compute.weight_grads import WeightGradStore
 from pipesvc.stage.compute.wire_casts import WireCasts, from_wire, to_wire
 
 
@@ -105,13 +104,22 @@ class StageRuntime:
                 "(several layer ranges per stage) do not support tied parameters"
             )
         # Per chunk, each layer's call plan, fixed at build time (see [Note: per-action cost]).
-        self._chunk_layers = build_chunks(config, self.chunks, device)
-        self._layers = [entry for chunk in self._chunk_layers for entry in chunk]
-        self._autocast = config.precision == "bf16-mixed"
+        chunk_layers = build_chunks(config, self.chunks, device)
         self._wire = WireCasts.of(config, links)
+        self._calls = LayerCalls(
+            chunk_layers,
+            seed=config.seed,
+            autocast=config.precision == "bf16-mixed",
+            profile_wire=self._wire.profile_wire,
+            rank=rank,
+            ranges=self.chunks,
+            device=device,
+        )
         self._compute_dtype = torch.bfloat16 if config.precision == "bf16" else torch.float32
         # Keys "{global layer}.{param}", as build(...).state_dict() keys the whole model.
-        self.module = nn.ModuleDict({str(entry[0]): entry[1] for entry in self._layers})
+        self.module = nn.ModuleDict(
+            {str(entry[0]): entry[1] for chunk in self._calls.chunks for entry in chunk}
+        )
         self._training = True  # modules are built in training mode
         self.ties = settle_trainable(self.module, config, ties or StageTies(), self.chunks[0])
         self._tied = TiedGrads(self.ties)
@@ -126,10 +134,9 @@ class StageRuntime:
         self.peak_in_flight = 0
         self.profiler = StageProfiler()
         self._saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # A carried vector's start and total per micro-batch in flight, and the start's
-        # gradient once its backward ran (see [Note: carried vector] in pipesvc.models.carry).
-        self._carried: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._carried_grads: dict[int, torch.Tensor] = {}
+        self._carry = CarriedVectors(
+            self.features.carry, model=config.model, chunks=self.chunks, device=device
+        )
         # Micro-batches whose backward is split (see [Note: split backward] in core/action.py):
         # the weight gradients their B leaves for W, and B's seconds once it ran.
         self._deferred: dict[int, WeightGradStore] = {}
@@ -172,8 +179,7 @@ class StageRuntime:
         self._saved.clear()
         self._deferred.clear()
         self._backward_s.clear()
-        self._carried.clear()
-        self._carried_grads.clear()
+        self._carry.clear()
 
     def _set_mode(self, training: bool) -> None:
         """Training or eval mode for every layer (see [Note: train and eval mode])."""
@@ -193,97 +199,6 @@ class StageRuntime:
     def _key(microbatch: int, chunk: int) -> int:
         """Where a micro-batch's chunk keeps its activations (one key per pair)."""
         return chunk * _CHUNK_STRIDE + microbatch
-
-    def _apply(
-        self,
-        x: torch.Tensor,
-        microbatch: int | None,
-        side: Mapping[str, torch.Tensor],
-        cache: Any = None,
-        deferred: WeightGradStore | None = None,
-        chunk: int = 0,
-        carry: Carry | None = None,
-    ) -> torch.Tensor:
-        """Runs the layers (see [Note: precision]); in training, stochastic ones run seeded.
-        With ``deferred`` (a split backward), the linear layers' backward leaves their weight
-        gradients there (see pipesvc.stage.compute.weight_grads)."""
-        # torch.autocast(enabled=False) costs a few µs per call and changes nothing here
-        # (no caller runs a stage inside an autocast region), so it is entered only when on;
-        # without either context the layers run directly (see [Note: per-action cost]).
-        if deferred is None and not self._autocast:
-            return self._apply_layers(x, microbatch, side, cache, chunk, carry)
-        defer = DeferWeightGrads(deferred) if deferred is not None else contextlib.nullcontext()
-        cast = (
-            torch.autocast(self.device.type, dtype=torch.bfloat16)
-            if self._autocast
-            else contextlib.nullcontext()
-        )
-        with cast, defer:
-            return self._apply_layers(x, microbatch, side, cache, chunk, carry)
-
-    def _apply_layers(
-        self,
-        x: torch.Tensor,
-        microbatch: int | None,
-        side: Mapping[str, torch.Tensor],
-        cache: Any,
-        chunk: int = 0,
-        carry: Carry | None = None,
-    ) -> torch.Tensor:
-        seed, step = self.config.seed, self.step + 1
-        mb = None if microbatch is None else self._microbatch_offset + microbatch
-        profiler = self.profiler if microbatch is not None else None
-        samples: list[tuple[int, float, int]] = []  # a training forward's, for the profiler
-        for index, layer, seeded, wanted, reads_cache, adds in self._chunk_layers[chunk]:
-            # A layer names the side inputs it reads (``side_inputs``, see [Note: side inputs])
-            # and whether it reads and extends a generation cache (``uses_cache``).
-            kwargs: dict[str, Any] = (
-                {n: side[n].to(self.device) for n in wanted if n in side} if wanted else {}
-            )
-            if cache is not None and reads_cache:
-                kwargs["cache"] = cache
-            if carry is not None and adds:
-                kwargs["carry"] = carry
-            started = time.perf_counter()
-            try:
-                if profiler is not None and profiler.needs_flops(index):
-                    counter = FlopCount()
-                    with counter:
-                        x = self._call_layer(layer, x, kwargs, seeded, seed, step, mb, index)
-                    profiler.counted(index, counter.total)
-                else:
-                    x = self._call_layer(layer, x, kwargs, seeded, seed, step, mb, index)
-            except (RuntimeError, IndexError, ValueError, MemoryError) as exc:
-                if out_of_memory(exc):
-                    raise self._memory_exhausted(f"the forward of layer {index}", exc) from exc
-                raise InvalidArgumentError(
-                    f"layer {index} failed on an input of shape {list(x.shape)} and dtype "
-                    f"{x.dtype}: {exc}"
-                ) from exc
-            if profiler is not None:  # a training forward (see pipesvc.stage.compute.profiler)
-                seconds = time.perf_counter() - started
-                samples.append((index, seconds, output_bytes(x, self._wire.profile_wire)))
-        if profiler is not None:
-            profiler.layers(samples)
-        return x
-
-    def _call_layer(
-        self,
-        layer: nn.Module,
-        x: torch.Tensor,
-        kwargs: dict[str, Any],
-        seeded: bool,
-        seed: int,
-        step: int,
-        microbatch: int | None,
-        index: int,
-    ) -> torch.Tensor:
-        """One layer's call: a stochastic layer's training call under its seed (see [Note:
-        training randomness]); any other call as it is, with no generator touched."""
-        if seeded and microbatch is not None:
-            with layer_rng(seed, step, microbatch, index, self.device):
-                return layer(x, **kwargs)  # type: ignore[no-any-return]
-        return layer(x, **kwargs)  # type: ignore[no-any-return]
 
     def forward(
         self,
@@ -327,7 +242,7 @@ class StageRuntime:
         last = self.last_virtual(chunk)
         if not training:
             with torch.no_grad():
-                out = self._apply(x, None, side, cache, chunk=chunk)
+                out = self._calls.apply(x, chunk, side, cache=cache)
             return out if last else to_wire(out, self._wire.down[0])
         if not first:
             if not x.is_floating_point():
@@ -337,66 +252,46 @@ class StageRuntime:
                 )
             x = x.detach().requires_grad_(True)
         deferred = WeightGradStore() if split_backward else None
-        start = self._carry_start(carry, first, chunk)
+        start = self._carry.start(carry, first=first, chunk=chunk)
         holder = Carry(start) if start is not None else None
-        y = self._apply(x, microbatch, side, deferred=deferred, chunk=chunk, carry=holder)
+        y = self._calls.apply(
+            x,
+            chunk,
+            side,
+            step=self.step + 1,
+            microbatch=self._microbatch_offset + microbatch,
+            profiler=self.profiler,
+            deferred=deferred,
+            carry=holder,
+        )
         key = self._key(microbatch, chunk)
         if start is not None and holder is not None:
-            self._carried[key] = (start, holder.value)
+            self._carry.keep(key, start, holder.value)
         if deferred is not None:
             self._deferred[key] = deferred
         self._saved[key] = (x, y)
         self.peak_in_flight = max(self.peak_in_flight, len(self._saved))
         return y if last else to_wire(y, self._wire.down[0])
 
-    def _carry_start(
-        self, carry: torch.Tensor | None, first: bool, chunk: int
-    ) -> torch.Tensor | None:
-        """A training micro-batch's carried vector as this stage's layers start from it: zeros
-        on the first stage, else what the stage before sent, as a leaf for its gradient; None
-        when the model carries none.
-
-        Raises:
-            InvalidArgumentError: no vector, or not one of the model's size, from the stage
-                before.
-        """
-        spec = self.features.carry
-        if spec is None:
-            return None
-        if first:
-            return torch.zeros(spec.size, dtype=torch.float32, device=self.device)
-        if carry is None:
-            raise InvalidArgumentError(
-                f"model {self.config.model!r} carries a vector of {spec.size} into layer "
-                f"{self.chunks[chunk][0]}; none arrived"
-            )
-        check_carried(carry, spec, f"the carried vector into layer {self.chunks[chunk][0]}")
-        return carry.to(self.device).detach().requires_grad_(True)
-
     def carried(self, microbatch: int, chunk: int = 0) -> torch.Tensor | None:
         """The carried total of a training micro-batch's forward through ``chunk``, to send
         to the next stage; None when the model carries none."""
-        found = self._carried.get(self._key(microbatch, chunk))
-        return None if found is None else found[1].detach()
+        return self._carry.total(self._key(microbatch, chunk))
 
     def carried_grad(self, microbatch: int, chunk: int = 0) -> torch.Tensor | None:
         """The gradient of the carried vector this stage started from, once ``backward`` of
         the micro-batch ran, to send to the stage before; None when the model carries none."""
-        return self._carried_grads.pop(self._key(microbatch, chunk), None)
+        return self._carry.pop_grad(self._key(microbatch, chunk))
 
     def loss(self, microbatch: int, target: torch.Tensor, weight: float) -> torch.Tensor:
         """Last stage: the weighted loss of micro-batch ``microbatch`` (with the carried
         vector's term, when the model carries one), kept for backward."""
         key = self._key(microbatch, len(self.chunks) - 1)
         x, y = self._saved[key]
-        carried = self._carried.get(key)
-        spec = self.features.carry
         try:  # as _memory_of_the_stage, without a generator per call
             logits = y.float() if y.is_floating_point() else y
             loss = compute_loss(self.config.loss, logits, target.to(self.device))
-            if carried is not None and spec is not None:
-                loss = loss + spec.loss(carried[1])
-            loss = loss * weight
+            loss = self._carry.with_loss(key, loss) * weight
         except (RuntimeError, MemoryError) as exc:
             if not out_of_memory(exc):
                 raise
@@ -431,15 +326,15 @@ class StageRuntime:
         first = self.rank == 0 and chunk == 0
         # A split backward's micro-batch stays in flight until its W.
         x, y = self._saved[key] if split else self._saved.pop(key)
-        carried = self._carried.pop(key, None) if self._carried else None
+        carried = self._carry.pop(key)
         started = time.perf_counter()
         if split:
             self._backward_s[key] = 0.0
         if not y.requires_grad and (carried is None or not carried[1].requires_grad):
             # Nothing before this point trains (a first stage whose layers are all frozen, as
             # the embedding under LoRA): there is no gradient to compute or send.
-            if carried is not None and not first:
-                self._carried_grads[key] = torch.zeros_like(carried[0])
+            if carried is not None and not first:  # no gradient reached it: zeros
+                self._carry.keep_grad(key, carried[0])
             return None if first else to_wire(torch.zeros_like(x), self._wire.up[1])
         if grad_output is not None:
             grad_output = from_wire(grad_output, self._wire.down[1])
@@ -450,7 +345,8 @@ class StageRuntime:
             )
         try:  # as _memory_of_the_stage, without a generator and a message per call
             if carried is not None:
-                self._backward_carried(y, grad_output, carried, carry_grad, chunk)
+                last = self.last_virtual(chunk)
+                self._carry.backward(y, grad_output, carried, carry_grad, chunk=chunk, last=last)
             elif grad_output is None:
                 torch.autograd.backward(y)
             else:
@@ -465,44 +361,8 @@ class StageRuntime:
         else:
             self.profiler.backward(time.perf_counter() - started)
         if carried is not None and not first:
-            start = carried[0]
-            found = start.grad
-            self._carried_grads[key] = found if found is not None else torch.zeros_like(start)
+            self._carry.keep_grad(key, carried[0])
         return None if first or x.grad is None else to_wire(x.grad, self._wire.up[1])
-
-    def _backward_carried(
-        self,
-        y: torch.Tensor,
-        grad_output: torch.Tensor | None,
-        carried: tuple[torch.Tensor, torch.Tensor],
-        carry_grad: torch.Tensor | None,
-        chunk: int,
-    ) -> None:
-        """Backward from the output and, before the last stage, from the carried total too
-        (see [Note: carried vector] in ``pipesvc.models.carry``).
-
-        Raises:
-            InvalidArgumentError: the carried total's gradient is missing or malformed.
-        """
-        roots: list[torch.Tensor] = []
-        grads: list[torch.Tensor | None] = []
-        if y.requires_grad:
-            roots.append(y)
-            grads.append(
-                None if grad_output is None else grad_output.to(device=self.device, dtype=y.dtype)
-            )
-        total = carried[1]
-        spec = self.features.carry
-        if not self.last_virtual(chunk) and total.requires_grad and spec is not None:
-            if carry_grad is None:
-                raise InvalidArgumentError(
-                    f"no gradient arrived for the vector carried out of layer "
-                    f"{self.chunks[chunk][1] - 1}"
-                )
-            check_carried(carry_grad, spec, "the carried vector's gradient")
-            roots.append(total)
-            grads.append(carry_grad.to(self.device))
-        torch.autograd.backward(roots, grads)
 
     def backward_weight(self, microbatch: int, chunk: int = 0) -> None:
         """``W`` of a split backward: adds the weight gradients its ``B`` left to the
@@ -618,8 +478,7 @@ class StageRuntime:
         self._grads.forget()
         self._tied.forget()
         self.optimizer = None
-        self._chunk_layers = [[] for _ in self.chunks]
-        self._layers = []
+        self._calls.chunks = [[] for _ in self.chunks]
         self.module = nn.ModuleDict()
 
     def check_state(self, staged: dict[str, torch.Tensor], *, owned: bool = False) -> PreparedState:
