@@ -305,6 +305,11 @@ def test_readme_test_command_is_what_ci_runs() -> None:
 NOTE = re.compile(r"\[Note: ([^\]]+)\]")
 
 
+def note_name(found: re.Match[str]) -> str:
+    """The name of a ``[Note: ...]`` match, wrapped over comment lines or not."""
+    return " ".join(re.sub(r"\n\s*(#|//)?", " ", found.group(1)).split())
+
+
 def notes_in(text: str) -> Iterator[tuple[str, bool]]:
     """Each ``[Note: name]`` in ``text`` and whether it is the note itself, not a reference to
     it. A note opens a paragraph (a blank line, a comment line or a docstring's quotes before
@@ -313,7 +318,7 @@ def notes_in(text: str) -> Iterator[tuple[str, bool]]:
     ends a clause: ``[Note: x]).``), or names its file after it (``[Note: x] (`file.py`)`` in
     the docs, ``[Note: x]: ...`` in a test's summary)."""
     for found in NOTE.finditer(text):
-        name = " ".join(re.sub(r"\n\s*(#|//)?", " ", found.group(1)).split())
+        name = note_name(found)
         line_start = text.rfind("\n", 0, found.start()) + 1
         before = text[line_start : found.start()].strip()
         previous = text[text.rfind("\n", 0, max(line_start - 1, 0)) + 1 : line_start].strip()
@@ -365,7 +370,7 @@ def test_every_note_reference_that_names_a_file_names_the_notes_own() -> None:
     for path in sources:
         text = path.read_text()
         for found in NOTE.finditer(text):
-            name = " ".join(re.sub(r"\n\s*(#|//)?", " ", found.group(1)).split())
+            name = note_name(found)
             named = REFERENCE_FILE.match(text, found.end() - 1)
             if named is None or name not in homes:
                 continue

@@ -116,13 +116,15 @@ def test_stage_environ_adds_the_malloc_tunables_once() -> None:
     assert stage_environ(own) == own
 
 
-def test_tune_malloc_leaves_the_settings_the_environment_gives(
+def test_malloc_settings_leave_those_the_environment_gives(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     applied: list[list[tuple[int, int]]] = []
-    monkeypatch.setattr(malloc, "_mallopt", lambda settings: applied.append(list(settings)))
+    monkeypatch.setattr(malloc, "_apply", lambda settings: applied.append(list(settings)))
     malloc.tune_malloc(1 << 20, environ={})
     malloc.tune_malloc(1 << 20, environ={"MALLOC_MMAP_THRESHOLD_": "65536"})
     malloc.tune_malloc(1 << 20, environ={"GLIBC_TUNABLES": "glibc.malloc.arena_max=4"})
+    malloc.single_arena(environ={})
+    malloc.single_arena(environ={"MALLOC_ARENA_MAX": "2"})
     every = [(-3, 1 << 20), (-1, 1 << 20), (-8, 1)]  # mmap and trim thresholds, arena count
-    assert applied == [every, every[1:], every[:2]]
+    assert applied == [every, every[1:], every[:2], every[2:], []]

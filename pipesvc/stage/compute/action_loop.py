@@ -198,18 +198,9 @@ class ActionLoop:
         if rt.first_virtual(chunk):
             x = data.inputs[mb]
         else:
-            with rec.span("wait", mb):
-                x = self.mailbox.get(
-                    MailKey(run_id, ACTIVATION, at.wire(chunk)),
-                    self._recv_timeout_s,
-                    self._from_upstream,
-                )
-                if carries:  # see [Note: carried vector] in pipesvc.models.carry
-                    carry = self.mailbox.get(
-                        MailKey(run_id, ACTIVATION, at.wire(chunk), part=1),
-                        self._recv_timeout_s,
-                        self._from_upstream,
-                    )
+            x, carry = self._receive(
+                MailKey(run_id, ACTIVATION, at.wire(chunk)), mb, carries, self._from_upstream
+            )
         with rec.span("forward", mb):
             side = data.side[mb] if data.side else None
             y = rt.forward(
@@ -241,6 +232,19 @@ class ActionLoop:
             outputs[mb] = y[:, -1].contiguous()  # the next token's logits only
         elif not training:
             outputs[mb] = y
+
+    def _receive(
+        self, key: MailKey, mb: int, carries: bool, sender: str
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Waits for the tensor under ``key`` from a neighbour (``sender`` names it in a
+        timeout's message) and, when the model carries a vector, for its part 1 (see [Note:
+        carried vector] in pipesvc.models.carry); counted as micro-batch ``mb``'s wait."""
+        with self.recorder.span("wait", mb):
+            tensor = self.mailbox.get(key, self._recv_timeout_s, sender)
+            if not carries:
+                return tensor, None
+            part = MailKey(key.run_id, key.direction, key.microbatch_index, part=1)
+            return tensor, self.mailbox.get(part, self._recv_timeout_s, sender)
 
     def _microbatch_cache(
         self, data: RunInputs, mb: int
@@ -290,18 +294,9 @@ class ActionLoop:
         grad = carry_grad = None
         carries = rt.features.carry is not None
         if not rt.last_virtual(chunk):
-            with rec.span("wait", mb):
-                grad = self.mailbox.get(
-                    MailKey(run_id, GRADIENT, at.wire(chunk)),
-                    self._recv_timeout_s,
-                    self._from_downstream,
-                )
-                if carries:  # see [Note: carried vector] in pipesvc.models.carry
-                    carry_grad = self.mailbox.get(
-                        MailKey(run_id, GRADIENT, at.wire(chunk), part=1),
-                        self._recv_timeout_s,
-                        self._from_downstream,
-                    )
+            grad, carry_grad = self._receive(
+                MailKey(run_id, GRADIENT, at.wire(chunk)), mb, carries, self._from_downstream
+            )
         with rec.span("backward", mb):
             grad_input = rt.backward(mb, grad, chunk, carry_grad)
         self._metrics.set("microbatches_in_flight", rt.live)

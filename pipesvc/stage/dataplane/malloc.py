@@ -35,20 +35,6 @@ DEFAULT_THRESHOLD_BYTES = 1 << 30
 """Allocations below this come from the heap; the freed heap top above it is trimmed."""
 
 
-def _mallopt(settings: Sequence[tuple[int, int]]) -> bool:
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError, TypeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    refused = [(option, value) for option, value in settings if not mallopt(option, value)]
-    if refused:
-        logger.debug("mallopt refused %s", refused)
-    return not refused
-
-
 _GIVEN_BY = {
     _M_MMAP_THRESHOLD: ("MALLOC_MMAP_THRESHOLD_", "glibc.malloc.mmap_threshold"),
     _M_TRIM_THRESHOLD: ("MALLOC_TRIM_THRESHOLD_", "glibc.malloc.trim_threshold"),
@@ -62,31 +48,51 @@ def _given(option: int, environ: Mapping[str, str]) -> bool:
     return bool(environ.get(variable)) or tunable in environ.get("GLIBC_TUNABLES", "")
 
 
+def _mallopt(settings: Sequence[tuple[int, int]], environ: Mapping[str, str] | None = None) -> bool:
+    """Applies ``settings`` (option, value) but those the process's environment (``environ``,
+    default ``os.environ``) already gives glibc: a setting given as ``MALLOC_ARENA_MAX`` or
+    ``MALLOC_MMAP_THRESHOLD_``, say, or through ``GLIBC_TUNABLES``, is the operator's and stays.
+    A stage started with ``MALLOC_MMAP_THRESHOLD_=1048576`` so maps every tensor of 1 MiB or
+    more on its own, and its resident memory is what it holds, at a cost to speed
+    (``tests/integration/test_reassign_memory.py`` measures a stage so). Returns False where
+    there is no glibc or it refused a setting."""
+    env = os.environ if environ is None else environ
+    return _apply([(option, value) for option, value in settings if not _given(option, env)])
+
+
+def _apply(settings: Sequence[tuple[int, int]]) -> bool:
+    name = ctypes.util.find_library("c")
+    try:
+        mallopt = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    refused = [(option, value) for option, value in settings if not mallopt(option, value)]
+    if refused:
+        logger.debug("mallopt refused %s", refused)
+    return not refused
+
+
 def tune_malloc(
     threshold_bytes: int = DEFAULT_THRESHOLD_BYTES, environ: Mapping[str, str] | None = None
 ) -> bool:
-    """A stage's settings: glibc's mmap and trim thresholds, and one arena for all threads;
-    returns False where there is no glibc.
-
-    A setting the process's environment (``environ``, default ``os.environ``) already gives
-    glibc, as ``MALLOC_MMAP_THRESHOLD_`` or through ``GLIBC_TUNABLES``, is the operator's and
-    stays: a stage started with ``MALLOC_MMAP_THRESHOLD_=1048576``, say, maps every tensor of
-    1 MiB or more on its own, so that its resident memory is what it holds, at a cost to speed
-    (``tests/integration/test_reassign_memory.py`` measures a stage so)."""
-    env = os.environ if environ is None else environ
-    wanted = [
+    """A stage's settings: glibc's mmap and trim thresholds, and one arena for all threads,
+    but those ``environ`` gives (see ``_mallopt``); returns False where there is no glibc."""
+    settings = [
         (_M_MMAP_THRESHOLD, threshold_bytes),
         (_M_TRIM_THRESHOLD, threshold_bytes),
         (_M_ARENA_MAX, 1),
     ]
-    return _mallopt([(option, value) for option, value in wanted if not _given(option, env)])
+    return _mallopt(settings, environ)
 
 
-def single_arena() -> bool:
-    """The coordinator's setting: one malloc arena for all threads. It relays checkpoints in
-    1 MiB frames on many gRPC threads, and each thread's own arena keeps what it once held
-    (measured on ``bench/memory.py``'s save: a peak of 293 MiB, 272 MiB with one arena)."""
-    return _mallopt([(_M_ARENA_MAX, 1)])
+def single_arena(environ: Mapping[str, str] | None = None) -> bool:
+    """The coordinator's setting: one malloc arena for all threads, unless ``environ`` gives
+    it (see ``_mallopt``). It relays checkpoints in 1 MiB frames on many gRPC threads, and each
+    thread's own arena keeps what it once held (measured on ``bench/memory.py``'s save: a peak
+    of 293 MiB, 272 MiB with one arena)."""
+    return _mallopt([(_M_ARENA_MAX, 1)], environ)
 
 
 STAGE_GLIBC_TUNABLES = "glibc.malloc.tcache_count=0"
