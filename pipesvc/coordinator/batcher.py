@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipesvc.coordinator.session import Session
+from pipesvc.coordinator.session import Made, Session
 from pipesvc.errors import InvalidArgumentError, PipesvcError, ResourceExhaustedError
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class TokenStream:
     steps_left: int
     changed: threading.Condition
     """Notified when it has tokens, an error, or is no longer in a run (on the batcher's lock)."""
-    made: deque[torch.Tensor] = field(default_factory=deque)
+    made: deque[Made] = field(default_factory=deque)
     error: BaseException | None = None
     closed: bool = False
     running: bool = False
@@ -95,8 +95,8 @@ class StepBatcher:
             self._cond.notify_all()
         return stream
 
-    def next(self, stream: TokenStream) -> torch.Tensor | None:
-        """The session's next step's tokens (``[B]``), waiting for them; None once it has made
+    def next(self, stream: TokenStream) -> Made | None:
+        """The session's next step (its tokens, ``[B]``), waiting for it; None once it has made
         all it will.
 
         Raises:
@@ -106,9 +106,9 @@ class StepBatcher:
             while not stream.made and not stream.finished:  # an error finishes it too
                 stream.changed.wait()
             if stream.made:
-                tokens = stream.made.popleft()
+                made = stream.made.popleft()
                 self._cond.notify()  # its session may want a step again
-                return tokens
+                return made
             if stream.error is not None:
                 raise stream.error
             return None
@@ -192,7 +192,7 @@ class StepBatcher:
         tokened = [(s, t) for s, t in zip(group, made, strict=True) if t is not None]
         with self._lock:
             for stream, tokens in tokened:
-                stream.made.append(tokens)
+                stream.made.append(Made(tokens, stream.session.last_logprobs))
                 stream.steps += 1
                 stream.steps_left -= 1
                 stream.changed.notify_all()

@@ -17,6 +17,7 @@ from pipesvc.coordinator.replicas import RunReplies
 from pipesvc.coordinator.session import (
     MAX_NEW_TOKENS,
     PREFILL_CHUNK,
+    Made,
     ModelSupport,
     Session,
     check_length,
@@ -76,12 +77,15 @@ class JobGeneration:
         *,
         attention_mask: torch.Tensor | None = None,
         eos_token_id: int | None = None,
-    ) -> Generator[torch.Tensor, None, None]:
+        logprobs: int | None = None,
+    ) -> Generator[Made, None, None]:
         """Generates up to ``max_new_tokens`` tokens after the prompt from the job's committed
         weights; yields each step's new token of every row (``[B]``) as it is made (see
-        [Note: generation on the coordinator]). Each step holds the job for one run only, so
-        training steps and other sessions go in between. The session's caches are released on
-        every stage when the iterator ends or is closed.
+        [Note: generation on the coordinator]), with their log-probabilities and those of
+        the ``logprobs`` most likely tokens when ``logprobs`` is given (see
+        [Note: log-probabilities] in ``pipesvc.core.sampling``). Each step holds the job for
+        one run only, so training steps and other sessions go in between. The session's
+        caches are released on every stage when the iterator ends or is closed.
 
         Raises:
             InvalidArgumentError: the prompt, the mask or the sampling settings do not fit.
@@ -107,12 +111,13 @@ class JobGeneration:
             prefill_chunk=(
                 PREFILL_CHUNK if self._config.prefill_chunk is None else self._config.prefill_chunk
             ),
+            logprobs=logprobs,
         )
         self._metrics.inc("generation_sessions_total")
         stream = self.batcher.open(session, max_new_tokens)
         try:
-            while (tokens := self.batcher.next(stream)) is not None:
-                yield tokens
+            while (made := self.batcher.next(stream)) is not None:
+                yield made
         finally:
             self.batcher.close(stream)
             self._release_session(session)

@@ -441,8 +441,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
             eos_token_id=request.eos_token_id if request.HasField("eos_token_id") else None,
         )
         try:
-            for tokens in steps:
-                yield coordinator_pb2.GenerateResponse(tokens=encode(tokens))
+            for made in steps:
+                yield coordinator_pb2.GenerateResponse(tokens=encode(made.tokens))
                 if not context.is_active():  # the client went away: release the session
                     return
         finally:

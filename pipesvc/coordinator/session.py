@@ -44,7 +44,7 @@ import torch
 
 from pipesvc.coordinator.prefixes import Prefix
 from pipesvc.core.microbatch import CacheRef, MicrobatchCaches, RunBatch
-from pipesvc.core.sampling import Sampling
+from pipesvc.core.sampling import Sampling, TokenLogprobs, check_top_logprobs, token_logprobs
 from pipesvc.errors import InvalidArgumentError
 
 MAX_NEW_TOKENS = 1 << 16
@@ -53,6 +53,16 @@ PREFILL_CHUNK = 256
 """Prompt tokens per chunk of a chunked prefill (see [Note: chunked prefill])."""
 MAX_CHUNKS = 16
 """Chunks of one part at most: longer prompts get longer chunks."""
+
+
+@dataclass(frozen=True, slots=True)
+class Made:
+    """One step of a session: the new token of every row (``[B]``), and their
+    log-probabilities when the session asked for them (see [Note: log-probabilities] in
+    ``pipesvc.core.sampling``)."""
+
+    tokens: torch.Tensor
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -126,8 +136,11 @@ class Session:
         support: ModelSupport,
         eos_token_id: int | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
+        logprobs: int | None = None,
     ) -> None:
         mask = check_prompt(input_ids, attention_mask)
+        if logprobs is not None:
+            check_top_logprobs(logprobs)
         if bool((mask == 0).any()) and "attention_mask" not in support.side_inputs:
             raise InvalidArgumentError(
                 "this model reads no attention_mask, so the prompt's rows must all have the same "
@@ -141,6 +154,11 @@ class Session:
         self.support = support
         self.eos_token_id = eos_token_id
         self.generator = sampling.generator()
+        self.logprobs = logprobs
+        """How many of the most likely tokens' log-probabilities each step reports beside
+        its own token's (None: no log-probabilities)."""
+        self.last_logprobs: TokenLogprobs | None = None
+        """The log-probabilities of the tokens ``advance`` made last (None unless asked)."""
         self.finished = torch.zeros(input_ids.shape[0], dtype=torch.bool)
         self.rows = list(torch.tensor_split(torch.arange(input_ids.shape[0]), parts))
         self.cached = 0
@@ -231,6 +249,12 @@ class Session:
                 caches.append((ref,))
         return RunBatch(inputs=inputs, side=side if side_names else [], caches=caches)
 
+    @property
+    def wants_logits(self) -> bool:
+        """Its steps need the last stage's logits, not only its arg-max: it samples, or it
+        reports log-probabilities."""
+        return not self.sampling.greedy or self.logprobs is not None
+
     def _chunks(self, start: int) -> list[tuple[int, int]]:
         """The column ranges of the next run's micro-batches of one part: the whole rest of
         the sequence, or a long prompt in chunks (see [Note: chunked prefill])."""
@@ -250,10 +274,12 @@ class Session:
             self.epoch = epoch
             return None
         scores = torch.cat(logits, dim=0)
-        if scores.dim() == 1 and self.sampling.greedy:
+        if scores.dim() == 1 and self.sampling.greedy and self.logprobs is None:
             chosen = scores.to(torch.long)
         else:
             chosen = self.sampling.choose(scores, self.generator)
+        if self.logprobs is not None:
+            self.last_logprobs = token_logprobs(scores, chosen, self.logprobs)
         if self.eos_token_id is not None:
             chosen = chosen.masked_fill(self.finished, self.eos_token_id)
             self.finished |= chosen == self.eos_token_id
@@ -345,7 +371,7 @@ def plan_step(sessions: list[Session], epoch: int, *, fuse: bool = False) -> Ste
         inputs=inputs,
         side=side if has_side else [],
         caches=caches if has_caches else [],
-        greedy=all(s.sampling.greedy for s in sessions),
+        greedy=not any(s.wants_logits for s in sessions),
     )
     return StepRun(batch, sources)
 

@@ -5,6 +5,12 @@ top-p), so the same settings mean the same distribution; with ``temperature == 0
 is the arg-max, as ``generate(do_sample=False)``. Sampling draws from one ``torch.Generator``
 per session, seeded from ``seed``, over the whole batch at once, so a seeded session draws the
 same tokens every time.
+
+[Note: log-probabilities] A session that asks for log-probabilities gets, for each token it is
+given, the token's log-probability and those of the ``top`` most likely tokens, under the
+model's own distribution: ``log_softmax`` of the logits before temperature, top-k and top-p
+(what vLLM reports by default), so the figures do not depend on how the token was drawn. They
+come from the same float32 logits the choice is made from.
 """
 
 from __future__ import annotations
@@ -15,6 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from pipesvc.errors import InvalidArgumentError
+
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives a session may ask the log-probabilities of, per token (OpenAI's limit)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,3 +82,34 @@ class Sampling:
             scores = scores.masked_fill(drop.scatter(-1, order, drop), -math.inf)
         probs = scores.softmax(dim=-1)
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One step's log-probabilities, per row (see [Note: log-probabilities])."""
+
+    chosen: torch.Tensor
+    """``[B]`` float32: the log-probability of each row's token."""
+    top_ids: torch.Tensor
+    """``[B, top]`` int64: the most likely tokens, most likely first."""
+    top: torch.Tensor
+    """``[B, top]`` float32: their log-probabilities."""
+
+
+def check_top_logprobs(top: int) -> None:
+    """Raises InvalidArgumentError unless ``top`` is a count of alternatives a session may
+    ask for."""
+    if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise InvalidArgumentError(
+            f"the number of top log-probabilities ({top!r}) must be an integer in "
+            f"[0, {MAX_TOP_LOGPROBS}]"
+        )
+
+
+def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, top: int) -> TokenLogprobs:
+    """The log-probabilities of ``chosen`` (``[B]``) and of the ``top`` most likely tokens
+    under ``logits`` (``[B, V]``)."""
+    check_top_logprobs(top)
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    values, ids = torch.topk(logp, min(top, logp.shape[-1]), dim=-1)
+    return TokenLogprobs(logp.gather(-1, chosen[:, None].long()).squeeze(-1), ids, values)

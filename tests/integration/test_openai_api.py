@@ -170,6 +170,73 @@ def test_chat_goes_through_the_chat_template(
         api.chat.completions.create(model=unnamed.id, messages=messages, max_tokens=3)
 
 
+def _own_logprobs(job: pipesvc.Job, prompt: list[int], made: list[int]) -> torch.Tensor:
+    """``transformers``' log-probabilities in one process of each token after ``prompt``
+    (``[len(made), vocab]``), on the job's weights."""
+    model = AutoModelForCausalLM.from_pretrained(served_dir(job))
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + made])).logits[0]
+    return torch.log_softmax(logits[len(prompt) - 1 : -1].float(), dim=-1)
+
+
+def test_log_probabilities_are_transformers_own_whole_and_streamed(served: Served) -> None:
+    url, job, _ = served
+    api = _client(url)
+    prompt = "w6 w2 w30"
+    reply = api.completions.create(
+        model="my-llama", prompt=prompt, max_tokens=8, temperature=0, logprobs=3
+    )
+    (choice,) = reply.choices
+    scored = choice.logprobs
+    assert scored is not None and scored.tokens is not None and choice.text
+    made = [WORDS.index(t) for t in scored.tokens]
+    assert _text(made) == choice.text
+    own = _own_logprobs(job, _ids(prompt), made)
+    assert scored.token_logprobs == pytest.approx(
+        own.gather(1, torch.tensor(made)[:, None]).squeeze(1).tolist(), abs=1e-4
+    )
+    assert scored.top_logprobs is not None and scored.text_offset is not None
+    for at, (top, offset) in enumerate(zip(scored.top_logprobs, scored.text_offset, strict=True)):
+        values, ids = own[at].topk(3)
+        assert top == pytest.approx(
+            {WORDS[i]: v for i, v in zip(ids.tolist(), values.tolist(), strict=True)}, abs=1e-4
+        )  # greedy: the chosen token is the most likely, so no fourth entry
+        assert choice.text[offset:].lstrip().startswith(scored.tokens[at])
+    # Streamed, the chunks carry the same tokens and figures between them.
+    chunks = list(
+        api.completions.create(
+            model="my-llama", prompt=prompt, max_tokens=8, temperature=0, logprobs=3, stream=True
+        )
+    )
+    pieces = [c.choices[0].logprobs for c in chunks]
+    assert [t for p in pieces if p and p.tokens for t in p.tokens] == scored.tokens
+    streamed = [v for p in pieces if p and p.token_logprobs for v in p.token_logprobs]
+    assert streamed == pytest.approx(scored.token_logprobs, abs=1e-6)
+    # Chat: true, with alternatives; sampled tokens get the model's figures too.
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "w7 w8"}]
+    chat = api.chat.completions.create(
+        model="my-llama", messages=messages, max_tokens=6, temperature=0.8, seed=11,
+        logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    content = chat.choices[0].logprobs
+    assert content is not None and content.content is not None
+    words = [entry.token for entry in content.content]
+    assert " ".join(words) == chat.choices[0].message.content
+    own = _own_logprobs(job, _ids("user: w7 w8 assistant:"), [WORDS.index(w) for w in words])
+    for at, entry in enumerate(content.content):
+        assert entry.logprob == pytest.approx(float(own[at, WORDS.index(entry.token)]), abs=1e-4)
+        assert entry.bytes == list(entry.token.encode())
+        assert [alt.token for alt in entry.top_logprobs] == [WORDS[i] for i in own[at].topk(2)[1]]
+    # Out of range, or alternatives without logprobs: a 400 naming the parameter.
+    with pytest.raises(openai.BadRequestError) as many:
+        api.completions.create(model="my-llama", prompt=prompt, max_tokens=2, logprobs=21)
+    assert many.value.param == "logprobs"
+    with pytest.raises(openai.BadRequestError, match="needs logprobs set to true"):
+        api.chat.completions.create(
+            model="my-llama", messages=messages, max_tokens=2, top_logprobs=2
+        )
+
+
 def test_stop_strings_end_the_text_before_them(
     served: Served,
 ) -> None:

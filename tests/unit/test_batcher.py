@@ -52,8 +52,8 @@ class Runs:
 
 def read_all(batcher: StepBatcher, stream: object) -> list[int]:
     out: list[int] = []
-    while (tokens := batcher.next(stream)) is not None:  # type: ignore[arg-type]
-        out.append(int(tokens[0]))
+    while (made := batcher.next(stream)) is not None:  # type: ignore[arg-type]
+        out.append(int(made.tokens[0]))
     return out
 
 

@@ -211,3 +211,32 @@ def test_beside_a_decoding_session_a_long_prompt_sends_one_chunk_per_run() -> No
     run = plan_step([alone], epoch=1, fuse=True)
     assert [t.shape[1] for t in run.batch.inputs] == [4, 4, 2]
     assert alone.advance([torch.tensor([1, 2])], epoch=1) is not None
+
+
+def test_log_probabilities_are_the_models_own_and_make_the_last_stage_send_logits() -> None:
+    ids = torch.tensor([[1, 2, 3]])
+    sampled = Sampling(temperature=0.7, top_k=2, seed=3)
+    asking = Session(ids, None, parts=1, sampling=Sampling(), support=CACHED, logprobs=3)
+    plain = Session(ids, None, parts=1, sampling=Sampling(), support=CACHED)
+    drawn = Session(ids, None, parts=1, sampling=sampled, support=CACHED, logprobs=0)
+    # A greedy run gets only the last stage's arg-max, unless a session asks for figures.
+    assert plan_step([plain], epoch=1).batch.greedy
+    assert not plan_step([plain, asking], epoch=1).batch.greedy
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.5, 0.0, 1.0]])
+    expected = torch.log_softmax(logits, dim=-1)[0]
+    token = asking.advance([logits], epoch=1)
+    assert token is not None and token.tolist() == [1]
+    scored = asking.last_logprobs
+    assert scored is not None
+    assert torch.allclose(scored.chosen, expected[1:2])
+    assert scored.top_ids.tolist() == [[1, 3, 5]]
+    assert torch.allclose(scored.top, expected[[1, 3, 5]][None])
+    assert plain.advance([logits], epoch=1) is not None and plain.last_logprobs is None
+    # Sampled with temperature and top-k: still the model's own distribution, before them.
+    token = drawn.advance([logits], epoch=1)
+    assert token is not None and drawn.last_logprobs is not None
+    assert torch.allclose(drawn.last_logprobs.chosen, expected[token])
+    assert drawn.last_logprobs.top.shape == (1, 0)
+    for bad in (-1, 21, True):
+        with pytest.raises(InvalidArgumentError, match=r"must be an integer in \[0, 20\]"):
+            Session(ids, None, parts=1, sampling=Sampling(), support=CACHED, logprobs=bad)

@@ -8,6 +8,17 @@ begin (the longest tail that is a start of one is held back, and so is a trailin
 character whose bytes are not all there yet). The first stop string found ends the
 completion, the text before it is the last piece, and the session is closed at once, which
 frees its caches on every stage.
+
+[Note: log-probabilities over HTTP] A request that asks for log-probabilities (``logprobs``: a
+count for completions, true for chat with ``top_logprobs`` alternatives) gets each generated
+token's text, its log-probability and the most likely alternatives' (see [Note:
+log-probabilities] in ``pipesvc.core.sampling``), and for completions each token's offset in
+the text. A token goes out with the first piece of text that reaches past its start, so a
+token whose text is held back (it may start a stop string) goes out later, and one that starts
+where a stop string begins, or after, never does; an end-of-sequence token is not reported.
+A token's text is its own decoding, and a chat token's ``bytes`` are that text's UTF-8 (a
+token that ends inside a character decodes to U+FFFD on its own). ``echo`` (the prompt's own
+log-probabilities) is not served: the last stage returns only the next token's logits.
 """
 
 from __future__ import annotations
@@ -17,11 +28,9 @@ from collections.abc import Generator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from pipesvc.coordinator.serve_http.served_model import ModelText
-from pipesvc.coordinator.session import MAX_NEW_TOKENS
-from pipesvc.core.sampling import Sampling
+from pipesvc.coordinator.session import MAX_NEW_TOKENS, Made
+from pipesvc.core.sampling import MAX_TOP_LOGPROBS, Sampling, TokenLogprobs
 from pipesvc.errors import InvalidArgumentError
 
 MAX_STOPS = 4
@@ -45,6 +54,9 @@ class Settings:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    logprobs: int | None = None
+    """How many alternatives' log-probabilities to report beside each token's own (None: no
+    log-probabilities; see [Note: log-probabilities over HTTP])."""
 
 
 def _number(body: Mapping[str, Any], key: str, default: float | None) -> float | None:
@@ -76,9 +88,11 @@ def read_settings(body: Mapping[str, Any], *, chat: bool) -> Settings:
     best_of = _integer(body, "best_of")
     if best_of not in (None, 1):
         raise BadRequest(f"best_of ({best_of}) must be 1", "best_of")
-    for key in ("logprobs", "top_logprobs", "echo", "tools", "functions", "suffix"):
+    unsupported = ("echo", "tools", "functions", "suffix") + (() if chat else ("top_logprobs",))
+    for key in unsupported:
         if body.get(key) not in (None, False, [], ""):
             raise BadRequest(f"{key} is not supported by this server", key)
+    logprobs = _chat_logprobs(body) if chat else _top_count(body, "logprobs")
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") else "max_tokens"
     max_tokens = _integer(body, key)
     if max_tokens is not None and not 1 <= max_tokens <= MAX_NEW_TOKENS:
@@ -116,7 +130,28 @@ def read_settings(body: Mapping[str, Any], *, chat: bool) -> Settings:
         stop=tuple(stops),
         stream=bool(stream),
         include_usage=bool(stream) and bool(options.get("include_usage")),
+        logprobs=logprobs,
     )
+
+
+def _top_count(body: Mapping[str, Any], key: str) -> int | None:
+    """A count of alternatives (``logprobs`` of completions, ``top_logprobs`` of chat)."""
+    count = _integer(body, key)
+    if count is not None and not 0 <= count <= MAX_TOP_LOGPROBS:
+        raise BadRequest(f"{key} ({count}) must be in [0, {MAX_TOP_LOGPROBS}]", key)
+    return count
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    """The alternatives a chat request asks for: ``top_logprobs`` (0 by default) when
+    ``logprobs`` is true, None when it is not."""
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise BadRequest(f"logprobs must be true or false; got {wanted!r}", "logprobs")
+    top = _top_count(body, "top_logprobs")
+    if top is not None and not wanted:
+        raise BadRequest("top_logprobs needs logprobs set to true", "top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def prompt_ids(prompt: object, text: ModelText) -> list[int]:
@@ -171,13 +206,25 @@ def chat_ids(messages: object, text: ModelText) -> list[int]:
     return ids
 
 
+@dataclass(frozen=True, slots=True)
+class Scored:
+    """One generated token as the API reports it (see [Note: log-probabilities over HTTP])."""
+
+    text: str
+    logprob: float
+    top: tuple[tuple[str, float], ...]
+    """The most likely tokens' texts and log-probabilities, most likely first."""
+    offset: int
+    """Where the token's text starts in the completion's text."""
+
+
 class Completion:
     """The text of one generation session, piece by piece (blocking: run it in a worker
     thread). See [Note: stop strings on decoded text]."""
 
     def __init__(
         self,
-        steps: Generator[torch.Tensor, None, None],
+        steps: Generator[Made, None, None],
         text: ModelText,
         prompt_tokens: int,
         max_tokens: int,
@@ -190,6 +237,13 @@ class Completion:
         self._ids: list[int] = []
         self._sent = 0
         """Characters of the decoded output handed out so far."""
+        self._decoded = ""
+        self._scored: list[Scored] | None = None
+        """Every token's log-probabilities so far, when the session reports them."""
+        self._reported = 0
+        """Of ``_scored``, those handed out (``take_logprobs``)."""
+        self._until = 0.0
+        """Tokens starting before this character may be handed out."""
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
         self.finish_reason: str | None = None
@@ -208,16 +262,44 @@ class Completion:
         """Ends the session (its caches are released on every stage); idempotent."""
         self._steps.close()
 
+    def take_logprobs(self) -> list[Scored] | None:
+        """The tokens of the text handed out since the last call, with their
+        log-probabilities (None: the session reports none)."""
+        if self._scored is None:
+            return None
+        start = end = self._reported
+        while end < len(self._scored) and self._scored[end].offset < self._until:
+            end += 1
+        self._reported = end
+        return self._scored[start:end]
+
+    def _score(self, token: int, logprobs: TokenLogprobs) -> None:
+        """Records ``token``'s log-probabilities (row 0 of the step's)."""
+        decode = self._text.decode
+        top = zip(logprobs.top_ids[0].tolist(), logprobs.top[0].tolist(), strict=True)
+        scored = Scored(
+            text=decode([token]),
+            logprob=float(logprobs.chosen[0]),
+            top=tuple((decode([i]), value) for i, value in top),
+            offset=len(self._decoded.rstrip("\ufffd")),
+        )
+        if self._scored is None:
+            self._scored = []
+        self._scored.append(scored)
+
     def _advance(self) -> str:
         try:
-            token = int(next(self._steps)[0])
+            made = next(self._steps)
         except StopIteration:
             return self._finish("length", None)
+        token = int(made.tokens[0])
         self.completion_tokens += 1
         if token in self._text.eos_ids:
             return self._finish("stop", None)
+        if made.logprobs is not None:
+            self._score(token, made.logprobs)
         self._ids.append(token)
-        decoded = self._text.decode(self._ids)
+        decoded = self._decoded = self._text.decode(self._ids)
         begin = max(0, self._sent - max((len(s) for s in self._stop), default=0))
         found = [i for i in (decoded.find(s, begin) for s in self._stop) if i >= 0]
         if found:
@@ -227,6 +309,7 @@ class Completion:
         safe = len(decoded) - self._held(decoded)
         piece = decoded[self._sent : safe] if safe > self._sent else ""
         self._sent = max(self._sent, safe)
+        self._until = self._sent
         return piece
 
     def _held(self, decoded: str) -> int:
@@ -244,6 +327,8 @@ class Completion:
         self.close()
         if decoded is None:
             decoded = self._text.decode(self._ids)
+        # Every token is reported, unless a stop string cut the text before it.
+        self._until = math.inf if end is None else end
         end = len(decoded) if end is None else end
         piece = decoded[self._sent : end] if end > self._sent else ""
         self._sent = max(self._sent, end)

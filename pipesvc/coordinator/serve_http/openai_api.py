@@ -34,6 +34,7 @@ from pipesvc.coordinator.serve_http.access import Access
 from pipesvc.coordinator.serve_http.completion import (
     BadRequest,
     Completion,
+    Scored,
     Settings,
     chat_ids,
     prompt_ids,
@@ -212,7 +213,9 @@ def _start(
     if max_tokens is None:
         room = text.max_positions - len(ids) if text.max_positions else DEFAULT_MAX_TOKENS
         max_tokens = max(1, room) if chat else DEFAULT_MAX_TOKENS
-    steps = job.generation.generate(torch.tensor([ids]), max_tokens, settings.sampling)
+    steps = job.generation.generate(
+        torch.tensor([ids]), max_tokens, settings.sampling, logprobs=settings.logprobs
+    )
     completion = Completion(steps, text, len(ids), max_tokens, settings.stop)
     try:
         return completion, completion.step()
@@ -233,35 +236,58 @@ class _Shape:
     def _head(self, kind: str) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
+    def logprobs(self, scored: list[Scored] | None) -> dict[str, Any] | None:
+        """A choice's ``logprobs`` for ``scored`` tokens (see [Note: log-probabilities over
+        HTTP] in completion.py): chat's ``content`` list, or completions' four lists."""
+        if scored is None:
+            return None
+        if self.chat:
+            return {"content": [_chat_token(s) for s in scored], "refusal": None}
+        return {
+            "tokens": [s.text for s in scored],
+            "token_logprobs": [s.logprob for s in scored],
+            # OpenAI's: the most likely tokens, and the chosen one whether or not among them.
+            "top_logprobs": [dict(s.top) | {s.text: s.logprob} for s in scored],
+            "text_offset": [s.offset for s in scored],
+        }
+
     def whole(self, content: str, completion: Completion) -> dict[str, Any]:
+        logprobs = self.logprobs(completion.take_logprobs())
         if self.chat:
             choice: dict[str, Any] = {
                 "index": 0,
                 "message": {"role": "assistant", "content": content},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": completion.finish_reason,
             }
         else:
             choice = {
                 "index": 0,
                 "text": content,
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": completion.finish_reason,
             }
         kind = "chat.completion" if self.chat else "text_completion"
         return {**self._head(kind), "choices": [choice], "usage": usage(completion)}
 
-    def chunk(self, piece: str | None, finish_reason: str | None = None) -> dict[str, Any]:
-        """A chunk with ``piece`` of text (chat: None is the opening chunk with the role)."""
+    def chunk(
+        self,
+        piece: str | None,
+        finish_reason: str | None = None,
+        scored: list[Scored] | None = None,
+    ) -> dict[str, Any]:
+        """A chunk with ``piece`` of text and its ``scored`` tokens (chat: None is the opening
+        chunk with the role)."""
+        logprobs = self.logprobs(scored)
         if self.chat:
             delta: dict[str, Any] = {}
             if piece is None:
                 delta = {"role": "assistant", "content": ""}
             elif piece:
                 delta = {"content": piece}
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None}
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": piece or "", "logprobs": None}
+            choice = {"index": 0, "text": piece or "", "logprobs": logprobs}
         choice["finish_reason"] = finish_reason
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._head(kind), "choices": [choice]}
@@ -269,6 +295,16 @@ class _Shape:
     def usage_chunk(self, completion: Completion) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._head(kind), "choices": [], "usage": usage(completion)}
+
+
+def _chat_token(scored: Scored) -> dict[str, Any]:
+    """A chat ``logprobs.content`` entry."""
+
+    def entry(text: str, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    top = [entry(text, logprob) for text, logprob in scored.top]
+    return {**entry(scored.text, scored.logprob), "top_logprobs": top}
 
 
 def usage(completion: Completion) -> dict[str, int]:
@@ -290,12 +326,12 @@ async def _events(
         if shape.chat:
             yield _event(shape.chunk(None))
         if first:
-            yield _event(shape.chunk(first))
+            yield _event(shape.chunk(first, scored=completion.take_logprobs()))
         while completion.finish_reason is None:
             piece = await anyio.to_thread.run_sync(step)
             if piece:
-                yield _event(shape.chunk(piece))
-        yield _event(shape.chunk("", completion.finish_reason))
+                yield _event(shape.chunk(piece, scored=completion.take_logprobs()))
+        yield _event(shape.chunk("", completion.finish_reason, completion.take_logprobs()))
         if settings.include_usage:
             yield _event(shape.usage_chunk(completion))
     except PipesvcError as exc:  # after the 200: the error goes as an event, as OpenAI's does
