@@ -118,7 +118,6 @@ class JobDriver(JobLifecycle):
             checkpoints=self.checkpoints,
             log=storage.log,
             metrics=metrics,
-            pool=self._pool,
         )
         self.recovery = Recovery(
             group=self.group,

@@ -190,12 +190,15 @@ class StageGroup:
         *,
         what: str,
         commit: stage_pb2.CarriedCommit | None = None,
+        during: Callable[[], None] | None = None,
     ) -> RunReplies:
         """One pipelined run on every stage under the health watchdog: each replica runs its
         share of the micro-batches (see [Note: replicas]; generation runs on replica 0), the
         inputs going to its first stage, the targets (none for inference) to its last, the
         side inputs to all its stages; every stage of the plan first applies the carried
-        ``commit`` (see [Note: deferred commit]).
+        ``commit`` (see [Note: deferred commit]). ``during`` is called once every stage has
+        its request, before the replies are awaited (the step log's write: in this thread,
+        while the stages compute); it must not raise.
 
         Raises:
             StageLostError: the watchdog declared a stage lost (the caller aborts the run).
@@ -248,22 +251,26 @@ class StageGroup:
         # run out; a carried commit must reach every stage, so the caller flushed it first.
         taking_part = [p for p, share in zip(pipelines, shares, strict=True) if len(share)]
         assert commit is None or len(taking_part) == len(pipelines), "flush the commit first"
-        return self._send_runs(taking_part, request, what)
+        return self._send_runs(taking_part, request, what, during)
 
     def _send_runs(
         self,
         pipelines: list[list[PipelineStage]],
         request: Callable[[PipelineStage], tuple[stage_pb2.RunStepRequest, list[memoryview]]],
         what: str,
+        during: Callable[[], None] | None = None,
     ) -> RunReplies:
-        """Sends every stage of ``pipelines`` its ``request(stage)`` on its Control stream and
-        gathers the replies under the health watchdog, grouped by replica."""
+        """Sends every stage of ``pipelines`` its ``request(stage)`` on its Control stream,
+        calls ``during``, and gathers the replies under the health watchdog, grouped by
+        replica."""
         stages = [s for p in pipelines for s in p]
         deadlines = self.deadlines
         calls = []
         for stage in stages:
             message, views = request(stage)
             calls.append(self._send(stage, "run", message, views, deadlines.step_s))
+        if during is not None:
+            during()
         replies: list[stage_pb2.RunStepResponse] = gather(
             self.registry, stages, calls, deadlines=deadlines, what=what, timeout_s=deadlines.step_s
         )

@@ -43,7 +43,7 @@ class StepLog:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
-        self._lock = threading.Lock()  # entries are written on a pool, pruned on the job's
+        self._lock = threading.Lock()  # written in a step's run, pruned by a background checkpoint
         self._sizes: dict[int, int] | None = None
         """Bytes of each entry by step, once counted (kept up to date from then on)."""
 

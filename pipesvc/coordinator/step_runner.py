@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
-from concurrent import futures
+from collections.abc import Callable
 
 from pipesvc.coordinator.checkpointer import Checkpointer
 from pipesvc.coordinator.job_counters import PendingCommit
@@ -55,20 +55,24 @@ class StepRunner:
         checkpoints: Checkpointer,
         log: StepLog,
         metrics: Metrics,
-        pool: futures.ThreadPoolExecutor,
     ) -> None:
         self._group = group
         self._ledger = ledger
         self._checkpoints = checkpoints
         self._log = log
         self._metrics = metrics
-        self._pool = pool
         self.last_loss = (0, 0.0)
         """(step, loss) of the newest training run phase that succeeded."""
 
-    def run(self, mode: stage_pb2.RunMode.ValueType, batch: RunBatch) -> tuple[int, RunReplies]:
+    def run(
+        self,
+        mode: stage_pb2.RunMode.ValueType,
+        batch: RunBatch,
+        during: Callable[[], None] | None = None,
+    ) -> tuple[int, RunReplies]:
         """One run phase on every stage under a new run id, carrying the pending commit (see
-        [Note: deferred commit] in ledger.py); aborted everywhere if it fails.
+        [Note: deferred commit] in ledger.py); aborted everywhere if it fails. ``during``: as
+        for ``StageGroup.run_step`` (called once per attempt; it must not raise).
 
         If a run that carried a commit fails, the commit is settled (completed where it is
         still pending; if that fails, the step becomes the replay target); after a final-class
@@ -81,7 +85,7 @@ class StepRunner:
             self._checkpoints.flush()
         carried = ledger.pending
         try:
-            ran = self._run_once(mode, batch, carried)
+            ran = self._run_once(mode, batch, carried, during)
         except PipesvcError as exc:
             if carried is None:
                 raise
@@ -113,10 +117,14 @@ class StepRunner:
             return ran
         # A final-class error may have been the carried commit's (settled now), not the run's:
         # the run goes once more on its own, and a caller's error repeats.
-        return self._run_once(mode, batch, None)
+        return self._run_once(mode, batch, None, during)
 
     def _run_once(
-        self, mode: stage_pb2.RunMode.ValueType, batch: RunBatch, carried: PendingCommit | None
+        self,
+        mode: stage_pb2.RunMode.ValueType,
+        batch: RunBatch,
+        carried: PendingCommit | None,
+        during: Callable[[], None] | None,
     ) -> tuple[int, RunReplies]:
         ledger = self._ledger
         run_id = ledger.begin_run()
@@ -125,7 +133,9 @@ class StepRunner:
         commit = carried.carried() if carried is not None else None
         self._checkpoints.before_run(carried is not None and carried.snapshot)
         try:
-            replies = self._group.run_step(run_id, mode, batch, what=what, commit=commit)
+            replies = self._group.run_step(
+                run_id, mode, batch, what=what, commit=commit, during=during
+            )
         except PipesvcError as exc:
             self._metrics.inc("steps_aborted_total")
             ledger.aborted(training=training)
@@ -146,14 +156,12 @@ class StepRunner:
             PipesvcError: the run failed (aborted everywhere).
         """
         ledger, group = self._ledger, self._group
-        # The write-ahead log entry is written while the stages compute, and before any commit.
-        logged = self._pool.submit(self._log.write, ledger.step + 1, log) if log else None
-        try:
-            run_id, replies = self.run(stage_pb2.TRAIN, batch)
-        except BaseException:
-            if logged is not None:  # the run's error is the one to report; the entry is
-                futures.wait([logged])  # rewritten before the step is ever decided
-            raise
+        # The write-ahead log entry is written while the stages compute (in this thread, once
+        # every stage has its run: no hop to another thread), and before any commit. If the
+        # run fails, the run's error is the one to report; the entry is written again before
+        # the step is ever decided.
+        logged = _LogWrite(self._log, ledger.step + 1, log) if log else None
+        run_id, replies = self.run(stage_pb2.TRAIN, batch, logged)
         if logged is not None:
             try:
                 logged.result()
@@ -184,3 +192,28 @@ class StepRunner:
     def replay(self, batch: RunBatch) -> float:
         """Runs and decides a logged step again (recovery's replay), without logging it."""
         return self.train(batch, None)
+
+
+class _LogWrite:
+    """A step's write to the step log, made once, when first called; its error kept for
+    ``result``."""
+
+    def __init__(self, log: StepLog, step: int, batch: LoggedBatch) -> None:
+        self._log, self._step, self._batch = log, step, batch
+        self._done = False
+        self._error: Exception | None = None
+
+    def __call__(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        try:
+            self._log.write(self._step, self._batch)
+        except Exception as exc:
+            self._error = exc
+
+    def result(self) -> None:
+        """Writes the entry if no run reached it; raises the write's error."""
+        self()
+        if self._error is not None:
+            raise self._error
