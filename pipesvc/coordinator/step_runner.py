@@ -199,7 +199,7 @@ class _LogWrite:
     ``result``."""
 
     def __init__(self, log: StepLog, step: int, batch: LoggedBatch) -> None:
-        self._log, self._step, self._batch = log, step, batch
+        self._log, self._entry, self._batch = log, step, batch
         self._done = False
         self._error: Exception | None = None
 
@@ -208,7 +208,7 @@ class _LogWrite:
             return
         self._done = True
         try:
-            self._log.write(self._step, self._batch)
+            self._log.write(self._entry, self._batch)
         except Exception as exc:
             self._error = exc
 
