@@ -274,7 +274,7 @@ class Session:
             self.epoch = epoch
             return None
         scores = torch.cat(logits, dim=0)
-        if scores.dim() == 1 and self.sampling.greedy and self.logprobs is None:
+        if scores.dim() == 1 and not self.wants_logits:
             chosen = scores.to(torch.long)
         else:
             chosen = self.sampling.choose(scores, self.generator)

@@ -18,6 +18,13 @@ TEMPLATE = (
 )
 
 
+def word_tokenizer() -> Tokenizer:
+    """A tokenizer with one token per word of ``WORDS``, words split on white space."""
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return tokenizer
+
+
 def save_chat_model(directory: Path, *, chat_template: str | None) -> Path:
     """The model in ``directory``, with ``chat_template`` in its tokenizer_config.json."""
     torch.manual_seed(5)
@@ -27,9 +34,7 @@ def save_chat_model(directory: Path, *, chat_template: str | None) -> Path:
         eos_token_id=EOS, bos_token_id=EOS,
     )  # fmt: skip
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
-    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="w0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(str(directory / "tokenizer.json"))
+    word_tokenizer().save(str(directory / "tokenizer.json"))
     settings: dict[str, object] = {"eos_token": "</s>"}
     if chat_template is not None:
         settings["chat_template"] = chat_template

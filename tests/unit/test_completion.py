@@ -1,6 +1,7 @@
 """One completion of the HTTP API without a cluster: its settings as read from a request, and
 which tokens' log-probabilities go out with which piece of text (see [Note: log-probabilities
-over HTTP]); the session's steps are a generator here, the tokenizer a real word-level one."""
+over HTTP]); the session's steps are a generator here, the tokenizer the word-level one of
+the API's test model."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from collections.abc import Generator
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
 
 from pipesvc.coordinator.serve_http.completion import (
     BadRequest,
@@ -19,15 +19,11 @@ from pipesvc.coordinator.serve_http.completion import (
 from pipesvc.coordinator.serve_http.served_model import ModelText
 from pipesvc.coordinator.session import Made
 from pipesvc.core.sampling import token_logprobs
-
-WORDS = [f"w{i}" for i in range(10)] + ["</s>"]
-EOS = WORDS.index("</s>")
+from tests.support.chat_model import EOS, WORDS, word_tokenizer
 
 
 def model_text() -> ModelText:
-    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="w0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return ModelText(tokenizer, None, {}, frozenset({EOS}), 0)
+    return ModelText(word_tokenizer(), None, {}, frozenset({EOS}), 0)
 
 
 def logits_for(token: int) -> torch.Tensor:

@@ -238,6 +238,7 @@ class Completion:
         self._sent = 0
         """Characters of the decoded output handed out so far."""
         self._decoded = ""
+        """The text of ``_ids`` (decoded once per token)."""
         self._scored: list[Scored] | None = None
         """Every token's log-probabilities so far, when the session reports them."""
         self._reported = 0
@@ -326,7 +327,7 @@ class Completion:
         self.finish_reason = reason
         self.close()
         if decoded is None:
-            decoded = self._text.decode(self._ids)
+            decoded = self._decoded
         # Every token is reported, unless a stop string cut the text before it.
         self._until = math.inf if end is None else end
         end = len(decoded) if end is None else end
