@@ -39,7 +39,8 @@ ARGS = {"vocab_size": 64, "block_size": 4096, "embed_dim": 64, "num_heads": 4, "
 def held_bytes(caches: SessionCaches) -> int:
     """The bytes of every storage a session's cache tensor lives in, each once and whole."""
     storages: dict[tuple[str, int], int] = {}
-    for cache in list(caches._caches.values()):  # a peek for the measurement only
+    kept = [caches._stack.cache] if caches._stack is not None else []  # peeks, to measure
+    for cache in list(caches._caches.values()) + kept:
         for keys, values in cache.tensors().values():
             for t in (keys, values):
                 s = t.untyped_storage()

@@ -47,6 +47,8 @@ class LocalCluster:
     application that wants a clean ``close`` on SIGTERM turns the signal into an exception or
     a return (``pipesvc up`` does) so ``__exit__`` runs.
 
+    ``threads_per_stage`` is each stage's share of the host's cores (default: cores / stages);
+    ``generate_threads`` its threads in a generation run (default: every core).
     ``models`` are modules every stage imports (``--models``); ``hf_models`` maps a name to a
     Hugging Face model directory every stage serves under that name (``--hf-model``).
 
@@ -63,6 +65,7 @@ class LocalCluster:
         models: Sequence[str] = (),
         hf_models: Mapping[str, str | Path] | None = None,
         threads_per_stage: int | None = None,
+        generate_threads: int | None = None,
         device: str | None = None,
         state_dir: str | Path | None = None,
         startup_timeout_s: float = 120.0,
@@ -81,6 +84,10 @@ class LocalCluster:
         self.models = list(models)
         self.hf_models = {name: Path(d).resolve() for name, d in (hf_models or {}).items()}
         self.threads_per_stage = threads_per_stage or default_threads_per_stage(num_stages)
+        self.generate_threads = generate_threads or os.cpu_count() or 1
+        """torch threads of a stage's generation runs: every core by default, since a
+        generation step's stages compute one after another (see [Note: generation threads]
+        in ``pipesvc.stage.service``)."""
         self.device = device
         self.startup_timeout_s = startup_timeout_s
         self._state_dir = Path(state_dir) if state_dir else None
@@ -173,6 +180,8 @@ class LocalCluster:
             f"127.0.0.{2 + self._stage_count}:0" if self.separate_hosts else "127.0.0.1:0",
             "--threads",
             str(self.threads_per_stage),
+            "--generate-threads",
+            str(self.generate_threads),
         ]
         if self.device:
             args += ["--device", self.device]

@@ -96,6 +96,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         models=args.models or (),
         hf_models=dict(args.hf_model),
         threads_per_stage=args.threads_per_stage,
+        generate_threads=args.generate_threads,
         device=args.device,
         state_dir=args.state_dir,
         token_file=args.token_file,
@@ -198,6 +199,9 @@ def _add_up_command(sub: Any) -> None:
     p.add_argument("--models", action="append", default=[], help="model module (repeatable)")
     add_hf_model_flag(p)
     p.add_argument("--threads-per-stage", type=int, help="default: cores / stages")
+    p.add_argument(
+        "--generate-threads", type=int, help="a stage's threads in generation (default: cores)"
+    )
     p.add_argument("--device", help="device of every stage")
     p.add_argument("--state-dir", help="coordinator state directory (default: temporary)")
     p.add_argument(

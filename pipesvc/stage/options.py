@@ -64,3 +64,6 @@ class StageOptions:
     """Most bytes the generation sessions' key/value caches may hold on this stage."""
     session_idle_s: float = field(default=300.0, metadata=flag())
     """A generation session idle this long is dropped from the stage."""
+    generate_threads: int = field(default=0, metadata=flag())
+    """torch intra-op threads of a generation run (0: as many as any other run): its stages
+    compute one after another, so each may use every core of its host."""

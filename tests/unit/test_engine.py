@@ -354,9 +354,10 @@ def test_sessions_fused_into_shared_micro_batches_generate_their_own_tokens(
 
     monkeypatch.setattr(fused_cache, "stack", counted)
     fused = _generate(pipeline, prompts, 6, fuse=True)
-    # Each stage stacks the prompts' 8 parts, then the same 8 parts again on every decode step
-    # (the parts keep copies of their own rows, so no stacked cache outlives its run).
-    assert stacks == [8] * (6 * num_stages)
+    # Each stage stacks the prompts' 8 parts, then the same 8 parts for the first decode step;
+    # the later decode steps of the same parts run on that stack, kept (see [Note: kept
+    # stack]).
+    assert stacks == [8] * (2 * num_stages)
     alone = [_generate(pipeline, [p], 6, fuse=False)[0] for p in prompts]
     net = models.build(problem.model, seed=3, **problem.model_args).eval()
     for i, prompt in enumerate(prompts):

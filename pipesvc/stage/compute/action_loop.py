@@ -215,10 +215,8 @@ class ActionLoop:
             )
             if stacked is not None:
                 assert self.sessions is not None
-                refs = data.caches[mb]
-                for ref, part in zip(refs, stacked.split(), strict=True):
-                    self.sessions.put(ref, part)
-                stacked = cache = None  # the stacked cache goes now, not with the run
+                self.sessions.fused_done(data.caches[mb], stacked)
+                stacked = cache = None  # the run holds no cache past its forward
             last = rt.last_virtual(chunk)
             if last and training:
                 loss = rt.loss(mb, data.targets[mb], data.loss_weights[mb])
@@ -266,10 +264,7 @@ class ActionLoop:
             raise FailedPreconditionError(
                 f"model {rt.config.model!r} cannot fuse sessions' caches in a micro-batch"
             )
-        parts = [self.sessions.get(ref) for ref in refs]
-        stacked = fused_cache.stack(
-            layout, parts, [ref.rows for ref in refs], [ref.positions for ref in refs]
-        )
+        stacked = self.sessions.fused(refs)
         return stacked.cache, stacked
 
     def _send_output(

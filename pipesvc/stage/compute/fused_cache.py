@@ -12,10 +12,11 @@ row attends to exactly its own keys, and its numbers are its own step's up to th
 a larger matrix product. Prompts (parts that start their caches, and replays) fuse the same way
 into a micro-batch of their own: their tokens left-padded to the longest, and each part keeps
 the last of the new positions, as many as it brought (``CacheRef.positions``). The two kinds
-never share a micro-batch: a part's positions would not be contiguous. Each part keeps a copy
-of its own rows and positions, and the stacked cache goes with its run: a cut would keep the
-whole stacked, padded cache alive (see [Note: cache memory] in ``pipesvc.stage.compute.sessions``),
-so each run stacks its parts' caches again. A model offers
+never share a micro-batch: a part's positions would not be contiguous. The stage keeps a decode
+run's stack for the next step of the same parts (see [Note: kept stack] in
+``pipesvc.stage.compute.sessions``); anything else cuts it back into copies of each part's own
+rows and positions (a view would keep the whole stacked, padded cache alive: see [Note: cache
+memory] there). A model offers
 this with a ``CacheLayout`` (how its cache shows its tensors) and by reading
 ``attention_mask``; a model with sliding-window layers does not (a window's cache drops old
 positions, so the rows would not line up) and runs each part as its own micro-batch.

@@ -34,6 +34,22 @@ is its own (``compact``, in ``put`` and after each run), and a fused run's stack
 only for its run; then what is counted is what a session keeps. A model whose cache shows no
 ``CacheLayout`` cannot be copied this way; its storages are still counted whole.
 
+[Note: kept stack] A fused decode run (see [Note: fused decode] in
+``pipesvc.stage.compute.fused_cache``) stacks its parts' caches into one, left-padded, and the
+next decode step of the same sessions would stack them again: two copies of every cache a step
+(stack, then cut back), growing with the caches' length. So the parts of a fused run that
+extended every part by the same positions stay stacked after it (``_Stack``), and the next run
+of exactly those parts, in the same order, runs on that stack as it is. Anything else that
+needs one of its parts alone (a run with other parts, a replay, a release, a prefix) first cuts
+the stack back into each part's own cache (``_dissolve``), so a change of the sessions in the
+step costs what every step cost before. Undoing a run cuts the stack back to its width before
+the run: an append never writes the positions already there, so that is the stack as it was,
+even after a run that failed between two layers. The stack is counted whole against the budget
+(its padding too); a run over the budget first cuts it back into the parts' own caches. A
+stack of parts of very different lengths is mostly padding (one 4000-position session beside
+fifty of 10 positions: 44 times what the parts own, ``bench/kv_memory.py``), so a stack is kept
+only while it holds at most ``KEEP_PADDING`` (2) times the positions of its parts.
+
 [Note: prefix reuse] A prompt often starts as an earlier one did (a shared system prompt, the
 previous turn of a chat). After a session's first run the coordinator may ask a stage to keep
 a copy of the first positions of its cache under a name (``CacheRef.keep_as``), and a later
@@ -53,7 +69,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -65,10 +82,15 @@ from pipesvc.errors import (
     SessionCacheLostError,
 )
 from pipesvc.models import CacheLayout
+from pipesvc.stage.compute import fused_cache
 
 logger = logging.getLogger(__name__)
 
 MIB = 2**20
+
+KEEP_PADDING = 2.0
+"""A fused run's stack is kept only while it holds at most this many times the positions its
+parts own (see [Note: kept stack])."""
 
 
 def _tensors(cache: Any) -> list[torch.Tensor]:
@@ -174,6 +196,24 @@ def _own_copy(t: torch.Tensor) -> torch.Tensor:
     return t if _owns(t) else t.clone(memory_format=torch.contiguous_format)
 
 
+@dataclass(frozen=True, slots=True)
+class _Stack:
+    """The parts of the last fused run, kept stacked (see [Note: kept stack])."""
+
+    keys: tuple[tuple[str, int], ...]
+    rows: tuple[int, ...]
+    lengths: tuple[int, ...]
+    """Each part's positions now (the stack is as wide as the longest)."""
+    cache: Any
+
+    def cut(self, layout: CacheLayout) -> list[Any]:
+        """Each part's own cache (copies)."""
+        zero = (0,) * len(self.keys)
+        return fused_cache.StackedCaches(
+            layout, self.cache, self.rows, self.lengths, zero, max(self.lengths)
+        ).split()
+
+
 class SessionCaches:
     """The caches of one job's sessions on one stage (see [Note: generation sessions])."""
 
@@ -198,6 +238,9 @@ class SessionCaches:
         """The last run begun here, and each part's length before it (None: drop it)."""
         self._prefixes: OrderedDict[str, Any] = OrderedDict()
         """Kept prefixes by name, least recently used first (see [Note: prefix reuse])."""
+        self._stack: _Stack | None = None
+        """The last fused run's parts, kept stacked; not in ``_caches`` (see [Note: kept
+        stack])."""
 
     def begin(self, run_id: int, refs: Iterable[CacheRef]) -> None:
         """Before run ``run_id`` reads and extends the caches of ``refs`` (none: a run without
@@ -216,7 +259,7 @@ class SessionCaches:
                 first.setdefault((r.session, r.part), r)
             refs = list(first.values())
             lost = sorted(
-                {r.session for r in refs if not r.fresh and (r.session, r.part) not in self._caches}
+                {r.session for r in refs if not r.fresh and not self._holds((r.session, r.part))}
                 | {r.session for r in refs if r.source and not self._source_fits(r)}
             )
             if lost:
@@ -228,12 +271,31 @@ class SessionCaches:
             self._undo = (
                 run_id,
                 {
-                    (r.session, r.part): None
-                    if r.fresh
-                    else _length(self._caches[(r.session, r.part)], self._layout)
+                    (r.session, r.part): None if r.fresh else self._length_of((r.session, r.part))
                     for r in refs
                 },
             )
+
+    def _holds(self, key: tuple[str, int]) -> bool:
+        return key in self._caches or (self._stack is not None and key in self._stack.keys)
+
+    def _length_of(self, key: tuple[str, int]) -> int | None:
+        """The positions part ``key`` holds (it is here; under the lock)."""
+        if self._stack is not None and key in self._stack.keys:
+            return self._stack.lengths[self._stack.keys.index(key)]
+        return _length(self._caches[key], self._layout)
+
+    def _dissolve(self) -> None:
+        """Cuts the kept stack back into each part's own cache (under the lock)."""
+        kept, self._stack = self._stack, None
+        if kept is not None:
+            assert self._layout is not None  # only a layout stacks
+            self._caches.update(zip(kept.keys, kept.cut(self._layout), strict=True))
+
+    def _dissolve_holding(self, keys: Iterable[tuple[str, int]]) -> None:
+        """``_dissolve`` if the kept stack holds any of ``keys`` (under the lock)."""
+        if self._stack is not None and not set(keys).isdisjoint(self._stack.keys):
+            self._dissolve()
 
     def _source_fits(self, ref: CacheRef) -> bool:
         """Whether ``ref``'s source prefix is here with at least the positions it starts from
@@ -246,6 +308,7 @@ class SessionCaches:
         if self._layout is None:
             return
         with self._lock:
+            self._dissolve_holding((r.session, r.part) for r in refs if r.keep_as)
             for ref in refs:
                 cache = self._caches.get((ref.session, ref.part)) if ref.keep_as else None
                 if cache is not None:
@@ -264,6 +327,9 @@ class SessionCaches:
             if self._undo is None or self._undo[0] != run_id:
                 return
             lengths, self._undo = self._undo[1], None
+            kept = self._stack
+            if kept is not None and not set(lengths).isdisjoint(kept.keys):
+                self._stack = self._stack_before(kept, lengths)
             dropped = set()
             for key, length in lengths.items():
                 cache = self._caches.get(key)
@@ -278,6 +344,88 @@ class SessionCaches:
             for session in dropped:
                 self._used.pop(session, None)
 
+    def _stack_before(self, kept: _Stack, lengths: dict[tuple[str, int], int | None]) -> _Stack:
+        """The kept stack as it was before the run that noted ``lengths`` (see [Note: kept
+        stack]): the run extended every part of it, so each had a length then."""
+        assert self._layout is not None
+        before = tuple(
+            length if (length := lengths.get(key)) is not None else now
+            for key, now in zip(kept.keys, kept.lengths, strict=True)
+        )
+        width = max(before)
+        tensors = self._layout.tensors(kept.cache)
+        cache = self._layout.build(
+            {name: (k[:, :, :width], v[:, :, :width]) for name, (k, v) in tensors.items()}
+        )
+        return _Stack(kept.keys, kept.rows, before, cache)
+
+    def fused(self, refs: Sequence[CacheRef]) -> fused_cache.StackedCaches:
+        """The stacked cache of a micro-batch fusing ``refs``' parts (see [Note: fused decode]
+        in ``pipesvc.stage.compute.fused_cache``): the kept stack when it holds exactly these
+        parts, in this order, and the run extends each (see [Note: kept stack]), otherwise a
+        new stack of their caches.
+
+        Raises:
+            FailedPreconditionError, SessionCacheLostError: as ``get``.
+            InvalidArgumentError: as ``fused_cache.stack``.
+        """
+        if self._layout is None:
+            raise FailedPreconditionError("this model's caches cannot be stacked")
+        keys = tuple((r.session, r.part) for r in refs)
+        rows = tuple(r.rows for r in refs)
+        positions = tuple(r.positions for r in refs)
+        with self._lock:
+            kept = self._stack
+            same = kept is not None and (kept.keys, kept.rows) == (keys, rows)
+            if kept is not None and same and not any(r.fresh for r in refs):
+                now = self._clock()
+                for ref in refs:
+                    self._used[ref.session] = now
+                return fused_cache.StackedCaches(
+                    self._layout, kept.cache, rows, kept.lengths, positions, max(kept.lengths)
+                )
+        return fused_cache.stack(self._layout, [self.get(ref) for ref in refs], rows, positions)
+
+    def fused_done(self, refs: Sequence[CacheRef], stacked: fused_cache.StackedCaches) -> None:
+        """After a fused micro-batch ran on ``stacked``: keeps it stacked when the run extended
+        every part by the same positions (see [Note: kept stack]), else puts each part's own
+        cache back.
+
+        Raises:
+            InvalidArgumentError: as ``StackedCaches.split``.
+        """
+        keys = tuple((r.session, r.part) for r in refs)
+        added = set(stacked.positions)
+        assert self._layout is not None  # ``fused`` made it
+        widths = {k.shape[2] for k, _ in self._layout.tensors(stacked.cache).values()}
+        rows = stacked.rows
+        grown_rows = zip(rows, stacked.lengths, stacked.positions, strict=True)
+        owned = sum(r * (n + p) for r, n, p in grown_rows)
+        padded = sum(rows) * (stacked.longest + max(added))
+        keeps = (
+            padded <= KEEP_PADDING * owned
+            and len(added) == 1
+            and not any(r.fresh for r in refs)
+            and len(set(keys)) == len(keys)
+            and widths <= {stacked.longest + min(added)}  # none: no layer here caches
+        )
+        if not keeps:
+            for ref, part in zip(refs, stacked.split(), strict=True):
+                self.put(ref, part)
+            return
+        grown = added.pop()
+        with self._lock:
+            if self._stack is not None and self._stack.cache is not stacked.cache:
+                self._dissolve()
+            for key in keys:
+                self._caches.pop(key, None)
+            self._stack = _Stack(
+                keys, stacked.rows, tuple(n + grown for n in stacked.lengths), stacked.cache
+            )
+            now = self._clock()
+            for ref in refs:
+                self._used[ref.session] = now
+
     def get(self, ref: CacheRef) -> Any:
         """The cache of ``ref`` (an empty one when ``ref.fresh``).
 
@@ -289,6 +437,7 @@ class SessionCaches:
             raise FailedPreconditionError("this model has no key/value cache to generate with")
         key = (ref.session, ref.part)
         with self._lock:
+            self._dissolve_holding([key])
             if ref.fresh and ref.source and self._layout is not None:
                 if not self._source_fits(ref):
                     raise SessionCacheLostError(
@@ -316,19 +465,28 @@ class SessionCaches:
         (see [Note: cache memory])."""
         kept = compact(cache, self._layout)
         with self._lock:
+            self._dissolve_holding([(ref.session, ref.part)])
             self._caches[(ref.session, ref.part)] = kept
             self._used[ref.session] = self._clock()
 
     def session_bytes(self, session: str) -> int:
+        """The bytes of ``session``'s caches; of the kept stack, its rows' share."""
         with self._lock:
             caches = [c for (s, _), c in self._caches.items() if s == session]
-        return held_bytes(caches)
+            kept = self._stack
+        own = held_bytes(caches)
+        if kept is None:
+            return own
+        rows = sum(r for (s, _), r in zip(kept.keys, kept.rows, strict=True) if s == session)
+        return own + held_bytes([kept.cache]) * rows // sum(kept.rows)
 
     def total_bytes(self) -> int:
         """The bytes every cache here keeps alive, kept prefixes included (see [Note: cache
         memory])."""
         with self._lock:
             caches = list(self._caches.values()) + list(self._prefixes.values())
+            if self._stack is not None:
+                caches.append(self._stack.cache)
         return held_bytes(caches)
 
     def sessions(self) -> list[str]:
@@ -354,11 +512,17 @@ class SessionCaches:
                 name, _ = self._prefixes.popitem(last=False)
             logger.info("prefix %s dropped: the KV budget is full", name)
             total = self.total_bytes()
+        if total > self._budget and self._stack is not None:  # its padding counts too
+            with self._lock:
+                self._dissolve()
+            total = self.total_bytes()
         if total <= self._budget:
             return
         sizes = {s: self.session_bytes(s) for s in sorted(touched)}
         with self._lock:
             others = [c for (s, _), c in self._caches.items() if s not in touched]
+            if self._stack is not None:
+                others.append(self._stack.cache)
             count = len(set(self._used) - touched)
         raise ResourceExhaustedError(
             f"key/value caches would hold {total / MIB:.2f} MiB on this stage, over its budget "
@@ -371,6 +535,8 @@ class SessionCaches:
         """Drops every part of ``session``, or the kept prefix of that name; returns the bytes
         freed (0 if it had none)."""
         with self._lock:
+            if self._stack is not None and any(k[0] == session for k in self._stack.keys):
+                self._dissolve()
             keys = [k for k in self._caches if k[0] == session]
             dropped = [self._caches.pop(k) for k in keys]
             self._used.pop(session, None)
@@ -382,6 +548,9 @@ class SessionCaches:
         freed."""
         with self._lock:
             dropped = list(self._caches.values()) + list(self._prefixes.values())
+            if self._stack is not None:
+                dropped.append(self._stack.cache)
+            self._stack = None
             count = len(self._used)
             self._caches.clear()
             self._used.clear()
@@ -408,6 +577,7 @@ class SessionCaches:
 
     def clear(self) -> None:
         with self._lock:
+            self._stack = None
             self._caches.clear()
             self._used.clear()
             self._prefixes.clear()
