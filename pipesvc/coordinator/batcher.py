@@ -7,7 +7,10 @@ repeats: take every session that wants a step, run one step of all of them as on
 pick each session's tokens and put them on its stream. A session wants a step while it has
 tokens left to make, has not finished, and its reader is at most ``ahead`` steps behind, so a
 client that reads slowly pauses only its own session and never holds the others back, and
-sessions that keep up share every run (sessions join and leave between runs). In a run a part
+sessions that keep up share every run (sessions join and leave between runs). A step's tokens
+are handed to their readers once the next run is on the stages (``_announce``, called from the
+run): the readers' work (a gRPC reply each, an HTTP chunk) then overlaps the stages' compute
+instead of delaying the next run's start. In a run a part
 that starts its cache (a prompt, a replay) is a micro-batch of its own, and the decode parts of
 all the sessions share one (see [Note: fused decode] in ``pipesvc.stage.compute.fused_cache``), so
 each stage reads its weights once per step for all of them. When a shared run fails on an error of
@@ -33,9 +36,10 @@ from pipesvc.errors import InvalidArgumentError, PipesvcError, ResourceExhausted
 
 logger = logging.getLogger(__name__)
 
-RunSteps = Callable[[list[Session]], list[tuple[list[torch.Tensor], int]]]
-"""Runs one step of each session as one GENERATE run; returns each session's part logits and
-the plan epoch they were computed in."""
+RunSteps = Callable[[list[Session], Callable[[], None]], list[tuple[list[torch.Tensor], int]]]
+"""Runs one step of each session as one GENERATE run, calling the second argument once the
+stages have the run (it must not raise); returns each session's part logits and the plan
+epoch they were computed in."""
 
 OnToken = Callable[[bool, float, int], None]
 """Told of each step a session made: whether it was the first, its seconds, and its rows."""
@@ -50,6 +54,8 @@ class TokenStream:
     changed: threading.Condition
     """Notified when it has tokens, an error, or is no longer in a run (on the batcher's lock)."""
     made: deque[Made] = field(default_factory=deque)
+    told: int = 0
+    """How many of ``made`` its reader may take (see ``StepBatcher._announce``)."""
     error: BaseException | None = None
     closed: bool = False
     running: bool = False
@@ -83,6 +89,8 @@ class StepBatcher:
         """The loop's: notified when a stream opens, closes or is read."""
         self._streams: list[TokenStream] = []
         self._loop: threading.Thread | None = None
+        self._unannounced: list[TokenStream] = []
+        """Streams given tokens whose readers are not told yet (see ``_announce``)."""
 
     def open(self, session: Session, steps: int) -> TokenStream:
         """Starts making up to ``steps`` tokens of ``session``."""
@@ -103,9 +111,10 @@ class StepBatcher:
             PipesvcError: its step failed (the session is over).
         """
         with self._cond:
-            while not stream.made and not stream.finished:  # an error finishes it too
+            while not stream.told and not stream.finished:  # an error finishes it too
                 stream.changed.wait()
             if stream.made:
+                stream.told = max(stream.told - 1, 0)
                 made = stream.made.popleft()
                 self._cond.notify()  # its session may want a step again
                 return made
@@ -130,6 +139,7 @@ class StepBatcher:
         while True:
             with self._cond:
                 while not (ready := [s for s in self._streams if self._wants_step(s)]):
+                    self._announce_locked()
                     if not self._streams:
                         self._loop = None
                         return
@@ -144,6 +154,17 @@ class StepBatcher:
                     for stream in group:
                         stream.running = False
                         stream.changed.notify_all()
+
+    def _announce(self) -> None:
+        """Tells the readers of the last step's tokens (see [Note: continuous batching])."""
+        with self._lock:
+            self._announce_locked()
+
+    def _announce_locked(self) -> None:
+        for stream in self._unannounced:
+            stream.told = len(stream.made)
+            stream.changed.notify_all()
+        self._unannounced.clear()
 
     def _take(self, ready: list[TokenStream]) -> list[TokenStream]:
         """The sessions of the next run: the ready ones up to ``max_parts`` parts, those waiting
@@ -161,18 +182,20 @@ class StepBatcher:
 
     def _run_group(self, group: list[TokenStream]) -> None:
         try:
-            results = self._run([s.session for s in group])
+            results = self._run([s.session for s in group], self._announce)
         except (ResourceExhaustedError, InvalidArgumentError) as exc:
+            self._announce()  # the run failed, perhaps before its stages had it
             if len(group) == 1:
                 self._fail(group[0], exc)
                 return
             for stream in group:  # alone, so that only the sessions at fault fail
                 try:
-                    self._made([stream], self._run([stream.session]))
+                    self._made([stream], self._run([stream.session], self._announce))
                 except PipesvcError as alone:
                     self._fail(stream, alone)
             return
         except BaseException as exc:  # every session of the run sees its error
+            self._announce()
             for stream in group:
                 self._fail(stream, exc)
             return
@@ -195,7 +218,12 @@ class StepBatcher:
                 stream.made.append(Made(tokens, stream.session.last_logprobs))
                 stream.steps += 1
                 stream.steps_left -= 1
-                stream.changed.notify_all()
+                # A stream that needs no further step is told now: no run would tell it.
+                if self._wants_step(stream):
+                    self._unannounced.append(stream)
+                else:
+                    stream.told = len(stream.made)
+                    stream.changed.notify_all()
         if self._on_token is not None:
             for stream, tokens in tokened:
                 self._on_token(stream.steps == 1, now - stream.since, int(tokens.shape[0]))

@@ -37,8 +37,11 @@ logger = logging.getLogger(__name__)
 
 Resilient = Callable[[Callable[[], Any], str], Any]
 """Runs an attempt under the job's lock, recovering from lost stages and retrying."""
-RunPhase = Callable[[stage_pb2.RunMode.ValueType, RunBatch], tuple[int, RunReplies]]
-"""One run on the job's stages (carrying its pending commit)."""
+RunPhase = Callable[
+    [stage_pb2.RunMode.ValueType, RunBatch, Callable[[], None]], tuple[int, RunReplies]
+]
+"""One run on the job's stages (carrying its pending commit), calling the last argument once
+the stages have it."""
 
 
 class JobGeneration:
@@ -127,15 +130,20 @@ class JobGeneration:
         self._metrics.observe(name, seconds)
         self._metrics.inc("generated_tokens_total", float(rows))
 
-    def _steps(self, sessions: list[Session]) -> list[tuple[list[torch.Tensor], int]]:
+    def _steps(
+        self, sessions: list[Session], during: Callable[[], None]
+    ) -> list[tuple[list[torch.Tensor], int]]:
         """One step of every session in one GENERATE run (see [Note: continuous batching]),
-        recovering from lost stages like any run."""
+        recovering from lost stages like any run; ``during`` is called once the stages have
+        it."""
         result: list[tuple[list[torch.Tensor], int]] = self._resilient(
-            lambda: self._generate_once(sessions), "generation step"
+            lambda: self._generate_once(sessions, during), "generation step"
         )
         return result
 
-    def _generate_once(self, sessions: list[Session]) -> list[tuple[list[torch.Tensor], int]]:
+    def _generate_once(
+        self, sessions: list[Session], during: Callable[[], None]
+    ) -> list[tuple[list[torch.Tensor], int]]:
         epoch = self._group.epoch
         # One decode micro-batch: it costs about the same for 1 row as for many (the weights
         # are read either way), so splitting it to overlap the stages costs more than it saves.
@@ -146,7 +154,7 @@ class JobGeneration:
         while True:
             run = plan_step(sessions, epoch, fuse=fuse)
             try:
-                _, replies = self._run(stage_pb2.GENERATE, run.batch)
+                _, replies = self._run(stage_pb2.GENERATE, run.batch, during)
                 break
             except SessionCacheLostError as exc:
                 # A stage no longer holds these sessions (idle too long, or released), and

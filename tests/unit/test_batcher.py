@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -39,12 +40,15 @@ class Runs:
         self.hook = hook
         self.lock = threading.Lock()
 
-    def __call__(self, sessions: list[Session]) -> list[tuple[list[torch.Tensor], int]]:
+    def __call__(
+        self, sessions: list[Session], during: Callable[[], None]
+    ) -> list[tuple[list[torch.Tensor], int]]:
         with self.lock:
             self.runs.append(list(sessions))
             number = len(self.runs)
         if callable(self.hook):
             self.hook(sessions)
+        during()  # the stages have the run
         logits = torch.full((1, 64), -1.0)
         logits[0, number % 64] = 1.0
         return [([logits.expand(len(s.rows[0]), 64)], 1) for s in sessions]
@@ -160,3 +164,34 @@ def test_a_failed_run_fails_its_sessions_and_close_waits_for_the_run() -> None:
     else:
         raise AssertionError("the failed run's error did not reach its session")
     batcher.close(errored)
+
+
+def test_a_steps_tokens_reach_their_readers_once_the_next_run_is_on_the_stages() -> None:
+    """The readers' work overlaps the stages' compute (see [Note: continuous batching]): a
+    token is handed over when the next run's stages have it, or at once when no run follows."""
+    read: list[tuple[int, float]] = []
+    announced = threading.Event()
+    held: dict[int, float] = {}
+
+    def run(
+        sessions: list[Session], during: Callable[[], None]
+    ) -> list[tuple[list[torch.Tensor], int]]:
+        number = len(held) + 1
+        if number == 2:  # the first run's token is made; the second run is not sent yet
+            time.sleep(0.3)
+        held[number] = time.monotonic()
+        during()
+        announced.set()
+        logits = torch.full((1, 64), -1.0)
+        logits[0, number] = 1.0
+        return [([logits], 1) for _ in sessions]
+
+    batcher = StepBatcher(run, ahead=2)
+    stream = batcher.open(session(), 3)
+    while (made := batcher.next(stream)) is not None:
+        read.append((int(made.tokens[0]), time.monotonic()))
+    assert [token for token, _ in read] == [1, 2, 3]
+    # Token 1 came once run 2 was on the stages, not while run 2 was being prepared.
+    assert read[0][1] >= held[2]
+    # The last token, with no run after it, came at once.
+    assert read[2][1] - held[3] < TIMEOUT_S
