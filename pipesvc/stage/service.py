@@ -64,8 +64,11 @@ def _threads(count: int) -> Iterator[None]:
     share a host split its cores (``--threads``; ``LocalCluster`` gives each its share). A
     generation step is one position through the pipeline: the stages compute one after
     another, each idle while the others work, so a stage that keeps its share leaves the rest
-    of the host's cores idle. ``--generate-threads`` gives a generation run more (``LocalCluster``
-    gives it every core): on the 2-core machine of ``bench/README.md`` 16 sessions on 2 stages
+    of the host's cores idle. ``--generate-threads`` gives a generation run of one micro-batch
+    more (``LocalCluster`` gives it every core); a run of several (prompts beside the decode
+    steps, a prompt's chunks) pipelines them, so its stages compute at once and keep their
+    share (4 stages on 2 cores: 16 sessions' first tokens 1.4x later with every core for
+    every generation run): on the 2-core machine of ``bench/README.md`` 16 sessions on 2 stages
     made about 30% more tokens a second with 2 threads than with 1. OpenMP's thread count is
     per thread (see ``_same_threads`` in ``pipesvc.stage.server``), so the run's own thread
     sets it and puts it back, and other runs keep theirs.
@@ -334,7 +337,8 @@ class StageService(StateRpcs, TelemetryRpcs, stage_pb2_grpc.StageServiceServicer
             {name: decode(t, self._codec, payloads, copy=own) for name, t in entry.tensors.items()}
             for entry in request.side_inputs
         ]
-        with _threads(self._options.generate_threads if generating else 0):
+        # One micro-batch: the stages compute one after another (see [Note: generation threads]).
+        with _threads(self._options.generate_threads if generating and m == 1 else 0):
             result = job.engine.run_step(
                 request.run_id,
                 training=training,
