@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from pipesvc.errors import InvalidArgumentError
-from pipesvc.models import hf_body
+from pipesvc.models import hf_body, hf_prologue
 from pipesvc.models.carry import Carry, CarrySpec
 from pipesvc.models.hf_cache import cache_layout, make_cache
 from pipesvc.models.hf_checkpoint import MODELS_KEPT, Checkpoint, checkpoint_of, part_of
@@ -198,6 +198,7 @@ class Block(_Part):
                 f"shape {list(hidden.shape)} after {past} cached positions; expected "
                 f"{list(expected)}"
             )
+        given = position_ids
         if position_ids is None and view is not None:
             position_ids = _positions(hidden.shape[1], past, hidden.device)
         if hidden.is_meta:  # describing: the body's code on zeros, its arguments on meta
@@ -211,7 +212,9 @@ class Block(_Part):
                 # block keeps its input's shape, and what it saves is counted up to there.
                 return hidden.clone()
         else:
-            args, kwargs = self._arguments(hidden, attention_mask, position_ids, view)
+            args, kwargs = self._shared_arguments(
+                hidden, attention_mask, given, position_ids, cache, view
+            )
             tap = self._tap if carry is not None else None
             if tap is not None:
                 tap.start()
@@ -222,6 +225,29 @@ class Block(_Part):
                     carry.add(terms)
         result: torch.Tensor = out[0] if isinstance(out, tuple) else out
         return result
+
+    def _shared_arguments(
+        self,
+        hidden: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        given: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        cache: Any,
+        view: Any,
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """What the body passes to this decoder layer besides the hidden states: from the
+        prologue an earlier block of this forward ran, when it fits (see [Note: shared
+        prologue] in ``hf_prologue.py``; ``given``: the positions as this block got them)."""
+        found = hf_prologue.shared(self.skeleton, hidden, attention_mask, given, cache)
+        if found is None:
+            return self._arguments(hidden, attention_mask, position_ids, view)
+        if found.absent(self.index):
+            body = self.skeleton.body_shell(self._own())
+            found = hf_prologue.capture(
+                self.skeleton, body, self.index, hidden, attention_mask, given, position_ids,
+                cache, view,
+            )  # fmt: skip
+        return found.arguments_of(self.index, view)
 
     def _arguments(
         self,

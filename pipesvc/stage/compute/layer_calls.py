@@ -15,6 +15,7 @@ from torch import nn
 from pipesvc.errors import InvalidArgumentError
 from pipesvc.models import layer_rng
 from pipesvc.models.carry import Carry
+from pipesvc.models.forward_scope import forward_scope
 from pipesvc.stage.compute.layer_plan import LayerCall
 from pipesvc.stage.compute.out_of_memory import memory_exhausted, out_of_memory
 from pipesvc.stage.compute.profiler import FlopCount, StageProfiler, output_bytes
@@ -95,12 +96,31 @@ class LayerCalls:
         carry: Carry | None,
     ) -> torch.Tensor:
         samples: list[tuple[int, float, int]] = []  # a training forward's, for the profiler
+        # Moved once for every layer: the layers of one forward then read the same tensors
+        # (see [Note: shared prologue] in pipesvc.models.hf_prologue).
+        side = {n: t.to(self._device) for n, t in side.items()}
+        with forward_scope():  # see [Note: forward scope] in pipesvc.models.forward_scope
+            x = self._call_each(x, chunk, side, cache, step, microbatch, profiler, carry, samples)
+        if profiler is not None:
+            profiler.layers(samples)
+        return x
+
+    def _call_each(
+        self,
+        x: torch.Tensor,
+        chunk: int,
+        side: Mapping[str, torch.Tensor],
+        cache: Any,
+        step: int,
+        microbatch: int | None,
+        profiler: StageProfiler | None,
+        carry: Carry | None,
+        samples: list[tuple[int, float, int]],
+    ) -> torch.Tensor:
         for index, layer, seeded, wanted, reads_cache, adds in self.chunks[chunk]:
             # A layer names the side inputs it reads (``side_inputs``, see [Note: side inputs])
             # and whether it reads and extends a generation cache (``uses_cache``).
-            kwargs: dict[str, Any] = (
-                {n: side[n].to(self._device) for n in wanted if n in side} if wanted else {}
-            )
+            kwargs: dict[str, Any] = {n: side[n] for n in wanted if n in side} if wanted else {}
             if cache is not None and reads_cache:
                 kwargs["cache"] = cache
             if carry is not None and adds:
@@ -127,8 +147,6 @@ class LayerCalls:
             if profiler is not None:  # a training forward (see pipesvc.stage.compute.profiler)
                 seconds = time.perf_counter() - started
                 samples.append((index, seconds, output_bytes(x, self._profile_wire)))
-        if profiler is not None:
-            profiler.layers(samples)
         return x
 
     def _call_layer(
