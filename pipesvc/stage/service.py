@@ -372,19 +372,12 @@ class StageService(StateRpcs, TelemetryRpcs, stage_pb2_grpc.StageServiceServicer
         self, request: stage_pb2.ReleaseSessionRequest, context: object
     ) -> stage_pb2.ReleaseSessionResponse:
         job = self._current(request.job_id)
-        sessions = job.engine.sessions
         if request.all_sessions == bool(request.session):
             raise InvalidArgumentError(
                 f"release session {request.session!r} with all_sessions={request.all_sessions}: "
                 "expected a session or all_sessions, not both or neither"
             )
-        freed = 0
-        if sessions is not None:
-            freed = (
-                sessions.release_all()
-                if request.all_sessions
-                else sessions.release(request.session)
-            )
+        freed = job.engine.release_sessions(None if request.all_sessions else request.session)
         return stage_pb2.ReleaseSessionResponse(freed_bytes=freed)
 
     @handle_errors

@@ -330,6 +330,21 @@ class StepEngine:
             self._metrics.set("open_generation_sessions", len(self.sessions.sessions()))
             self._metrics.set("kv_cache_bytes", self.sessions.total_bytes())
 
+    def release_sessions(self, session: str | None) -> int:
+        """Drops ``session``'s caches (or a kept prefix of that name; None: every session's)
+        between runs, under the run lock as expiry does: a run going on here may hold them
+        stacked (see [Note: kept stack] in ``pipesvc.stage.compute.sessions``). Returns the
+        bytes freed."""
+        if self.sessions is None:
+            return 0
+        with self.run_lock:
+            freed = (
+                self.sessions.release_all() if session is None else self.sessions.release(session)
+            )
+        self._metrics.set("open_generation_sessions", len(self.sessions.sessions()))
+        self._metrics.set("kv_cache_bytes", self.sessions.total_bytes())
+        return freed
+
     def drop_snapshot(self, step: int) -> None:
         """Drops the snapshot of ``step`` once read (not the run lock: a run may be going)."""
         with self._snapshot_lock:
