@@ -145,9 +145,9 @@ def _recording(job: JobDriver) -> list[RunBatch]:
     sent: list[RunBatch] = []
     run: Callable[..., Any] = job.generation._run
 
-    def recorded(mode: Any, batch: RunBatch) -> Any:
+    def recorded(mode: Any, batch: RunBatch, during: Callable[[], None]) -> Any:
         sent.append(batch)
-        return run(mode, batch)
+        return run(mode, batch, during)
 
     job.generation._run = recorded
     return sent
@@ -155,7 +155,8 @@ def _recording(job: JobDriver) -> list[RunBatch]:
 
 def _step(job: JobDriver, sessions: list[Session]) -> None:
     """One step of every session in one run, as the job's batcher runs them."""
-    for session, (logits, epoch) in zip(sessions, job.generation._steps(sessions), strict=True):
+    steps = job.generation._steps(sessions, lambda: None)
+    for session, (logits, epoch) in zip(sessions, steps, strict=True):
         session.advance(logits, epoch)
 
 
