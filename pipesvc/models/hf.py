@@ -269,14 +269,8 @@ class Block(_Part):
                 hf_body.stop((args, kwargs))
             return passed
 
-        call = functools.partial(
-            body,
-            inputs_embeds=hidden.detach(),
-            attention_mask=attention_mask,
-            position_ids=position_ids.to(hidden.device) if position_ids is not None else None,
-            use_cache=view is not None,
-            **{self.skeleton.cache_arg: view},
-            **self.skeleton.quiet,
+        call = hf_prologue.body_call(
+            self.skeleton, body, hidden, attention_mask, position_ids, view
         )
         found = hf_body.run(call, arguments)
         if not isinstance(found, tuple):

@@ -18,6 +18,7 @@ itself, as before (``shared`` is None).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +97,28 @@ _NOT_YET = Prologue(None, None, None, None, None, None, {})
 """No prologue of this forward fits yet."""
 
 
+def body_call(
+    skeleton: Skeleton,
+    body: nn.Module,
+    hidden: torch.Tensor,
+    mask: torch.Tensor | None,
+    positions: torch.Tensor | None,
+    view: Any,
+) -> Callable[[], Any]:
+    """A decoder layer's shell ``body`` called on its hidden states (detached: only what the
+    body computes from positions and masks is kept), its padding mask, positions and cache
+    view."""
+    return functools.partial(
+        body,
+        inputs_embeds=hidden.detach(),
+        attention_mask=mask,
+        position_ids=positions.to(hidden.device) if positions is not None else None,
+        use_cache=view is not None,
+        **{skeleton.cache_arg: view},
+        **skeleton.quiet,
+    )
+
+
 def _key(skeleton: Skeleton) -> tuple[str, int]:
     return ("hf prologue", id(skeleton))
 
@@ -142,16 +165,7 @@ def capture(
             hf_body.stop(None)
         return passed
 
-    call = functools.partial(
-        body,
-        inputs_embeds=hidden.detach(),
-        attention_mask=mask,
-        position_ids=positions.to(hidden.device) if positions is not None else None,
-        use_cache=view is not None,
-        **{skeleton.cache_arg: view},
-        **skeleton.quiet,
-    )
-    hf_body.run(call, keep)
+    hf_body.run(body_call(skeleton, body, hidden, mask, positions, view), keep)
     if index not in arguments:
         raise hf_body.not_reached(f"decoder layer {index}")
     found = Prologue(mask, given, cache, hidden.shape, hidden.dtype, view, arguments)

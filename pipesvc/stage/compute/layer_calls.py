@@ -100,53 +100,38 @@ class LayerCalls:
         # (see [Note: shared prologue] in pipesvc.models.hf_prologue).
         side = {n: t.to(self._device) for n, t in side.items()}
         with forward_scope():  # see [Note: forward scope] in pipesvc.models.forward_scope
-            x = self._call_each(x, chunk, side, cache, step, microbatch, profiler, carry, samples)
+            for index, layer, seeded, wanted, reads_cache, adds in self.chunks[chunk]:
+                # A layer names the side inputs it reads (``side_inputs``, see [Note: side inputs])
+                # and whether it reads and extends a generation cache (``uses_cache``).
+                kwargs: dict[str, Any] = {n: side[n] for n in wanted if n in side} if wanted else {}
+                if cache is not None and reads_cache:
+                    kwargs["cache"] = cache
+                if carry is not None and adds:
+                    kwargs["carry"] = carry
+                started = time.perf_counter()
+                try:
+                    if profiler is not None and profiler.needs_flops(index):
+                        counter = FlopCount()
+                        with counter:
+                            x = self._call_layer(layer, x, kwargs, seeded, step, microbatch, index)
+                        profiler.counted(index, counter.total)
+                    else:
+                        x = self._call_layer(layer, x, kwargs, seeded, step, microbatch, index)
+                except (RuntimeError, IndexError, ValueError, MemoryError) as exc:
+                    if out_of_memory(exc):
+                        where = f"the forward of layer {index}"
+                        raise memory_exhausted(
+                            where, exc, rank=self._rank, chunks=self._ranges, device=self._device
+                        ) from exc
+                    raise InvalidArgumentError(
+                        f"layer {index} failed on an input of shape {list(x.shape)} and dtype "
+                        f"{x.dtype}: {exc}"
+                    ) from exc
+                if profiler is not None:  # a training forward (see pipesvc.stage.compute.profiler)
+                    seconds = time.perf_counter() - started
+                    samples.append((index, seconds, output_bytes(x, self._profile_wire)))
         if profiler is not None:
             profiler.layers(samples)
-        return x
-
-    def _call_each(
-        self,
-        x: torch.Tensor,
-        chunk: int,
-        side: Mapping[str, torch.Tensor],
-        cache: Any,
-        step: int,
-        microbatch: int | None,
-        profiler: StageProfiler | None,
-        carry: Carry | None,
-        samples: list[tuple[int, float, int]],
-    ) -> torch.Tensor:
-        for index, layer, seeded, wanted, reads_cache, adds in self.chunks[chunk]:
-            # A layer names the side inputs it reads (``side_inputs``, see [Note: side inputs])
-            # and whether it reads and extends a generation cache (``uses_cache``).
-            kwargs: dict[str, Any] = {n: side[n] for n in wanted if n in side} if wanted else {}
-            if cache is not None and reads_cache:
-                kwargs["cache"] = cache
-            if carry is not None and adds:
-                kwargs["carry"] = carry
-            started = time.perf_counter()
-            try:
-                if profiler is not None and profiler.needs_flops(index):
-                    counter = FlopCount()
-                    with counter:
-                        x = self._call_layer(layer, x, kwargs, seeded, step, microbatch, index)
-                    profiler.counted(index, counter.total)
-                else:
-                    x = self._call_layer(layer, x, kwargs, seeded, step, microbatch, index)
-            except (RuntimeError, IndexError, ValueError, MemoryError) as exc:
-                if out_of_memory(exc):
-                    where = f"the forward of layer {index}"
-                    raise memory_exhausted(
-                        where, exc, rank=self._rank, chunks=self._ranges, device=self._device
-                    ) from exc
-                raise InvalidArgumentError(
-                    f"layer {index} failed on an input of shape {list(x.shape)} and dtype "
-                    f"{x.dtype}: {exc}"
-                ) from exc
-            if profiler is not None:  # a training forward (see pipesvc.stage.compute.profiler)
-                seconds = time.perf_counter() - started
-                samples.append((index, seconds, output_bytes(x, self._profile_wire)))
         return x
 
     def _call_layer(
