@@ -70,7 +70,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -205,6 +205,11 @@ class _Stack:
     lengths: tuple[int, ...]
     """Each part's positions now (the stack is as wide as the longest)."""
     cache: Any
+    index: dict[tuple[str, int], int] = field(init=False, repr=False, compare=False)
+    """Each part's place in ``keys``."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "index", {key: i for i, key in enumerate(self.keys)})
 
     def cut(self, layout: CacheLayout) -> list[Any]:
         """Each part's own cache (copies)."""
@@ -277,12 +282,12 @@ class SessionCaches:
             )
 
     def _holds(self, key: tuple[str, int]) -> bool:
-        return key in self._caches or (self._stack is not None and key in self._stack.keys)
+        return key in self._caches or (self._stack is not None and key in self._stack.index)
 
     def _length_of(self, key: tuple[str, int]) -> int | None:
         """The positions part ``key`` holds (it is here; under the lock)."""
-        if self._stack is not None and key in self._stack.keys:
-            return self._stack.lengths[self._stack.keys.index(key)]
+        if self._stack is not None and key in self._stack.index:
+            return self._stack.lengths[self._stack.index[key]]
         return _length(self._caches[key], self._layout)
 
     def _dissolve(self) -> None:
