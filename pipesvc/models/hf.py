@@ -238,16 +238,13 @@ class Block(_Part):
         """What the body passes to this decoder layer besides the hidden states: from the
         prologue an earlier block of this forward ran, when it fits (see [Note: shared
         prologue] in ``hf_prologue.py``; ``given``: the positions as this block got them)."""
-        found = hf_prologue.shared(self.skeleton, hidden, attention_mask, given, cache)
+        found = hf_prologue.arguments_for(
+            self.skeleton, self.index, lambda: self.skeleton.body_shell(self._own()),
+            hidden, attention_mask, given, position_ids, cache, view,
+        )  # fmt: skip
         if found is None:
             return self._arguments(hidden, attention_mask, position_ids, view)
-        if found.absent(self.index):
-            body = self.skeleton.body_shell(self._own())
-            found = hf_prologue.capture(
-                self.skeleton, body, self.index, hidden, attention_mask, given, position_ids,
-                cache, view,
-            )  # fmt: skip
-        return found.arguments_of(self.index, view)
+        return found
 
     def _arguments(
         self,

@@ -5,14 +5,14 @@ Face layers] in ``hf.py``): masks and rotary tables, computed again by every blo
 from the same padding mask and positions (8.7% of a decode step's forward on the ~110M Llama).
 Within one forward of a stage's layers (see [Note: forward scope] in
 ``pipesvc.models.forward_scope``) the first block runs the body once and keeps what it passes
-to *every* later decoder layer (``capture``); a later block on the same inputs takes its own,
+to *every* later decoder layer (``arguments_for``); a later block on the same inputs takes its own,
 so arguments that differ per layer (a layer type's mask or rotary table) are still exactly
 what the body gives that layer. Only the cache view differs: each block's view answers with
 its own cache layer (``_cache_view`` in ``hf.py``), so the first block's view is swapped for
 this block's (``Prologue.arguments_of``). With a cache whose layers are of several kinds
 (sliding and full attention, linear attention), the body sizes each kind's mask from a layer
 of that kind, which the first block's view does not hold: such blocks run the body each for
-itself, as before (``shared`` is None).
+itself, as before (``arguments_for`` is None).
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ class Prologue:
     positions: torch.Tensor | None
     """As the run was given them (None: counted from the cache)."""
     cache: Any
-    shape: torch.Size | None
-    dtype: torch.dtype | None
+    shape: torch.Size
+    dtype: torch.dtype
     view: Any
     """The cache view it ran with, in ``arguments`` wherever the body passed it on."""
     arguments: dict[int, Arguments]
@@ -81,9 +81,6 @@ class Prologue:
             and self.dtype == hidden.dtype
         )
 
-    def absent(self, index: int) -> bool:
-        return index not in self.arguments
-
     def arguments_of(self, index: int, view: Any) -> Arguments:
         """Decoder layer ``index``'s arguments, with its own cache ``view``."""
         args, kwargs = self.arguments[index]
@@ -91,10 +88,6 @@ class Prologue:
             return args, kwargs
         swapped: Arguments = (swap(args, self.view, view), swap(kwargs, self.view, view))
         return swapped
-
-
-_NOT_YET = Prologue(None, None, None, None, None, None, {})
-"""No prologue of this forward fits yet."""
 
 
 def body_call(
@@ -123,38 +116,33 @@ def _key(skeleton: Skeleton) -> tuple[str, int]:
     return ("hf prologue", id(skeleton))
 
 
-def shared(
+def arguments_for(
     skeleton: Skeleton,
-    hidden: torch.Tensor,
-    mask: torch.Tensor | None,
-    given: torch.Tensor | None,
-    cache: Any,
-) -> Prologue | None:
-    """The prologue of this forward that fits these inputs (one with no arguments if none does
-    yet: ``capture`` it); None where blocks may not share one (no forward scope, or a cache of
-    several kinds)."""
-    scope = forward_scope.scope()
-    if scope is None or not one_kind(cache):
-        return None
-    found = scope.get(_key(skeleton))
-    if isinstance(found, Prologue) and found.fits(hidden, mask, given, cache):
-        return found
-    return _NOT_YET
-
-
-def capture(
-    skeleton: Skeleton,
-    body: nn.Module,
     index: int,
+    shell: Callable[[], nn.Module],
     hidden: torch.Tensor,
     mask: torch.Tensor | None,
     given: torch.Tensor | None,
     positions: torch.Tensor | None,
     cache: Any,
     view: Any,
-) -> Prologue:
-    """Runs ``body`` (decoder layer ``index``'s shell) once, keeping what it passes to that
-    layer and every one after it, for the rest of this forward."""
+) -> Arguments | None:
+    """Decoder layer ``index``'s arguments from this forward's prologue; None where blocks may
+    not share one (no forward scope, or a cache of several kinds). If no prologue of this
+    forward fits these inputs and holds this layer, runs the layer's ``shell`` once (the
+    capture), keeping what it passes to this layer and every one after it. ``given``: the
+    positions as the block got them; ``positions``: those it runs with."""
+    scope = forward_scope.scope()
+    if scope is None or not one_kind(cache):
+        return None
+    key = ("hf prologue", id(skeleton))
+    found = scope.get(key)
+    if (
+        isinstance(found, Prologue)
+        and found.fits(hidden, mask, given, cache)
+        and index in found.arguments
+    ):
+        return found.arguments_of(index, view)
     last = len(skeleton.blocks) - 1
     arguments: dict[int, Arguments] = {}
 
@@ -165,11 +153,8 @@ def capture(
             hf_body.stop(None)
         return passed
 
-    hf_body.run(body_call(skeleton, body, hidden, mask, positions, view), keep)
+    hf_body.run(body_call(skeleton, shell(), hidden, mask, positions, view), keep)
     if index not in arguments:
         raise hf_body.not_reached(f"decoder layer {index}")
-    found = Prologue(mask, given, cache, hidden.shape, hidden.dtype, view, arguments)
-    scope = forward_scope.scope()
-    if scope is not None:
-        scope[_key(skeleton)] = found
-    return found
+    scope[key] = Prologue(mask, given, cache, hidden.shape, hidden.dtype, view, arguments)
+    return arguments[index]  # run with this layer's own view

@@ -65,13 +65,13 @@ def _threads(count: int) -> Iterator[None]:
     generation step is one position through the pipeline: the stages compute one after
     another, each idle while the others work, so a stage that keeps its share leaves the rest
     of the host's cores idle. ``--generate-threads`` gives a generation run of one micro-batch
-    more (``LocalCluster`` gives it every core); a run of several (prompts beside the decode
-    steps, a prompt's chunks) pipelines them, so its stages compute at once and keep their
-    share (4 stages on 2 cores: 16 sessions' first tokens 1.4x later with every core for
-    every generation run): on the 2-core machine of ``bench/README.md`` 16 sessions on 2 stages
-    made about 30% more tokens a second with 2 threads than with 1. OpenMP's thread count is
-    per thread (see ``_same_threads`` in ``pipesvc.stage.server``), so the run's own thread
-    sets it and puts it back, and other runs keep theirs.
+    more (``LocalCluster`` gives it every core): on the 2-core machine of ``bench/README.md``
+    16 sessions on 2 stages made about 30% more tokens a second with 2 threads than with 1. A
+    run of several micro-batches (prompts beside the decode steps, a prompt's chunks)
+    pipelines them, so its stages compute at once and keep their share: with every core for
+    every generation run, 4 stages' 16 sessions got their first tokens 1.4x later. OpenMP's
+    thread count is per thread (see ``_same_threads`` in ``pipesvc.stage.server``), so the
+    run's own thread sets it and puts it back, and other runs keep theirs.
     """
     before = torch.get_num_threads()
     if not count or count == before:

@@ -266,8 +266,7 @@ class StepEngine:
                 self.sessions.keep(refs)
                 self.sessions.settle(sessions)
             finally:
-                self._metrics.set("open_generation_sessions", len(self.sessions.sessions()))
-                self._metrics.set("kv_cache_bytes", self.sessions.total_bytes())
+                self._session_gauges()
 
     def _drop_failed(self, run_id: int) -> None:
         """Drops what a failed run left: its activations and gradients, its waits and every
@@ -327,8 +326,7 @@ class StepEngine:
         with self.run_lock:
             expired = self.sessions.expire()
         if expired:
-            self._metrics.set("open_generation_sessions", len(self.sessions.sessions()))
-            self._metrics.set("kv_cache_bytes", self.sessions.total_bytes())
+            self._session_gauges()
 
     def release_sessions(self, session: str | None) -> int:
         """Drops ``session``'s caches (or a kept prefix of that name; None: every session's)
@@ -341,9 +339,14 @@ class StepEngine:
             freed = (
                 self.sessions.release_all() if session is None else self.sessions.release(session)
             )
+        self._session_gauges()
+        return freed
+
+    def _session_gauges(self) -> None:
+        """Sets the gauges of the sessions' count and their caches' bytes."""
+        assert self.sessions is not None
         self._metrics.set("open_generation_sessions", len(self.sessions.sessions()))
         self._metrics.set("kv_cache_bytes", self.sessions.total_bytes())
-        return freed
 
     def drop_snapshot(self, step: int) -> None:
         """Drops the snapshot of ``step`` once read (not the run lock: a run may be going)."""

@@ -381,8 +381,11 @@ class SessionCaches:
         positions = tuple(r.positions for r in refs)
         with self._lock:
             kept = self._stack
-            same = kept is not None and (kept.keys, kept.rows) == (keys, rows)
-            if kept is not None and same and not any(r.fresh for r in refs):
+            if (
+                kept is not None
+                and (kept.keys, kept.rows) == (keys, rows)
+                and not any(r.fresh for r in refs)
+            ):
                 now = self._clock()
                 for ref in refs:
                     self._used[ref.session] = now
