@@ -48,7 +48,8 @@ even after a run that failed between two layers. The stack is counted whole agai
 (its padding too); a run over the budget first cuts it back into the parts' own caches. A
 stack of parts of very different lengths is mostly padding (one 4000-position session beside
 fifty of 10 positions: 44 times what the parts own, ``bench/kv_memory.py``), so a stack is kept
-only while it holds at most ``KEEP_PADDING`` (2) times the positions of its parts.
+only while it holds at most ``KEEP_PADDING`` (2) times the positions of its parts, also after
+an undo, which shortens its parts but not always its width.
 
 [Note: prefix reuse] A prompt often starts as an earlier one did (a shared system prompt, the
 previous turn of a chat). After a session's first run the coordinator may ask a stage to keep
@@ -211,6 +212,12 @@ class _Stack:
     def __post_init__(self) -> None:
         object.__setattr__(self, "index", {key: i for i, key in enumerate(self.keys)})
 
+    @property
+    def mostly_padding(self) -> bool:
+        """Whether it holds more than ``KEEP_PADDING`` times the positions its parts own."""
+        owned = sum(r * n for r, n in zip(self.rows, self.lengths, strict=True))
+        return sum(self.rows) * max(self.lengths) > KEEP_PADDING * owned
+
     def cut(self, layout: CacheLayout) -> list[Any]:
         """Each part's own cache (copies)."""
         zero = (0,) * len(self.keys)
@@ -335,6 +342,8 @@ class SessionCaches:
             kept = self._stack
             if kept is not None and not set(lengths).isdisjoint(kept.keys):
                 self._stack = self._stack_before(kept, lengths)
+                if self._stack.mostly_padding:  # shorter parts weigh more padding than kept
+                    self._dissolve()
             dropped = set()
             for key, length in lengths.items():
                 cache = self._caches.get(key)
@@ -406,30 +415,24 @@ class SessionCaches:
         added = set(stacked.positions)
         assert self._layout is not None  # ``fused`` made it
         widths = {k.shape[2] for k, _ in self._layout.tensors(stacked.cache).values()}
-        rows = stacked.rows
-        grown_rows = zip(rows, stacked.lengths, stacked.positions, strict=True)
-        owned = sum(r * (n + p) for r, n, p in grown_rows)
-        padded = sum(rows) * (stacked.longest + max(added))
-        keeps = (
-            padded <= KEEP_PADDING * owned
-            and len(added) == 1
-            and not any(r.fresh for r in refs)
-            and len(set(keys)) == len(keys)
-            and widths <= {stacked.longest + min(added)}  # none: no layer here caches
-        )
-        if not keeps:
+        grown = min(added)
+        kept = _Stack(keys, stacked.rows, tuple(n + grown for n in stacked.lengths), stacked.cache)
+        if (
+            len(added) > 1
+            or any(r.fresh for r in refs)
+            or len(set(keys)) != len(keys)
+            or not widths <= {stacked.longest + grown}  # none: no layer here caches
+            or kept.mostly_padding
+        ):
             for ref, part in zip(refs, stacked.split(), strict=True):
                 self.put(ref, part)
             return
-        grown = added.pop()
         with self._lock:
             if self._stack is not None and self._stack.cache is not stacked.cache:
                 self._dissolve()
             for key in keys:
                 self._caches.pop(key, None)
-            self._stack = _Stack(
-                keys, stacked.rows, tuple(n + grown for n in stacked.lengths), stacked.cache
-            )
+            self._stack = kept
             now = self._clock()
             for ref in refs:
                 self._used[ref.session] = now
