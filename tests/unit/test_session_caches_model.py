@@ -61,6 +61,15 @@ class _Model:
     def __init__(self) -> None:
         self.rows: dict[str, int] = {}
         self.values: dict[str, list[float]] = {}
+        self.prefixes: dict[str, list[float]] = {}
+        """Kept prefixes (one row each) the stage may still hold."""
+
+    def prefix_bytes(self, caches: SessionCaches) -> int:
+        """Of the prefixes the stage still holds (the budget may have dropped some)."""
+        held = set(caches.prefixes())
+        for name in set(self.prefixes) - held:
+            del self.prefixes[name]
+        return sum(len(v) * BYTES_PER_POSITION_ROW for v in self.prefixes.values())
 
     def check(self, caches: SessionCaches) -> None:
         assert caches.sessions() == sorted(self.values)
@@ -75,7 +84,7 @@ class _Model:
                     torch.testing.assert_close(g, w, rtol=0, atol=0, msg=f"{session} {layer}")
             own += rows * len(values) * BYTES_PER_POSITION_ROW
         # ``get`` above cut any kept stack back: what is counted now is exactly what is owned.
-        assert caches.total_bytes() == own
+        assert caches.total_bytes() == own + self.prefix_bytes(caches)
 
     def bound(self, caches: SessionCaches) -> None:
         """Between steps (a stack may be kept): counted bytes cover what is owned, and a
@@ -83,6 +92,7 @@ class _Model:
         its storage one position wider (the next run's append replaces it), so one position
         of every row is allowed on top."""
         own = sum(self.rows[s] * len(v) * BYTES_PER_POSITION_ROW for s, v in self.values.items())
+        own += self.prefix_bytes(caches)
         rows = sum(self.rows.values())
         total = caches.total_bytes()
         assert own <= total <= own * KEEP_PADDING + rows * BYTES_PER_POSITION_ROW, (own, total)
@@ -99,14 +109,26 @@ def _sequence(seed: int, steps: int, budget: int) -> None:
     def fresh_session() -> None:
         nonlocal run_id, value
         session, rows = next(names), rng.choice((1, 2))
-        values = []
+        model.prefix_bytes(caches)  # forget the prefixes the budget dropped
+        source = rng.choice(sorted(model.prefixes)) if model.prefixes and rng.random() < 0.5 else ""
+        values = (
+            model.prefixes[source][: rng.randint(1, len(model.prefixes[source]))] if source else []
+        )
+        start = len(values)
         for _ in range(rng.randint(1, 6)):
             value += 1
             values.append(value)
         run_id += 1
-        ref = CacheRef(session, 0, fresh=True, rows=rows, positions=len(values))
+        if source:
+            rows = 1  # prefixes are one row
+        ref = CacheRef(session, 0, True, rows, len(values), source=source, source_positions=start)
         caches.begin(run_id, [ref])
-        caches.put(ref, _start(rows, values))
+        if source:  # the stage copies the prefix's first positions, the prompt's rest runs
+            cache = caches.get(ref)
+            for v in values[start:]:
+                _append(cache, v)
+        else:
+            caches.put(ref, _start(rows, values))
         try:
             caches.settle([session])
         except ResourceExhaustedError:
@@ -133,18 +155,27 @@ def _sequence(seed: int, steps: int, budget: int) -> None:
             model.check(caches)
         elif kind == "alone":
             session = rng.choice(live)
-            ref = CacheRef(session, 0, fresh=False, rows=model.rows[session], positions=1)
+            rows = model.rows[session]
             run_id += 1
             value += 1
+            keep = rows == 1 and rng.random() < 0.5  # the stage keeps a prefix of it
+            length = len(model.values[session]) + 1
+            kept = rng.randint(1, length) if keep else 0
+            name = f"p{run_id}" if keep else ""
+            ref = CacheRef(session, 0, False, rows, 1, keep_as=name, keep_positions=kept)
             caches.begin(run_id, [ref])
             outcome = rng.choice(("done", "failed", "aborted"))
             _append(caches.get(ref), value, layers=1 if outcome == "failed" else LAYERS)
             if outcome == "done":
                 try:
+                    caches.keep([ref])
                     caches.settle([session])
-                    model.values[session].append(value)
                 except ResourceExhaustedError:
                     caches.undo(run_id)
+                else:
+                    model.values[session].append(value)
+                    if keep:
+                        model.prefixes[name] = model.values[session][:kept]
             else:
                 caches.undo(run_id)
         else:
