@@ -8,14 +8,17 @@ vocabulary 32000, hidden 768, MLP 2048, 8 blocks, 12 heads sharing 4 key/value h
 - one process: ``model.generate(do_sample=False)`` with ``--stages`` torch threads (the same
   cores the cluster's stages get, one thread each): one prompt, and a batch of 16 prompts.
 - pipesvc: an inference job (``optimizer=None``) on ``LocalCluster(threads_per_stage=1)`` with
-  2 and 4 stages; 1, 4 and 16 sessions at once, each from its own thread (``Job.stream``).
+  2 and 4 stages; 1, 4 and 16 sessions at once, each from its own thread (``Job.stream``);
+  a job for each of ``--decode-steps`` (its ``decode_steps``, the greedy decode steps a run
+  takes on the stages: see [Note: decode steps on the stages] in ``pipesvc.coordinator.session``).
 
 Columns: ``TTFT ms`` (time to first token, the mean over sessions: prompt to first new token),
 ``TPOT ms`` (time per output token after the first, the mean over sessions), ``tok/s`` (all
 sessions' new tokens over the wall time from the first request to the last token), and
 ``x 1 session`` (tokens/s against one session of the same setup).
 
-Usage: ``python bench/generate.py [--quick] [--stages 2,4] [--sessions 1,4,16]``
+Usage: ``python bench/generate.py [--quick] [--stages 2,4] [--sessions 1,4,16]
+[--decode-steps 1,4]``
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ def prompts(count: int, vocab: int) -> list[torch.Tensor]:
 
 def row(name: str, ttft: float, tpot: float, tokens_per_s: float, base: float) -> None:
     figures = f"{ttft * 1e3:9.1f} {tpot * 1e3:9.1f} {tokens_per_s:9.1f} {tokens_per_s / base:9.2f}"
-    print(f"{name:<26} {figures}")
+    print(f"{name:<31} {figures}")
 
 
 def one_process(directory: str, threads: int, new: int, vocab: int) -> None:
@@ -83,14 +86,20 @@ def one_process(directory: str, threads: int, new: int, vocab: int) -> None:
         row(f"1 process, batch {count}", ttft, (took - ttft) / (new - 1), tokens_per_s, base)
 
 
-def pipelined(directory: str, stages: int, sessions: list[int], new: int, vocab: int) -> None:
+def pipelined(
+    directory: str, stages: int, sessions: list[int], new: int, vocab: int, decode_steps: int
+) -> None:
     with (
         pipesvc.LocalCluster(
             num_stages=stages, threads_per_stage=1, hf_models={"bench-llama": directory}
         ) as cluster,
         cluster.connect() as client,
         client.create_job(
-            model="bench-llama", optimizer=None, num_stages=stages, num_microbatches=1
+            model="bench-llama",
+            optimizer=None,
+            num_stages=stages,
+            num_microbatches=1,
+            decode_steps=decode_steps,
         ) as job,
     ):
         job.generate(prompts(1, vocab)[0], 2)  # warm-up
@@ -132,7 +141,8 @@ def pipelined(directory: str, stages: int, sessions: list[int], new: int, vocab:
             tokens_per_s = count * new / (max(done) - started)
             base = base or tokens_per_s
             row(
-                f"{stages} stages, {count} sessions",
+                f"{stages} stages, {count} sessions"
+                + (f", k={decode_steps}" if decode_steps > 1 else ""),
                 statistics.fmean(first),
                 statistics.fmean(per_token),
                 tokens_per_s,
@@ -146,6 +156,11 @@ def main() -> None:
     parser.add_argument("--stages", default="2,4")
     parser.add_argument("--sessions", default="1,4,16")
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument(
+        "--decode-steps",
+        default="1,4",
+        help="decode steps a run takes on the stages (the job's decode_steps), each a row",
+    )
     args = parser.parse_args()
     config = QUICK if args.quick else FULL
     stages = [int(s) for s in args.stages.split(",")]
@@ -157,10 +172,12 @@ def main() -> None:
         AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **config)).save_pretrained(
             directory
         )
-        print(f"{'run':<26} {'TTFT ms':>9} {'TPOT ms':>9} {'tok/s':>9} {'x first':>9}")
+        print(f"{'run':<31} {'TTFT ms':>9} {'TPOT ms':>9} {'tok/s':>9} {'x first':>9}")
         for count in stages:
             one_process(directory, count, args.new_tokens, int(config["vocab_size"]))
-            pipelined(directory, count, sessions, args.new_tokens, int(config["vocab_size"]))
+            for k in (int(s) for s in args.decode_steps.split(",")):
+                vocab = int(config["vocab_size"])
+                pipelined(directory, count, sessions, args.new_tokens, vocab, k)
 
 
 if __name__ == "__main__":

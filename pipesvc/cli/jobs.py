@@ -88,6 +88,7 @@ def _cmd_job_create(args: argparse.Namespace) -> int:
             wait_for_stages_s=args.wait_for_stages_s,
             name=args.name,
             prefill_chunk=args.prefill_chunk,
+            decode_steps=args.decode_steps,
             wire_dtype=args.wire_dtype,
         )
     # The id alone on stdout, so `JOB=$(pipesvc job create ...)` works; the plan for people.
@@ -257,8 +258,8 @@ def _add_training_flags(p: argparse.ArgumentParser, loss: str) -> None:
 
 
 def _add_serving_flags(p: argparse.ArgumentParser) -> None:
-    """How ``job create``'s job serves: its name in the coordinator's HTTP API and the chunks
-    of a long prompt's prefill."""
+    """How ``job create``'s job serves: its name in the coordinator's HTTP API, the chunks
+    of a long prompt's prefill and the decode steps of a run."""
     p.add_argument(
         "--name",
         default=None,
@@ -272,6 +273,14 @@ def _add_serving_flags(p: argparse.ArgumentParser) -> None:
         metavar="TOKENS",
         help="generation: prompt tokens per chunk of a long prompt's prefill, whose chunks "
         "overlap on the stages (default 256; 0: whole prompts)",
+    )
+    p.add_argument(
+        "--decode-steps",
+        type=int,
+        default=None,
+        metavar="STEPS",
+        help="generation: greedy decode steps the stages run per run, the last stage handing "
+        "each step's tokens to the first (default 4; 1: one step per run)",
     )
 
 

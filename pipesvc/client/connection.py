@@ -135,6 +135,7 @@ class Client:
         wait_for_stages_s: float = 0.0,
         name: str | None = None,
         prefill_chunk: int | None = None,
+        decode_steps: int | None = None,
     ) -> Job:
         """Plans and assigns a job; see JobConfig for each argument.
 
@@ -178,6 +179,7 @@ class Client:
             min_replicas=min_replicas,
             name=name,
             prefill_chunk=prefill_chunk,
+            decode_steps=decode_steps,
         )
         return self._create(config, wait_for_stages_s=wait_for_stages_s, resume_from=resume_from)
 

@@ -5,8 +5,9 @@ stream on the job's ``StepBatcher``; one loop (a thread that lives while any str
 repeats: take every session that wants a step, run one step of all of them as one GENERATE run
 (``run``: ``plan_step`` and the stages, under the job's lock, so training steps go in between),
 pick each session's tokens and put them on its stream. A session wants a step while it has
-tokens left to make, has not finished, and its reader is at most ``ahead`` steps behind, so a
-client that reads slowly pauses only its own session and never holds the others back, and
+tokens left to make, has not finished, and its reader is at most ``ahead`` runs' tokens behind
+(a run may take several steps: [Note: decode steps on the stages] in session.py), so a client
+that reads slowly pauses only its own session and never holds the others back, and
 sessions that keep up share every run (sessions join and leave between runs). A step's tokens
 are handed to their readers once the next run is on the stages (``_announce``, called from the
 run): the readers' work (a gRPC reply each, an HTTP chunk) then overlaps the stages' compute
@@ -36,9 +37,12 @@ from pipesvc.errors import InvalidArgumentError, PipesvcError, ResourceExhausted
 
 logger = logging.getLogger(__name__)
 
-RunSteps = Callable[[list[Session], Callable[[], None]], list[tuple[list[torch.Tensor], int]]]
-"""Runs one step of each session as one GENERATE run, calling the second argument once the
-stages have the run (it must not raise); returns each session's part logits and the plan
+RunSteps = Callable[
+    [list[Session], Callable[[], None], int], list[tuple[list[list[torch.Tensor]], int]]
+]
+"""Runs one step of each session as one GENERATE run, or up to the third argument's steps (see
+[Note: decode steps on the stages] in session.py), calling the second argument once the stages
+have the run (it must not raise); returns, per session, each step's part logits and the plan
 epoch they were computed in."""
 
 OnToken = Callable[[bool, float, int], None]
@@ -79,10 +83,14 @@ class StepBatcher:
         max_parts: int = 256,
         ahead: int = 2,
         on_token: OnToken | None = None,
+        steps: int = 1,
     ) -> None:
         self._run = run
         self._max_parts = max_parts
-        self._ahead = ahead
+        self._steps = steps
+        """The most steps one run may take."""
+        self._ahead = ahead * steps
+        """Tokens a reader may be behind (``ahead`` runs' worth)."""
         self._on_token = on_token
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -182,7 +190,7 @@ class StepBatcher:
 
     def _run_group(self, group: list[TokenStream]) -> None:
         try:
-            results = self._run([s.session for s in group], self._announce)
+            results = self._run([s.session for s in group], self._announce, self._most(group))
         except (ResourceExhaustedError, InvalidArgumentError) as exc:
             self._announce()  # the run failed, perhaps before its stages had it
             if len(group) == 1:
@@ -190,7 +198,8 @@ class StepBatcher:
                 return
             for stream in group:  # alone, so that only the sessions at fault fail
                 try:
-                    self._made([stream], self._run([stream.session], self._announce))
+                    alone = self._run([stream.session], self._announce, self._most([stream]))
+                    self._made([stream], alone)
                 except PipesvcError as alone:
                     self._fail(stream, alone)
             return
@@ -201,23 +210,36 @@ class StepBatcher:
             return
         self._made(group, results)
 
+    def _most(self, group: list[TokenStream]) -> int:
+        """The most steps a run of ``group`` may take: none past any session's token limit."""
+        return max(1, min([self._steps] + [s.steps_left for s in group]))
+
     def _made(
-        self, group: list[TokenStream], results: list[tuple[list[torch.Tensor], int]]
+        self, group: list[TokenStream], results: list[tuple[list[list[torch.Tensor]], int]]
     ) -> None:
-        """Picks each session's tokens from its logits and hands them to its stream."""
-        made = [
-            s.session.advance(logits, epoch)
-            for s, (logits, epoch) in zip(group, results, strict=True)
-        ]
+        """Picks each session's tokens from each step's logits and hands them to its stream;
+        the steps after a session's last are dropped (see [Note: decode steps on the stages]
+        in session.py)."""
+        tokened: list[tuple[TokenStream, list[Made]]] = []
+        for stream, (steps, epoch) in zip(group, results, strict=True):
+            made: list[Made] = []
+            for logits in steps:
+                if stream.steps_left - len(made) <= 0 or stream.session.done:
+                    break
+                tokens = stream.session.advance(logits, epoch)
+                if tokens is None:
+                    # A prompt's first chunks only, no token yet (see [Note: chunks between
+                    # decode steps] in session.py); its time to first token runs on.
+                    break
+                made.append(Made(tokens, stream.session.last_logprobs))
+            if made:
+                tokened.append((stream, made))
         now = time.monotonic()
-        # None: a prompt's first chunks only, no token yet (see [Note: chunks between decode
-        # steps] in session.py); its time to first token runs on.
-        tokened = [(s, t) for s, t in zip(group, made, strict=True) if t is not None]
         with self._lock:
-            for stream, tokens in tokened:
-                stream.made.append(Made(tokens, stream.session.last_logprobs))
-                stream.steps += 1
-                stream.steps_left -= 1
+            for stream, made in tokened:
+                stream.made.extend(made)
+                stream.steps += len(made)
+                stream.steps_left -= len(made)
                 # A stream that needs no further step is told now: no run would tell it.
                 if self._wants_step(stream):
                     self._unannounced.append(stream)
@@ -225,8 +247,11 @@ class StepBatcher:
                     stream.told = len(stream.made)
                     stream.changed.notify_all()
         if self._on_token is not None:
-            for stream, tokens in tokened:
-                self._on_token(stream.steps == 1, now - stream.since, int(tokens.shape[0]))
+            for stream, made in tokened:
+                first = stream.steps == len(made)
+                for index, one in enumerate(made):  # a run's tokens all came at ``now``
+                    waited = now - stream.since if index == 0 else 0.0
+                    self._on_token(first and index == 0, waited, int(one.tokens.shape[0]))
         for stream, _ in tokened:
             stream.since = now
 

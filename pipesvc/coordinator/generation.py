@@ -15,6 +15,7 @@ from pipesvc.coordinator.batcher import StepBatcher
 from pipesvc.coordinator.prefixes import PrefixIndex
 from pipesvc.coordinator.replicas import RunReplies
 from pipesvc.coordinator.session import (
+    DECODE_STEPS,
     MAX_NEW_TOKENS,
     PREFILL_CHUNK,
     Made,
@@ -67,7 +68,11 @@ class JobGeneration:
         self._support: ModelSupport | None = None
         self._orphans = orphans
         """The stages may hold caches of sessions that ended with a previous coordinator."""
-        self.batcher = StepBatcher(self._steps, on_token=self._count_token)
+        self.batcher = StepBatcher(
+            self._steps,
+            on_token=self._count_token,
+            steps=DECODE_STEPS if config.decode_steps is None else config.decode_steps,
+        )
         self.prefixes = PrefixIndex()
         """The prompt prefixes the stages keep (see [Note: prefix index] in prefixes.py)."""
         self._prefix_lock = threading.Lock()
@@ -131,19 +136,20 @@ class JobGeneration:
         self._metrics.inc("generated_tokens_total", float(rows))
 
     def _steps(
-        self, sessions: list[Session], during: Callable[[], None]
-    ) -> list[tuple[list[torch.Tensor], int]]:
-        """One step of every session in one GENERATE run (see [Note: continuous batching]),
+        self, sessions: list[Session], during: Callable[[], None], most: int
+    ) -> list[tuple[list[list[torch.Tensor]], int]]:
+        """Up to ``most`` steps of every session in one GENERATE run (see [Note: continuous
+        batching], and [Note: decode steps on the stages] in session.py for more than one),
         recovering from lost stages like any run; ``during`` is called once the stages have
-        it."""
-        result: list[tuple[list[torch.Tensor], int]] = self._resilient(
-            lambda: self._generate_once(sessions, during), "generation step"
+        it. Per session: each step's part logits (or tokens), and the plan epoch."""
+        result: list[tuple[list[list[torch.Tensor]], int]] = self._resilient(
+            lambda: self._generate_once(sessions, during, most), "generation step"
         )
         return result
 
     def _generate_once(
-        self, sessions: list[Session], during: Callable[[], None]
-    ) -> list[tuple[list[torch.Tensor], int]]:
+        self, sessions: list[Session], during: Callable[[], None], most: int
+    ) -> list[tuple[list[list[torch.Tensor]], int]]:
         epoch = self._group.epoch
         # One decode micro-batch: it costs about the same for 1 row as for many (the weights
         # are read either way), so splitting it to overlap the stages costs more than it saves.
@@ -152,7 +158,7 @@ class JobGeneration:
         for session in sessions:
             self._choose_prefixes(session, epoch)
         while True:
-            run = plan_step(sessions, epoch, fuse=fuse)
+            run = plan_step(sessions, epoch, fuse=fuse, steps=most)
             try:
                 _, replies = self._run(stage_pb2.GENERATE, run.batch, during)
                 break
@@ -177,7 +183,7 @@ class JobGeneration:
                     self._metrics.inc("generation_replays_total")
         self._prefixes_after(sessions, epoch)
         outputs = [decode(t) for t in replies.outputs]
-        return [(logits, epoch) for logits in run.logits(outputs)]
+        return [(steps, epoch) for steps in run.steps(outputs)]
 
     def _choose_prefixes(self, session: Session, epoch: int) -> None:
         """Chooses, before each run of plan epoch ``epoch`` until a session's first run is

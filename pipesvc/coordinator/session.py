@@ -33,10 +33,29 @@ that cache with the next chunk, beside the next decode step. With no session dec
 prompt sends all its chunks in one run, so they overlap across the stages. A prompt cut over
 runs keeps no prefix (a kept prefix is copied from a cache's first run); a lost cache or a new
 plan epoch replays it from its first column like any session.
+
+[Note: decode steps on the stages] Between two decode steps the stages wait for the coordinator:
+the last stage's reply, the next run planned and sent, the first stage's request read, several
+milliseconds of thread hand-offs a step against a step's 20-60 ms of compute. When every session
+of a run is decoding greedily (no sampling, no log-probabilities) in one micro-batch, the run
+takes up to the job's ``decode_steps`` (``DECODE_STEPS`` by default) steps on the stages: the
+last stage picks each row's token and sends it back up the pipeline, on the links' gradient
+direction (which generation leaves idle), each stage passing it on, and the first stage runs
+the next step on it; each stage derives a step's side inputs from the first step's (the padding
+mask one real column longer a step, the positions one further). The last stage returns the
+tokens of every step, and the coordinator takes them one step at a time as if each had been
+its own run, so the tokens, the caches and every guarantee are those of single steps: the run
+takes at most as many steps as the session nearest its token limit has left, a session that
+ends before the run's last step (its end-of-sequence token) drops the rest, along with its
+caches, and a failed run is undone on every stage like any. Rows that finished inside a
+multi-row session are fed their own next token rather than the end-of-sequence token the
+coordinator reports for them: their caches differ, their tokens do not, and no row reads
+another's. The cost is in when tokens reach their readers: a run's tokens arrive together.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from dataclasses import dataclass
 
@@ -45,7 +64,7 @@ import torch
 from pipesvc.coordinator.prefixes import Prefix
 from pipesvc.core.microbatch import CacheRef, MicrobatchCaches, RunBatch
 from pipesvc.core.sampling import Sampling, TokenLogprobs, check_top_logprobs, token_logprobs
-from pipesvc.errors import InvalidArgumentError
+from pipesvc.errors import InternalError, InvalidArgumentError
 
 MAX_NEW_TOKENS = 1 << 16
 """Most tokens one session may generate."""
@@ -53,6 +72,11 @@ PREFILL_CHUNK = 256
 """Prompt tokens per chunk of a chunked prefill (see [Note: chunked prefill])."""
 MAX_CHUNKS = 16
 """Chunks of one part at most: longer prompts get longer chunks."""
+DECODE_STEPS = 4
+"""Decode steps a run takes on the stages by default (see [Note: decode steps on the
+stages])."""
+DECODE_SIDE_INPUTS = frozenset({"attention_mask", "position_ids"})
+"""The side inputs the stages can carry from one decode step of a run to the next."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,6 +330,24 @@ class StepRun:
         """Each session's part logits, from the last stage's outputs of each micro-batch."""
         return [[outputs[mb][a:b] for mb, a, b in parts] for parts in self.sources]
 
+    def steps(self, outputs: list[torch.Tensor]) -> list[list[list[torch.Tensor]]]:
+        """Each session's part logits (or tokens) of each step of the run, in order (see
+        [Note: decode steps on the stages]: a run of several steps returns ``[steps, rows]``
+        tokens)."""
+        if self.batch.decode_steps == 1:
+            return [[parts] for parts in self.logits(outputs)]
+        steps = self.batch.decode_steps
+        if len(outputs) != 1 or outputs[0].dim() != 2 or outputs[0].shape[0] != steps:
+            raise InternalError(
+                f"the last stage returned {[list(o.shape) for o in outputs]} for a run of "
+                f"{steps} decode steps; expected one [steps, rows] tensor of tokens (a stage "
+                "built before decode steps on the stages? create the job with decode_steps=1)"
+            )
+        return [
+            [[outputs[mb][step, a:b] for mb, a, b in parts] for step in range(len(outputs[0]))]
+            for parts in self.sources
+        ]
+
 
 @dataclass(frozen=True, slots=True)
 class _Part:
@@ -316,11 +358,15 @@ class _Part:
     caches: tuple[CacheRef, ...]
 
 
-def plan_step(sessions: list[Session], epoch: int, *, fuse: bool = False) -> StepRun:
+def plan_step(
+    sessions: list[Session], epoch: int, *, fuse: bool = False, steps: int = 1
+) -> StepRun:
     """The run of one step of each of ``sessions`` in plan epoch ``epoch``: each part is a
     micro-batch, or with ``fuse`` the parts that start their caches (prompts, replays) share
     one micro-batch and the parts that extend theirs by one position share another (see
-    [Note: fused decode] in ``pipesvc.stage.compute.fused_cache``)."""
+    [Note: fused decode] in ``pipesvc.stage.compute.fused_cache``). Up to ``steps`` steps
+    when every part decodes greedily in one micro-batch (see [Note: decode steps on the
+    stages])."""
     alone: list[_Part] = []
     starting: list[_Part] = []
     extending: list[_Part] = []
@@ -367,13 +413,34 @@ def plan_step(sessions: list[Session], epoch: int, *, fuse: bool = False) -> Ste
         caches.append(tuple(ref for e in group for ref in e.caches))
     has_side = any(side)
     has_caches = any(caches)
+    greedy = not any(s.wants_logits for s in sessions)
+    if (
+        steps > 1
+        and greedy
+        and len(groups) == 1
+        and not starting
+        and all(_extends(entry) for entry in groups[0])
+        and {name for entry in side for name in entry} <= DECODE_SIDE_INPUTS
+    ):
+        caches = [tuple(dataclasses.replace(ref, positions=steps) for ref in caches[0])]
+    else:
+        steps = 1
     batch = RunBatch(
         inputs=inputs,
         side=side if has_side else [],
         caches=caches if has_caches else [],
-        greedy=not any(s.wants_logits for s in sessions),
+        greedy=greedy,
+        decode_steps=steps,
     )
     return StepRun(batch, sources)
+
+
+def _extends(entry: _Part) -> bool:
+    """A part that extends its cache by one position and keeps no prefix."""
+    if len(entry.caches) != 1 or entry.inputs.shape[1] != 1:
+        return False
+    ref = entry.caches[0]
+    return not ref.fresh and not ref.keep_as and not ref.source
 
 
 def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:

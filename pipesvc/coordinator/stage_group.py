@@ -242,6 +242,7 @@ class StageGroup:
                 ],
                 caches=caches[part],
                 greedy=batch.greedy,
+                decode_steps=batch.decode_steps,
                 microbatch_offset=share.start,
                 replicas=group,
             )

@@ -112,6 +112,10 @@ class JobConfig:
     """Generation: prompt tokens per chunk of a long prompt's prefill, whose chunks flow through
     the stages like micro-batches so the first token comes sooner (see [Note: chunked
     prefill] in ``pipesvc.coordinator.session``); 0: every prompt at once. None: 256."""
+    decode_steps: int | None = None
+    """Generation: greedy decode steps the stages run per run without the coordinator, the
+    last stage handing each step's tokens to the first (see [Note: decode steps on the
+    stages] in ``pipesvc.coordinator.session``); 1: one step per run. None: 4."""
 
     def __post_init__(self) -> None:
         # Each concern checks its own fields (see [Note: configuration sections]).

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
-from pipesvc.core.limits import MAX_MICROBATCHES
+from pipesvc.core.limits import MAX_DECODE_STEPS, MAX_MICROBATCHES
 from pipesvc.core.loss import check_loss
 from pipesvc.core.model_args import INPUT_DTYPES, MAX_INPUT_DIMS, check_model_args
 from pipesvc.core.optim import check_optimizer
@@ -139,10 +139,12 @@ class ModelSpec(_Section):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Serving(_Section):
-    """What generation and the HTTP API need: the job's name and how long prompts are cut."""
+    """What generation and the HTTP API need: the job's name, how long prompts are cut and how
+    many decode steps a run takes."""
 
     name: str | None
     prefill_chunk: int | None
+    decode_steps: int | None
 
     def __post_init__(self) -> None:
         if self.name is not None and not (
@@ -152,7 +154,13 @@ class Serving(_Section):
                 f"job name {self.name!r} is not a name; expected 1 to 128 letters, digits and "
                 "'._:/-', starting with a letter or digit (e.g. 'my-llama')"
             )
-        _check_ints(self, ("prefill_chunk",), optional=("prefill_chunk",))
+        counts = ("prefill_chunk", "decode_steps")
+        _check_ints(self, counts, optional=counts)
+        if self.decode_steps is not None and not 1 <= self.decode_steps <= MAX_DECODE_STEPS:
+            raise InvalidArgumentError(
+                f"decode_steps ({self.decode_steps}) must be in [1, {MAX_DECODE_STEPS}] steps "
+                "per run (1: one step per run)"
+            )
         if self.prefill_chunk is not None and not 0 <= self.prefill_chunk <= 2**20:
             raise InvalidArgumentError(
                 f"prefill_chunk ({self.prefill_chunk}) must be in [0, 2**20] tokens (0: whole "

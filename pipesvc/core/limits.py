@@ -19,6 +19,10 @@ so such a run costs O(m^2) there (one GPipe step of one-row micro-batches over 2
 take ~3 s, 8192 ~11 s, 16384 ~90 s, or ~13 s with the shared-memory path off). A test trains
 one step at exactly this many."""
 
+MAX_DECODE_STEPS = 64
+"""Most greedy decode steps one generation run may take on the stages (see [Note: decode steps
+on the stages] in ``pipesvc.coordinator.session``)."""
+
 _UNITS = {
     "": 1,
     "b": 1,

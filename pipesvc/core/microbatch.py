@@ -116,6 +116,10 @@ class RunBatch:
     caches: list[MicrobatchCaches] = field(default_factory=list)
     greedy: bool = False
     """Generation: the last stage returns each row's most likely next token, not its logits."""
+    decode_steps: int = 1
+    """Greedy generation: decode steps the stages take in the run, the last stage returning
+    ``[decode_steps, rows]`` tokens (see [Note: decode steps on the stages] in
+    ``pipesvc.coordinator.session``)."""
 
     @classmethod
     def split(

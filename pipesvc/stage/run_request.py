@@ -3,7 +3,7 @@ and the generation caches of its micro-batches (no gRPC here)."""
 
 from __future__ import annotations
 
-from pipesvc.core.limits import MAX_MICROBATCHES
+from pipesvc.core.limits import MAX_DECODE_STEPS, MAX_MICROBATCHES
 from pipesvc.core.microbatch import CacheRef, MicrobatchCaches
 from pipesvc.errors import InvalidArgumentError
 from pipesvc.stage.compute.engine import Carried
@@ -38,6 +38,7 @@ def cache_refs(
         )
     seen: set[tuple[str, int]] = set()
     caches: list[MicrobatchCaches] = []
+    steps = max(request.decode_steps, 1)  # an extending part adds a position a step
     for index, entry in enumerate(request.caches):
         if not 1 <= len(entry.refs) <= MAX_MICROBATCHES:
             raise InvalidArgumentError(
@@ -62,11 +63,11 @@ def cache_refs(
         if fused and (
             len(fresh) > 1
             or any(r.rows == 0 or r.positions == 0 for r in entry.refs)
-            or (fresh == {False} and any(r.positions != 1 for r in entry.refs))
+            or (fresh == {False} and any(r.positions != steps for r in entry.refs))
         ):
             raise InvalidArgumentError(
                 f"micro-batch {index} fuses {len(entry.refs)} caches; expected all starting "
-                "(fresh) or all extending by one position, each over rows > 0 adding "
+                f"(fresh) or all extending by {steps} position(s), each over rows > 0 adding "
                 "positions > 0; got (fresh, rows, positions) "
                 + str([(r.fresh, r.rows, r.positions) for r in entry.refs])
             )
@@ -87,6 +88,50 @@ def cache_refs(
             )
         )
     return caches
+
+
+DECODE_SIDE_INPUTS = frozenset({"attention_mask", "position_ids"})
+"""The side inputs a stage can carry from one decode step of a run to the next."""
+
+
+def decode_steps(
+    request: stage_pb2.RunStepRequest, caches: list[MicrobatchCaches], first: bool
+) -> int:
+    """The decode steps a run request asks for (see [Note: decode steps on the stages] in
+    ``pipesvc.coordinator.session``), checked; 1 when it asks for none.
+
+    Raises:
+        InvalidArgumentError: more than ``MAX_DECODE_STEPS``, or several steps in a run that
+            is not one greedy GENERATE micro-batch of caches that each add a position a step
+            (none starting, none keeping a prefix), with side inputs other than the padding
+            mask and positions, or (first stage) inputs other than one token per row.
+    """
+    steps = max(request.decode_steps, 1)
+    if steps == 1:
+        return 1
+    refs = caches[0] if len(caches) == 1 else ()
+    names = {n for entry in request.side_inputs for n in entry.tensors}
+    inputs = request.inputs[0].header.shape if first and len(request.inputs) == 1 else None
+    if (
+        steps > MAX_DECODE_STEPS
+        or request.mode != stage_pb2.GENERATE
+        or not request.greedy
+        or request.num_microbatches != 1
+        or not refs
+        or any(r.fresh or r.keep_as or r.positions != steps for r in refs)
+        or not names <= DECODE_SIDE_INPUTS
+        or (first and (inputs is None or len(inputs) != 2 or inputs[1] != 1))
+    ):
+        raise InvalidArgumentError(
+            f"decode_steps ({steps}) must be at most {MAX_DECODE_STEPS}, and above 1 only in "
+            "a greedy GENERATE run of one micro-batch whose caches each extend by that many "
+            "positions, with side inputs among "
+            f"{sorted(DECODE_SIDE_INPUTS)} and one input token per row; got mode "
+            f"{request.mode}, greedy {request.greedy}, {request.num_microbatches} "
+            f"micro-batch(es), caches {[(r.fresh, r.positions) for r in refs]}, side inputs "
+            f"{sorted(names)}"
+        )
+    return steps
 
 
 def check_prefix_ref(ref: stage_pb2.CacheRef, *, fused: bool) -> None:

@@ -229,6 +229,7 @@ class JobSpec(_message.Message):
     VIRTUAL_STAGES_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
     PREFILL_CHUNK_FIELD_NUMBER: _builtins.int
+    DECODE_STEPS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """A registered model name, e.g. "gpt"."""
     model_args_json: _builtins.str
@@ -282,6 +283,10 @@ class JobSpec(_message.Message):
     """Prompt tokens per chunk of a long prompt's prefill in generation; 0: the whole prompt at
     once; unset: the default (256).
     """
+    decode_steps: _builtins.int
+    """Greedy decode steps the stages run per generation run, the last stage handing each
+    step's tokens back to the first; unset: the default (4); 1: one step per run.
+    """
     @_builtins.property
     def input_shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Shape of one micro-batch's input (batch dimension first), for the memory estimate of
@@ -317,15 +322,18 @@ class JobSpec(_message.Message):
         virtual_stages: _builtins.int = ...,
         name: _builtins.str | None = ...,
         prefill_chunk: _builtins.int | None = ...,
+        decode_steps: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_checkpoint_every", b"_checkpoint_every", "_clip_grad_norm", b"_clip_grad_norm", "_min_replicas", b"_min_replicas", "_name", b"_name", "_prefill_chunk", b"_prefill_chunk", "_wire_dtype", b"_wire_dtype", "checkpoint_every", b"checkpoint_every", "clip_grad_norm", b"clip_grad_norm", "min_replicas", b"min_replicas", "name", b"name", "prefill_chunk", b"prefill_chunk", "wire_dtype", b"wire_dtype"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_checkpoint_every", b"_checkpoint_every", "_clip_grad_norm", b"_clip_grad_norm", "_decode_steps", b"_decode_steps", "_min_replicas", b"_min_replicas", "_name", b"_name", "_prefill_chunk", b"_prefill_chunk", "_wire_dtype", b"_wire_dtype", "checkpoint_every", b"checkpoint_every", "clip_grad_norm", b"clip_grad_norm", "decode_steps", b"decode_steps", "min_replicas", b"min_replicas", "name", b"name", "prefill_chunk", b"prefill_chunk", "wire_dtype", b"wire_dtype"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_checkpoint_every", b"_checkpoint_every", "_clip_grad_norm", b"_clip_grad_norm", "_min_replicas", b"_min_replicas", "_name", b"_name", "_prefill_chunk", b"_prefill_chunk", "_wire_dtype", b"_wire_dtype", "checkpoint_every", b"checkpoint_every", "clip_grad_norm", b"clip_grad_norm", "data_parallel", b"data_parallel", "input_dtype", b"input_dtype", "input_shape", b"input_shape", "loss", b"loss", "min_replicas", b"min_replicas", "model", b"model", "model_args_json", b"model_args_json", "name", b"name", "num_microbatches", b"num_microbatches", "num_stages", b"num_stages", "optimizer_json", b"optimizer_json", "partition", b"partition", "precision", b"precision", "prefill_chunk", b"prefill_chunk", "rebalance", b"rebalance", "schedule", b"schedule", "seed", b"seed", "trainable", b"trainable", "virtual_stages", b"virtual_stages", "wire_dtype", b"wire_dtype"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_checkpoint_every", b"_checkpoint_every", "_clip_grad_norm", b"_clip_grad_norm", "_decode_steps", b"_decode_steps", "_min_replicas", b"_min_replicas", "_name", b"_name", "_prefill_chunk", b"_prefill_chunk", "_wire_dtype", b"_wire_dtype", "checkpoint_every", b"checkpoint_every", "clip_grad_norm", b"clip_grad_norm", "data_parallel", b"data_parallel", "decode_steps", b"decode_steps", "input_dtype", b"input_dtype", "input_shape", b"input_shape", "loss", b"loss", "min_replicas", b"min_replicas", "model", b"model", "model_args_json", b"model_args_json", "name", b"name", "num_microbatches", b"num_microbatches", "num_stages", b"num_stages", "optimizer_json", b"optimizer_json", "partition", b"partition", "precision", b"precision", "prefill_chunk", b"prefill_chunk", "rebalance", b"rebalance", "schedule", b"schedule", "seed", b"seed", "trainable", b"trainable", "virtual_stages", b"virtual_stages", "wire_dtype", b"wire_dtype"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__checkpoint_every: _TypeAlias = _typing.Literal["checkpoint_every"]  # noqa: Y015
     _WhichOneofArgType__checkpoint_every: _TypeAlias = _typing.Literal["_checkpoint_every", b"_checkpoint_every"]  # noqa: Y015
     _WhichOneofReturnType__clip_grad_norm: _TypeAlias = _typing.Literal["clip_grad_norm"]  # noqa: Y015
     _WhichOneofArgType__clip_grad_norm: _TypeAlias = _typing.Literal["_clip_grad_norm", b"_clip_grad_norm"]  # noqa: Y015
+    _WhichOneofReturnType__decode_steps: _TypeAlias = _typing.Literal["decode_steps"]  # noqa: Y015
+    _WhichOneofArgType__decode_steps: _TypeAlias = _typing.Literal["_decode_steps", b"_decode_steps"]  # noqa: Y015
     _WhichOneofReturnType__min_replicas: _TypeAlias = _typing.Literal["min_replicas"]  # noqa: Y015
     _WhichOneofArgType__min_replicas: _TypeAlias = _typing.Literal["_min_replicas", b"_min_replicas"]  # noqa: Y015
     _WhichOneofReturnType__name: _TypeAlias = _typing.Literal["name"]  # noqa: Y015
@@ -338,6 +346,8 @@ class JobSpec(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__checkpoint_every) -> _WhichOneofReturnType__checkpoint_every | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__clip_grad_norm) -> _WhichOneofReturnType__clip_grad_norm | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__decode_steps) -> _WhichOneofReturnType__decode_steps | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__min_replicas) -> _WhichOneofReturnType__min_replicas | None: ...
     @_typing.overload

@@ -453,6 +453,7 @@ class RunStepRequest(_message.Message):
     MICROBATCH_OFFSET_FIELD_NUMBER: _builtins.int
     REPLICAS_FIELD_NUMBER: _builtins.int
     PAYLOADS_FIELD_NUMBER: _builtins.int
+    DECODE_STEPS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     plan_epoch: _builtins.int
@@ -471,6 +472,13 @@ class RunStepRequest(_message.Message):
     """The index in the whole step of this run's first micro-batch (a replica's share of a step
     starts after the shares of the replicas before it): training randomness is drawn per
     step-wide micro-batch index.
+    """
+    decode_steps: _builtins.int
+    """GENERATE, greedy, one micro-batch whose caches all extend by one position a step: the
+    stages run this many decode steps in the run (0 or 1: one). The last stage sends each
+    step's tokens back up the pipeline (on the links' gradient direction, each stage passing
+    them on) as the first stage's next inputs, and returns int64 [decode_steps, rows]; every
+    cache reference adds decode_steps positions. See [Note: decode steps on the stages].
     """
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Tensor]:
@@ -531,10 +539,11 @@ class RunStepRequest(_message.Message):
         microbatch_offset: _builtins.int = ...,
         replicas: Global___ReplicaGroup | None = ...,
         payloads: _abc.Iterable[_builtins.bytes] | None = ...,
+        decode_steps: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "replicas", b"replicas"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["caches", b"caches", "commit", b"commit", "greedy", b"greedy", "inputs", b"inputs", "job_id", b"job_id", "loss_weights", b"loss_weights", "microbatch_offset", b"microbatch_offset", "mode", b"mode", "num_microbatches", b"num_microbatches", "payloads", b"payloads", "plan_epoch", b"plan_epoch", "replicas", b"replicas", "run_id", b"run_id", "side_inputs", b"side_inputs", "targets", b"targets"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["caches", b"caches", "commit", b"commit", "decode_steps", b"decode_steps", "greedy", b"greedy", "inputs", b"inputs", "job_id", b"job_id", "loss_weights", b"loss_weights", "microbatch_offset", b"microbatch_offset", "mode", b"mode", "num_microbatches", b"num_microbatches", "payloads", b"payloads", "plan_epoch", b"plan_epoch", "replicas", b"replicas", "run_id", b"run_id", "side_inputs", b"side_inputs", "targets", b"targets"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -155,8 +155,8 @@ def _recording(job: JobDriver) -> list[RunBatch]:
 
 def _step(job: JobDriver, sessions: list[Session]) -> None:
     """One step of every session in one run, as the job's batcher runs them."""
-    steps = job.generation._steps(sessions, lambda: None)
-    for session, (logits, epoch) in zip(sessions, steps, strict=True):
+    steps = job.generation._steps(sessions, lambda: None, 1)
+    for session, ([logits], epoch) in zip(sessions, steps, strict=True):
         session.advance(logits, epoch)
 
 

@@ -138,6 +138,8 @@ class Pipeline:
                         loss_weights=weights if rank == last else [],
                         side=batch.side,
                         caches=batch.caches,
+                        greedy=batch.greedy,
+                        decode_steps=batch.decode_steps,
                     ),
                     commit=commit,
                     generating=generating,

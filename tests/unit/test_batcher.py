@@ -41,8 +41,8 @@ class Runs:
         self.lock = threading.Lock()
 
     def __call__(
-        self, sessions: list[Session], during: Callable[[], None]
-    ) -> list[tuple[list[torch.Tensor], int]]:
+        self, sessions: list[Session], during: Callable[[], None], most: int
+    ) -> list[tuple[list[list[torch.Tensor]], int]]:
         with self.lock:
             self.runs.append(list(sessions))
             number = len(self.runs)
@@ -51,7 +51,7 @@ class Runs:
         during()  # the stages have the run
         logits = torch.full((1, 64), -1.0)
         logits[0, number % 64] = 1.0
-        return [([logits.expand(len(s.rows[0]), 64)], 1) for s in sessions]
+        return [([[logits.expand(len(s.rows[0]), 64)]], 1) for s in sessions]
 
 
 def read_all(batcher: StepBatcher, stream: object) -> list[int]:
@@ -174,8 +174,8 @@ def test_a_steps_tokens_reach_their_readers_once_the_next_run_is_on_the_stages()
     held: dict[int, float] = {}
 
     def run(
-        sessions: list[Session], during: Callable[[], None]
-    ) -> list[tuple[list[torch.Tensor], int]]:
+        sessions: list[Session], during: Callable[[], None], most: int
+    ) -> list[tuple[list[list[torch.Tensor]], int]]:
         number = len(held) + 1
         if number == 2:  # the first run's token is made; the second run is not sent yet
             time.sleep(0.3)
@@ -184,7 +184,7 @@ def test_a_steps_tokens_reach_their_readers_once_the_next_run_is_on_the_stages()
         announced.set()
         logits = torch.full((1, 64), -1.0)
         logits[0, number] = 1.0
-        return [([logits], 1) for _ in sessions]
+        return [([[logits]], 1) for _ in sessions]
 
     batcher = StepBatcher(run, ahead=2)
     stream = batcher.open(session(), 3)
@@ -195,3 +195,46 @@ def test_a_steps_tokens_reach_their_readers_once_the_next_run_is_on_the_stages()
     assert read[0][1] >= held[2]
     # The last token, with no run after it, came at once.
     assert read[2][1] - held[3] < TIMEOUT_S
+
+
+def test_runs_of_several_steps_stop_at_each_sessions_limit_and_end() -> None:
+    """With ``steps``, a run may take several steps (see [Note: decode steps on the stages]):
+    never more than the session nearest its token limit has left, and a session whose
+    end-of-sequence token comes inside a run keeps none of the run's later steps."""
+    asked: list[int] = []
+
+    def run(
+        sessions: list[Session], during: Callable[[], None], most: int
+    ) -> list[tuple[list[list[torch.Tensor]], int]]:
+        asked.append(most)
+        during()
+        out = []
+        for s in sessions:
+            base = int(s.tokens.shape[1])  # the token of step k is its length + k, mod 64
+            steps = []
+            for k in range(most):
+                logits = torch.full((len(s.rows[0]), 64), -1.0)
+                logits[:, (base + k) % 64] = 1.0
+                steps.append([logits])
+            out.append((steps, 1))
+        return out
+
+    batcher = StepBatcher(run, steps=4)
+    ending = Session(
+        torch.ones(1, 3, dtype=torch.long),
+        None,
+        parts=1,
+        sampling=Sampling(),
+        support=SUPPORT,
+        eos_token_id=8,  # its tokens are 3, 4, ...: 8 is its 6th
+    )
+    long = batcher.open(session(), 10)
+    short = batcher.open(ending, 20)
+    got_long, got_short = read_all(batcher, long), read_all(batcher, short)
+    batcher.close(long)
+    batcher.close(short)
+    assert got_long == list(range(3, 13))
+    assert got_short == [3, 4, 5, 6, 7, 8]  # none of the steps after its end
+    # 10 tokens of the long session in runs of 4, 4 and the 2 it has left; the short one
+    # shared the first runs and was done within them.
+    assert asked == [4, 4, 2], asked

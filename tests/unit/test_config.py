@@ -44,6 +44,8 @@ from pipesvc.v1 import common_pb2
         ({"num_microbatches": 0}, "num_microbatches (0)"),
         ({"prefill_chunk": -1}, "prefill_chunk (-1)"),
         ({"prefill_chunk": 2**21}, "prefill_chunk (2097152) must be in [0, 2**20]"),
+        ({"decode_steps": 0}, "decode_steps (0) must be in [1, 64]"),
+        ({"decode_steps": 65}, "decode_steps (65) must be in [1, 64]"),
         ({"prefill_chunk": 1.5}, "prefill_chunk must be an int; got 1.5"),
         ({"seed": -1}, "seed (-1)"),
         ({"schedule": "interleaved"}, "'interleaved'"),
@@ -144,6 +146,7 @@ NON_DEFAULT: dict[str, Any] = {
     "virtual_stages": 1,  # needs an interleaving schedule: see the test below
     "name": "org/my-llama_v1.2",
     "prefill_chunk": 0,  # off: survives as 0, not as the default
+    "decode_steps": 1,
 }
 """A value for every JobConfig field, none of them the default."""
 
@@ -217,6 +220,7 @@ def test_the_dict_and_wire_forms_are_unchanged() -> None:
         "virtual_stages": 1,
         "name": None,
         "prefill_chunk": None,
+        "decode_steps": None,
     }  # fields added since
     assert config_to_dict(config) == {**saved_row, **newer}
     old_defaults = {**saved_row, "clip_grad_norm": None, "input_shape": None}

@@ -309,26 +309,45 @@ def test_a_carried_commit_is_checked_applied_first_and_kept_by_a_later_abort() -
 
 
 def _generate(
-    pipeline: Pipeline, prompts: list[torch.Tensor], steps: int, *, fuse: bool
+    pipeline: Pipeline,
+    prompts: list[torch.Tensor],
+    steps: int,
+    *,
+    fuse: bool,
+    decode_steps: int = 1,
+    eos: int | None = None,
 ) -> list[torch.Tensor]:
     """Greedy generation of every prompt as one session each, all sessions' steps in one run
-    per step, as the coordinator's batcher runs them (decode parts fused, or each alone)."""
+    per step, as the coordinator's batcher runs them (decode parts fused, or each alone; up to
+    ``decode_steps`` steps a run, none past the token limit, a finished session's dropped)."""
     features = pipeline.engines[0].runtime.features
     support = ModelSupport(
         kv_cache=True, side_inputs=features.side_inputs, fuses_caches=features.fuses_caches
     )
     sessions = [
-        Session(p, None, parts=min(2, p.shape[0]), sampling=Sampling(), support=support)
+        Session(
+            p,
+            None,
+            parts=min(2, p.shape[0]),
+            sampling=Sampling(),
+            support=support,
+            eos_token_id=eos,
+        )
         for p in prompts
     ]
-    for _ in range(steps):
-        run = plan_step(sessions, 1, fuse=fuse)
+    made = 0
+    while made < steps and not all(s.done for s in sessions):
+        live = [s for s in sessions if not s.done]
+        run = plan_step(live, 1, fuse=fuse, steps=min(decode_steps, steps - made))
         pipeline.run_id += 1
         results = pipeline.run_batch(run.batch, pipeline.run_id, generating=True)
         last = results[-1]
         assert isinstance(last, RunResult), results
-        for session, logits in zip(sessions, run.logits(last.outputs), strict=True):
-            session.advance(logits, 1)
+        for session, taken in zip(live, run.steps(last.outputs), strict=True):
+            for logits in taken:
+                if not session.done:
+                    session.advance(logits, 1)
+        made += len(run.steps(last.outputs)[0])
     return [s.tokens for s in sessions]
 
 
@@ -369,6 +388,50 @@ def test_sessions_fused_into_shared_micro_batches_generate_their_own_tokens(
         assert torch.equal(fused[i], tokens), i
     for engine in pipeline.engines:  # the fused and the lone sessions all kept their caches
         assert engine.sessions is not None and len(engine.sessions.sessions()) == 5 + 5
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 3])
+@pytest.mark.parametrize("fuse", [True, False])
+def test_decode_steps_on_the_stages_give_the_tokens_of_one_step_runs(
+    num_stages: int, fuse: bool
+) -> None:
+    """Runs of up to 4 decode steps, the tokens handed from the last stage to the first (see
+    [Note: decode steps on the stages]), give every session the tokens of one step a run and
+    of the model in one process; an end-of-sequence token ends a session inside a run."""
+    args = {**PROBLEMS["gpt"].model_args, "block_size": 32}
+    problem = Problem("gpt", args, "cross_entropy", (8,))
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 17, (1 + i % 3, 2 + 2 * i), generator=g) for i in range(4)]
+    # Alone (without fusing) each run holds one session, as the batcher runs a single one.
+    groups = [prompts] if fuse else [[p] for p in prompts]
+    net = models.build(problem.model, seed=3, **problem.model_args).eval()
+    for eos in (None, 5):
+        one = [
+            t
+            for group in groups
+            for t in _generate(_pipeline(problem, num_stages), group, 9, fuse=fuse, eos=eos)
+        ]
+        pipeline = _pipeline(problem, num_stages)
+        many = [
+            t
+            for group in groups
+            for t in _generate(pipeline, group, 9, fuse=fuse, decode_steps=4, eos=eos)
+        ]
+        for i, prompt in enumerate(prompts):
+            assert torch.equal(many[i], one[i]), (i, eos)
+            if eos is None:
+                tokens = prompt
+                with torch.no_grad():
+                    for _ in range(9):
+                        nxt = net(tokens)[:, -1].argmax(-1, keepdim=True)
+                        tokens = torch.cat([tokens, nxt], dim=1)
+                assert torch.equal(many[i], tokens), i
+        # 9 tokens are the prompt's run and runs of at most 4 steps: 3 runs a group, when no
+        # session ends early. Unfused, a session of two parts (two micro-batches) takes one
+        # step a run: 9 runs.
+        if eos is None:
+            runs = [3 if fuse or group[0].shape[0] == 1 else 9 for group in groups]
+            assert pipeline.run_id == sum(runs)
 
 
 def _held(engine: StepEngine, refs: list[CacheRef]) -> tuple[int, int]:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
-from pipesvc.local_cluster import LocalCluster
+from pipesvc.local_cluster import COLOCATED_SPIN_COUNT, LocalCluster, colocated_environ
 from pipesvc.stage.service import _threads
 
 
@@ -44,3 +45,13 @@ def test_a_local_cluster_gives_generation_every_core_and_training_a_share() -> N
     cluster = LocalCluster(num_stages=2)
     assert cluster.generate_threads >= cluster.threads_per_stage
     assert LocalCluster(num_stages=2, generate_threads=1).generate_threads == 1
+
+
+def test_co_located_stages_spin_less_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    """See [Note: co-located stages spin less] in pipesvc.local_cluster."""
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    env = colocated_environ()
+    assert env["GOMP_SPINCOUNT"] == COLOCATED_SPIN_COUNT
+    assert "glibc.malloc.tcache_count" in env["GLIBC_TUNABLES"]  # the stage's own settings too
+    monkeypatch.setenv("GOMP_SPINCOUNT", "7")
+    assert colocated_environ()["GOMP_SPINCOUNT"] == "7"  # the operator's

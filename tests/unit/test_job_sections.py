@@ -53,7 +53,11 @@ def test_sections_read_off_a_config_hold_its_values() -> None:
     ("section", "values", "message"),
     [
         (Checkpointing, {"checkpoint_every": -1}, r"checkpoint_every \(-1\)"),
-        (Serving, {"name": "no spaces", "prefill_chunk": None}, "job name 'no spaces'"),
+        (
+            Serving,
+            {"name": "no spaces", "prefill_chunk": None, "decode_steps": None},
+            "job name 'no spaces'",
+        ),
         (Numerics, {"precision": "bf16", "wire_dtype": "float16"}, "cannot send float16"),
         (Optimization, {"loss": "mse", "optimizer": {"name": "sgd"}, "clip_grad_norm": 0.0},
          r"clip_grad_norm \(0.0\)"),

@@ -43,6 +43,9 @@ class RunInputs:
     greedy: bool = False
     """Generation: the last stage returns each row's most likely next token (int64), not its
     next-token logits."""
+    decode_steps: int = 1
+    """Greedy generation: decode steps the run takes (see [Note: decode steps on the stages] in
+    ``pipesvc.coordinator.session``)."""
     microbatch_offset: int = 0
     """The step-wide index of the run's first micro-batch (a replica's share starts after the
     shares before it); training randomness is drawn per step-wide index."""
@@ -156,6 +159,10 @@ class ActionLoop:
             fault_when, fault_step = "prefill", self._chunked_runs
         else:
             fault_kill = None
+        if data.decode_steps > 1:
+            made = self._decode(run_id, data)
+            rec.end(training=training, generating=generating)
+            return [], [] if made is None else [made]
         for kind, at, split_here in plan.steps:
             if fault_kill is not None:
                 fault_kill.check(
@@ -230,6 +237,52 @@ class ActionLoop:
             outputs[mb] = y[:, -1].contiguous()  # the next token's logits only
         elif not training:
             outputs[mb] = y
+
+    def _decode(self, run_id: int, data: RunInputs) -> torch.Tensor | None:
+        """Takes a run's ``data.decode_steps`` greedy decode steps of its one micro-batch (see
+        [Note: decode steps on the stages] in ``pipesvc.coordinator.session``): each step's
+        forward on the same caches, its activation on to the next stage, and the tokens the
+        last stage picks back up the pipeline (on the gradient direction, each stage passing
+        them on) as the first stage's next inputs. Returns the last stage's tokens, int64
+        ``[steps, rows]`` (None elsewhere)."""
+        rt, rec = self.runtime, self.recorder
+        steps = data.decode_steps
+        first, last = rt.is_first, rt.is_last
+        cache, stacked = self._microbatch_cache(data, 0)
+        side = data.side[0] if data.side else {}
+        x = data.inputs[0] if first else None
+        made: list[torch.Tensor] = []
+        for step in range(steps):
+            more = step + 1 < steps
+            if not first:
+                x, _ = self._receive(
+                    MailKey(run_id, ACTIVATION, step), 0, False, self._from_upstream
+                )
+            assert x is not None
+            with rec.span("forward", 0):
+                y = rt.forward(0, x, training=False, side=_step_side(side, step), cache=cache)
+            if not last:
+                with rec.span("send", 0):
+                    self._send_activation(MailKey(run_id, ACTIVATION, step), y)
+                if more:  # this step's tokens, from the last stage, on to the first
+                    tokens, _ = self._receive(
+                        MailKey(run_id, GRADIENT, step), 0, False, self._from_downstream
+                    )
+                    if first:
+                        x = tokens
+                    else:
+                        self._send_gradient(MailKey(run_id, GRADIENT, step), tokens)
+                continue
+            chosen = y[:, -1].argmax(dim=-1)  # each row's most likely next token
+            made.append(chosen)
+            if more and first:  # one stage: its own next inputs
+                x = chosen[:, None]
+            elif more:
+                self._send_gradient(MailKey(run_id, GRADIENT, step), chosen[:, None])
+        if stacked is not None:
+            assert self.sessions is not None
+            self.sessions.fused_done(data.caches[0], stacked)
+        return torch.stack(made) if last else None
 
     def _receive(
         self, key: MailKey, mb: int, carries: bool, sender: str
@@ -306,3 +359,17 @@ class ActionLoop:
                     self._send_gradient(
                         MailKey(run_id, GRADIENT, at.wire(before), part=1), start_grad
                     )
+
+
+def _step_side(side: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
+    """The side inputs of decode step ``step`` of a run from its first step's: each row's
+    padding mask one real position longer per step, and its position one further."""
+    if not step:
+        return side
+    out = dict(side)
+    if "attention_mask" in side:
+        mask = side["attention_mask"]
+        out["attention_mask"] = torch.cat([mask, mask.new_ones(mask.shape[0], step)], dim=1)
+    if "position_ids" in side:
+        out["position_ids"] = side["position_ids"] + step
+    return out
