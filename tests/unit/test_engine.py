@@ -434,6 +434,53 @@ def test_decode_steps_on_the_stages_give_the_tokens_of_one_step_runs(
             assert pipeline.run_id == sum(runs)
 
 
+@pytest.mark.parametrize("num_stages", [2, 3])
+@pytest.mark.parametrize("failing_step", [0, 2])
+def test_a_decode_run_that_fails_between_its_steps_leaves_every_session_as_it_was(
+    num_stages: int, failing_step: int
+) -> None:
+    """A run of 4 decode steps on the kept stack of the run before fails at a step's send (the
+    first, or the third after two steps extended every cache): every stage puts every session
+    back as before the run, and the sessions go on to the tokens of a run without the fault."""
+    args = {**PROBLEMS["gpt"].model_args, "block_size": 32}
+    problem = Problem("gpt", args, "cross_entropy", (8,))
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 17, (1 + i % 2, 3 + i), generator=g) for i in range(3)]
+    expected = _generate(_pipeline(problem, num_stages), prompts, 9, fuse=True, decode_steps=4)
+    pipeline = _pipeline(problem, num_stages)
+    features = pipeline.engines[0].runtime.features
+    support = ModelSupport(
+        kv_cache=True, side_inputs=features.side_inputs, fuses_caches=features.fuses_caches
+    )
+    sessions = [
+        Session(p, None, parts=min(2, p.shape[0]), sampling=Sampling(), support=support)
+        for p in prompts
+    ]
+
+    def run(steps: int) -> list[RunResult | BaseException]:
+        batch = plan_step(sessions, 1, fuse=True, steps=steps)
+        pipeline.run_id += 1
+        results = pipeline.run_batch(batch.batch, pipeline.run_id, generating=True)
+        if isinstance(results[-1], RunResult):
+            for session, taken in zip(sessions, batch.steps(results[-1].outputs), strict=True):
+                for logits in taken:
+                    session.advance(logits, 1)
+        return results
+
+    run(1)  # the prompts
+    run(4)  # the stages keep the decode run's stack (see [Note: kept stack])
+    before = [s.tokens.clone() for s in sessions]
+    pipeline.fail_send = (num_stages - 2, failing_step)  # a step's activation is not sent
+    failed = run(4)
+    assert any(isinstance(r, StageUnavailableError) for r in failed), failed
+    assert all(torch.equal(s.tokens, b) for s, b in zip(sessions, before, strict=True))
+    pipeline.fail_send = None
+    while sessions[0].tokens.shape[1] < prompts[0].shape[1] + 9:
+        assert all(isinstance(r, RunResult) for r in run(4))
+    for session, want in zip(sessions, expected, strict=True):
+        assert torch.equal(session.tokens, want)
+
+
 def _held(engine: StepEngine, refs: list[CacheRef]) -> tuple[int, int]:
     """What ``engine`` counts against its KV budget, and what the tensors of the caches of
     ``refs`` really keep alive: their untyped storages, each once (by data pointer) and whole."""
