@@ -30,7 +30,12 @@ from pipesvc.core.config import JobConfig
 from pipesvc.core.microbatch import RunBatch
 from pipesvc.core.sampling import Sampling
 from pipesvc.core.tensor_codec import decode
-from pipesvc.errors import InvalidArgumentError, PipesvcError, SessionCacheLostError
+from pipesvc.errors import (
+    InternalError,
+    InvalidArgumentError,
+    PipesvcError,
+    SessionCacheLostError,
+)
 from pipesvc.observe.metrics import Metrics
 from pipesvc.v1 import stage_pb2
 
@@ -183,7 +188,18 @@ class JobGeneration:
                     self._metrics.inc("generation_replays_total")
         self._prefixes_after(sessions, epoch)
         outputs = [decode(t) for t in replies.outputs]
-        return [(steps, epoch) for steps in run.steps(outputs)]
+        taken = run.steps(outputs)
+        if run.batch.sampling:  # see [Note: sampling on the last stage] in session.py
+            states = list(replies.by_replica[0][-1].generator_states)
+            if len(states) != len(sessions):
+                raise InternalError(
+                    f"the last stage returned {len(states)} generator states for a run of "
+                    f"{len(sessions)} sampling sessions"
+                )
+            for session, state in zip(sessions, states, strict=True):
+                if not session.sampling.greedy:
+                    session.advance_generator(state)
+        return [(steps, epoch) for steps in taken]
 
     def _choose_prefixes(self, session: Session, epoch: int) -> None:
         """Chooses, before each run of plan epoch ``epoch`` until a session's first run is

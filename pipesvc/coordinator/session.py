@@ -37,9 +37,10 @@ plan epoch replays it from its first column like any session.
 [Note: decode steps on the stages] Between two decode steps the stages wait for the coordinator:
 the last stage's reply, the next run planned and sent, the first stage's request read, several
 milliseconds of thread hand-offs a step against a step's 20-60 ms of compute. When every session
-of a run is decoding greedily (no sampling, no log-probabilities) in one micro-batch, the run
+of a run is decoding without log-probabilities in one micro-batch, the run
 takes up to the job's ``decode_steps`` (``DECODE_STEPS`` by default) steps on the stages: the
-last stage picks each row's token and sends it back up the pipeline, on the links' gradient
+last stage picks each row's token (for sessions that sample, see [Note: sampling on the last
+stage]) and sends it back up the pipeline, on the links' gradient
 direction (which generation leaves idle), each stage passing it on, and the first stage runs
 the next step on it; each stage derives a step's side inputs from the first step's (the padding
 mask one real column longer a step, the positions one further). The last stage returns the
@@ -51,6 +52,17 @@ caches, and a failed run is undone on every stage like any. Rows that finished i
 multi-row session are fed their own next token rather than the end-of-sequence token the
 coordinator reports for them: their caches differ, their tokens do not, and no row reads
 another's. The cost is in when tokens reach their readers: a run's tokens arrive together.
+
+[Note: sampling on the last stage] A run of several decode steps cannot wait for the coordinator
+to sample, so the last stage samples: the run carries, per session, its rows of the micro-batch
+(in the order of its parts, as the coordinator joins them), its settings and its generator's
+state (``RunStepRequest.sampling``); the last stage draws each step's tokens with the very code
+the coordinator uses (``Sampling.choose`` over the session's rows at once, from a generator set
+to that state; ``sampling.choose_rows``) and returns each generator's state after the run. The
+coordinator takes the tokens and, once the run succeeded, the states (``advance_generator``):
+a session draws exactly the numbers it would have drawn in runs of one step, and a failed run
+changes no state, so a replay draws them again. Sessions that ask for log-probabilities keep a
+run a step (the figures need each step's logits on the coordinator).
 """
 
 from __future__ import annotations
@@ -63,7 +75,15 @@ import torch
 
 from pipesvc.coordinator.prefixes import Prefix
 from pipesvc.core.microbatch import CacheRef, MicrobatchCaches, RunBatch
-from pipesvc.core.sampling import Sampling, TokenLogprobs, check_top_logprobs, token_logprobs
+from pipesvc.core.sampling import (
+    RowsSampling,
+    Sampling,
+    TokenLogprobs,
+    check_top_logprobs,
+    generator_from,
+    generator_state,
+    token_logprobs,
+)
 from pipesvc.errors import InternalError, InvalidArgumentError
 
 MAX_NEW_TOKENS = 1 << 16
@@ -279,6 +299,15 @@ class Session:
         reports log-probabilities."""
         return not self.sampling.greedy or self.logprobs is not None
 
+    def advance_generator(self, state: bytes) -> None:
+        """Sets its generator to ``state``, where the last stage left it after a run of several
+        decode steps (see [Note: sampling on the last stage]).
+
+        Raises:
+            InvalidArgumentError: not a generator state.
+        """
+        self.generator = generator_from(state)
+
     def _chunks(self, start: int) -> list[tuple[int, int]]:
         """The column ranges of the next run's micro-batches of one part: the whole rest of
         the sequence, or a long prompt in chunks (see [Note: chunked prefill])."""
@@ -298,7 +327,8 @@ class Session:
             self.epoch = epoch
             return None
         scores = torch.cat(logits, dim=0)
-        if scores.dim() == 1 and not self.wants_logits:
+        if scores.dim() == 1:  # tokens the last stage chose (see [Note: decode steps on the
+            # stages] and [Note: sampling on the last stage])
             chosen = scores.to(torch.long)
         else:
             chosen = self.sampling.choose(scores, self.generator)
@@ -414,15 +444,25 @@ def plan_step(
     has_side = any(side)
     has_caches = any(caches)
     greedy = not any(s.wants_logits for s in sessions)
+    sampling: list[RowsSampling] = []
     if (
         steps > 1
-        and greedy
+        and all(s.logprobs is None for s in sessions)
         and len(groups) == 1
         and not starting
         and all(_extends(entry) for entry in groups[0])
         and {name for entry in side for name in entry} <= DECODE_SIDE_INPUTS
     ):
         caches = [tuple(dataclasses.replace(ref, positions=steps) for ref in caches[0])]
+        if not greedy:  # see [Note: sampling on the last stage]
+            sampling = [
+                RowsSampling(
+                    tuple((a, b) for _, a, b in parts),
+                    s.sampling,
+                    b"" if s.sampling.greedy else generator_state(s.generator),
+                )
+                for s, parts in zip(sessions, sources, strict=True)
+            ]
     else:
         steps = 1
     batch = RunBatch(
@@ -431,6 +471,7 @@ def plan_step(
         caches=caches if has_caches else [],
         greedy=greedy,
         decode_steps=steps,
+        sampling=sampling,
     )
     return StepRun(batch, sources)
 

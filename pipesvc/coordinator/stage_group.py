@@ -31,6 +31,7 @@ from pipesvc.core.health import Health
 from pipesvc.core.loss import loss_units
 from pipesvc.core.microbatch import MicrobatchCaches, RunBatch
 from pipesvc.core.plan import PipelineStage, replicas_of, servers_of
+from pipesvc.core.sampling import RowsSampling
 from pipesvc.core.tensor_codec import payload_view
 from pipesvc.errors import (
     FailedPreconditionError,
@@ -46,6 +47,18 @@ _Req = TypeVar("_Req")
 _Resp = TypeVar("_Resp")
 
 logger = logging.getLogger(__name__)
+
+
+def _sampling_message(plan: RowsSampling) -> stage_pb2.StepSampling:
+    """How the last stage picks a session's tokens (see [Note: sampling on the last stage] in
+    ``session.py``), as the wire carries it."""
+    return stage_pb2.StepSampling(
+        rows=[stage_pb2.RowRange(start=a, end=b) for a, b in plan.rows],
+        temperature=plan.sampling.temperature,
+        top_k=plan.sampling.top_k or 0,
+        top_p=plan.sampling.top_p or 0.0,
+        generator_state=plan.state,
+    )
 
 
 def _cache_messages(caches: Sequence[MicrobatchCaches]) -> list[stage_pb2.MicrobatchCaches]:
@@ -217,6 +230,7 @@ class StageGroup:
         target_views = [payload_view(t) for t in targets]
         side_views = [{n: payload_view(t) for n, t in side.items()} for side in batch.side]
         caches = _cache_messages(batch.caches)
+        sampling = [_sampling_message(plan) for plan in batch.sampling]  # the last stage's
         others_commit = _without_snapshot(commit)
         share_of = {p[0].replica: share for p, share in zip(pipelines, shares, strict=True)}
         last = len(pipelines[0]) - 1
@@ -243,6 +257,7 @@ class StageGroup:
                 caches=caches[part],
                 greedy=batch.greedy,
                 decode_steps=batch.decode_steps,
+                sampling=sampling if is_last else [],
                 microbatch_offset=share.start,
                 replicas=group,
             )

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipesvc.core.sampling import RowsSampling
 from pipesvc.errors import InvalidArgumentError
 
 
@@ -117,9 +118,12 @@ class RunBatch:
     greedy: bool = False
     """Generation: the last stage returns each row's most likely next token, not its logits."""
     decode_steps: int = 1
-    """Greedy generation: decode steps the stages take in the run, the last stage returning
+    """Generation: decode steps the stages take in the run, the last stage returning
     ``[decode_steps, rows]`` tokens (see [Note: decode steps on the stages] in
     ``pipesvc.coordinator.session``)."""
+    sampling: list[RowsSampling] = field(default_factory=list)
+    """A run of several decode steps that is not greedy: how the last stage picks each
+    session's tokens (see [Note: sampling on the last stage] there)."""
 
     @classmethod
     def split(

@@ -113,3 +113,77 @@ def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, top: int) -> Toke
     logp = torch.log_softmax(logits.float(), dim=-1)
     values, ids = torch.topk(logp, min(top, logp.shape[-1]), dim=-1)
     return TokenLogprobs(logp.gather(-1, chosen[:, None].long()).squeeze(-1), ids, values)
+
+
+GENERATOR_STATE_BYTES = int(torch.Generator().get_state().numel())
+"""The bytes of a CPU ``torch.Generator``'s state (``get_state``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RowsSampling:
+    """How one session's rows of a fused micro-batch pick their tokens on the last stage, in
+    a run of several decode steps (see [Note: sampling on the last stage] in
+    ``pipesvc.coordinator.session``)."""
+
+    rows: tuple[tuple[int, int], ...]
+    """``[start, end)`` row ranges of the micro-batch, in the order of the session's parts."""
+    sampling: Sampling
+    state: bytes = b""
+    """The session's generator state before the run (empty when greedy)."""
+
+
+def generator_from(state: bytes) -> torch.Generator:
+    """A CPU generator in ``state`` (``get_state`` bytes).
+
+    Raises:
+        InvalidArgumentError: not a generator state.
+    """
+    if len(state) != GENERATOR_STATE_BYTES:
+        raise InvalidArgumentError(
+            f"a generator state of {len(state)} bytes; expected {GENERATOR_STATE_BYTES}"
+        )
+    generator = torch.Generator()
+    try:
+        generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+    except RuntimeError as exc:
+        raise InvalidArgumentError(f"the generator state does not load: {exc}") from exc
+    return generator
+
+
+def generator_state(generator: torch.Generator) -> bytes:
+    """``generator``'s state as bytes (what ``generator_from`` takes)."""
+    return bytes(generator.get_state().numpy().tobytes())
+
+
+def check_rows(plans: list[RowsSampling], num_rows: int) -> None:
+    """Raises InvalidArgumentError unless ``plans``' row ranges cover ``num_rows`` rows,
+    each once."""
+    covered = sorted(r for plan in plans for r in plan.rows)
+    at = 0
+    for start, end in covered:
+        if start != at or end <= start:
+            break
+        at = end
+    else:
+        if at == num_rows:
+            return
+    raise InvalidArgumentError(
+        f"sampling row ranges {covered} must cover the micro-batch's {num_rows} rows, each "
+        "once, every range non-empty"
+    )
+
+
+def choose_rows(
+    logits: torch.Tensor, plans: list[RowsSampling], generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """Each row's next token (``[R]`` int64) from ``logits`` (``[R, V]``), each session's rows
+    chosen together as the coordinator chooses them (``Sampling.choose`` over the session's
+    rows in its parts' order, with its generator)."""
+    chosen = torch.empty(logits.shape[0], dtype=torch.long)
+    for plan, generator in zip(plans, generators, strict=True):
+        index = torch.cat([torch.arange(a, b) for a, b in plan.rows])
+        if generator is None:
+            chosen[index] = logits[index].float().argmax(dim=-1)
+        else:
+            chosen[index] = plan.sampling.choose(logits[index], generator)
+    return chosen

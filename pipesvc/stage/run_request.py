@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pipesvc.core.limits import MAX_DECODE_STEPS, MAX_MICROBATCHES
 from pipesvc.core.microbatch import CacheRef, MicrobatchCaches
+from pipesvc.core.sampling import RowsSampling, Sampling, check_rows, generator_from
 from pipesvc.errors import InvalidArgumentError
 from pipesvc.stage.compute.engine import Carried
 from pipesvc.v1 import stage_pb2
@@ -95,16 +96,17 @@ DECODE_SIDE_INPUTS = frozenset({"attention_mask", "position_ids"})
 
 
 def decode_steps(
-    request: stage_pb2.RunStepRequest, caches: list[MicrobatchCaches], first: bool
+    request: stage_pb2.RunStepRequest, caches: list[MicrobatchCaches], first: bool, last: bool
 ) -> int:
     """The decode steps a run request asks for (see [Note: decode steps on the stages] in
     ``pipesvc.coordinator.session``), checked; 1 when it asks for none.
 
     Raises:
         InvalidArgumentError: more than ``MAX_DECODE_STEPS``, or several steps in a run that
-            is not one greedy GENERATE micro-batch of caches that each add a position a step
-            (none starting, none keeping a prefix), with side inputs other than the padding
-            mask and positions, or (first stage) inputs other than one token per row.
+            is not one GENERATE micro-batch of caches that each add a position a step (none
+            starting, none keeping a prefix), greedy or sampled as ``sampling`` says, with side
+            inputs other than the padding mask and positions, or (first stage) inputs other
+            than one token per row.
     """
     steps = max(request.decode_steps, 1)
     if steps == 1:
@@ -115,7 +117,7 @@ def decode_steps(
     if (
         steps > MAX_DECODE_STEPS
         or request.mode != stage_pb2.GENERATE
-        or not request.greedy
+        or (last and request.greedy == bool(request.sampling))
         or request.num_microbatches != 1
         or not refs
         or any(r.fresh or r.keep_as or r.positions != steps for r in refs)
@@ -124,14 +126,51 @@ def decode_steps(
     ):
         raise InvalidArgumentError(
             f"decode_steps ({steps}) must be at most {MAX_DECODE_STEPS}, and above 1 only in "
-            "a greedy GENERATE run of one micro-batch whose caches each extend by that many "
-            "positions, with side inputs among "
+            "a GENERATE run of one micro-batch, greedy or with sampling for its sessions, "
+            "whose caches each extend by that many positions, with side inputs among "
             f"{sorted(DECODE_SIDE_INPUTS)} and one input token per row; got mode "
-            f"{request.mode}, greedy {request.greedy}, {request.num_microbatches} "
+            f"{request.mode}, greedy {request.greedy} with {len(request.sampling)} "
+            f"sampling entries, {request.num_microbatches} "
             f"micro-batch(es), caches {[(r.fresh, r.positions) for r in refs]}, side inputs "
             f"{sorted(names)}"
         )
     return steps
+
+
+def step_sampling(
+    request: stage_pb2.RunStepRequest, caches: list[MicrobatchCaches], steps: int
+) -> list[RowsSampling]:
+    """How the last stage picks each session's tokens in a run of several decode steps (see
+    [Note: sampling on the last stage] in ``pipesvc.coordinator.session``), checked; empty
+    when greedy.
+
+    Raises:
+        InvalidArgumentError: sampling in a run of one step, settings out of range, a
+            generator state that does not load, or row ranges that do not cover the
+            micro-batch's rows once.
+    """
+    if not request.sampling:
+        return []
+    if steps == 1:
+        raise InvalidArgumentError(
+            f"sampling for {len(request.sampling)} sessions in a run of one step; the "
+            "coordinator samples those"
+        )
+    plans = []
+    for entry in request.sampling:
+        sampling = Sampling(
+            temperature=entry.temperature,
+            top_k=entry.top_k or None,
+            top_p=entry.top_p or None,
+        )
+        rows = tuple((r.start, r.end) for r in entry.rows)
+        if not sampling.greedy:
+            generator_from(entry.generator_state)  # loads, or says why not
+        elif entry.generator_state:
+            raise InvalidArgumentError("a greedy session's sampling carries a generator state")
+        plans.append(RowsSampling(rows, sampling, entry.generator_state))
+    check_rows(plans, sum(ref.rows for ref in caches[0]))
+    return plans
 
 
 def check_prefix_ref(ref: stage_pb2.CacheRef, *, fused: bool) -> None:

@@ -42,7 +42,7 @@ from pipesvc.stage.dataplane.malloc import give_back
 from pipesvc.stage.net import probe
 from pipesvc.stage.net.links import UpstreamLink
 from pipesvc.stage.options import StageOptions
-from pipesvc.stage.run_request import cache_refs, carried_commit, decode_steps
+from pipesvc.stage.run_request import cache_refs, carried_commit, decode_steps, step_sampling
 from pipesvc.stage.state_rpcs import StateRpcs
 from pipesvc.stage.telemetry_rpcs import TelemetryRpcs
 from pipesvc.v1 import common_pb2, stage_pb2, stage_pb2_grpc
@@ -327,7 +327,8 @@ class StageService(StateRpcs, TelemetryRpcs, stage_pb2_grpc.StageServiceServicer
                 f"side inputs for {len(request.side_inputs)} micro-batches; expected 0 or {m}"
             )
         caches = cache_refs(request, m, generating)
-        steps = decode_steps(request, caches, rt.is_first)
+        steps = decode_steps(request, caches, rt.is_first, rt.is_last)
+        sampling = step_sampling(request, caches, steps) if rt.is_last else []
         # Inputs and side inputs go to the layers, which may write to them in place: on the
         # CPU they are copies of their own, elsewhere the move to the device copies them.
         # Targets only reach the loss, which reads them where they lie in the request.
@@ -352,6 +353,7 @@ class StageService(StateRpcs, TelemetryRpcs, stage_pb2_grpc.StageServiceServicer
                     caches=caches,
                     greedy=generating and request.greedy,
                     decode_steps=steps,
+                    sampling=sampling,
                     microbatch_offset=request.microbatch_offset,
                     replicas=GroupSpec.from_proto(request.replicas)
                     if request.HasField("replicas")
@@ -364,6 +366,7 @@ class StageService(StateRpcs, TelemetryRpcs, stage_pb2_grpc.StageServiceServicer
             losses=result.losses,
             outputs=[encode(output) for output in result.outputs],
             peak_in_flight=result.peak_in_flight,
+            generator_states=result.generator_states,
         )
         if result.grad_norm_sq is not None:
             response.grad_norm_sq = result.grad_norm_sq

@@ -454,6 +454,7 @@ class RunStepRequest(_message.Message):
     REPLICAS_FIELD_NUMBER: _builtins.int
     PAYLOADS_FIELD_NUMBER: _builtins.int
     DECODE_STEPS_FIELD_NUMBER: _builtins.int
+    SAMPLING_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """The job."""
     plan_epoch: _builtins.int
@@ -521,6 +522,12 @@ class RunStepRequest(_message.Message):
         names them (see [Note: payload wire] in pipesvc/wire/payload_wire.py).
         """
 
+    @_builtins.property
+    def sampling(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepSampling]:
+        """With decode_steps above 1 and not greedy: how the last stage picks each session's tokens,
+        one entry per session of the run, covering every row of the micro-batch once.
+        """
+
     def __init__(
         self,
         *,
@@ -540,14 +547,85 @@ class RunStepRequest(_message.Message):
         replicas: Global___ReplicaGroup | None = ...,
         payloads: _abc.Iterable[_builtins.bytes] | None = ...,
         decode_steps: _builtins.int = ...,
+        sampling: _abc.Iterable[Global___StepSampling] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "replicas", b"replicas"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["caches", b"caches", "commit", b"commit", "decode_steps", b"decode_steps", "greedy", b"greedy", "inputs", b"inputs", "job_id", b"job_id", "loss_weights", b"loss_weights", "microbatch_offset", b"microbatch_offset", "mode", b"mode", "num_microbatches", b"num_microbatches", "payloads", b"payloads", "plan_epoch", b"plan_epoch", "replicas", b"replicas", "run_id", b"run_id", "side_inputs", b"side_inputs", "targets", b"targets"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["caches", b"caches", "commit", b"commit", "decode_steps", b"decode_steps", "greedy", b"greedy", "inputs", b"inputs", "job_id", b"job_id", "loss_weights", b"loss_weights", "microbatch_offset", b"microbatch_offset", "mode", b"mode", "num_microbatches", b"num_microbatches", "payloads", b"payloads", "plan_epoch", b"plan_epoch", "replicas", b"replicas", "run_id", b"run_id", "sampling", b"sampling", "side_inputs", b"side_inputs", "targets", b"targets"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RunStepRequest: _TypeAlias = RunStepRequest  # noqa: Y015
+
+@_typing.final
+class StepSampling(_message.Message):
+    """How the last stage picks one session's tokens in a run of several decode steps (see
+    [Note: sampling on the last stage] in pipesvc/coordinator/session.py).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROWS_FIELD_NUMBER: _builtins.int
+    TEMPERATURE_FIELD_NUMBER: _builtins.int
+    TOP_K_FIELD_NUMBER: _builtins.int
+    TOP_P_FIELD_NUMBER: _builtins.int
+    GENERATOR_STATE_FIELD_NUMBER: _builtins.int
+    temperature: _builtins.float
+    """0: greedy; above 0: sample from softmax(logits / temperature)."""
+    top_k: _builtins.int
+    """Sample only among this many most likely tokens; 0: all."""
+    top_p: _builtins.float
+    """Sample only among the most likely tokens whose probabilities sum to this; 0: all."""
+    generator_state: _builtins.bytes
+    """The session's generator before the run (torch's CPU generator state, 5056 bytes); empty
+    when greedy.
+    """
+    @_builtins.property
+    def rows(self) -> _containers.RepeatedCompositeFieldContainer[Global___RowRange]:
+        """The session's rows in the run's micro-batch: [start, end) ranges, in the order of its
+        parts (the rows it samples over at once).
+        """
+
+    def __init__(
+        self,
+        *,
+        rows: _abc.Iterable[Global___RowRange] | None = ...,
+        temperature: _builtins.float = ...,
+        top_k: _builtins.int = ...,
+        top_p: _builtins.float = ...,
+        generator_state: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generator_state", b"generator_state", "rows", b"rows", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepSampling: _TypeAlias = StepSampling  # noqa: Y015
+
+@_typing.final
+class RowRange(_message.Message):
+    """Rows [start, end) of a micro-batch."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    START_FIELD_NUMBER: _builtins.int
+    END_FIELD_NUMBER: _builtins.int
+    start: _builtins.int
+    end: _builtins.int
+    def __init__(
+        self,
+        *,
+        start: _builtins.int = ...,
+        end: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "start", b"start"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RowRange: _TypeAlias = RowRange  # noqa: Y015
 
 @_typing.final
 class ReplicaGroup(_message.Message):
@@ -766,6 +844,7 @@ class RunStepResponse(_message.Message):
     OUTPUTS_FIELD_NUMBER: _builtins.int
     GRAD_NORM_SQ_FIELD_NUMBER: _builtins.int
     PEAK_IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    GENERATOR_STATES_FIELD_NUMBER: _builtins.int
     grad_norm_sq: _builtins.float
     """Sum of squared per-parameter gradient norms of this stage (TRAIN mode, and only when the
     job clips gradients: otherwise 0, sparing a pass over every gradient).
@@ -780,6 +859,12 @@ class RunStepResponse(_message.Message):
     def outputs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Tensor]:
         """Micro-batch outputs; last rank in INFER mode."""
 
+    @_builtins.property
+    def generator_states(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Last rank, a run of several decode steps with sampling: each session's generator after
+        the run, in the order of RunStepRequest.sampling.
+        """
+
     def __init__(
         self,
         *,
@@ -787,10 +872,11 @@ class RunStepResponse(_message.Message):
         outputs: _abc.Iterable[_common_pb2.Tensor] | None = ...,
         grad_norm_sq: _builtins.float = ...,
         peak_in_flight: _builtins.int = ...,
+        generator_states: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["grad_norm_sq", b"grad_norm_sq", "losses", b"losses", "outputs", b"outputs", "peak_in_flight", b"peak_in_flight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generator_states", b"generator_states", "grad_norm_sq", b"grad_norm_sq", "losses", b"losses", "outputs", b"outputs", "peak_in_flight", b"peak_in_flight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

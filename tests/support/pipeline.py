@@ -140,6 +140,7 @@ class Pipeline:
                         caches=batch.caches,
                         greedy=batch.greedy,
                         decode_steps=batch.decode_steps,
+                        sampling=batch.sampling if rank == last else [],
                     ),
                     commit=commit,
                     generating=generating,

@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from pipesvc.coordinator.session import DECODE_SIDE_INPUTS, ModelSupport, Session, plan_step
-from pipesvc.core.sampling import Sampling
+from pipesvc.core.sampling import (
+    GENERATOR_STATE_BYTES,
+    RowsSampling,
+    Sampling,
+    choose_rows,
+    generator_from,
+    generator_state,
+)
 from pipesvc.errors import InternalError, InvalidArgumentError
 from pipesvc.stage import run_request
 from pipesvc.stage.compute.action_loop import _step_side
@@ -61,14 +68,12 @@ def test_decoding_sessions_run_up_to_the_steps_asked_in_one_run() -> None:
     assert plan_step([_decoding()], 1, fuse=False, steps=3).batch.decode_steps == 3
 
 
-def test_a_run_takes_one_step_unless_every_part_decodes_greedily_in_one_micro_batch() -> None:
+def test_a_run_takes_one_step_unless_every_part_decodes_in_one_micro_batch() -> None:
     prompt = Session(
         torch.ones(1, 5, dtype=torch.long), None, parts=1, sampling=Sampling(), support=SUPPORT
     )
-    sampled = _decoding(sampling=Sampling(temperature=0.7, seed=1))
     cases = {
         "a prompt beside": [_decoding(), prompt],
-        "a sampling session": [_decoding(), sampled],
         "two parts unfused": [_decoding(rows=2, parts=2)],
     }
     for what, sessions in cases.items():
@@ -78,6 +83,38 @@ def test_a_run_takes_one_step_unless_every_part_decodes_greedily_in_one_micro_ba
     asking = _decoding()
     asking.logprobs = 2  # log-probabilities need the logits of every step
     assert plan_step([asking], 1, fuse=True, steps=4).batch.decode_steps == 1
+
+
+def test_sampling_sessions_send_the_last_stage_their_rows_settings_and_generators() -> None:
+    """See [Note: sampling on the last stage]."""
+    settings = Sampling(temperature=0.7, top_k=3, seed=1)
+    sampled, greedy = _decoding(rows=2, parts=2, sampling=settings), _decoding()
+    run = plan_step([greedy, sampled], 1, fuse=True, steps=4)
+    assert run.batch.decode_steps == 4 and not run.batch.greedy
+    first, second = run.batch.sampling
+    assert (first.rows, first.sampling, first.state) == (((0, 1),), Sampling(), b"")
+    assert second.rows == ((1, 2), (2, 3)) and second.sampling == settings
+    assert second.state == generator_state(sampled.generator)
+    # Greedy sessions alone need none.
+    assert plan_step([greedy], 1, fuse=True, steps=4).batch.sampling == []
+
+
+def test_the_last_stage_draws_each_sessions_rows_at_once_with_its_generator() -> None:
+    """``choose_rows`` gives what the coordinator's ``Sampling.choose`` gives on each
+    session's rows joined in its parts' order, and leaves each generator where it would."""
+    logits = torch.randn(5, 11, generator=torch.Generator().manual_seed(0))
+    hot = Sampling(temperature=1.5, seed=4)
+    plans = [
+        RowsSampling(((3, 5), (0, 1)), hot, generator_state(hot.generator())),
+        RowsSampling(((1, 3),), Sampling()),
+    ]
+    generators = [generator_from(plans[0].state), None]
+    chosen = choose_rows(logits, plans, generators)
+    mine = hot.generator()
+    want = hot.choose(torch.cat([logits[3:5], logits[0:1]]), mine)
+    assert chosen[[3, 4, 0]].tolist() == want.tolist()
+    assert chosen[1:3].tolist() == logits[1:3].argmax(-1).tolist()
+    assert generator_state(generators[0]) == generator_state(mine)
 
 
 def _request(**fields: object) -> tuple[stage_pb2.RunStepRequest, list]:
@@ -111,12 +148,12 @@ def _request(**fields: object) -> tuple[stage_pb2.RunStepRequest, list]:
 
 def test_a_stage_takes_the_steps_of_a_greedy_run_of_one_decoding_micro_batch() -> None:
     request, caches = _request()
-    assert run_request.decode_steps(request, caches, first=True) == 3
+    assert run_request.decode_steps(request, caches, first=True, last=True) == 3
     one = stage_pb2.MicrobatchCaches(
         refs=[stage_pb2.CacheRef(session="a", part=0, rows=1, positions=1)]
     )
     request, caches = _request(decode_steps=0, caches=[one])  # none asked: one step
-    assert run_request.decode_steps(request, caches, first=True) == 1
+    assert run_request.decode_steps(request, caches, first=True, last=True) == 1
 
 
 @pytest.mark.parametrize(
@@ -168,7 +205,53 @@ def test_a_stage_takes_the_steps_of_a_greedy_run_of_one_decoding_micro_batch() -
 def test_a_stage_refuses_steps_a_run_cannot_take(fields: dict[str, object]) -> None:
     request, caches = _request(**fields)
     with pytest.raises(InvalidArgumentError, match=r"decode_steps \(\d+\) must be at most 64"):
-        run_request.decode_steps(request, caches, first=True)
+        run_request.decode_steps(request, caches, first=True, last=True)
+
+
+def _entry(rows: list[tuple[int, int]], **fields: object) -> stage_pb2.StepSampling:
+    state = generator_state(torch.Generator().manual_seed(1))
+    base: dict[str, object] = {"temperature": 0.8, "top_k": 4, "generator_state": state}
+    base.update(fields)
+    ranges = [stage_pb2.RowRange(start=a, end=b) for a, b in rows]
+    return stage_pb2.StepSampling(rows=ranges, **base)  # type: ignore[arg-type]
+
+
+def test_the_last_stage_takes_each_sessions_sampling() -> None:
+    entries = [_entry([(1, 2)]), _entry([(0, 1)], temperature=0.0, top_k=0, generator_state=b"")]
+    request, caches = _request(greedy=False, sampling=entries)
+    assert run_request.decode_steps(request, caches, first=True, last=True) == 3
+    plans = run_request.step_sampling(request, caches, 3)
+    assert [p.rows for p in plans] == [((1, 2),), ((0, 1),)]
+    assert plans[0].sampling == Sampling(temperature=0.8, top_k=4)
+    assert plans[1].sampling.greedy and plans[1].state == b""
+    # Only the last stage picks tokens: the others run the steps without the sampling.
+    bare, caches = _request(greedy=False)
+    assert run_request.decode_steps(bare, caches, first=True, last=False) == 3
+
+
+@pytest.mark.parametrize(
+    ("entries", "steps", "message"),
+    [
+        ([_entry([(0, 2)])], 1, "in a run of one step"),
+        ([_entry([(0, 2)], temperature=-1.0)], 3, r"temperature \(-1.0\)"),
+        ([_entry([(0, 2)], top_p=1.5)], 3, r"top_p \(1.5\)"),
+        (
+            [_entry([(0, 2)], generator_state=b"x" * 7)],
+            3,
+            f"generator state of 7 bytes; expected {GENERATOR_STATE_BYTES}",
+        ),
+        ([_entry([(0, 1)])], 3, r"must cover the micro-batch's 2 rows"),
+        ([_entry([(0, 1)]), _entry([(0, 2)])], 3, "must cover"),
+        ([_entry([(0, 2)], temperature=0.0, top_k=0)], 3, "greedy session's sampling carries"),
+    ],
+    ids=["one step", "temperature", "top_p", "state", "uncovered", "twice", "greedy state"],
+)
+def test_the_last_stage_refuses_sampling_that_does_not_fit(
+    entries: list[stage_pb2.StepSampling], steps: int, message: str
+) -> None:
+    request, caches = _request(greedy=False, sampling=entries)
+    with pytest.raises(InvalidArgumentError, match=message):
+        run_request.step_sampling(request, caches, steps)
 
 
 def test_a_fused_micro_batch_of_several_steps_must_add_them_to_every_part() -> None:

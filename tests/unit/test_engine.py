@@ -316,6 +316,7 @@ def _generate(
     fuse: bool,
     decode_steps: int = 1,
     eos: int | None = None,
+    sampling: Callable[[int], Sampling] = lambda i: Sampling(),
 ) -> list[torch.Tensor]:
     """Greedy generation of every prompt as one session each, all sessions' steps in one run
     per step, as the coordinator's batcher runs them (decode parts fused, or each alone; up to
@@ -329,11 +330,11 @@ def _generate(
             p,
             None,
             parts=min(2, p.shape[0]),
-            sampling=Sampling(),
+            sampling=sampling(i),
             support=support,
             eos_token_id=eos,
         )
-        for p in prompts
+        for i, p in enumerate(prompts)
     ]
     made = 0
     while made < steps and not all(s.done for s in sessions):
@@ -343,6 +344,10 @@ def _generate(
         results = pipeline.run_batch(run.batch, pipeline.run_id, generating=True)
         last = results[-1]
         assert isinstance(last, RunResult), results
+        if run.batch.sampling:  # as the coordinator takes them
+            for session, state in zip(live, last.generator_states, strict=True):
+                if not session.sampling.greedy:
+                    session.advance_generator(state)
         for session, taken in zip(live, run.steps(last.outputs), strict=True):
             for logits in taken:
                 if not session.done:
@@ -432,6 +437,43 @@ def test_decode_steps_on_the_stages_give_the_tokens_of_one_step_runs(
         if eos is None:
             runs = [3 if fuse or group[0].shape[0] == 1 else 9 for group in groups]
             assert pipeline.run_id == sum(runs)
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 3])
+def test_sampled_sessions_draw_on_the_last_stage_what_the_coordinator_would_draw(
+    num_stages: int,
+) -> None:
+    """Sessions that sample (temperature, top-k, top-p, each its own seed) beside a greedy one:
+    runs of up to 4 decode steps, the last stage drawing their tokens from their generators
+    (see [Note: sampling on the last stage]), give each the tokens of runs of one step, where
+    the coordinator draws them, with an end-of-sequence token ending sessions inside runs."""
+    args = {**PROBLEMS["gpt"].model_args, "block_size": 32}
+    problem = Problem("gpt", args, "cross_entropy", (8,))
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 17, (1 + i % 3, 2 + 2 * i), generator=g) for i in range(4)]
+    settings = [
+        Sampling(temperature=0.9, seed=1),
+        Sampling(temperature=1.3, top_k=5, seed=2),
+        Sampling(),  # greedy, in the same run
+        Sampling(temperature=0.7, top_p=0.8, seed=3),
+    ]
+    for eos in (None, 3):
+        one = _generate(
+            _pipeline(problem, num_stages), prompts, 9, fuse=True, eos=eos,
+            sampling=settings.__getitem__,
+        )  # fmt: skip
+        pipeline = _pipeline(problem, num_stages)
+        many = _generate(
+            pipeline, prompts, 9, fuse=True, decode_steps=4, eos=eos,
+            sampling=settings.__getitem__,
+        )  # fmt: skip
+        for i in range(len(prompts)):
+            assert torch.equal(many[i], one[i]), (i, eos)
+        if eos is None:
+            assert pipeline.run_id == 3  # the prompts', then runs of 4 and 4 steps
+    # The draws are not all the greedy tokens (the sampling did something).
+    greedy = _generate(_pipeline(problem, num_stages), prompts, 9, fuse=True)
+    assert not all(torch.equal(a, b) for a, b in zip(many, greedy, strict=True))
 
 
 @pytest.mark.parametrize("num_stages", [2, 3])

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from pipesvc.core.microbatch import MicrobatchCaches
+from pipesvc.core.sampling import RowsSampling, choose_rows, generator_from, generator_state
 from pipesvc.core.schedule import Action, ActionKind
 from pipesvc.errors import FailedPreconditionError
 from pipesvc.observe.metrics import Metrics
@@ -44,8 +45,11 @@ class RunInputs:
     """Generation: the last stage returns each row's most likely next token (int64), not its
     next-token logits."""
     decode_steps: int = 1
-    """Greedy generation: decode steps the run takes (see [Note: decode steps on the stages] in
+    """Generation: decode steps the run takes (see [Note: decode steps on the stages] in
     ``pipesvc.coordinator.session``)."""
+    sampling: list[RowsSampling] = field(default_factory=list)
+    """Last stage, a run of several decode steps that is not greedy: how each session's rows
+    pick their tokens (see [Note: sampling on the last stage] there)."""
     microbatch_offset: int = 0
     """The step-wide index of the run's first micro-batch (a replica's share starts after the
     shares before it); training randomness is drawn per step-wide index."""
@@ -126,6 +130,9 @@ class ActionLoop:
         self._job_id = job_id
         self._metrics = metrics
         self._fault_kill = fault_kill
+        self.generator_states: list[bytes] = []
+        """The last run's sessions' generator states after it (see [Note: sampling on the last
+        stage] in ``pipesvc.coordinator.session``)."""
         self._chunked_runs = 0
         """Generation runs of several micro-batches so far (what ``prefill`` faults count)."""
         # What a wait names in its timeout's message (see Mailbox.get).
@@ -149,6 +156,7 @@ class ActionLoop:
         rt = self.runtime
         rec = self.recorder
         rec.begin(run_id, rt.step + 1 if training else 0, job_id=self._job_id, rank=rt.rank)
+        self.generator_states = []
         losses: dict[int, float] = {}
         outputs: dict[int, torch.Tensor] = {}
         fault_kill, fault_when, fault_step = self._fault_kill, "", 0
@@ -252,6 +260,10 @@ class ActionLoop:
         side = data.side[0] if data.side else {}
         x = data.inputs[0] if first else None
         made: list[torch.Tensor] = []
+        # See [Note: sampling on the last stage] in ``pipesvc.coordinator.session``.
+        generators = [
+            None if plan.sampling.greedy else generator_from(plan.state) for plan in data.sampling
+        ]
         for step in range(steps):
             more = step + 1 < steps
             if not first:
@@ -273,7 +285,10 @@ class ActionLoop:
                     else:
                         self._send_gradient(MailKey(run_id, GRADIENT, step), tokens)
                 continue
-            chosen = y[:, -1].argmax(dim=-1)  # each row's most likely next token
+            if data.sampling:
+                chosen = choose_rows(y[:, -1], data.sampling, generators)
+            else:
+                chosen = y[:, -1].argmax(dim=-1)  # each row's most likely next token
             made.append(chosen)
             if more and first:  # one stage: its own next inputs
                 x = chosen[:, None]
@@ -282,6 +297,7 @@ class ActionLoop:
         if stacked is not None:
             assert self.sessions is not None
             self.sessions.fused_done(data.caches[0], stacked)
+        self.generator_states = [b"" if g is None else generator_state(g) for g in generators]
         return torch.stack(made) if last else None
 
     def _receive(

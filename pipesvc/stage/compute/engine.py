@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -89,6 +89,9 @@ class RunResult:
     """Most micro-batches whose activations were held at once."""
     grad_norm_sq: float | None
     """Squared norm of this stage's gradients (training with clipping only)."""
+    generator_states: list[bytes] = field(default_factory=list)
+    """Last stage, a run of several decode steps with sampling: each session's generator after
+    it (see [Note: sampling on the last stage] in ``pipesvc.coordinator.session``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -221,6 +224,7 @@ class StepEngine:
                 outputs=outputs,
                 peak_in_flight=rt.peak_in_flight,
                 grad_norm_sq=grad_norm_sq,
+                generator_states=self._loop.generator_states,
             )
 
     def _begin_locked(self, run_id: int, data: RunInputs, commit: Carried | None) -> list[CacheRef]:
