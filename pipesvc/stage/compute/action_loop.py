@@ -247,12 +247,14 @@ class ActionLoop:
             outputs[mb] = y
 
     def _decode(self, run_id: int, data: RunInputs) -> torch.Tensor | None:
-        """Takes a run's ``data.decode_steps`` greedy decode steps of its one micro-batch (see
+        """Takes a run's ``data.decode_steps`` decode steps of its one micro-batch (see
         [Note: decode steps on the stages] in ``pipesvc.coordinator.session``): each step's
         forward on the same caches, its activation on to the next stage, and the tokens the
-        last stage picks back up the pipeline (on the gradient direction, each stage passing
-        them on) as the first stage's next inputs. Returns the last stage's tokens, int64
-        ``[steps, rows]`` (None elsewhere)."""
+        last stage picks (the most likely, or drawn as ``data.sampling`` says) back up the
+        pipeline (on the gradient direction, each stage passing them on) as the first stage's
+        next inputs. Returns the last stage's tokens, int64 ``[steps, rows]`` (None
+        elsewhere); the sessions' generator states after the run go to
+        ``generator_states``."""
         rt, rec = self.runtime, self.recorder
         steps = data.decode_steps
         first, last = rt.is_first, rt.is_last
