@@ -279,8 +279,8 @@ def _add_serving_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="STEPS",
-        help="generation: greedy decode steps the stages run per run, the last stage handing "
-        "each step's tokens to the first (default 4; 1: one step per run)",
+        help="generation: decode steps the stages run per run, the last stage handing each "
+        "step's tokens to the first (default 4; 1: one step per run)",
     )
 
 

@@ -74,7 +74,7 @@ from dataclasses import dataclass
 import torch
 
 from pipesvc.coordinator.prefixes import Prefix
-from pipesvc.core.microbatch import CacheRef, MicrobatchCaches, RunBatch
+from pipesvc.core.microbatch import DECODE_SIDE_INPUTS, CacheRef, MicrobatchCaches, RunBatch
 from pipesvc.core.sampling import (
     RowsSampling,
     Sampling,
@@ -95,8 +95,6 @@ MAX_CHUNKS = 16
 DECODE_STEPS = 4
 """Decode steps a run takes on the stages by default (see [Note: decode steps on the
 stages])."""
-DECODE_SIDE_INPUTS = frozenset({"attention_mask", "position_ids"})
-"""The side inputs the stages can carry from one decode step of a run to the next."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -374,7 +372,7 @@ class StepRun:
                 "built before decode steps on the stages? create the job with decode_steps=1)"
             )
         return [
-            [[outputs[mb][step, a:b] for mb, a, b in parts] for step in range(len(outputs[0]))]
+            [[outputs[mb][step, a:b] for mb, a, b in parts] for step in range(steps)]
             for parts in self.sources
         ]
 
@@ -395,8 +393,8 @@ def plan_step(
     micro-batch, or with ``fuse`` the parts that start their caches (prompts, replays) share
     one micro-batch and the parts that extend theirs by one position share another (see
     [Note: fused decode] in ``pipesvc.stage.compute.fused_cache``). Up to ``steps`` steps
-    when every part decodes greedily in one micro-batch (see [Note: decode steps on the
-    stages])."""
+    when every part decodes in one micro-batch and none asks for log-probabilities (see
+    [Note: decode steps on the stages])."""
     alone: list[_Part] = []
     starting: list[_Part] = []
     extending: list[_Part] = []

@@ -113,9 +113,10 @@ class JobConfig:
     the stages like micro-batches so the first token comes sooner (see [Note: chunked
     prefill] in ``pipesvc.coordinator.session``); 0: every prompt at once. None: 256."""
     decode_steps: int | None = None
-    """Generation: greedy decode steps the stages run per run without the coordinator, the
-    last stage handing each step's tokens to the first (see [Note: decode steps on the
-    stages] in ``pipesvc.coordinator.session``); 1: one step per run. None: 4."""
+    """Generation: decode steps the stages run per run without the coordinator (when no
+    session of the run asks for log-probabilities), the last stage handing each step's tokens
+    to the first (see [Note: decode steps on the stages] in ``pipesvc.coordinator.session``);
+    1: one step per run. None: 4."""
 
     def __post_init__(self) -> None:
         # Each concern checks its own fields (see [Note: configuration sections]).

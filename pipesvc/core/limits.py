@@ -20,7 +20,7 @@ take ~3 s, 8192 ~11 s, 16384 ~90 s, or ~13 s with the shared-memory path off). A
 one step at exactly this many."""
 
 MAX_DECODE_STEPS = 64
-"""Most greedy decode steps one generation run may take on the stages (see [Note: decode steps
+"""Most decode steps one generation run may take on the stages (see [Note: decode steps
 on the stages] in ``pipesvc.coordinator.session``)."""
 
 _UNITS = {

@@ -105,6 +105,11 @@ caches or all extending them by one position (see [Note: fused decode] in
 ``pipesvc.stage.compute.fused_cache``)."""
 
 
+DECODE_SIDE_INPUTS = frozenset({"attention_mask", "position_ids"})
+"""The side inputs the stages can carry from one decode step of a run to the next (see [Note:
+decode steps on the stages] in ``pipesvc.coordinator.session``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class RunBatch:
     """One run's micro-batches: inputs (first stage), targets (last stage, training only), side

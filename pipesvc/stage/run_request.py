@@ -4,7 +4,7 @@ and the generation caches of its micro-batches (no gRPC here)."""
 from __future__ import annotations
 
 from pipesvc.core.limits import MAX_DECODE_STEPS, MAX_MICROBATCHES
-from pipesvc.core.microbatch import CacheRef, MicrobatchCaches
+from pipesvc.core.microbatch import DECODE_SIDE_INPUTS, CacheRef, MicrobatchCaches
 from pipesvc.core.sampling import RowsSampling, Sampling, check_rows, generator_from
 from pipesvc.errors import InvalidArgumentError
 from pipesvc.stage.compute.engine import Carried
@@ -89,10 +89,6 @@ def cache_refs(
             )
         )
     return caches
-
-
-DECODE_SIDE_INPUTS = frozenset({"attention_mask", "position_ids"})
-"""The side inputs a stage can carry from one decode step of a run to the next."""
 
 
 def decode_steps(

@@ -284,8 +284,8 @@ class JobSpec(_message.Message):
     once; unset: the default (256).
     """
     decode_steps: _builtins.int
-    """Greedy decode steps the stages run per generation run, the last stage handing each
-    step's tokens back to the first; unset: the default (4); 1: one step per run.
+    """Decode steps the stages run per generation run, the last stage handing each step's
+    tokens back to the first; unset: the default (4); 1: one step per run.
     """
     @_builtins.property
     def input_shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:

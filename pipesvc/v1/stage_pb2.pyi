@@ -475,11 +475,12 @@ class RunStepRequest(_message.Message):
     step-wide micro-batch index.
     """
     decode_steps: _builtins.int
-    """GENERATE, greedy, one micro-batch whose caches all extend by one position a step: the
-    stages run this many decode steps in the run (0 or 1: one). The last stage sends each
-    step's tokens back up the pipeline (on the links' gradient direction, each stage passing
-    them on) as the first stage's next inputs, and returns int64 [decode_steps, rows]; every
-    cache reference adds decode_steps positions. See [Note: decode steps on the stages].
+    """GENERATE, greedy or with sampling (below), one micro-batch whose caches all extend by
+    one position a step: the stages run this many decode steps in the run (0 or 1: one). The
+    last stage sends each step's tokens back up the pipeline (on the links' gradient
+    direction, each stage passing them on) as the first stage's next inputs, and returns
+    int64 [decode_steps, rows]; every cache reference adds decode_steps positions. See
+    [Note: decode steps on the stages].
     """
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Tensor]:

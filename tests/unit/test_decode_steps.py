@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipesvc.coordinator.session import DECODE_SIDE_INPUTS, ModelSupport, Session, plan_step
+from pipesvc.coordinator.session import ModelSupport, Session, plan_step
+from pipesvc.core.microbatch import DECODE_SIDE_INPUTS
 from pipesvc.core.sampling import (
     GENERATOR_STATE_BYTES,
     RowsSampling,

@@ -58,6 +58,20 @@ class RunInputs:
 
 
 @dataclass(frozen=True, slots=True)
+class LoopResult:
+    """What the loop made of one run on this stage."""
+
+    losses: list[float]
+    """Each micro-batch's loss, in order (last stage, training)."""
+    outputs: list[torch.Tensor]
+    """Each micro-batch's output, in order (last stage, inference and generation)."""
+    generator_states: list[bytes] = field(default_factory=list)
+    """Last stage, a run of several decode steps with sampling: each session's generator
+    state after it (see [Note: sampling on the last stage] in
+    ``pipesvc.coordinator.session``)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Place:
     """Where an action is: its micro-batch, its chunk, and the run's micro-batch count.
 
@@ -130,9 +144,6 @@ class ActionLoop:
         self._job_id = job_id
         self._metrics = metrics
         self._fault_kill = fault_kill
-        self.generator_states: list[bytes] = []
-        """The last run's sessions' generator states after it (see [Note: sampling on the last
-        stage] in ``pipesvc.coordinator.session``)."""
         self._chunked_runs = 0
         """Generation runs of several micro-batches so far (what ``prefill`` faults count)."""
         # What a wait names in its timeout's message (see Mailbox.get).
@@ -149,14 +160,14 @@ class ActionLoop:
         *,
         training: bool,
         generating: bool = False,
-    ) -> tuple[list[float], list[torch.Tensor]]:
-        """Takes the actions of ``plan`` for run ``run_id`` on ``data``; returns the losses
-        (last stage, training) and outputs (last stage, inference) of its micro-batches, in
-        order. The caller has begun the run on the runtime and drops it if this raises."""
+    ) -> LoopResult:
+        """Takes the actions of ``plan`` for run ``run_id`` on ``data`` (or its decode steps);
+        returns the losses (last stage, training) and outputs (last stage, inference) of its
+        micro-batches, in order. The caller has begun the run on the runtime and drops it if
+        this raises."""
         rt = self.runtime
         rec = self.recorder
         rec.begin(run_id, rt.step + 1 if training else 0, job_id=self._job_id, rank=rt.rank)
-        self.generator_states = []
         losses: dict[int, float] = {}
         outputs: dict[int, torch.Tensor] = {}
         fault_kill, fault_when, fault_step = self._fault_kill, "", 0
@@ -170,7 +181,7 @@ class ActionLoop:
         if data.decode_steps > 1:
             made = self._decode(run_id, data)
             rec.end(training=training, generating=generating)
-            return [], [] if made is None else [made]
+            return made
         for kind, at, split_here in plan.steps:
             if fault_kill is not None:
                 fault_kill.check(
@@ -191,7 +202,9 @@ class ActionLoop:
                     rt.backward_weight(at.microbatch, at.chunk)
                 self._metrics.set("microbatches_in_flight", rt.live)
         rec.end(training=training, generating=generating)
-        return [losses[i] for i in sorted(losses)], [outputs[i] for i in sorted(outputs)]
+        return LoopResult(
+            [losses[i] for i in sorted(losses)], [outputs[i] for i in sorted(outputs)]
+        )
 
     def _forward(
         self,
@@ -246,15 +259,14 @@ class ActionLoop:
         elif not training:
             outputs[mb] = y
 
-    def _decode(self, run_id: int, data: RunInputs) -> torch.Tensor | None:
+    def _decode(self, run_id: int, data: RunInputs) -> LoopResult:
         """Takes a run's ``data.decode_steps`` decode steps of its one micro-batch (see
         [Note: decode steps on the stages] in ``pipesvc.coordinator.session``): each step's
         forward on the same caches, its activation on to the next stage, and the tokens the
         last stage picks (the most likely, or drawn as ``data.sampling`` says) back up the
         pipeline (on the gradient direction, each stage passing them on) as the first stage's
-        next inputs. Returns the last stage's tokens, int64 ``[steps, rows]`` (None
-        elsewhere); the sessions' generator states after the run go to
-        ``generator_states``."""
+        next inputs. On the last stage, the result's output is the tokens, int64 ``[steps,
+        rows]``, beside the sessions' generator states after the run."""
         rt, rec = self.runtime, self.recorder
         steps = data.decode_steps
         first, last = rt.is_first, rt.is_last
@@ -299,8 +311,10 @@ class ActionLoop:
         if stacked is not None:
             assert self.sessions is not None
             self.sessions.fused_done(data.caches[0], stacked)
-        self.generator_states = [b"" if g is None else generator_state(g) for g in generators]
-        return torch.stack(made) if last else None
+        if not last:
+            return LoopResult([], [])
+        states = [b"" if g is None else generator_state(g) for g in generators]
+        return LoopResult([], [torch.stack(made)], states)
 
     def _receive(
         self, key: MailKey, mb: int, carries: bool, sender: str

@@ -203,9 +203,7 @@ class StepEngine:
             plan = self._plan(training, num_microbatches)
             rt.begin_run(training, microbatch_offset=data.microbatch_offset)
             try:
-                losses, outputs = self._loop.run(
-                    run_id, plan, data, training=training, generating=generating
-                )
+                made = self._loop.run(run_id, plan, data, training=training, generating=generating)
                 if training:
                     self._settle_gradients(run_id, data.replicas)
                 self._keep_caches(refs)
@@ -220,11 +218,11 @@ class StepEngine:
                 if rt.config.clip_grad_norm is not None:  # a pass over every gradient
                     grad_norm_sq = rt.grad_norm_sq()
             return RunResult(
-                losses=losses,
-                outputs=outputs,
+                losses=made.losses,
+                outputs=made.outputs,
                 peak_in_flight=rt.peak_in_flight,
                 grad_norm_sq=grad_norm_sq,
-                generator_states=self._loop.generator_states,
+                generator_states=made.generator_states,
             )
 
     def _begin_locked(self, run_id: int, data: RunInputs, commit: Carried | None) -> list[CacheRef]:
