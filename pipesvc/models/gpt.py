@@ -225,6 +225,8 @@ class Block(nn.Module):
 class Head(nn.Module):
     """Final LayerNorm and projection to vocabulary logits: (B, T, C) -> (B, T, vocab_size)."""
 
+    positionwise = True  # see [Note: last position only] in pipesvc.stage.compute.layer_calls
+
     def __init__(self, embed_dim: int, vocab_size: int) -> None:
         super().__init__()
         self.ln_f = nn.LayerNorm(embed_dim)

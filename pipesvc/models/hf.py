@@ -279,6 +279,8 @@ class Head(_Part):
     """Final norm and LM head: hidden states -> logits ``[B, T, vocab]``, with the causal LM's
     own code after its body (logit soft-capping or scaling where the family has it)."""
 
+    positionwise = True  # see [Note: last position only] in pipesvc.stage.compute.layer_calls
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.is_meta:  # describing: sizes only
             logits: torch.Tensor = self.get_submodule("head")(hidden)

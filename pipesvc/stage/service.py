@@ -24,6 +24,7 @@ import torch
 from pipesvc import models
 from pipesvc.core.config import JobConfig, parse_json_object
 from pipesvc.core.limits import MAX_MICROBATCHES
+from pipesvc.core.microbatch import MicrobatchCaches
 from pipesvc.core.tensor_codec import decode, encode, named_frames
 from pipesvc.errors import (
     FailedPreconditionError,
@@ -66,12 +67,16 @@ def _threads(count: int) -> Iterator[None]:
     another, each idle while the others work, so a stage that keeps its share leaves the rest
     of the host's cores idle. ``--generate-threads`` gives a generation run of one micro-batch
     more (``LocalCluster`` gives it every core): on the 2-core machine of ``bench/README.md``
-    16 sessions on 2 stages made about 30% more tokens a second with 2 threads than with 1. A
-    run of several micro-batches (prompts beside the decode steps, a prompt's chunks)
-    pipelines them, so its stages compute at once and keep their share: with every core for
-    every generation run, 4 stages' 16 sessions got their first tokens 1.4x later. OpenMP's
-    thread count is per thread (see ``_same_threads`` in ``pipesvc.stage.server``), so the
-    run's own thread sets it and puts it back, and other runs keep theirs.
+    16 sessions on 2 stages made about 30% more tokens a second with 2 threads than with 1.
+    So does a run whose micro-batches all but one add a position a row (new prompts beside the
+    others' decode steps): the wide one dominates, and it goes through the stages one after
+    another like a decode step (``in_turn``). On the same machine 16 sessions' prompts, run
+    beside the first session's decode step, took 270 ms instead of 330 on 2 stages. A run of
+    several wide micro-batches (a prompt's chunks, prompts that each keep a prefix) pipelines
+    them, so its stages compute at once and keep their share: with every core, a 2048-token
+    prompt's chunks through 4 stages took 3.1 s instead of 1.7. OpenMP's thread count is per
+    thread (see ``_same_threads`` in ``pipesvc.stage.server``), so the run's own thread sets
+    it and puts it back, and other runs keep theirs.
     """
     before = torch.get_num_threads()
     if not count or count == before:
@@ -82,6 +87,15 @@ def _threads(count: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def in_turn(caches: list[MicrobatchCaches], m: int) -> bool:
+    """Whether a generation run's ``m`` micro-batches go through the stages one after another
+    rather than pipelined: one micro-batch, or all but one of them adding one position a row
+    (see [Note: generation threads]); a run without caches, only with one micro-batch."""
+    if not caches:
+        return m == 1
+    return sum(1 for refs in caches if any(ref.positions > 1 for ref in refs)) <= 1
 
 
 CONTROL_WORKERS = 16
@@ -339,8 +353,8 @@ class StageService(StateRpcs, TelemetryRpcs, stage_pb2_grpc.StageServiceServicer
             {name: decode(t, self._codec, payloads, copy=own) for name, t in entry.tensors.items()}
             for entry in request.side_inputs
         ]
-        # One micro-batch: the stages compute one after another (see [Note: generation threads]).
-        with _threads(self._options.generate_threads if generating and m == 1 else 0):
+        # The stages compute one after another (see [Note: generation threads]).
+        with _threads(self._options.generate_threads if generating and in_turn(caches, m) else 0):
             result = job.engine.run_step(
                 request.run_id,
                 training=training,

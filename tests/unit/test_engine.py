@@ -395,6 +395,23 @@ def test_sessions_fused_into_shared_micro_batches_generate_their_own_tokens(
         assert engine.sessions is not None and len(engine.sessions.sessions()) == 5 + 5
 
 
+def test_generation_runs_the_head_on_each_rows_last_position_only() -> None:
+    """See [Note: last position only] in pipesvc.stage.compute.layer_calls: the prompt's run
+    and every decode step call the last stage's head on one position a row; a forward that
+    returns every position calls it on all of them."""
+    args = {**PROBLEMS["gpt"].model_args, "block_size": 32}
+    pipeline = _pipeline(Problem("gpt", args, "cross_entropy", (8,)), num_stages=2)
+    head = pipeline.engines[-1].runtime._calls.chunks[0][-1][1]
+    seen: list[list[int]] = []
+    head.register_forward_hook(lambda module, given, out: seen.append(list(given[0].shape)))
+    prompts = [torch.randint(0, 17, (2, 9), generator=torch.Generator().manual_seed(4))]
+    tokens = _generate(pipeline, prompts, 3, fuse=True)
+    assert tokens[0].shape == (2, 12)
+    assert [shape[:2] for shape in seen] == [[2, 1]] * 3  # the prompt, then 2 decode steps
+    pipeline.forward(prompts[0])  # a micro-batch a row
+    assert [shape[1] for shape in seen[3:]] == [9, 9]
+
+
 @pytest.mark.parametrize("num_stages", [1, 2, 3])
 @pytest.mark.parametrize("fuse", [True, False])
 def test_decode_steps_on_the_stages_give_the_tokens_of_one_step_runs(

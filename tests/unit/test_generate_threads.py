@@ -7,8 +7,9 @@ import threading
 import pytest
 import torch
 
+from pipesvc.core.microbatch import CacheRef
 from pipesvc.local_cluster import COLOCATED_SPIN_COUNT, LocalCluster, colocated_environ
-from pipesvc.stage.service import _threads
+from pipesvc.stage.service import _threads, in_turn
 
 
 def test_a_run_sets_its_threads_on_its_own_thread_and_puts_them_back() -> None:
@@ -55,3 +56,25 @@ def test_co_located_stages_spin_less_unless_told(monkeypatch: pytest.MonkeyPatch
     assert "glibc.malloc.tcache_count" in env["GLIBC_TUNABLES"]  # the stage's own settings too
     monkeypatch.setenv("GOMP_SPINCOUNT", "7")
     assert colocated_environ()["GOMP_SPINCOUNT"] == "7"  # the operator's
+
+
+def _ref(session: str, positions: int, *, fresh: bool = False) -> CacheRef:
+    return CacheRef(session, 0, fresh=fresh, rows=1, positions=positions)
+
+
+def test_runs_whose_stages_compute_in_turn_get_the_generation_threads() -> None:
+    prompts = (_ref("a", 16, fresh=True), _ref("b", 12, fresh=True))  # fused, left-padded
+    decode = (_ref("c", 1), _ref("d", 1))
+    # One micro-batch: a decode step, several steps of one, fused prompts.
+    assert in_turn([decode], 1)
+    assert in_turn([(_ref("c", 4),)], 1)  # a run of 4 decode steps
+    assert in_turn([prompts], 1)
+    # New prompts beside the others' decode steps: the prompts dominate, in turn.
+    assert in_turn([prompts, decode], 2)
+    assert in_turn([(_ref("e", 300),), decode], 2)  # one chunk of a long prompt beside them
+    # Several wide micro-batches pipeline: a prompt's chunks, prompts keeping prefixes.
+    assert not in_turn([(_ref("e", 256),), (_ref("e", 256),), (_ref("e", 256),)], 3)
+    assert not in_turn([(_ref("f", 9, fresh=True),), (_ref("g", 7, fresh=True),), decode], 3)
+    # No caches (a model that recomputes): by the micro-batches alone.
+    assert in_turn([], 1)
+    assert not in_turn([], 2)

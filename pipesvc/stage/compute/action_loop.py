@@ -240,6 +240,7 @@ class ActionLoop:
                 split_backward=split,
                 chunk=chunk,
                 carry=carry,
+                last_position=generating,
             )
             if stacked is not None:
                 assert self.sessions is not None

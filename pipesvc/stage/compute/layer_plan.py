@@ -21,6 +21,17 @@ cache and whether it adds to a carried vector (see [Note: carried vector] in
 ``pipesvc.models.carry``); fixed when the layer is built."""
 
 
+def positionwise_tail(chunk: list[LayerCall]) -> int:
+    """Where the layers of ``chunk`` that each compute every position from that position alone
+    (``positionwise``: a final norm and LM head) begin and run to its end: ``len(chunk)`` when
+    its last layer is not one (see [Note: last position only] in
+    ``pipesvc.stage.compute.layer_calls``)."""
+    start = len(chunk)
+    while start > 0 and getattr(chunk[start - 1][1], "positionwise", False):
+        start -= 1
+    return start
+
+
 def build_chunks(
     config: JobConfig, chunks: list[tuple[int, int]], device: torch.device
 ) -> list[list[LayerCall]]:

@@ -211,13 +211,16 @@ class StageRuntime:
         split_backward: bool = False,
         chunk: int = 0,
         carry: torch.Tensor | None = None,
+        last_position: bool = False,
     ) -> torch.Tensor:
         """Runs this stage's layers of ``chunk`` on ``x`` (with the micro-batch's ``side``
         inputs, and in generation its key/value ``cache``); in training keeps what backward
         needs, for a backward in two passes with ``split_backward`` (see [Note: split
         backward] in ``pipesvc.core.action``). A training micro-batch of a model that carries
         a vector takes it in ``carry`` from the stage before (``carried`` gives the total to
-        send on; see [Note: carried vector] in ``pipesvc.models.carry``).
+        send on; see [Note: carried vector] in ``pipesvc.models.carry``). ``last_position``:
+        an inference forward that needs only each row's last position from the model's last
+        layers (see [Note: last position only] in ``pipesvc.stage.compute.layer_calls``).
 
         Raises:
             InvalidArgumentError: a side input the model does not read, or a layer failed.
@@ -242,7 +245,9 @@ class StageRuntime:
         last = self.last_virtual(chunk)
         if not training:
             with torch.no_grad():
-                out = self._calls.apply(x, chunk, side, cache=cache)
+                out = self._calls.apply(
+                    x, chunk, side, cache=cache, last_position=last_position and last
+                )
             return out if last else to_wire(out, self._wire.down[0])
         if not first:
             if not x.is_floating_point():
