@@ -31,10 +31,13 @@ whole prompts (``prefill_chunk=0``) and on one that prefills them in chunks (the
 prompt's. ``beside a stream``: the same prompt asked for while another session streams (a
 16-token prompt, 96 new tokens): its time to the first token, and the streaming session's
 longest wait between two tokens (``gap ms``), which the whole prompt's prefill stretches and
-chunks cut to about one chunk (see [Note: chunks between decode steps]).
+chunks cut to about one chunk (see [Note: chunks between decode steps]). On one host the
+stages share its cores, and a whole prompt's stages each take every core in turn (see [Note:
+generation threads]); ``--generate-threads 1`` leaves each stage one core, as stages on hosts
+of their own with a core each, where chunks overlap the stages.
 
 Usage: ``python bench/serve.py [--quick] [--stages 2,4] [--clients 1,4,16] [--new-tokens 32]
-[--prefix 1024] [--long 2048]``
+[--prefix 1024] [--long 2048] [--generate-threads N]``
 """
 
 from __future__ import annotations
@@ -145,13 +148,24 @@ def prefixed(api: object, length: int, new: int, vocab: int, rounds: int = 3) ->
               f"{seconds / base:>9.2f}")  # fmt: skip
 
 
-def long_rows(directory: Path, stages: int, length: int, vocab: int, rounds: int = 2) -> None:
+def long_rows(
+    directory: Path,
+    stages: int,
+    length: int,
+    vocab: int,
+    rounds: int = 2,
+    generate_threads: int | None = None,
+) -> None:
     """The long-prompt rows: mean time to the first token, whole and in chunks; then the same
-    prompt arriving while another session streams, and that session's longest wait for a token."""
+    prompt arriving while another session streams, and that session's longest wait for a token.
+    ``generate_threads``: the stages' (None: ``LocalCluster``'s default, every core)."""
     g = torch.Generator().manual_seed(9)
     with (
         pipesvc.LocalCluster(
-            num_stages=stages, threads_per_stage=1, hf_models={"bench-llama": directory}
+            num_stages=stages,
+            threads_per_stage=1,
+            generate_threads=generate_threads,
+            hf_models={"bench-llama": directory},
         ) as cluster,
         cluster.connect() as client,
     ):
@@ -273,6 +287,13 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prefix", type=int, default=1024, help="shared prompt start (0: none)")
     parser.add_argument("--long", type=int, default=2048, help="long prompt (0: none)")
+    parser.add_argument(
+        "--generate-threads",
+        type=int,
+        default=None,
+        help="the long-prompt rows' stages' threads for generation (default: every core; 1: "
+        "a core a stage, as on hosts of their own)",
+    )
     args = parser.parse_args()
     config = QUICK if args.quick else FULL
     # Room for the prefix rows' prompts (the start, 16 of their own, the new tokens).
@@ -289,7 +310,13 @@ def main() -> None:
             one_process(str(directory), stages, args.new_tokens, config["vocab_size"])
             served(directory, stages, counts, args.new_tokens, config["vocab_size"], args.prefix)
             if args.long:
-                long_rows(directory, stages, args.long, config["vocab_size"])
+                long_rows(
+                    directory,
+                    stages,
+                    args.long,
+                    config["vocab_size"],
+                    generate_threads=args.generate_threads,
+                )
 
 
 if __name__ == "__main__":

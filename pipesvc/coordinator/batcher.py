@@ -249,9 +249,13 @@ class StepBatcher:
         if self._on_token is not None:
             for stream, made in tokened:
                 first = stream.steps == len(made)
-                for index, one in enumerate(made):  # a run's tokens all came at ``now``
-                    waited = now - stream.since if index == 0 else 0.0
-                    self._on_token(first and index == 0, waited, int(one.tokens.shape[0]))
+                waited = now - stream.since
+                # A run's tokens all came at ``now``: each of its steps counts an equal share
+                # of the wait, so a run of 4 steps records 4 times of a quarter, as 4 runs of
+                # one step would, not one time and three zeros.
+                for index, one in enumerate(made):
+                    seconds = waited if first and index == 0 else waited / len(made)
+                    self._on_token(first and index == 0, seconds, int(one.tokens.shape[0]))
         for stream, _ in tokened:
             stream.since = now
 

@@ -44,7 +44,11 @@ _DEFINITIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "From a generation request to its first new token",
         (),
     ),
-    "time_per_output_token_seconds": ("histogram", "Time of each later generation step", ()),
+    "time_per_output_token_seconds": (
+        "histogram",
+        "Time of each later generation step (a run of several decode steps: each its share)",
+        (),
+    ),
     "open_generation_sessions": ("gauge", "Generation sessions with caches on the stage", ()),
     "kv_cache_bytes": ("gauge", "Bytes of the generation caches on the stage", ()),
     "registered_stages": ("gauge", "Stages the coordinator knows (not yet forgotten)", ()),

@@ -238,3 +238,30 @@ def test_runs_of_several_steps_stop_at_each_sessions_limit_and_end() -> None:
     # 10 tokens of the long session in runs of 4, 4 and the 2 it has left; the short one
     # shared the first runs and was done within them.
     assert asked == [4, 4, 2], asked
+
+
+def test_a_runs_steps_each_count_a_share_of_its_time() -> None:
+    """A run of several steps hands its tokens over at once; the time-per-token metric counts
+    each an equal share of the run's wait, not the whole wait once and zeros after it."""
+    counted: list[tuple[bool, float, int]] = []
+
+    def run(
+        sessions: list[Session], during: Callable[[], None], most: int
+    ) -> list[tuple[list[list[torch.Tensor]], int]]:
+        during()
+        prompt = int(sessions[0].tokens.shape[1]) == 3  # a prompt's run takes one step
+        time.sleep(0.0 if prompt else 0.08)
+        logits = torch.zeros(2, 64)
+        return [([[logits]] * (1 if prompt else most), 1) for _ in sessions]
+
+    batcher = StepBatcher(
+        run, steps=4, on_token=lambda first, seconds, rows: counted.append((first, seconds, rows))
+    )
+    stream = batcher.open(session(rows=2), 9)  # the prompt's run, then runs of 4 and 4
+    assert len(read_all(batcher, stream)) == 9
+    batcher.close(stream)
+    assert [(first, rows) for first, _, rows in counted] == [(True, 2)] + [(False, 2)] * 8
+    later = [seconds for _, seconds, _ in counted[1:]]
+    for a, b in ((0, 4), (4, 8)):  # each run's 4 tokens: equal shares of about 80 ms
+        assert len(set(later[a:b])) == 1
+        assert 0.015 <= later[a] < TIMEOUT_S / 4
