@@ -129,6 +129,45 @@ def test_a_prefix_dropped_for_the_kv_budget_costs_a_replay_not_a_token(
     assert found.get("prefix_hits_total", 0) == 0  # the start from the dropped prefix failed
 
 
+def test_stages_holding_only_the_embedding_or_the_head_serve_prefixes_too(
+    tmp_path: Path,
+) -> None:
+    """4 stages of a 2-block Llama, a layer each: the first holds only the embedding and the
+    last only the head, so their caches stay empty. Prompts sharing a start still start from
+    the kept prefix on every stage (none is replayed) and generate ``transformers``' tokens."""
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        "llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    port = free_port()
+    with (
+        pipesvc.LocalCluster(
+            num_stages=4,
+            threads_per_stage=1,
+            hf_models={"two-blocks": tmp_path},
+            coordinator_args=["--metrics-port", str(port)],
+        ) as local,
+        local.connect() as client,
+        client.create_job(
+            model="two-blocks", optimizer=None, num_stages=4, partition="uniform"
+        ) as job,
+    ):
+        assert [(s.start_layer, s.end_layer) for s in job.plan] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+        outputs = [job.generate(p, NEW_TOKENS) for p in prompts()]
+        found = counters(port)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path)
+    reference.generation_config.eos_token_id = None
+    reference.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        for got, prompt in zip(outputs, prompts(), strict=True):
+            want = reference.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+            assert torch.equal(got, want)
+    assert found.get("prefix_hits_total", 0) == 3
+    assert found.get("generation_replays_total", 0) == 0
+
+
 def test_long_prompts_run_in_chunks_through_the_stages_and_generate_the_same(
     cluster: tuple[pipesvc.LocalCluster, int], model_dir: Path
 ) -> None:

@@ -113,6 +113,24 @@ def test_a_stage_keeps_a_prefix_and_starts_sessions_from_copies_of_it() -> None:
         caches.begin(5, [_ref("f", source="q", source_positions=3)])
 
 
+def test_a_stage_whose_layers_keep_no_cache_serves_its_prefixes_too() -> None:
+    """A stage holding only the embedding or only the head (4 stages of an 8-block Llama)
+    keeps its sessions' caches empty; a session starting from a prefix must not find that
+    prefix short there, or every such session is replayed from its first token."""
+    caches = SessionCaches(KVCache, budget_bytes=1 << 20, layout=LAYOUT, idle_s=60.0)
+    first = _ref("a", keep_as="p", keep_positions=16)
+    caches.begin(1, [first])
+    caches.get(first)  # the run's cache, which no layer of this stage extends
+    caches.keep([first])
+    caches.settle(["a"])
+    assert caches.prefixes() == ["p"]
+    second = _ref("b", source="p", source_positions=16)
+    caches.begin(2, [second])
+    assert LAYOUT.tensors(caches.get(second)) == {}
+    with pytest.raises(SessionCacheLostError):  # a prefix it never kept is still lost
+        caches.begin(3, [_ref("c", source="q", source_positions=16)])
+
+
 def test_a_full_budget_drops_the_least_recently_used_prefixes_before_failing() -> None:
     size = 4 * 2 * 4 * 4  # one position's bytes
     caches = SessionCaches(KVCache, budget_bytes=12 * size, layout=LAYOUT, idle_s=60.0)

@@ -313,7 +313,12 @@ class SessionCaches:
         """Whether ``ref``'s source prefix is here with at least the positions it starts from
         (under the lock)."""
         found = self._prefixes.get(ref.source)
-        return found is not None and (_length(found, self._layout) or 0) >= ref.source_positions
+        if found is None or self._layout is None:
+            return False
+        held = self._layout.tensors(found)
+        # A stage whose layers keep no keys and values (an embedding or a head alone) keeps
+        # empty caches: its copy of a prefix has no positions to fall short of.
+        return not held or max(k.shape[2] for k, _ in held.values()) >= ref.source_positions
 
     def keep(self, refs: Iterable[CacheRef]) -> None:
         """After a run: keeps the prefixes ``refs`` ask for (see [Note: prefix reuse])."""
