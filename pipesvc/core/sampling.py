@@ -116,10 +116,14 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     the tokens more likely than which sum to less than ``top_p`` (see [Note: sampling cost])."""
     count = min(NUCLEUS_CANDIDATES, probs.shape[-1])
     values, order = torch.topk(probs, count, dim=-1)  # most likely first
-    if count < probs.shape[-1] and bool((values.sum(dim=-1) < top_p).any()):
-        values, order = torch.sort(probs, dim=-1, descending=True)  # a flat row: all of them
     ordered = values.double()
-    above = ordered.cumsum(dim=-1) - ordered  # each candidate: the tokens more likely than it
+    cumulative = ordered.cumsum(dim=-1)
+    # The same sums decide both: a token past the candidates has them all above it.
+    if count < probs.shape[-1] and bool((cumulative[..., -1] < top_p).any()):
+        values, order = torch.sort(probs, dim=-1, descending=True)  # a flat row: all of them
+        ordered = values.double()
+        cumulative = ordered.cumsum(dim=-1)
+    above = cumulative - ordered  # each candidate: the tokens more likely than it
     keep = above < top_p
     keep[..., 0] = True  # the most likely token always stays
     return torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, keep)

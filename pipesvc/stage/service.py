@@ -70,11 +70,12 @@ def _threads(count: int) -> Iterator[None]:
     16 sessions on 2 stages made about 30% more tokens a second with 2 threads than with 1.
     So does a run whose micro-batches all but one add a position a row (new prompts beside the
     others' decode steps): the wide one dominates, and it goes through the stages one after
-    another like a decode step (``in_turn``). On the same machine 16 sessions' prompts, run
-    beside the first session's decode step, took 270 ms instead of 330 on 2 stages. A run of
-    several wide micro-batches (a prompt's chunks, prompts that each keep a prefix) pipelines
-    them, so its stages compute at once and keep their share: with every core, a 2048-token
-    prompt's chunks through 4 stages took 3.1 s instead of 1.7. OpenMP's thread count is per
+    another like a decode step (``in_turn``). On the same machine, of 16 sessions on 2 stages
+    the 15 whose prompts ran beside the first session's decode step got their first tokens at
+    210-240 ms instead of 320-350. A run of several wide micro-batches (a prompt's chunks,
+    prompts that each keep a prefix) pipelines them, so its stages compute at once and keep
+    their share: with every core, a 2048-token prompt's chunks through 4 stages took 3.1 s
+    instead of 1.3. OpenMP's thread count is per
     thread (see ``_same_threads`` in ``pipesvc.stage.server``), so the run's own thread sets
     it and puts it back, and other runs keep theirs.
     """
