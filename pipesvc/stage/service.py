@@ -75,9 +75,9 @@ def _threads(count: int) -> Iterator[None]:
     210-240 ms instead of 320-350. A run of several wide micro-batches (a prompt's chunks,
     prompts that each keep a prefix) pipelines them, so its stages compute at once and keep
     their share: with every core, a 2048-token prompt's chunks through 4 stages took 3.1 s
-    instead of 1.3. OpenMP's thread count is per
-    thread (see ``_same_threads`` in ``pipesvc.stage.server``), so the run's own thread sets
-    it and puts it back, and other runs keep theirs.
+    instead of 1.3. OpenMP's thread count is per thread (see ``_same_threads`` in
+    ``pipesvc.stage.server``), so the run's own thread sets it and puts it back, and other
+    runs keep theirs.
     """
     before = torch.get_num_threads()
     if not count or count == before:
