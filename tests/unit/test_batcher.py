@@ -202,10 +202,14 @@ def test_runs_of_several_steps_stop_at_each_sessions_limit_and_end() -> None:
     never more than the session nearest its token limit has left, and a session whose
     end-of-sequence token comes inside a run keeps none of the run's later steps."""
     asked: list[int] = []
+    opened = threading.Event()
 
     def run(
         sessions: list[Session], during: Callable[[], None], most: int
     ) -> list[tuple[list[list[torch.Tensor]], int]]:
+        # Both sessions are open before a second run begins, however the threads are
+        # scheduled: the short one shares the long one's runs from the first or the second.
+        assert opened.wait(TIMEOUT_S)
         asked.append(most)
         during()
         out = []
@@ -230,6 +234,7 @@ def test_runs_of_several_steps_stop_at_each_sessions_limit_and_end() -> None:
     )
     long = batcher.open(session(), 10)
     short = batcher.open(ending, 20)
+    opened.set()
     got_long, got_short = read_all(batcher, long), read_all(batcher, short)
     batcher.close(long)
     batcher.close(short)
