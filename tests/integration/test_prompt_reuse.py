@@ -134,7 +134,8 @@ def test_stages_holding_only_the_embedding_or_the_head_serve_prefixes_too(
 ) -> None:
     """4 stages of a 2-block Llama, a layer each: the first holds only the embedding and the
     last only the head, so their caches stay empty. Prompts sharing a start still start from
-    the kept prefix on every stage (none is replayed) and generate ``transformers``' tokens."""
+    the kept prefix on every stage (none is replayed), and sessions at once (their decode
+    steps fused, in runs of several steps) generate ``transformers``' tokens too."""
     torch.manual_seed(0)
     config = AutoConfig.for_model(
         "llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -157,6 +158,18 @@ def test_stages_holding_only_the_embedding_or_the_head_serve_prefixes_too(
         assert [(s.start_layer, s.end_layer) for s in job.plan] == [(0, 1), (1, 2), (2, 3), (3, 4)]
         outputs = [job.generate(p, NEW_TOKENS) for p in prompts()]
         found = counters(port)
+        g = torch.Generator().manual_seed(3)
+        others = [torch.randint(1, VOCAB, (1, 5 + 4 * i), generator=g) for i in range(4)]
+        together: list[torch.Tensor | None] = [None] * len(others)
+
+        def run(i: int) -> None:
+            together[i] = job.generate(others[i], 12)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(others))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
     reference = AutoModelForCausalLM.from_pretrained(tmp_path)
     reference.generation_config.eos_token_id = None
     reference.generation_config.pad_token_id = 0
@@ -164,6 +177,9 @@ def test_stages_holding_only_the_embedding_or_the_head_serve_prefixes_too(
         for got, prompt in zip(outputs, prompts(), strict=True):
             want = reference.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
             assert torch.equal(got, want)
+        for got, prompt in zip(together, others, strict=True):
+            assert got is not None
+            assert torch.equal(got, reference.generate(prompt, max_new_tokens=12, do_sample=False))
     assert found.get("prefix_hits_total", 0) == 3
     assert found.get("generation_replays_total", 0) == 0
 
