@@ -137,9 +137,14 @@ def draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     cumulative = probs.double().cumsum(dim=-1)
     at = uniform * cumulative[:, -1:]
     chosen = torch.searchsorted(cumulative, at, right=True).squeeze(-1)
-    # ``at`` can round up to the total: then the last token with any probability.
-    last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)
-    return torch.minimum(chosen, last)
+    # Below the total, the first cumulative sum past ``at`` is a token's with probability.
+    # Only an ``at`` rounded up to the total finds none (the row's width): then the last
+    # token with any probability. Found only then: it costs a third of a draw.
+    past = chosen >= probs.shape[-1]
+    if bool(past.any()):
+        last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)
+        chosen = torch.where(past, last, chosen)
+    return chosen
 
 
 @dataclass(frozen=True, slots=True)
