@@ -75,8 +75,12 @@ class Limits:
     """Most frames one tensor may be split into."""
     max_concurrent_rpcs: int = 64
     """Unary calls served at once; more are refused, never queued without bound."""
-    max_concurrent_streams: int = 16
-    """Streaming calls (data plane, state transfer) served at once."""
+    max_concurrent_streams: int = 256
+    """Streaming calls served at once: on a stage its links, control streams and state
+    transfers; on the coordinator every generation session from a Python client (each holds a
+    stream while it generates), training streams and state transfers. Each holds a server
+    thread while it runs, which is what this bounds; how many sessions fit is the stages' KV
+    budgets' to say (16 refused the 17th concurrent session while the caches had room)."""
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:
