@@ -12,6 +12,7 @@
     |   +-- SessionCacheLostError              a stage holds no cache of a session a run names
     +-- ResourceExhaustedError                 a size or count limit was exceeded
     |   +-- StageOutOfMemoryError              a stage's device ran out of memory in a run
+    |   +-- KVBudgetError                      a stage's key/value caches would pass --kv-budget
     +-- StageUnavailableError                  a server could not be reached
     |   +-- WrongServiceError                  it answers, but is not the kind asked for
     +-- UnauthenticatedError                   missing or wrong token or certificate
@@ -74,6 +75,11 @@ class StageOutOfMemoryError(ResourceExhaustedError):
     run was aborted everywhere and nothing changed, so the same call fails the same way."""
 
 
+class KVBudgetError(ResourceExhaustedError):
+    """A generation run would take a stage's key/value caches past its ``--kv-budget``; the
+    run changed nothing there. The message has the sizes."""
+
+
 class StageUnavailableError(PipesvcError):
     """A stage or coordinator could not be reached."""
 
@@ -110,6 +116,7 @@ ALL_ERRORS: tuple[type[PipesvcError], ...] = (
     SessionCacheLostError,
     ResourceExhaustedError,
     StageOutOfMemoryError,
+    KVBudgetError,
     StageUnavailableError,
     WrongServiceError,
     UnauthenticatedError,

@@ -19,6 +19,19 @@ the caller's kind (a KV budget, an input a layer refuses), each session's step r
 so only the sessions at fault fail: the stages put every session of the failed run back as it
 was (see [Note: session runs] in ``pipesvc.stage.compute.sessions``), so the others lose nothing. No
 gRPC here.
+
+[Note: waiting for room] A session whose step alone would take a stage's key/value caches past
+its ``--kv-budget`` (``KVBudgetError``) while other sessions are open does not fail: its caches
+are dropped on every stage (``evict``) and it waits until another session has closed (``close``
+drops that one's caches first, ``release``), then replays its tokens into fresh caches and goes
+on with the same tokens, as a session whose caches expired does. This is vLLM's preemption by
+recomputation: a busy server makes a session that arrives, or grows, into a full budget wait
+instead of ending it halfway through its tokens. When a shared run does not fit, its sessions
+go again alone youngest first, so the youngest is the one that waits while older ones go on.
+A session fails with the budget's error, sizes and all, only when no other session would free
+anything: it is alone, or every other one waits too (so waiting sessions never wait for each
+other). A session that made its last token but whose reader has not closed it yet still holds
+its caches, so it counts as one that will free room.
 """
 
 from __future__ import annotations
@@ -33,7 +46,12 @@ from dataclasses import dataclass, field
 import torch
 
 from pipesvc.coordinator.session import Made, Session
-from pipesvc.errors import InvalidArgumentError, PipesvcError, ResourceExhaustedError
+from pipesvc.errors import (
+    InvalidArgumentError,
+    KVBudgetError,
+    PipesvcError,
+    ResourceExhaustedError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +85,10 @@ class TokenStream:
     steps: int = 0
     since: float = field(default_factory=time.monotonic)
     """When its last step was asked for (or made)."""
+    parked: int | None = None
+    """While it waits for room in the KV budgets: the batcher's count of closed sessions when
+    it began to (see [Note: waiting for room])."""
+    opened: float = field(default_factory=time.monotonic)
 
     @property
     def finished(self) -> bool:
@@ -84,8 +106,15 @@ class StepBatcher:
         ahead: int = 2,
         on_token: OnToken | None = None,
         steps: int = 1,
+        release: Callable[[Session], None] | None = None,
+        evict: Callable[[Session], None] | None = None,
     ) -> None:
         self._run = run
+        self._release = release
+        """Drops a closed session's caches on the stages (best effort: it must not raise)."""
+        self._evict = evict
+        """Drops a waiting session's caches on the stages, so that it replays its tokens on its
+        next step (see [Note: waiting for room]); it must not raise."""
         self._max_parts = max_parts
         self._steps = steps
         """The most steps one run may take."""
@@ -97,6 +126,9 @@ class StepBatcher:
         """The loop's: notified when a stream opens, closes or is read."""
         self._streams: list[TokenStream] = []
         self._loop: threading.Thread | None = None
+        self._ended = 0
+        """Sessions closed, their caches dropped: a waiting one asks again when this grows (see
+        [Note: waiting for room])."""
         self._unannounced: list[TokenStream] = []
         """Streams given tokens whose readers are not told yet (see ``_announce``)."""
 
@@ -131,17 +163,22 @@ class StepBatcher:
             return None
 
     def close(self, stream: TokenStream) -> None:
-        """Ends the session's stream; returns once no run holds it, so its caches can go."""
+        """Ends the session's stream: once no run holds it, drops its caches (``release``)."""
         with self._cond:
             stream.closed = True
             while stream.running:
                 stream.changed.wait()
+        if self._release is not None:
+            self._release(stream.session)
+        with self._cond:
             if stream in self._streams:
                 self._streams.remove(stream)
+            self._ended += 1
             self._cond.notify()
 
     def _wants_step(self, stream: TokenStream) -> bool:
-        return not stream.finished and len(stream.made) < self._ahead
+        waiting = stream.parked is not None and stream.parked == self._ended
+        return not stream.finished and len(stream.made) < self._ahead and not waiting
 
     def _serve(self) -> None:
         while True:
@@ -155,6 +192,7 @@ class StepBatcher:
                 group = self._take(ready)
                 for stream in group:
                     stream.running = True
+                    stream.parked = None
             try:
                 self._run_group(group)
             finally:
@@ -189,19 +227,23 @@ class StepBatcher:
         return group
 
     def _run_group(self, group: list[TokenStream]) -> None:
+        ended = self._ended  # sessions closed before the run (see ``_wait_or_fail``)
         try:
             results = self._run([s.session for s in group], self._announce, self._most(group))
         except (ResourceExhaustedError, InvalidArgumentError) as exc:
             self._announce()  # the run failed, perhaps before its stages had it
             if len(group) == 1:
-                self._fail(group[0], exc)
+                self._wait_or_fail(group[0], exc, ended)
                 return
-            for stream in group:  # alone, so that only the sessions at fault fail
+            # Alone, so that only the sessions at fault fail; the youngest first, so that it is
+            # the one that waits for room (see [Note: waiting for room]).
+            for stream in sorted(group, key=lambda s: s.opened, reverse=True):
+                ended = self._ended
                 try:
                     alone = self._run([stream.session], self._announce, self._most([stream]))
                     self._made([stream], alone)
                 except PipesvcError as alone:
-                    self._fail(stream, alone)
+                    self._wait_or_fail(stream, alone, ended)
             return
         except BaseException as exc:  # every session of the run sees its error
             self._announce()
@@ -258,6 +300,27 @@ class StepBatcher:
                     self._on_token(first and index == 0, seconds, int(one.tokens.shape[0]))
         for stream, _ in tokened:
             stream.since = now
+
+    def _wait_or_fail(self, stream: TokenStream, error: BaseException, ended: int) -> None:
+        """Fails the session, or for a KV budget error makes it wait while another session
+        may still free room (see [Note: waiting for room]). ``ended``: the count of closed
+        sessions before the run that failed; one closed since has freed room already, so the
+        session goes again at once."""
+        with self._lock:
+            # A session still listed has not dropped its caches yet: one closing drops them
+            # before it leaves the list.
+            waits = isinstance(error, KVBudgetError) and (
+                self._ended != ended
+                or any(other is not stream and other.parked is None for other in self._streams)
+            )
+        if not waits:
+            self._fail(stream, error)
+            return
+        logger.info("a session waits for room in the KV budgets: %s", error)
+        if self._evict is not None:
+            self._evict(stream.session)
+        with self._lock:
+            stream.parked = ended
 
     def _fail(self, stream: TokenStream, error: BaseException) -> None:
         with self._lock:

@@ -77,6 +77,8 @@ class JobGeneration:
             self._steps,
             on_token=self._count_token,
             steps=DECODE_STEPS if config.decode_steps is None else config.decode_steps,
+            release=self._release_session,
+            evict=self._evict,
         )
         self.prefixes = PrefixIndex()
         """The prompt prefixes the stages keep (see [Note: prefix index] in prefixes.py)."""
@@ -132,8 +134,7 @@ class JobGeneration:
             while (made := self.batcher.next(stream)) is not None:
                 yield made
         finally:
-            self.batcher.close(stream)
-            self._release_session(session)
+            self.batcher.close(stream)  # and drops its caches on every stage
 
     def _count_token(self, first: bool, seconds: float, rows: int) -> None:
         name = "time_to_first_token_seconds" if first else "time_per_output_token_seconds"
@@ -273,6 +274,13 @@ class JobGeneration:
             logger.info(
                 "job %s: released orphaned sessions' caches (%d bytes)", self._job_id, freed
             )
+
+    def _evict(self, session: Session) -> None:
+        """Drops a waiting session's caches on every stage, so that it replays its tokens when
+        it goes on (see [Note: waiting for room] in batcher.py)."""
+        self._release(session.id)
+        session.invalidate()
+        self._metrics.inc("generation_evictions_total")
 
     def _release_session(self, session: Session) -> None:
         """Drops the session's caches on every stage of the plan (best effort: a stage that

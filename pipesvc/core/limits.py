@@ -76,11 +76,10 @@ class Limits:
     max_concurrent_rpcs: int = 64
     """Unary calls served at once; more are refused, never queued without bound."""
     max_concurrent_streams: int = 256
-    """Streaming calls served at once: on a stage its links, control streams and state
-    transfers; on the coordinator every generation session from a Python client (each holds a
-    stream while it generates), training streams and state transfers. Each holds a server
-    thread while it runs, which is what this bounds; how many sessions fit is the stages' KV
-    budgets' to say (16 refused the 17th concurrent session while the caches had room)."""
+    """Streaming calls served at once, each holding a server thread while it runs: a stage's
+    links, control streams and state transfers; the coordinator's training streams, state
+    transfers and generation sessions from Python clients (one each; the stages' KV budgets
+    bound how many sessions fit)."""
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:

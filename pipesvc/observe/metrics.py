@@ -28,6 +28,11 @@ _DEFINITIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "Generation sessions that replayed their tokens after a stage lost their caches",
         (),
     ),
+    "generation_evictions_total": (
+        "counter",
+        "Generation sessions whose caches were dropped to wait for room in the KV budgets",
+        (),
+    ),
     "generated_tokens_total": ("counter", "Tokens generated (one per row per step)", ()),
     "prefix_hits_total": (
         "counter",

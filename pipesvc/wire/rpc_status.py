@@ -36,6 +36,7 @@ STATUS_CODES: dict[type[PipesvcError], grpc.StatusCode] = {
     errors.SessionCacheLostError: grpc.StatusCode.FAILED_PRECONDITION,
     errors.ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.StageOutOfMemoryError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.KVBudgetError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.StageUnavailableError: grpc.StatusCode.UNAVAILABLE,
     errors.WrongServiceError: grpc.StatusCode.UNIMPLEMENTED,  # raised by clients (diagnose.py)
     errors.UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,

@@ -16,6 +16,7 @@ from pipesvc.coordinator.session import ModelSupport, Session
 from pipesvc.core.sampling import Sampling
 from pipesvc.errors import (
     InvalidArgumentError,
+    KVBudgetError,
     PipesvcError,
     ResourceExhaustedError,
     StageUnavailableError,
@@ -107,7 +108,8 @@ def test_a_shared_run_failing_on_one_session_retries_each_session_alone(
     error: type[PipesvcError],
 ) -> None:
     """A shared run fails on an error of the caller's kind (over a KV budget, an input a layer
-    refuses): each session runs again alone, and only the one at fault fails."""
+    refuses): each session runs again alone, the youngest first, and only the one at fault
+    fails."""
     big, small, warm = session(rows=2), session(), session()
     gate = threading.Event()
 
@@ -130,7 +132,7 @@ def test_a_shared_run_failing_on_one_session_retries_each_session_alone(
             results[s.id] = read_all(batcher, streams[s.id])
         except error as exc:
             results[s.id] = exc
-    assert [set(r) for r in runs.runs[1:]] == [{big, small}, {big}, {small}]
+    assert [set(r) for r in runs.runs[1:]] == [{big, small}, {small}, {big}]
     assert isinstance(results[big.id], error)  # alone it still does not fit
     assert isinstance(results[small.id], list)  # alone it does
     for stream in [warm_stream, *streams.values()]:
@@ -223,7 +225,8 @@ def test_runs_of_several_steps_stop_at_each_sessions_limit_and_end() -> None:
             out.append((steps, 1))
         return out
 
-    batcher = StepBatcher(run, steps=4)
+    # Readers never hold a session back (``ahead``): long is in every run, whenever it is read.
+    batcher = StepBatcher(run, steps=4, ahead=10)
     ending = Session(
         torch.ones(1, 3, dtype=torch.long),
         None,
@@ -270,3 +273,108 @@ def test_a_runs_steps_each_count_a_share_of_its_time() -> None:
     for a, b in ((0, 4), (4, 8)):  # each run's 4 tokens: equal shares of about 80 ms
         assert len(set(later[a:b])) == 1
         assert 0.015 <= later[a] < TIMEOUT_S / 4
+
+
+class Budget(Runs):
+    """Runs over a KV budget counted in positions: a run fails with ``KVBudgetError`` when the
+    positions its sessions would hold after it (each session's tokens so far), with those the
+    other sessions hold, pass ``limit``; nothing changes then. ``release`` and ``evict`` drop a
+    session's positions, as the stages drop its caches."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(self.check)
+        self.limit = limit
+        self.held: dict[Session, int] = {}
+        self.evicted: list[Session] = []
+
+    def check(self, sessions: list[Session]) -> None:
+        need = {s: int(s.tokens.shape[1]) for s in sessions}
+        others = sum(n for s, n in self.held.items() if s not in need)
+        if others + sum(need.values()) > self.limit:
+            raise KVBudgetError(f"{others + sum(need.values())} positions over {self.limit}")
+        self.held.update(need)
+
+    def release(self, session: Session) -> None:
+        self.held.pop(session, None)
+
+    def evict(self, session: Session) -> None:
+        self.evicted.append(session)
+        self.release(session)
+        session.invalidate()
+
+
+def _two_sessions(
+    limit: int,
+) -> tuple[Budget, StepBatcher, dict[Session, list[int]], dict[Session, BaseException]]:
+    """An older and a younger session of 3 prompt tokens and 6 new ones over a budget of
+    ``limit`` positions, sharing every run (a warm-up session outside the budget holds the loop
+    until both are open; readers never hold either back), each read to its end, or its error,
+    and closed by a thread of its own. Returns the budget, the batcher, each one's tokens and
+    each failed one's error (keyed older first)."""
+    budget = Budget(limit)
+    batcher = StepBatcher(budget, ahead=10, release=budget.release, evict=budget.evict)
+    older, younger, warm = session(), session(), session()
+    gate = threading.Event()
+    budget.hook = lambda sessions: (
+        gate.wait(TIMEOUT_S) if sessions == [warm] else budget.check(sessions)
+    )
+    warm_stream = batcher.open(warm, 1)
+    while not budget.runs:
+        time.sleep(0.01)
+    streams = {older: batcher.open(older, 6)}
+    streams[younger] = batcher.open(younger, 6)
+    gate.set()
+    made: dict[Session, list[int]] = {older: [], younger: []}
+    failed: dict[Session, BaseException] = {}
+
+    def reader(s: Session) -> None:
+        try:
+            while (step := batcher.next(streams[s])) is not None:
+                made[s].append(int(step.tokens[0]))
+        except KVBudgetError as exc:
+            failed[s] = exc
+        batcher.close(streams[s])
+
+    threads = [threading.Thread(target=reader, args=(s,)) for s in (older, younger)]
+    for t in threads:
+        t.start()
+    assert len(read_all(batcher, warm_stream)) == 1
+    batcher.close(warm_stream)
+    for t in threads:
+        t.join(TIMEOUT_S)
+    assert not any(t.is_alive() for t in threads)
+    return budget, batcher, made, failed
+
+
+def test_a_session_over_the_kv_budget_waits_for_another_to_close_then_goes_on() -> None:
+    """See [Note: waiting for room]: two sessions that share every run fit a budget of 15
+    positions until their sixth step (8 + 8). Alone, the younger goes first and fits (7 + 8);
+    the older's caches are dropped and it waits until the younger closes, then replays and
+    makes its last token: both make all 6, neither fails."""
+    budget, _, made, failed = _two_sessions(15)
+    older, younger = made
+    assert not failed
+    assert [len(made[older]), len(made[younger])] == [6, 6]
+    assert budget.evicted == [older]
+    # Its last run came after the younger closed, alone, replaying its 8 tokens.
+    assert budget.runs[-1] == [older] and budget.held == {}
+
+
+def test_a_session_over_the_kv_budget_fails_when_no_other_would_free_room() -> None:
+    """Alone, a session that does not fit fails with the budget's error. Beside only a waiting
+    session it fails too, rather than both waiting for each other: in a budget of 7 positions
+    the older of two sessions waits at their second step, the younger fails at its sixth, and
+    the older, going on alone once the younger closed, fails at its own sixth."""
+    budget = Budget(6)
+    batcher = StepBatcher(budget, release=budget.release, evict=budget.evict)
+    alone = batcher.open(session(), 6)
+    with pytest.raises(KVBudgetError, match="over 6"):
+        read_all(batcher, alone)
+    batcher.close(alone)
+    assert budget.held == {} and budget.evicted == []
+
+    budget, _, made, failed = _two_sessions(7)
+    older, younger = made
+    assert set(failed) == {older, younger}
+    assert [len(made[older]), len(made[younger])] == [5, 5]  # the sixth never fits
+    assert budget.evicted == [older] and budget.held == {}

@@ -79,7 +79,7 @@ import torch
 from pipesvc.core.microbatch import CacheRef
 from pipesvc.errors import (
     FailedPreconditionError,
-    ResourceExhaustedError,
+    KVBudgetError,
     SessionCacheLostError,
 )
 from pipesvc.models import CacheLayout
@@ -513,7 +513,7 @@ class SessionCaches:
         """After a run that extended ``sessions``: enforces the budget.
 
         Raises:
-            ResourceExhaustedError: the caches exceed the budget (the caller undoes the run).
+            KVBudgetError: the caches exceed the budget (the caller undoes the run).
         """
         touched = set(sessions)
         with self._lock:  # a view into a larger storage would keep all of it alive
@@ -540,7 +540,7 @@ class SessionCaches:
             if self._stack is not None:
                 others.append(self._stack.cache)
             count = len(set(self._used) - touched)
-        raise ResourceExhaustedError(
+        raise KVBudgetError(
             f"key/value caches would hold {total / MIB:.2f} MiB on this stage, over its budget "
             f"of {self._budget / MIB:.2f} MiB (--kv-budget); the run's session(s) "
             + ", ".join(f"{s!r} ({b / MIB:.2f} MiB)" for s, b in sizes.items())
