@@ -28,6 +28,7 @@ from collections.abc import Generator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pipesvc.coordinator.serve_http.detokenizer import IncrementalText
 from pipesvc.coordinator.serve_http.served_model import ModelText
 from pipesvc.coordinator.session import MAX_NEW_TOKENS, Made
 from pipesvc.core.sampling import MAX_TOP_LOGPROBS, Sampling, TokenLogprobs
@@ -237,8 +238,9 @@ class Completion:
         self._ids: list[int] = []
         self._sent = 0
         """Characters of the decoded output handed out so far."""
+        self._text_so_far = IncrementalText(text.decode)
         self._decoded = ""
-        """The text of ``_ids`` (decoded once per token)."""
+        """The text of ``_ids`` (see [Note: incremental detokenization] in detokenizer.py)."""
         self._scored: list[Scored] | None = None
         """Every token's log-probabilities so far, when the session reports them."""
         self._reported = 0
@@ -300,7 +302,8 @@ class Completion:
         if made.logprobs is not None:
             self._score(token, made.logprobs)
         self._ids.append(token)
-        decoded = self._decoded = self._text.decode(self._ids)
+        self._text_so_far.add(token)
+        decoded = self._decoded = self._text_so_far.full
         begin = max(0, self._sent - max((len(s) for s in self._stop), default=0))
         found = [i for i in (decoded.find(s, begin) for s in self._stop) if i >= 0]
         if found:
