@@ -263,8 +263,10 @@ def served(
                 stream=True,
             )
             for chunk in chunks:
-                if chunk.choices and chunk.choices[0].text:
-                    yield chunk
+                # A chunk carries every token made at once (a run of decode steps): one
+                # word of the bench's tokenizer each.
+                if chunk.choices:
+                    yield from chunk.choices[0].text.split()
 
         job.generate(prompts(1, vocab)[0], 2)  # warm-up
         list(http(prompts(1, vocab)[0], 2))

@@ -36,6 +36,7 @@ its caches, so it counts as one that will free room.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -157,7 +158,7 @@ class StepBatcher:
                 stream.told = max(stream.told - 1, 0)
                 made = stream.made.popleft()
                 self._cond.notify()  # its session may want a step again
-                return made
+                return dataclasses.replace(made, more=stream.told > 0)
             if stream.error is not None:
                 raise stream.error
             return None

@@ -105,6 +105,9 @@ class Made:
 
     tokens: torch.Tensor
     logprobs: TokenLogprobs | None = None
+    more: bool = False
+    """The session's next step was made already when this one was taken (a run of several
+    steps makes them at once): a reader may take it without waiting."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

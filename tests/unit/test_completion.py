@@ -32,15 +32,19 @@ def logits_for(token: int) -> torch.Tensor:
     return logits.roll(token, dims=1)
 
 
-def steps(tokens: list[int], top: int | None) -> Generator[Made, None, None]:
-    for token in tokens:
+def steps(tokens: list[int], top: int | None, run: int = 1) -> Generator[Made, None, None]:
+    """Each token's step; in runs of ``run`` made at once (``more`` but on each run's last)."""
+    for index, token in enumerate(tokens):
         chosen = torch.tensor([token])
         scored = token_logprobs(logits_for(token), chosen, top) if top is not None else None
-        yield Made(chosen, scored)
+        more = (index + 1) % run != 0 and index + 1 < len(tokens)
+        yield Made(chosen, scored, more)
 
 
-def run(tokens: list[int], *, stop: tuple[str, ...] = (), top: int | None = 2) -> Completion:
-    return Completion(steps(tokens, top), model_text(), 3, 16, stop)
+def run(
+    tokens: list[int], *, stop: tuple[str, ...] = (), top: int | None = 2, steps_a_run: int = 1
+) -> Completion:
+    return Completion(steps(tokens, top, steps_a_run), model_text(), 3, 16, stop)
 
 
 def streamed(completion: Completion) -> list[tuple[str, list[str]]]:
@@ -87,6 +91,24 @@ def test_each_token_goes_out_with_its_text_and_none_after_a_stop_string() -> Non
     assert reported(" w3") == [("w1", 0), ("w2", 2)]
     # A stop string that begins inside a token's text: the token's start is in the text.
     assert reported("w3") == [("w1", 0), ("w2", 2), ("w3", 5)]
+
+
+def test_tokens_made_at_once_go_out_as_one_piece_with_their_figures() -> None:
+    """A run of several decode steps makes its tokens at once: ``step_with_ready`` hands them
+    out as one piece (one chunk of a stream), each token's figures with it."""
+    completion = run(ids("w1 w2 w3 w4 w5 w6"), steps_a_run=4)
+    pieces = []
+    while completion.finish_reason is None:
+        piece = completion.step_with_ready()
+        scored = completion.take_logprobs()
+        assert scored is not None
+        pieces.append((piece, [s.text for s in scored]))
+    assert pieces == [
+        ("w1 w2 w3 w4", ["w1", "w2", "w3", "w4"]), (" w5 w6", ["w5", "w6"]), ("", []),
+    ]  # fmt: skip
+    # A stop string inside a run ends the piece before it.
+    completion = run(ids("w1 w2 w3 w4 w5 w6"), stop=(" w3",), steps_a_run=4)
+    assert completion.step_with_ready() == "w1 w2" and completion.finish_reason == "stop"
 
 
 def test_the_figures_are_the_models_log_softmax_and_an_eos_is_not_reported() -> None:

@@ -251,6 +251,8 @@ class Completion:
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         """``stop`` (a stop string or end of sequence) or ``length``; None while running."""
+        self._more = False
+        """The last token taken had the next one made already (``Made.more``)."""
 
     def step(self) -> str:
         """The next piece of text (non-empty), or the last piece once finished ('' when
@@ -260,6 +262,15 @@ class Completion:
             if piece or self.finish_reason is not None:
                 return piece
         return ""
+
+    def step_with_ready(self) -> str:
+        """``step``'s piece, and the text of the tokens made already after it (a run of
+        several decode steps makes them at once), as one piece: a stream sends them in one
+        chunk, not one event each at the same moment."""
+        piece = self.step()
+        while self.finish_reason is None and self._more:
+            piece += self._advance()
+        return piece
 
     def close(self) -> None:
         """Ends the session (its caches are released on every stage); idempotent."""
@@ -296,6 +307,7 @@ class Completion:
         except StopIteration:
             return self._finish("length", None)
         token = int(made.tokens[0])
+        self._more = made.more
         self.completion_tokens += 1
         if token in self._text.eos_ids:
             return self._finish("stop", None)

@@ -161,7 +161,7 @@ def routes(models: ServedModels, access: Access) -> list[Route]:
                 while completion.finish_reason is None:
                     if await request.is_disconnected():
                         return Response(status_code=499)
-                    pieces.append(await anyio.to_thread.run_sync(completion.step))
+                    pieces.append(await anyio.to_thread.run_sync(completion.step_with_ready))
             except Exception as exc:
                 return _refusal(exc)
             finally:
@@ -321,7 +321,7 @@ async def _events(
 ) -> AsyncIterator[bytes]:
     """The stream's events: the pieces as they come, the finish, the usage when asked, then
     ``[DONE]``; the session is closed however the stream ends."""
-    step: Callable[[], str] = completion.step
+    step: Callable[[], str] = completion.step_with_ready  # the tokens of a run in one chunk
     try:
         if shape.chat:
             yield _event(shape.chunk(None))
