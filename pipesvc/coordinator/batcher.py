@@ -31,7 +31,9 @@ go again alone youngest first, so the youngest is the one that waits while older
 A session fails with the budget's error, sizes and all, only when no other session would free
 anything: it is alone, or every other one waits too (so waiting sessions never wait for each
 other). A session that made its last token but whose reader has not closed it yet still holds
-its caches, so it counts as one that will free room.
+its caches, so it counts as one that will free room. While a session waits, sessions that have
+not started yet do not start (they hold no caches, so they are not waited for either): a waiting
+session goes on before anything that came after it, and a stream of new ones cannot starve it.
 """
 
 from __future__ import annotations
@@ -90,6 +92,8 @@ class TokenStream:
     """While it waits for room in the KV budgets: the batcher's count of closed sessions when
     it began to (see [Note: waiting for room])."""
     opened: float = field(default_factory=time.monotonic)
+    started: bool = False
+    """A run has taken it (it may hold caches on the stages)."""
 
     @property
     def finished(self) -> bool:
@@ -178,8 +182,12 @@ class StepBatcher:
             self._cond.notify()
 
     def _wants_step(self, stream: TokenStream) -> bool:
-        waiting = stream.parked is not None and stream.parked == self._ended
-        return not stream.finished and len(stream.made) < self._ahead and not waiting
+        if stream.parked is not None:
+            if stream.parked == self._ended:
+                return False  # waiting for room (see [Note: waiting for room])
+        elif not stream.started and any(s.parked is not None for s in self._streams):
+            return False  # new ones start after the waiting ones
+        return not stream.finished and len(stream.made) < self._ahead
 
     def _serve(self) -> None:
         while True:
@@ -193,6 +201,7 @@ class StepBatcher:
                 group = self._take(ready)
                 for stream in group:
                     stream.running = True
+                    stream.started = True
                     stream.parked = None
             try:
                 self._run_group(group)
@@ -312,7 +321,10 @@ class StepBatcher:
             # before it leaves the list.
             waits = isinstance(error, KVBudgetError) and (
                 self._ended != ended
-                or any(other is not stream and other.parked is None for other in self._streams)
+                or any(
+                    other is not stream and other.started and other.parked is None
+                    for other in self._streams
+                )
             )
         if not waits:
             self._fail(stream, error)

@@ -355,7 +355,9 @@ def test_a_session_over_the_kv_budget_waits_for_another_to_close_then_goes_on() 
     older, younger = made
     assert not failed
     assert [len(made[older]), len(made[younger])] == [6, 6]
-    assert budget.evicted == [older]
+    # Only the older waits; it may go again and wait once more if the warm-up session closed
+    # while it waited (a close may have freed room), before the younger closes.
+    assert budget.evicted and set(budget.evicted) == {older}
     # Its last run came after the younger closed, alone, replaying its 8 tokens.
     assert budget.runs[-1] == [older] and budget.held == {}
 
@@ -377,4 +379,60 @@ def test_a_session_over_the_kv_budget_fails_when_no_other_would_free_room() -> N
     older, younger = made
     assert set(failed) == {older, younger}
     assert [len(made[older]), len(made[younger])] == [5, 5]  # the sixth never fits
-    assert budget.evicted == [older] and budget.held == {}
+    # The older waited first. Either may wait again at its sixth step when another session
+    # closed during that run (the warm-up one, whenever its reader closes it): a close since
+    # a run began may have freed room, so the session goes again before it fails.
+    assert budget.evicted[0] is older and set(budget.evicted) <= {older, younger}
+    assert budget.held == {}
+
+
+def test_a_waiting_session_goes_on_before_sessions_opened_after_it() -> None:
+    """While a session waits for room, a session opened meanwhile does not start (it holds no
+    caches, so nothing waits for it): it starts after the waiting one's replay, so new sessions
+    cannot starve one that waits."""
+    budget = Budget(15)
+    older, younger, warm, late = session(), session(), session(), session()
+    gate = threading.Event()
+    budget.hook = lambda sessions: (
+        gate.wait(TIMEOUT_S) if sessions == [warm] else budget.check(sessions)
+    )
+    streams: dict[Session, object] = {}
+    made: dict[Session, list[int]] = {}
+
+    def reader(s: Session) -> None:
+        made[s] = read_all(batcher, streams[s])
+        batcher.close(streams[s])  # type: ignore[arg-type]
+
+    threads: list[threading.Thread] = []
+    evict = budget.evict
+
+    def evict_then_open(s: Session) -> None:
+        evict(s)
+        if late in streams:
+            return
+        streams[late] = batcher.open(late, 2)
+        threads.append(threading.Thread(target=reader, args=(late,)))
+        threads[-1].start()
+
+    budget.evict = evict_then_open  # type: ignore[method-assign]
+    batcher = StepBatcher(budget, ahead=10, release=budget.release, evict=budget.evict)
+    warm_stream = batcher.open(warm, 1)
+    while not budget.runs:
+        time.sleep(0.01)
+    streams[older] = batcher.open(older, 6)
+    streams[younger] = batcher.open(younger, 6)
+    gate.set()
+    threads += [threading.Thread(target=reader, args=(s,)) for s in (older, younger)]
+    for t in threads[-2:]:
+        t.start()
+    assert len(read_all(batcher, warm_stream)) == 1
+    batcher.close(warm_stream)
+    deadline = time.monotonic() + TIMEOUT_S
+    while len(made) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for t in threads:
+        t.join(TIMEOUT_S)
+    assert [len(made.get(s, [])) for s in (older, younger, late)] == [6, 6, 2]
+    assert budget.evicted and set(budget.evicted) == {older}
+    replay = budget.runs.index([older])  # its first run alone: the replay
+    assert all(late not in run for run in budget.runs[:replay])
