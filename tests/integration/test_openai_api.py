@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM
 import pipesvc
 from pipesvc.errors import InvalidArgumentError
 from pipesvc.v1 import stage_pb2, stage_pb2_grpc
-from tests.support.chat_model import EOS, TEMPLATE, WORDS, save_chat_model
+from tests.support.chat_model import EOS, TEMPLATE, WORDS, api_url, save_chat_model
 
 Served = tuple[str, pipesvc.Job, pipesvc.Job]
 """The API's base URL, the job named "my-llama", and an unnamed job."""
@@ -55,12 +55,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         client.create_job(model="wordy", optimizer=None, num_stages=2, name="my-llama") as job,
         client.create_job(model="plainwords", optimizer=None, num_stages=1) as unnamed,
     ):
-        log = cluster.log_dir / "coordinator.log"
-        deadline = time.monotonic() + 30
-        while not (found := re.search(r"OpenAI-compatible API on (\S+)", log.read_text())):
-            assert time.monotonic() < deadline, f"no API in {log}"
-            time.sleep(0.1)
-        yield found.group(1), job, unnamed
+        url = api_url(cluster)
+        yield url, job, unnamed
 
 
 def served_dir(job: pipesvc.Job) -> str:
@@ -365,12 +361,8 @@ def test_a_full_kv_budget_is_a_429_with_the_sizes(tmp_path: Path) -> None:
         cluster.connect() as client,
         client.create_job(model="wordy", optimizer=None, num_stages=1, name="small"),
     ):
-        log = cluster.log_dir / "coordinator.log"
-        deadline = time.monotonic() + 30
-        while not (found := re.search(r"OpenAI-compatible API on (\S+)", log.read_text())):
-            assert time.monotonic() < deadline, f"no API in {log}"
-            time.sleep(0.1)
-        api = openai.OpenAI(base_url=found.group(1), api_key="none", max_retries=0)
+        url = api_url(cluster)
+        api = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
         prompt = " ".join(WORDS[i % 40] for i in range(60))
         with pytest.raises(
             openai.RateLimitError, match=r"MiB on this stage, over its budget of"

@@ -14,7 +14,6 @@ client is done, no stage holds a session.
 from __future__ import annotations
 
 import random
-import re
 import threading
 import time
 from collections.abc import Iterator
@@ -28,7 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import pipesvc
-from tests.support.chat_model import EOS, TEMPLATE, WORDS, save_chat_model
+from tests.support.chat_model import EOS, TEMPLATE, WORDS, api_url, save_chat_model
 from tests.support.stage_probe import stage_info
 
 TOLERANCE = 1e-4
@@ -47,12 +46,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, pipe
         cluster.connect() as client,
         client.create_job(model="wordy", optimizer=None, num_stages=2, name="mix") as job,
     ):  # fmt: skip
-        log = cluster.log_dir / "coordinator.log"
-        deadline = time.monotonic() + 30
-        while not (found := re.search(r"OpenAI-compatible API on (\S+)", log.read_text())):
-            assert time.monotonic() < deadline, f"no API in {log}"
-            time.sleep(0.1)
-        yield found.group(1), job, model
+        url = api_url(cluster)
+        yield url, job, model
 
 
 @dataclass

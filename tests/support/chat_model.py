@@ -4,11 +4,15 @@ the coordinator's OpenAI-compatible API (nothing downloaded)."""
 from __future__ import annotations
 
 import json
+import re
+import time
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM
+
+import pipesvc
 
 WORDS = [f"w{i}" for i in range(40)] + ["user:", "assistant:", "system:", "</s>"]
 EOS = WORDS.index("</s>")
@@ -40,3 +44,14 @@ def save_chat_model(directory: Path, *, chat_template: str | None) -> Path:
         settings["chat_template"] = chat_template
     (directory / "tokenizer_config.json").write_text(json.dumps(settings))
     return directory
+
+
+def api_url(cluster: pipesvc.LocalCluster, timeout_s: float = 30.0) -> str:
+    """The base URL of the OpenAI-compatible API a ``LocalCluster``'s coordinator serves (its
+    ``--http-port``), from the coordinator's log once it says so."""
+    log = cluster.log_dir / "coordinator.log"
+    deadline = time.monotonic() + timeout_s
+    while not (found := re.search(r"OpenAI-compatible API on (\S+)", log.read_text())):
+        assert time.monotonic() < deadline, f"no API in {log}"
+        time.sleep(0.1)
+    return found.group(1)
