@@ -92,6 +92,7 @@ class TokenStream:
     """While it waits for room in the KV budgets: the batcher's count of closed sessions when
     it began to (see [Note: waiting for room])."""
     opened: float = field(default_factory=time.monotonic)
+    """When it opened: of a shared run that does not fit, the youngest waits first."""
     started: bool = False
     """A run has taken it (it may hold caches on the stages)."""
 
