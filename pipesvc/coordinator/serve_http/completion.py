@@ -235,12 +235,11 @@ class Completion:
         self._text = text
         self._stop = stop
         self._max_tokens = max_tokens
-        self._ids: list[int] = []
         self._sent = 0
         """Characters of the decoded output handed out so far."""
-        self._text_so_far = IncrementalText(text.decode)
-        self._decoded = ""
-        """The text of ``_ids`` (see [Note: incremental detokenization] in detokenizer.py)."""
+        self._decoded = IncrementalText(text.decode)
+        """The text of the tokens so far (see [Note: incremental detokenization] in
+        detokenizer.py)."""
         self._scored: list[Scored] | None = None
         """Every token's log-probabilities so far, when the session reports them."""
         self._reported = 0
@@ -295,7 +294,7 @@ class Completion:
             text=decode([token]),
             logprob=float(logprobs.chosen[0]),
             top=tuple((decode([i]), value) for i, value in top),
-            offset=len(self._decoded.rstrip("\ufffd")),
+            offset=len(self._decoded.full.rstrip("\ufffd")),
         )
         if self._scored is None:
             self._scored = []
@@ -313,9 +312,8 @@ class Completion:
             return self._finish("stop", None)
         if made.logprobs is not None:
             self._score(token, made.logprobs)
-        self._ids.append(token)
-        self._text_so_far.add(token)
-        decoded = self._decoded = self._text_so_far.full
+        self._decoded.add(token)
+        decoded = self._decoded.full
         begin = max(0, self._sent - max((len(s) for s in self._stop), default=0))
         found = [i for i in (decoded.find(s, begin) for s in self._stop) if i >= 0]
         if found:
@@ -342,7 +340,7 @@ class Completion:
         self.finish_reason = reason
         self.close()
         if decoded is None:
-            decoded = self._decoded
+            decoded = self._decoded.full
         # Every token is reported, unless a stop string cut the text before it.
         self._until = math.inf if end is None else end
         end = len(decoded) if end is None else end
