@@ -305,11 +305,11 @@ class Budget(Runs):
 
 def _two_sessions(
     limit: int,
-) -> tuple[Budget, StepBatcher, dict[Session, list[int]], dict[Session, BaseException]]:
+) -> tuple[Budget, dict[Session, list[int]], dict[Session, BaseException]]:
     """An older and a younger session of 3 prompt tokens and 6 new ones over a budget of
     ``limit`` positions, sharing every run (a warm-up session outside the budget holds the loop
     until both are open; readers never hold either back), each read to its end, or its error,
-    and closed by a thread of its own. Returns the budget, the batcher, each one's tokens and
+    and closed by a thread of its own. Returns the budget, each one's tokens and
     each failed one's error (keyed older first)."""
     budget = Budget(limit)
     batcher = StepBatcher(budget, ahead=10, release=budget.release, evict=budget.evict)
@@ -343,7 +343,7 @@ def _two_sessions(
     for t in threads:
         t.join(TIMEOUT_S)
     assert not any(t.is_alive() for t in threads)
-    return budget, batcher, made, failed
+    return budget, made, failed
 
 
 def test_a_session_over_the_kv_budget_waits_for_another_to_close_then_goes_on() -> None:
@@ -351,7 +351,7 @@ def test_a_session_over_the_kv_budget_waits_for_another_to_close_then_goes_on() 
     positions until their sixth step (8 + 8). Alone, the younger goes first and fits (7 + 8);
     the older's caches are dropped and it waits until the younger closes, then replays and
     makes its last token: both make all 6, neither fails."""
-    budget, _, made, failed = _two_sessions(15)
+    budget, made, failed = _two_sessions(15)
     older, younger = made
     assert not failed
     assert [len(made[older]), len(made[younger])] == [6, 6]
@@ -375,7 +375,7 @@ def test_a_session_over_the_kv_budget_fails_when_no_other_would_free_room() -> N
     batcher.close(alone)
     assert budget.held == {} and budget.evicted == []
 
-    budget, _, made, failed = _two_sessions(7)
+    budget, made, failed = _two_sessions(7)
     older, younger = made
     assert set(failed) == {older, younger}
     assert [len(made[older]), len(made[younger])] == [5, 5]  # the sixth never fits
