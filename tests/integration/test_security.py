@@ -32,11 +32,14 @@ TOKEN = "s3cret-token-for-tests"
 GPT = PROBLEMS["gpt"]
 
 
-def _train_like_one_process(client: pipesvc.Client, steps: int = 2) -> dict[int, int]:
+def _train_like_one_process(
+    client: pipesvc.Client, steps: int = 2, dropped: dict[int, int] | None = None
+) -> dict[int, int]:
     """Trains a small GPT over 2 stages against the one-process oracle.
 
     Returns each rank's count of dropped tensors (duplicates, or copies that came after their
-    run ended and so were stale).
+    run ended and so were stale). With ``dropped``, waits up to 5 s for those counts first: the
+    second copy of a step's last tensor may still be on its way when the step returns.
     """
     optimizer = {"name": "adamw", "lr": 1e-2}
     reference = Reference(GPT, seed=3, optimizer=optimizer, clip_grad_norm=None)
@@ -56,8 +59,13 @@ def _train_like_one_process(client: pipesvc.Client, steps: int = 2) -> dict[int,
         weights = job.state_dict()
         for key, value in reference.model.state_dict().items():
             torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=1e-5)
-        infos = {s.rank: _info(s.address, client) for s in job.plan}
-        return {r: i.num_duplicates_dropped + i.num_stale_dropped for r, i in infos.items()}
+        deadline = time.monotonic() + 5
+        while True:
+            infos = {s.rank: _info(s.address, client) for s in job.plan}
+            counts = {r: i.num_duplicates_dropped + i.num_stale_dropped for r, i in infos.items()}
+            if dropped is None or counts == dropped or time.monotonic() > deadline:
+                return counts
+            time.sleep(0.05)
 
 
 def _info(address: str, client: pipesvc.Client) -> stage_pb2.StageInfo:
@@ -172,7 +180,7 @@ def test_mtls_with_duplicating_senders_trains_like_one_process(
 ) -> None:
     tls = TLSConfig.from_files(ca=pki["ca"], cert=pki["cert"], key=pki["key"])
     with pipesvc.connect(mtls_cluster.address, tls=tls) as client:
-        dropped = _train_like_one_process(client, steps=3)
+        dropped = _train_like_one_process(client, steps=3, dropped={0: 12, 1: 12})
     # 3 steps x 4 micro-batches: every activation (into rank 1) and gradient (into rank 0)
     # arrived twice and the copy was dropped, as a duplicate or, after its run, as stale.
     assert dropped == {0: 12, 1: 12}
