@@ -70,9 +70,16 @@ class Checkpointer:
         ledger, cadence = self._ledger, self.cadence
         cadence.step_took(took)
         due = cadence.due(ledger.step) or self.log_over_bound()
-        if due and ledger.pending is not None:
+        pending, ahead = ledger.pending, ledger.run_ahead
+        if ahead is not None and pending is not None and ahead[1] == pending.run_id:
+            return  # its commit went out already (see [Note: steps ahead]): the next step's
+        if due and pending is not None:
             cadence.asked(ledger.step)
             ledger.snapshot_due()
+
+    def would_snapshot(self, step: int) -> bool:
+        """Whether ``step`` would be due a checkpoint if decided now (see ``after_step``)."""
+        return self.cadence.due(step) or self.log_over_bound()
 
     def log_over_bound(self) -> bool:
         """Whether a ``checkpoint_every=0`` job's step log has outgrown its bound, so that a

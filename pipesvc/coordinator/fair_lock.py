@@ -46,6 +46,11 @@ class FairLock:
             self._held = True
             return True
 
+    def contended(self) -> bool:
+        """Whether some call waits for the lock (asked by its holder)."""
+        with self._cond:
+            return self._next_ticket - self._serving - len(self._abandoned) > 1
+
     def _give_up(self, ticket: int) -> None:
         """A waiter that times out leaves the queue: later tickets move up by one."""
         self._abandoned.add(ticket)

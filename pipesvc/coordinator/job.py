@@ -15,7 +15,9 @@ recovered and retried: [Note: commit] in commit.py, [Note: deferred commit] in l
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent import futures
@@ -135,6 +137,10 @@ class JobDriver(JobLifecycle):
             recovery=self.recovery,
         )
         self._lock = FairLock()  # calls take turns (see fair_lock.py)
+        self._turn_kept: int | None = None
+        """The thread that keeps the lock between two steps of a stream (see ``_step_turn``)."""
+        self._ahead: PreparedStep | None = None
+        """The step whose run the running step sends ahead."""
         self._stopping = False  # set by wait_idle: the coordinator is stopping
         self.generation = JobGeneration(
             job_id=job_id,
@@ -232,18 +238,26 @@ class JobDriver(JobLifecycle):
         return self.train_prepared(prepared, digest)
 
     def train_prepared(
-        self, prepared: PreparedStep, digest: Callable[[], str] = str
+        self,
+        prepared: PreparedStep,
+        digest: Callable[[], str] = str,
+        ahead: Callable[[], PreparedStep | None] | None = None,
     ) -> tuple[float, int]:
         """Runs a step ``prepare_step`` made and decides it on every stage; returns (loss,
         step). ``train_step`` and a stream of steps (``pipesvc.coordinator.train_stream``)
         share it, so every step goes through the same guarantees.
+
+        ``ahead`` (a stream's): gives the next step if it is ready. If it may, its run goes
+        to the stages before this step is decided (see [Note: steps ahead] in
+        step_runner.py), and this thread keeps the job's lock for it: its next call must be
+        ``train_prepared`` of that step, or ``end_steps``.
 
         Raises:
             as ``train_step``.
         """
         batch, request_id = prepared.batch, prepared.request_id
         state, ledger, runner = self.state, self.ledger, self.runner
-        with self._lock:
+        with self._step_turn(prepared):
             self._check_open()
             if self._stopping:
                 raise StageUnavailableError(
@@ -266,7 +280,7 @@ class JobDriver(JobLifecycle):
                 if ledger.step >= target:  # a recovery finished the step's commit by replay
                     assert runner.last_loss[0] == target, (runner.last_loss, target)
                     return runner.last_loss[1]
-                return runner.train(batch, prepared.logged)
+                return runner.train(batch, prepared.logged, self._next_batch(ahead))
 
             loss = self._resilient(attempt, f"step {target}")
             if digested is not None:
@@ -288,6 +302,72 @@ class JobDriver(JobLifecycle):
             self.checkpoints.after_step(took)  # a snapshot if the step is due a checkpoint
             self._rebalance_if_due(took)
             return loss, ledger.step
+
+    def _next_batch(
+        self, ahead: Callable[[], PreparedStep | None] | None
+    ) -> Callable[[], RunBatch | None] | None:
+        """``StepRunner.train``'s ``ahead``: the stream's next step, unless another call waits
+        for the job or the step is a repeat (its request id remembered: it must not run)."""
+        if ahead is None:
+            return None
+
+        def next_batch() -> RunBatch | None:
+            if self._lock.contended():
+                return None
+            step = ahead()
+            if step is None or (step.request_id and step.request_id in self.state.results):
+                return None
+            self._ahead = step
+            return step.batch
+
+        return next_batch
+
+    @contextlib.contextmanager
+    def _step_turn(self, prepared: PreparedStep) -> Iterator[None]:
+        """The job's lock for a training step: taken, or kept from the step before, whose
+        call sent this one's run ahead; kept at the end when this step sent the next one's
+        run ahead (see [Note: steps ahead] in step_runner.py)."""
+        me = threading.get_ident()
+        if self._turn_kept == me:
+            self._turn_kept = None
+            if self._ahead is not prepared:
+                self._end_ahead()
+        else:
+            self._lock.acquire()
+        self._ahead = None
+        kept = False
+        try:
+            yield
+            kept = self._ahead is not None and self.runner.sent_ahead is self._ahead.batch
+        finally:
+            if kept:
+                self._turn_kept = me
+            else:
+                self._ahead = None
+                try:
+                    self._end_ahead()
+                finally:
+                    self._lock.release()
+
+    def end_steps(self) -> None:
+        """A stream of steps ended: the run it sent ahead, if any, is aborted (its commit
+        completed where still pending) and the job's lock given back."""
+        if self._turn_kept != threading.get_ident():
+            return
+        self._turn_kept = None
+        self._ahead = None
+        try:
+            self._end_ahead()
+        finally:
+            self._lock.release()
+
+    def _end_ahead(self) -> None:
+        """``StepRunner.drop_ahead``; a commit that fails there leaves its step the replay
+        target, which the next call rebuilds to, so the error is only logged."""
+        try:
+            self.runner.drop_ahead()
+        except PipesvcError as exc:
+            logger.warning("job %s: ending a run sent ahead: %s", self.job_id, exc)
 
     def _repeated(self, first: StepResult, digest: str) -> tuple[float, int]:
         """The reply to a step whose request id the job remembers (see [Note: step request
@@ -350,6 +430,7 @@ class JobDriver(JobLifecycle):
                 return
             decision, verdict = due
             if verdict.move:
+                self.runner.drop_ahead()  # the move reassigns the stages
                 self._resilient(
                     lambda: replanner.apply(decision, keep_partition=True),
                     f"rebalance at step {step}",

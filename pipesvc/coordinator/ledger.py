@@ -139,6 +139,7 @@ class Ledger:
         self._run_id = run_id
         self._checkpoint_step = checkpoint_step
         self._replay_target: int | None = None
+        self._run_ahead: tuple[int, int] | None = None
         self._gradients_valid = True
         self._decided_at = 0.0
 
@@ -160,6 +161,12 @@ class Ledger:
     def run_id(self) -> int:
         """Highest run id used."""
         return self._run_id
+
+    @property
+    def run_ahead(self) -> tuple[int, int] | None:
+        """(a run sent ahead, the run it follows), while one is out (see [Note: steps ahead]
+        in step_runner.py)."""
+        return self._run_ahead
 
     @property
     def checkpoint_step(self) -> int:
@@ -220,6 +227,51 @@ class Ledger:
         self._run_id += 1
         return self._run_id
 
+    def begin_ahead(self, after: int) -> int:
+        """A new run id for the next step's run, sent while run ``after`` (the newest) is out
+        and before its step is decided (see [Note: steps ahead] in step_runner.py).
+
+        Raises:
+            TransitionError: a run is out ahead already, or ``after`` is not the newest run.
+        """
+        _require(
+            self._run_ahead is None, f"a run sent ahead of run {after} with {self._run_ahead} out"
+        )
+        _require(after == self._run_id, f"a run sent ahead of run {after}; newest {self._run_id}")
+        self._run_id += 1
+        self._run_ahead = (self._run_id, after)
+        return self._run_id
+
+    def ahead_taken(self, run_id: int) -> None:
+        """The run sent ahead is now the step's run (it carries the pending commit).
+
+        Raises:
+            TransitionError: ``run_id`` is not the run out ahead, or the run it follows was not
+                decided.
+        """
+        ahead = self._run_ahead
+        _require(ahead is not None and ahead[0] == run_id, f"run {run_id} taken; ahead: {ahead}")
+        assert ahead is not None
+        pending = self._pending
+        _require(
+            pending is not None and pending.run_id == ahead[1],
+            f"run {run_id} taken while run {ahead[1]} is not the pending commit ({pending})",
+        )
+        self._run_ahead = None
+
+    def ahead_dropped(self) -> None:
+        """The run sent ahead was aborted (or its stages reassigned) before it was taken."""
+        self._run_ahead = None
+
+    def diverged(self) -> None:
+        """A run that failed had a run sent ahead of it, which applied the failed run's step
+        on some stage (see [Note: steps ahead] in step_runner.py): that step is not decided, so
+        every stage is rebuilt to the decided step (the replay target) before any later call.
+        """
+        self._run_ahead = None
+        self._pending = None
+        self._replay_target = max(self._replay_target or 0, self._step)
+
     def adopt_runs(self, seen: Sequence[int]) -> None:
         """After a coordinator restart: the stages saw runs up to ``max(seen)``; later runs
         get higher ids."""
@@ -234,7 +286,11 @@ class Ledger:
                 the step would pass the replay target.
         """
         _require(self._pending is None, f"step {self._step + 1} decided with {self._pending}")
-        _require(run_id == self._run_id, f"run {run_id} decided; the newest is {self._run_id}")
+        ahead = self._run_ahead
+        _require(
+            run_id == self._run_id or (ahead is not None and run_id == ahead[1]),
+            f"run {run_id} decided; the newest is {self._run_id} (ahead: {ahead})",
+        )
         target = self._replay_target
         _require(
             target is None or self._step < target,
@@ -328,6 +384,7 @@ class Ledger:
         target = self._step if self._replay_target is None else self._replay_target
         self._replay_target = target
         self._pending = None
+        self._run_ahead = None
         return target
 
     def restored(self, step: int) -> None:

@@ -23,8 +23,8 @@ from pipesvc.coordinator.options import FORGET_STAGES_AFTER_S
 from pipesvc.coordinator.replicas import Rendezvous
 from pipesvc.coordinator.stage_calls import Deadlines, call_stage
 from pipesvc.coordinator.stage_registry import StageRecord, StageRegistry
-from pipesvc.coordinator.step_request import forward_batch, train_batch
-from pipesvc.coordinator.train_stream import TrainStream
+from pipesvc.coordinator.step_request import PreparedStep, StepBatch, forward_batch, train_batch
+from pipesvc.coordinator.train_stream import Step, TrainStream
 from pipesvc.core.config import config_from_proto
 from pipesvc.core.health import Health
 from pipesvc.core.limits import Limits
@@ -84,6 +84,33 @@ def _train_reply(result: tuple[JobDriver, float, int]) -> coordinator_pb2.TrainS
     """The reply to a decided step: its loss, its step and the job as it is now."""
     job, loss, step = result
     return coordinator_pb2.TrainStepResponse(loss=loss, step=step, job=job.info())
+
+
+class _TrainCall:
+    """A training step prepared for its job (``JobDriver.prepare_step``), run by a
+    ``TrainStep`` call or in its turn in a ``Train`` stream."""
+
+    def __init__(self, job: JobDriver, batch: StepBatch, prepared: PreparedStep) -> None:
+        self.job, self.batch, self.prepared = job, batch, prepared
+
+    def __call__(
+        self, ahead: Callable[[], Step[tuple[JobDriver, float, int]] | None]
+    ) -> tuple[JobDriver, float, int]:
+        """Runs the step; the stream's next step may go ahead if it is the same job's (see
+        [Note: steps ahead] in step_runner.py)."""
+
+        def next_step() -> PreparedStep | None:
+            step = ahead()
+            same = isinstance(step, _TrainCall) and step.job is self.job
+            return step.prepared if isinstance(step, _TrainCall) and same else None
+
+        batch = self.batch
+        with _batch_errors(self.job, batch.inputs, batch.targets):
+            loss, step = self.job.train_prepared(self.prepared, batch.digest, next_step)
+        return self.job, loss, step
+
+    def end(self) -> None:
+        self.job.end_steps()
 
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
@@ -333,7 +360,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
         request: Incoming[coordinator_pb2.TrainStepRequest]
         | coordinator_pb2.TrainStepRequest
         | WireFormatError,
-    ) -> Callable[[], tuple[JobDriver, float, int]]:
+    ) -> _TrainCall:
         """A training request decoded (served with payload_wire's parser, see
         coordinator.server), checked and split (``JobDriver.prepare_step``); returns the step,
         to run (``JobDriver.train_prepared``) now or, in a stream, when its turn comes. Either
@@ -344,13 +371,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
             prepared = job.prepare_step(
                 batch.inputs, batch.targets, batch.side, request_id=batch.request_id
             )
-
-        def run() -> tuple[JobDriver, float, int]:
-            with _batch_errors(job, batch.inputs, batch.targets):
-                loss, step = job.train_prepared(prepared, batch.digest)
-            return job, loss, step
-
-        return run
+        return _TrainCall(job, batch, prepared)
 
     @handle_errors
     def TrainStep(
@@ -360,7 +381,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
         | WireFormatError,
         context: object,
     ) -> coordinator_pb2.TrainStepResponse:
-        return _train_reply(self._prepare_train(request)())
+        return _train_reply(self._prepare_train(request)(lambda: None))
 
     @handle_errors
     def Train(

@@ -217,6 +217,21 @@ class StageGroup:
             StageLostError: the watchdog declared a stage lost (the caller aborts the run).
             PipesvcError: the first root-cause error of any stage, naming it.
         """
+        sent = self.send_run(run_id, mode, batch, what=what, commit=commit)
+        if during is not None:
+            during()
+        return sent.replies()
+
+    def send_run(
+        self,
+        run_id: int,
+        mode: stage_pb2.RunMode.ValueType,
+        batch: RunBatch,
+        *,
+        what: str,
+        commit: stage_pb2.CarriedCommit | None = None,
+    ) -> SentRun:
+        """``run_step``'s requests, sent to every stage; ``SentRun.replies`` awaits them."""
         inputs, targets = batch.inputs, batch.targets
         units = [loss_units(self.config.loss, t) for t in targets]
         weights = microbatch.loss_weights(units) if targets else []
@@ -267,35 +282,23 @@ class StageGroup:
         # run out; a carried commit must reach every stage, so the caller flushed it first.
         taking_part = [p for p, share in zip(pipelines, shares, strict=True) if len(share)]
         assert commit is None or len(taking_part) == len(pipelines), "flush the commit first"
-        return self._send_runs(taking_part, request, what, during)
+        stages = [s for p in taking_part for s in p]
+        calls = [
+            self._send(stage, "run", *request(stage), self.deadlines.step_s) for stage in stages
+        ]
+        return SentRun(self, taking_part, calls, what)
 
-    def _send_runs(
-        self,
-        pipelines: list[list[PipelineStage]],
-        request: Callable[[PipelineStage], tuple[stage_pb2.RunStepRequest, list[memoryview]]],
-        what: str,
-        during: Callable[[], None] | None = None,
-    ) -> RunReplies:
-        """Sends every stage of ``pipelines`` its ``request(stage)`` on its Control stream,
-        calls ``during``, and gathers the replies under the health watchdog, grouped by
-        replica."""
-        stages = [s for p in pipelines for s in p]
-        deadlines = self.deadlines
-        calls = []
-        for stage in stages:
-            message, views = request(stage)
-            calls.append(self._send(stage, "run", message, views, deadlines.step_s))
-        if during is not None:
-            during()
-        replies: list[stage_pb2.RunStepResponse] = gather(
-            self.registry, stages, calls, deadlines=deadlines, what=what, timeout_s=deadlines.step_s
-        )
-        by_replica: list[list[stage_pb2.RunStepResponse]] = []
-        index = 0
-        for pipeline in pipelines:
-            by_replica.append(replies[index : index + len(pipeline)])
-            index += len(pipeline)
-        return RunReplies(by_replica=by_replica)
+    def no_stage_past(self, step: int) -> bool:
+        """Whether every stage of the plan answers that it is at ``step`` or before it (False
+        also when one cannot say)."""
+        try:
+            infos = self.call_all(
+                lambda stub: stub.Info, lambda s: stage_pb2.InfoRequest(), self.deadlines.control_s
+            )
+        except PipesvcError as exc:
+            logger.warning("job %s: could not ask the stages where they are: %s", self.job_id, exc)
+            return False
+        return all(i.job_id == self.job_id and i.step <= step for i in infos)
 
     def shares(self, mode: stage_pb2.RunMode.ValueType, count: int) -> list[range]:
         """Which of a run's ``count`` micro-batches each replica runs (see [Note: replicas]):
@@ -484,3 +487,42 @@ class StageGroup:
             step=step,
             pool=self._pool,
         )
+
+
+class SentRun:
+    """A run's requests, sent to every stage taking part; ``replies`` awaits them."""
+
+    def __init__(
+        self,
+        group: StageGroup,
+        pipelines: list[list[PipelineStage]],
+        calls: list[futures.Future[Any]],
+        what: str,
+    ) -> None:
+        self.epoch = group.epoch
+        """The plan epoch it was sent in."""
+        self._group, self._pipelines, self._calls, self._what = group, pipelines, calls, what
+
+    def replies(self) -> RunReplies:
+        """Gathers every stage's reply under the health watchdog, grouped by replica.
+
+        Raises:
+            as ``StageGroup.run_step``.
+        """
+        group = self._group
+        stages = [s for p in self._pipelines for s in p]
+        deadlines = group.deadlines
+        replies: list[stage_pb2.RunStepResponse] = gather(
+            group.registry,
+            stages,
+            self._calls,
+            deadlines=deadlines,
+            what=self._what,
+            timeout_s=deadlines.step_s,
+        )
+        by_replica: list[list[stage_pb2.RunStepResponse]] = []
+        index = 0
+        for pipeline in self._pipelines:
+            by_replica.append(replies[index : index + len(pipeline)])
+            index += len(pipeline)
+        return RunReplies(by_replica=by_replica)

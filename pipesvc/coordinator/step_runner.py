@@ -12,13 +12,14 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from pipesvc.coordinator.checkpointer import Checkpointer
 from pipesvc.coordinator.job_counters import PendingCommit
 from pipesvc.coordinator.ledger import Ledger
 from pipesvc.coordinator.replicas import RunReplies
 from pipesvc.coordinator.stage_calls import StageLostError
-from pipesvc.coordinator.stage_group import StageGroup
+from pipesvc.coordinator.stage_group import SentRun, StageGroup
 from pipesvc.coordinator.step_log import LoggedBatch, StepLog, StepLogError
 from pipesvc.core.microbatch import RunBatch
 from pipesvc.errors import (
@@ -44,8 +45,47 @@ FINAL_ERRORS = (
 recovery cannot fix."""
 
 
+Ahead = Callable[[], RunBatch | None]
+"""Gives the batch of the step after the one running, if it is ready and may be sent ahead
+(see [Note: steps ahead]); asked once, after the running step's log entry is written."""
+
+
+@dataclass
+class _SentAhead:
+    """A training run sent before the step it follows was decided."""
+
+    batch: RunBatch
+    run_id: int
+    after: int
+    """The run it follows, whose commit it carries."""
+    sent: SentRun
+
+
 class StepRunner:
-    """Runs a job's run phases and training steps on its stages as they are now."""
+    """Runs a job's run phases and training steps on its stages as they are now.
+
+    [Note: steps ahead] In a stream of training steps (``Job.train``), step N+1's run goes to
+    the stages while step N's runs, carrying N's commit before N is decided. Each stage starts
+    it the moment its own part of run N has ended (see [Note: run ahead] in
+    stage/compute/engine.py): it applies N's optimizer step and goes on, so no stage waits
+    for the coordinator between two steps. The coordinator meanwhile decides N exactly as
+    before (every stage's reply, the step log, the row) and then takes the run sent ahead as
+    step N+1's (``ahead_taken``), writes N+1's log entry and sends N+2 ahead. A step's log
+    entry is written before the run that carries its commit is sent, so a stage never applies
+    a step whose batch is not in the log.
+
+    What it changes is who may run ahead of the decision: a stage whose part of run N ended
+    applies N before the coordinator knows that every other stage's part ended too. If run N
+    then fails, the run sent ahead is aborted everywhere and the stages are asked where they
+    are: when none applied N, the failure is handled as any failed run; when some did, the
+    job is rebuilt to the decided step (``Ledger.diverged``, as recovery does after a lost
+    stage), so no call ever sees N. A coordinator that dies with a stage past its row is
+    rebuilt by reconciling. A run is sent ahead only when nothing else needs the step's
+    commit first: the job does not clip gradients (the scale needs every stage's norm), the
+    step is not due a checkpoint snapshot, every replica takes part, and no other call waits
+    for the job. A run sent ahead that is not taken (the stream ended, another call came) is
+    aborted and N's commit completed where it is still pending (``drop_ahead``).
+    """
 
     def __init__(
         self,
@@ -63,6 +103,7 @@ class StepRunner:
         self._metrics = metrics
         self.last_loss = (0, 0.0)
         """(step, loss) of the newest training run phase that succeeded."""
+        self._sent_ahead: _SentAhead | None = None
 
     def run(
         self,
@@ -87,8 +128,8 @@ class StepRunner:
         try:
             ran = self._run_once(mode, batch, carried, during)
         except PipesvcError as exc:
-            if carried is None:
-                raise
+            if carried is None or ledger.pending != carried:
+                raise  # nothing carried, or the stages are to be rebuilt (``diverged``)
             if isinstance(exc, StageLostError):
                 # A stage is gone: recovery rebuilds every stage to the decided step.
                 ledger.lost(carried)
@@ -126,30 +167,133 @@ class StepRunner:
         carried: PendingCommit | None,
         during: Callable[[], None] | None,
     ) -> tuple[int, RunReplies]:
-        ledger = self._ledger
-        run_id = ledger.begin_run()
+        ledger, group = self._ledger, self._group
         training = mode == stage_pb2.TRAIN
-        what = f"run {run_id} (step {ledger.step + 1})" if training else f"inference run {run_id}"
-        commit = carried.carried() if carried is not None else None
-        self._checkpoints.before_run(carried is not None and carried.snapshot)
-        try:
-            replies = self._group.run_step(
-                run_id, mode, batch, what=what, commit=commit, during=during
+        taken = self._take_ahead(batch, carried)
+        if taken is not None:
+            run_id, sent = taken.run_id, taken.sent
+        else:
+            run_id = ledger.begin_run()
+            what = (
+                f"run {run_id} (step {ledger.step + 1})" if training else f"inference run {run_id}"
             )
+            commit = carried.carried() if carried is not None else None
+            self._checkpoints.before_run(carried is not None and carried.snapshot)
+            sent = group.send_run(run_id, mode, batch, what=what, commit=commit)
+        try:
+            if during is not None:
+                during()
+            replies = sent.replies()
         except PipesvcError as exc:
             self._metrics.inc("steps_aborted_total")
             ledger.aborted(training=training)
             lost = exc.addresses if isinstance(exc, StageLostError) else set()
-            self._group.abort(run_id, lost=lost)
+            group.abort(run_id, lost=lost)
+            self._ahead_of_failed(lost)
             raise
         if carried is not None:
             ledger.carried(carried)
         return run_id, replies
 
-    def train(self, batch: RunBatch, log: LoggedBatch | None) -> float:
+    @property
+    def sent_ahead(self) -> RunBatch | None:
+        """The batch whose run is out ahead, if any."""
+        return None if self._sent_ahead is None else self._sent_ahead.batch
+
+    def _take_ahead(self, batch: RunBatch, carried: PendingCommit | None) -> _SentAhead | None:
+        """The run sent ahead for ``batch``, taken as its step's run; None if there is none
+        (one sent for another batch, or before a rebuild, is dropped)."""
+        ahead = self._sent_ahead
+        if ahead is None:
+            return None
+        if (
+            ahead.batch is batch
+            and carried is not None
+            and carried.run_id == ahead.after
+            and ahead.sent.epoch == self._group.epoch
+        ):
+            self._sent_ahead = None
+            self._ledger.ahead_taken(ahead.run_id)
+            return ahead
+        self.drop_ahead()
+        return None
+
+    def send_ahead(self, next_batch: RunBatch, after: int) -> None:
+        """Sends ``next_batch``'s training run ahead of run ``after`` (out now, its step not
+        decided), carrying ``after``'s commit (see [Note: steps ahead])."""
+        ledger, group = self._ledger, self._group
+        run_id = ledger.begin_ahead(after)
+        commit = stage_pb2.CarriedCommit(run_id=after)
+        what = f"run {run_id} (step {ledger.step + 2}, sent ahead)"
+        try:
+            sent = group.send_run(run_id, stage_pb2.TRAIN, next_batch, what=what, commit=commit)
+        except BaseException:
+            ledger.ahead_dropped()
+            raise
+        self._sent_ahead = _SentAhead(batch=next_batch, run_id=run_id, after=after, sent=sent)
+        self._metrics.inc("runs_sent_ahead_total")
+
+    def may_send_ahead(self, next_batch: RunBatch) -> bool:
+        """Whether the next step may go ahead of the running one's decision (see [Note:
+        steps ahead]): no clipping, no snapshot due, every replica taking part."""
+        group = self._group
+        return (
+            group.config.clip_grad_norm is None
+            and self._sent_ahead is None
+            and not self._checkpoints.would_snapshot(self._ledger.step + 1)
+            and all(group.shares(stage_pb2.TRAIN, len(next_batch.inputs)))
+        )
+
+    def _ahead_of_failed(self, lost: set[str]) -> None:
+        """After the abort of a run that had the next step's run sent ahead of it: aborts that
+        one too and, if some stage applied the failed run's step on its way, has the stages
+        rebuilt to the decided step (see [Note: steps ahead])."""
+        ahead = self._sent_ahead
+        if ahead is None:
+            return
+        self._sent_ahead = None
+        ledger, group = self._ledger, self._group
+        ledger.ahead_dropped()
+        group.abort(ahead.run_id, lost=lost)
+        if lost or not group.no_stage_past(ledger.step):
+            logger.warning(
+                "job %s: run %d failed after run %d was sent ahead of it; the stages are "
+                "rebuilt to step %d",
+                group.job_id,
+                ahead.after,
+                ahead.run_id,
+                ledger.step,
+            )
+            ledger.diverged()
+
+    def drop_ahead(self) -> None:
+        """Aborts the run sent ahead, if any, on every stage, and completes the commit it
+        carried where it is still pending (see [Note: steps ahead]).
+
+        Raises:
+            PipesvcError: the commit did not reach every stage (the step is the replay
+                target).
+        """
+        ahead = self._sent_ahead
+        if ahead is None:
+            return
+        self._sent_ahead = None
+        ledger, group = self._ledger, self._group
+        ledger.ahead_dropped()
+        if ahead.sent.epoch != group.epoch:
+            return  # the stages were reassigned: the run went with them
+        group.abort(ahead.run_id)
+        ledger.aborted(training=True)
+        pending = ledger.pending
+        if pending is not None and pending.run_id == ahead.after:
+            ledger.settle(pending, after_failed_run=True)
+
+    def train(self, batch: RunBatch, log: LoggedBatch | None, ahead: Ahead | None = None) -> float:
         """Runs the next training step and decides it (its commit pending, see [Note:
         deferred commit]); returns its loss. ``log``: its batch for the step log, written while
-        the stages compute (None: a replayed step, logged already).
+        the stages compute (None: a replayed step, logged already). ``ahead``: the next step,
+        sent ahead once this one's log entry is written if it may be (see [Note: steps
+        ahead]).
 
         Raises:
             StepLogError: the batch could not be logged; the step was aborted everywhere.
@@ -161,7 +305,20 @@ class StepRunner:
         # run fails, the run's error is the one to report; the entry is written again before
         # the step is ever decided.
         logged = _LogWrite(self._log, ledger.step + 1, log) if log else None
-        run_id, replies = self.run(stage_pb2.TRAIN, batch, logged)
+        asked = False
+
+        def during() -> None:
+            nonlocal asked
+            if logged is not None:
+                logged()
+            if ahead is None or asked or logged is None or logged.failed:
+                return
+            asked = True  # once: not for the run again without its commit
+            next_batch = ahead()
+            if next_batch is not None and self.may_send_ahead(next_batch):
+                self.send_ahead(next_batch, ledger.run_id)
+
+        run_id, replies = self.run(stage_pb2.TRAIN, batch, during)
         if logged is not None:
             try:
                 logged.result()
@@ -202,6 +359,11 @@ class _LogWrite:
         self._log, self._entry, self._batch = log, step, batch
         self._done = False
         self._error: Exception | None = None
+
+    @property
+    def failed(self) -> bool:
+        """Whether the write was made and failed."""
+        return self._error is not None
 
     def __call__(self) -> None:
         if self._done:

@@ -33,7 +33,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +45,19 @@ _Result = TypeVar("_Result")
 _Reply = TypeVar("_Reply")
 _Request = TypeVar("_Request")
 
-Step = Callable[[], _Result]
-"""A prepared step: runs it and returns its result."""
+
+class Step(Protocol[_Result]):
+    """A prepared step."""
+
+    def __call__(self, ahead: Callable[[], Step[_Result] | None]) -> _Result:
+        """Runs it and returns its result; ``ahead`` gives the next step if it is prepared
+        already (which then runs next), so that its run may go ahead (see [Note: steps ahead]
+        in step_runner.py)."""
+        ...
+
+    def end(self) -> None:
+        """The stream ran this step last and runs no other."""
+        ...
 
 
 class _End:
@@ -79,6 +90,8 @@ class TrainStream(Generic[_Request, _Result, _Reply]):
             PREPARED_AHEAD
         )
         self._results: queue.Queue[_Result | BaseException | _End] = queue.Queue()
+        self._taken: Step[_Result] | BaseException | _End | None = None
+        """The next item, taken from the queue by ``_peek``."""
         self._reader = threading.Thread(target=self._read, name=f"{name}-reader", daemon=True)
         self._worker = threading.Thread(target=self._work, name=f"{name}-worker", daemon=True)
 
@@ -133,12 +146,35 @@ class TrainStream(Generic[_Request, _Result, _Reply]):
         finally:
             self._put(_END)
 
+    def _next(self) -> Step[_Result] | BaseException | _End | None:
+        """The next prepared item: the one ``_peek`` took, or the queue's (None: none yet)."""
+        taken, self._taken = self._taken, None
+        if taken is not None:
+            return taken
+        try:
+            return self._prepared.get(timeout=0.1)
+        except queue.Empty:
+            return None
+
+    def _peek(self) -> Step[_Result] | None:
+        """The next step if it is prepared already (it runs next), for a step to send ahead;
+        None once the stream is stopped."""
+        if self._taken is None:
+            try:
+                self._taken = self._prepared.get_nowait()
+            except queue.Empty:
+                return None
+        taken = self._taken
+        if self._stopped.is_set() or isinstance(taken, (BaseException, _End)):
+            return None
+        return taken
+
     def _work(self) -> None:
+        last: Step[_Result] | None = None
         try:
             while not self._stopped.is_set():
-                try:
-                    item = self._prepared.get(timeout=0.1)
-                except queue.Empty:
+                item = self._next()
+                if item is None:
                     continue
                 if isinstance(item, _End):
                     return
@@ -146,12 +182,18 @@ class TrainStream(Generic[_Request, _Result, _Reply]):
                     if isinstance(item, BaseException):
                         self._results.put(item)
                     return
+                last = item
                 try:
-                    result = item()
+                    result = item(self._peek)
                 except Exception as exc:
                     self._results.put(exc)
                     return
                 self._results.put(result)
         finally:
+            if last is not None:
+                try:
+                    last.end()
+                except Exception:
+                    logger.exception("ending a training stream's last step")
             self._stopped.set()  # the reader stops queueing steps nobody will run
             self._results.put(_END)

@@ -12,6 +12,11 @@ _DEFINITIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     # name: (kind, help, labels)
     "steps_committed_total": ("counter", "Training steps committed", ()),
     "steps_aborted_total": ("counter", "Runs aborted on every stage", ()),
+    "runs_sent_ahead_total": (
+        "counter",
+        "Training runs sent to the stages before the step they follow was decided",
+        (),
+    ),
     "recoveries_total": ("counter", "Recoveries from lost stages or failed steps", ()),
     "step_seconds": ("histogram", "Wall time of a training step, commit included", ()),
     "runs_total": ("counter", "Runs a stage executed", ("mode",)),

@@ -31,9 +31,11 @@ from pipesvc.errors import InternalError, PipesvcError
 from pipesvc.v1 import coordinator_pb2
 from pipesvc.wire.payload_wire import Outgoing
 
-TRAIN_WINDOW = 2
-"""Steps sent ahead without a reply: the one running and the next, already on the
-coordinator (decoded, checked, split) when the running one is decided."""
+TRAIN_WINDOW = 3
+"""Steps sent ahead without a reply: the one running, the next (whose run the coordinator
+sends to the stages before the running one is decided, see [Note: steps ahead] in
+``pipesvc.coordinator.step_runner``) and the one after it, already on the coordinator
+(decoded, checked, split) when the next one's run goes out."""
 
 Request = Outgoing[coordinator_pb2.TrainStepRequest]
 """A step as sent: its message and its tensors' bytes beside it (see [Note: payload wire])."""

@@ -46,6 +46,7 @@ class Run:
         checkpoint_every: int = 2,
         optimizer: dict[str, object] | None = None,
         problem: Problem = MLP,
+        num_microbatches: int = 4,
     ) -> Run:
         optimizer = optimizer or OPTIMIZER
         job = client.create_job(
@@ -53,7 +54,7 @@ class Run:
             model_args=problem.model_args,
             seed=11,
             num_stages=num_stages,
-            num_microbatches=4,
+            num_microbatches=num_microbatches,
             loss="mse",
             optimizer=optimizer,
             checkpoint_every=checkpoint_every,

@@ -5,7 +5,9 @@ The engines are wired as ``tests.support.pipeline.Pipeline`` describes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -653,3 +655,60 @@ def test_a_session_lost_on_one_stage_costs_the_others_nothing() -> None:
         prompt = session.tokens[:, : session.prompt_length]
         (tokens,) = _generate(alone, [prompt], 6, fuse=False)
         assert torch.equal(session.tokens, tokens)
+
+
+def test_a_run_sent_ahead_waits_for_the_run_whose_commit_it_carries() -> None:
+    """See [Note: run ahead]: run 2, carrying run 1's commit, reaches a stage before run 1; it
+    waits for run 1 to end there, applies its commit and trains like commit-then-run. A run
+    sent ahead that is aborted while it waits ends its wait at once."""
+    problem = PROBLEMS["mlp"]
+    reference = Reference(
+        problem, seed=3, optimizer={"name": "sgd", "lr": 0.1}, clip_grad_norm=None
+    )
+    pipeline = _pipeline(problem, num_stages=1)
+    engine = pipeline.engines[0]
+    x, y = problem.batch(8, seed=0)
+    x2, y2 = problem.batch(7, seed=1)
+    loss_weights = microbatch.loss_weights([len(t) for t in microbatch.split(x2, 4)])
+
+    def second() -> RunResult:
+        return engine.run_step(
+            2,
+            training=True,
+            num_microbatches=4,
+            data=RunInputs(
+                inputs=microbatch.split(x2, 4),
+                targets=microbatch.split(y2, 4),
+                loss_weights=loss_weights,
+            ),
+            commit=Carried(run_id=1, grad_scale=None),
+        )
+
+    with futures.ThreadPoolExecutor(1) as pool:
+        ahead = pool.submit(second)
+        time.sleep(0.2)
+        assert not ahead.done() and engine.last_run_id == 0  # waiting, nothing changed
+        assert all(isinstance(r, RunResult) for r in pipeline.run(x, y, run_id=1))
+        result = ahead.result(timeout=10)
+    reference.step(x, y)
+    assert engine.runtime.step == 1 and engine.pending_commit == 2
+    assert sum(result.losses) == pytest.approx(reference.step(x2, y2), rel=1e-5, abs=1e-6)
+    engine.commit(2, None)
+    _assert_tensors(pipeline.tensors("parameters"), reference.model.state_dict())
+
+    with futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(
+            engine.run_step,
+            4,
+            training=False,
+            num_microbatches=1,
+            data=RunInputs(inputs=[x], targets=[], loss_weights=[]),
+            commit=Carried(run_id=3, grad_scale=None),
+        )
+        time.sleep(0.2)
+        assert not waiting.done()
+        started = time.monotonic()
+        engine.abort(4)
+        with pytest.raises(FailedPreconditionError, match="run 4 is not after the last run 4"):
+            waiting.result(timeout=10)
+        assert time.monotonic() - started < 5

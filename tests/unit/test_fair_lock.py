@@ -60,3 +60,22 @@ def test_timeouts_and_non_blocking_attempts_leave_the_queue_working() -> None:
     assert got.is_set()  # the abandoned turn did not block the next waiter
     assert lock.acquire(timeout=1)
     lock.release()
+
+
+def test_its_holder_sees_whether_anyone_waits() -> None:
+    lock = FairLock()
+    lock.acquire()
+    assert not lock.contended()
+    waiter = threading.Thread(target=lambda: (lock.acquire(), lock.release()))
+    waiter.start()
+    deadline = time.monotonic() + 5
+    while not lock.contended() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert lock.contended()
+    lock.release()
+    waiter.join(timeout=5)
+    assert lock.acquire(timeout=1)
+    assert not lock.contended()
+    assert not lock.acquire(timeout=0.05)  # a waiter that gave up is not counted
+    assert not lock.contended()
+    lock.release()

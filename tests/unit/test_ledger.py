@@ -28,6 +28,7 @@ GUARDED = (
     "gradients_valid",
     "checkpoint_step",
     "decided_at",
+    "run_ahead",
 )
 """The ledger's state: only ``ledger.py`` assigns these (or their private ``_`` names)."""
 NOT_THE_LEDGERS = {("state_io.py", "request.step")}
@@ -110,6 +111,49 @@ def test_a_decided_step_counts_and_its_commit_is_pending_until_a_run_carries_it(
     assert ledger.pending is None and ledger.gradients_valid
     assert decide(ledger).step == 2
     assert committer.sent == []
+
+
+def test_a_run_sent_ahead_is_decided_after_the_run_it_follows_and_then_taken(
+    db: StateDB,
+) -> None:
+    """See [Note: steps ahead]: the next step's run is begun while the running one is out;
+    the running one is still the one decided, and the one sent ahead carries its commit."""
+    ledger, committer = make(db)
+    first = ledger.begin_run()
+    second = ledger.begin_ahead(first)
+    assert (ledger.run_id, ledger.run_ahead) == (second, (second, first))
+    pending = ledger.decided(first, None)
+    assert pending == PendingCommit(step=1, run_id=first, grad_scale=None)
+    ledger.ahead_taken(second)
+    assert ledger.run_ahead is None
+    ledger.carried(pending)
+    assert ledger.decided(second, None).step == 2
+    assert committer.sent == []
+
+
+def test_a_run_that_failed_after_a_stage_went_past_it_rebuilds_to_the_decided_step(
+    db: StateDB,
+) -> None:
+    ledger, _ = make(db)
+    first = decide(ledger)
+    running = ledger.begin_run()
+    ledger.carried(first)
+    ledger.begin_ahead(running)
+    ledger.diverged()
+    assert (ledger.step, ledger.pending, ledger.run_ahead, ledger.replay_target) == (
+        1,
+        None,
+        None,
+        1,
+    )
+    assert ledger.rebuilding() == 1
+
+
+def test_a_rebuild_drops_the_run_sent_ahead(db: StateDB) -> None:
+    ledger, _ = make(db)
+    ledger.begin_ahead(ledger.begin_run())
+    ledger.rebuilding()
+    assert ledger.run_ahead is None
 
 
 def test_a_step_due_a_checkpoint_asks_the_carrying_run_for_a_snapshot(db: StateDB) -> None:
@@ -248,6 +292,26 @@ ILLEGAL: dict[str, tuple[Setup, Illegal]] = {
     "settled with no commit pending": (
         lambda led: None,
         lambda led: led.settle(OTHER, after_failed_run=True),
+    ),
+    "sent ahead of a stale run": (
+        lambda led: led.begin_run(),
+        lambda led: led.begin_ahead(led.run_id - 1),
+    ),
+    "sent ahead twice": (
+        lambda led: led.begin_ahead(led.begin_run()),
+        lambda led: led.begin_ahead(led.run_id),
+    ),
+    "decided, the run sent ahead": (
+        lambda led: led.begin_ahead(led.begin_run()),
+        lambda led: led.decided(led.run_id - 2, None),
+    ),
+    "taken before the run it follows was decided": (
+        lambda led: led.begin_ahead(led.begin_run()),
+        lambda led: led.ahead_taken(led.run_id),
+    ),
+    "taken, another run": (
+        lambda led: (led.begin_ahead(led.begin_run()), led.decided(led.run_id - 1, None)),
+        lambda led: led.ahead_taken(led.run_id + 1),
     ),
     "restored outside a rebuild": (lambda led: None, lambda led: led.restored(0)),
     "restored past the rebuild's target": (

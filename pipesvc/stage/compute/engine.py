@@ -18,6 +18,15 @@ call fails before anything changes. An abort of a later run than the pending one
 pending gradients alone (that run never began here: it would have committed them first), so
 a decided step survives the abort of the run that was to carry its commit.
 
+[Note: run ahead] A run may reach a stage before the run whose commit it carries has begun
+there: a stream of training steps sends step N+1's run while step N's runs (see [Note: steps
+ahead] in coordinator/step_runner.py). Such a run waits, without holding the run lock, until
+run N has begun (or been aborted) here; the run lock then holds it until run N has ended, so
+it applies N's commit the moment N's gradients are ready and starts at once, with no word from
+the coordinator in between. If run N failed or was aborted here there is nothing to commit, and
+the run fails as any run whose carried commit is not the pending one; an abort of the waiting
+run ends its wait.
+
 [Note: snapshot checkpoint] A carried commit may ask for a snapshot: right after applying it,
 before the run begins, the stage copies its checkpoint state (weights and optimizer state at
 that step) to host memory, and the coordinator streams that copy (GetState with
@@ -41,6 +50,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -59,6 +69,10 @@ from pipesvc.stage.compute.sessions import SessionCaches
 from pipesvc.stage.dataplane.mailbox import Mailbox
 
 logger = logging.getLogger(__name__)
+
+AHEAD_WAIT_S = 600.0
+"""How long a run waits for the run whose commit it carries to begin here (see [Note: run
+ahead]); the coordinator aborts it long before, when that run fails."""
 
 # RunInputs and SendFn belong to the action loop; callers of the engine take them from here.
 __all__ = ["Carried", "RunInputs", "RunResult", "SendFn", "Snapshot", "StepEngine", "TiedSwap"]
@@ -141,6 +155,8 @@ class StepEngine:
         self.recorder = recorder
         self.run_lock = threading.Lock()
         """Held by every call that reads or changes the runtime's state."""
+        self._begun = threading.Condition(self.run_lock)
+        """Notified when ``last_run_id`` grows (see [Note: run ahead])."""
         self.last_run_id = 0
         """The newest run begun or aborted here; a run must come after it."""
         self.pending_commit: int | None = None
@@ -198,6 +214,8 @@ class StepEngine:
         if commit is not None:
             self._check_commit_fault()
         with self.run_lock:
+            if commit is not None:
+                self._await_begun(commit.run_id, run_id)
             refs = self._begin_locked(run_id, data, commit)
             rt = self.runtime
             plan = self._plan(training, num_microbatches)
@@ -225,6 +243,20 @@ class StepEngine:
                 generator_states=made.generator_states,
             )
 
+    def _await_begun(self, carried: int, run_id: int) -> None:
+        """Under the run lock: waits until run ``carried`` (before ``run_id``) has begun or
+        been aborted here, or ``run_id`` itself has been aborted (see [Note: run ahead])."""
+        deadline = time.monotonic() + AHEAD_WAIT_S
+        while self.last_run_id < carried < run_id:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise FailedPreconditionError(
+                    f"run {run_id} carries the commit of run {carried}, which did not reach "
+                    f"this stage within {AHEAD_WAIT_S:.0f} s (the last run here is "
+                    f"{self.last_run_id})"
+                )
+            self._begun.wait(left)
+
     def _begin_locked(self, run_id: int, data: RunInputs, commit: Carried | None) -> list[CacheRef]:
         """Under the run lock: checks that run ``run_id`` may begin, begins its sessions and
         applies the carried ``commit`` (keeping a snapshot if it asks); returns the caches the
@@ -249,6 +281,7 @@ class StepEngine:
                 f"run {self.pending_commit} awaits commit or abort; run {run_id} waits"
             )
         self.last_run_id = run_id
+        self._begun.notify_all()
         return refs
 
     def _settle_gradients(self, run_id: int, spec: GroupSpec | None) -> None:
@@ -420,6 +453,7 @@ class StepEngine:
         self._wake(run_id)
         with self.run_lock:
             self.last_run_id = max(self.last_run_id, run_id)
+            self._begun.notify_all()
             if self.sessions is not None:  # a generation run that finished here: put back
                 self.sessions.undo(run_id)
             if self.pending_commit is not None and run_id > self.pending_commit:

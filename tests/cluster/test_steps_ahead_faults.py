@@ -1,0 +1,96 @@
+"""Runs sent ahead (see [Note: steps ahead] in pipesvc/coordinator/step_runner.py) when the
+run they follow fails after some stage has already applied it.
+
+With one micro-batch on two stages, the last stage's part of a step ends when it sends its
+gradient back; the run sent ahead then applies the step there at once, while the first stage
+is still in its backward. A fault in that backward fails the step after the last stage moved
+past it: the job must not keep a step the client was told failed, and one it recovers from must
+give the one-process losses. Both checks fail if the coordinator does not find the stage that
+went ahead and rebuild it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+import pipesvc
+from tests.support.faults import MLP, Run
+
+NUM_STEPS = 10
+FAULT_STEP = 5
+_METRICS_URL = re.compile(r"serving Prometheus metrics on (http://\S+/metrics)")
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [MLP.batch(8 + i % 3, seed=i) for i in range(NUM_STEPS)]
+
+
+def _sent_ahead(cluster: pipesvc.LocalCluster) -> float:
+    """The coordinator's ``runs_sent_ahead_total``."""
+    text = (cluster.log_dir / "coordinator.log").read_text(errors="replace")
+    found = _METRICS_URL.search(text)
+    assert found is not None, "the coordinator did not log its metrics address"
+    with urllib.request.urlopen(found[1], timeout=10) as reply:
+        metrics = reply.read().decode()
+    value = re.search(r"^pipesvc_runs_sent_ahead_total (\S+)$", metrics, re.MULTILINE)
+    assert value is not None, "no pipesvc_runs_sent_ahead_total"
+    return float(value[1])
+
+
+def _cluster(tmp_path: Path, action: str, num_stages: int) -> pipesvc.LocalCluster:
+    marker = str(tmp_path / "fault-fired")
+    return pipesvc.LocalCluster(
+        num_stages=num_stages,
+        threads_per_stage=1,
+        coordinator_args=["--metrics-port", "0"],
+        stage_args=["--fault-kill", f"backward-{action}:{FAULT_STEP}:0:{marker}"],
+    )
+
+
+def test_a_step_that_fails_after_a_stage_applied_it_is_undone(tmp_path: Path) -> None:
+    """The first stage's backward of step 5 fails with RESOURCE_EXHAUSTED (a final error, not
+    recovered from): the stream ends with it after 4 losses, the job is at step 4 with the
+    one-process weights of step 4, and training on from there gives the one-process losses."""
+    with _cluster(tmp_path, "fail", 2) as cluster, cluster.connect() as client:
+        run = Run.start(client, checkpoint_every=3, num_microbatches=1)
+        batches = _batches()
+        losses = []
+        with pytest.raises(pipesvc.ResourceExhaustedError):
+            for loss in run.job.train(batches):
+                losses.append(loss)
+        assert os.path.exists(tmp_path / "fault-fired"), "the fault never fired"
+        expected = [run.reference.step(x, y) for x, y in batches[: FAULT_STEP - 1]]
+        assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
+        assert run.job.step == FAULT_STEP - 1
+        run.check_weights()
+        rest = batches[FAULT_STEP - 1 :]
+        assert list(run.job.train(rest)) == pytest.approx(
+            [run.reference.step(x, y) for x, y in rest], rel=1e-5, abs=1e-6
+        )
+        assert run.job.step == NUM_STEPS
+        run.check_weights()
+        assert _sent_ahead(cluster) >= NUM_STEPS / 2, "the runs did not go ahead"
+
+
+def test_a_stage_killed_after_another_applied_its_step_costs_no_step(tmp_path: Path) -> None:
+    """The first stage dies in its backward of step 5, after the last stage applied step 5 on
+    its way to step 6: a spare takes its place, every stage is rebuilt to step 4, and the
+    stream goes on with the one-process losses."""
+    with _cluster(tmp_path, "kill", 3) as cluster, cluster.connect() as client:
+        run = Run.start(client, checkpoint_every=3, num_microbatches=1)
+        batches = _batches()
+        losses = list(run.job.train(batches))
+        assert os.path.exists(tmp_path / "fault-fired"), "the fault never fired"
+        assert losses == pytest.approx(
+            [run.reference.step(x, y) for x, y in batches], rel=1e-5, abs=1e-6
+        )
+        assert run.job.step == NUM_STEPS
+        assert run.job.recoveries == 1
+        run.check_weights()
+        assert _sent_ahead(cluster) >= NUM_STEPS / 2, "the runs did not go ahead"
