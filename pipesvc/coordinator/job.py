@@ -343,17 +343,16 @@ class JobDriver(JobLifecycle):
             if kept:
                 self._turn_kept = me
             else:
-                self._ahead = None
-                try:
-                    self._end_ahead()
-                finally:
-                    self._lock.release()
+                self._give_turn()
 
     def end_steps(self) -> None:
         """A stream of steps ended: the run it sent ahead, if any, is aborted (its commit
         completed where still pending) and the job's lock given back."""
-        if self._turn_kept != threading.get_ident():
-            return
+        if self._turn_kept == threading.get_ident():
+            self._give_turn()
+
+    def _give_turn(self) -> None:
+        """Drops a run sent ahead, if any, and releases the job's lock."""
         self._turn_kept = None
         self._ahead = None
         try:

@@ -244,16 +244,21 @@ class StepRunner:
             and all(group.shares(stage_pb2.TRAIN, len(next_batch.inputs)))
         )
 
+    def _pop_ahead(self) -> _SentAhead | None:
+        """The run sent ahead, no longer out as far as the ledger is concerned."""
+        ahead, self._sent_ahead = self._sent_ahead, None
+        if ahead is not None:
+            self._ledger.ahead_dropped()
+        return ahead
+
     def _ahead_of_failed(self, lost: set[str]) -> None:
         """After the abort of a run that had the next step's run sent ahead of it: aborts that
         one too and, if some stage applied the failed run's step on its way, has the stages
         rebuilt to the decided step (see [Note: steps ahead])."""
-        ahead = self._sent_ahead
+        ahead = self._pop_ahead()
         if ahead is None:
             return
-        self._sent_ahead = None
         ledger, group = self._ledger, self._group
-        ledger.ahead_dropped()
         group.abort(ahead.run_id, lost=lost)
         if lost or not group.no_stage_past(ledger.step):
             logger.warning(
@@ -274,12 +279,10 @@ class StepRunner:
             PipesvcError: the commit did not reach every stage (the step is the replay
                 target).
         """
-        ahead = self._sent_ahead
+        ahead = self._pop_ahead()
         if ahead is None:
             return
-        self._sent_ahead = None
         ledger, group = self._ledger, self._group
-        ledger.ahead_dropped()
         if ahead.sent.epoch != group.epoch:
             return  # the stages were reassigned: the run went with them
         group.abort(ahead.run_id)
