@@ -34,6 +34,10 @@ other). A session that made its last token but whose reader has not closed it ye
 its caches, so it counts as one that will free room. While a session waits, sessions that have
 not started yet do not start (they hold no caches, so they are not waited for either): a waiting
 session goes on before anything that came after it, and a stream of new ones cannot starve it.
+A waiting session has no token to send, so its client going away is not seen by a failed send:
+the Generate call's cancellation and the HTTP API's check for a gone client (every
+``GONE_POLL_S`` until the first token) call ``leave``, so it takes no further step and never runs
+for nobody.
 """
 
 from __future__ import annotations
@@ -167,6 +171,15 @@ class StepBatcher:
             if stream.error is not None:
                 raise stream.error
             return None
+
+    def leave(self, stream: TokenStream) -> None:
+        """The session's reader is gone (from any thread): it takes no further step, and a
+        reader waiting in ``next`` gets what was made, then the end. ``close`` still drops its
+        caches, from the thread that reads it."""
+        with self._cond:
+            stream.closed = True
+            stream.changed.notify_all()
+            self._cond.notify_all()
 
     def close(self, stream: TokenStream) -> None:
         """Ends the session's stream: once no run holds it, drops its caches (``release``)."""

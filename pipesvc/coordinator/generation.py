@@ -93,6 +93,7 @@ class JobGeneration:
         attention_mask: torch.Tensor | None = None,
         eos_token_id: int | None = None,
         logprobs: int | None = None,
+        on_open: Callable[[Callable[[], None]], None] | None = None,
     ) -> Generator[Made, None, None]:
         """Generates up to ``max_new_tokens`` tokens after the prompt from the job's committed
         weights; yields each step's new token of every row (``[B]``) as it is made (see
@@ -100,7 +101,9 @@ class JobGeneration:
         the ``logprobs`` most likely tokens when ``logprobs`` is given (see
         [Note: log-probabilities] in ``pipesvc.core.sampling``). Each step holds the job for
         one run only, so training steps and other sessions go in between. The session's
-        caches are released on every stage when the iterator ends or is closed.
+        caches are released on every stage when the iterator ends or is closed. ``on_open``
+        gets, once the session is open, a function that any thread may call when its reader is
+        gone: the session takes no further step and a wait in the iterator ends.
 
         Raises:
             InvalidArgumentError: the prompt, the mask or the sampling settings do not fit.
@@ -131,6 +134,8 @@ class JobGeneration:
         self._metrics.inc("generation_sessions_total")
         stream = self.batcher.open(session, max_new_tokens)
         try:
+            if on_open is not None:
+                on_open(lambda: self.batcher.leave(stream))
             while (made := self.batcher.next(stream)) is not None:
                 yield made
         finally:

@@ -454,12 +454,20 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
             seed=request.seed if request.HasField("seed") else None,
         )
         job = self._job(request.job_id)
+
+        def on_open(leave: Callable[[], None]) -> None:
+            # A client gone before its first token (a session waiting for room in the KV
+            # budgets) is dropped then, not when it would have run.
+            if not context.add_callback(leave):
+                leave()
+
         steps = job.generation.generate(
             input_ids,
             request.max_new_tokens,
             sampling,
             attention_mask=mask,
             eos_token_id=request.eos_token_id if request.HasField("eos_token_id") else None,
+            on_open=on_open,
         )
         try:
             for made in steps:

@@ -12,8 +12,6 @@ went ahead and rebuild it.
 from __future__ import annotations
 
 import os
-import re
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -21,26 +19,14 @@ import torch
 
 import pipesvc
 from tests.support.faults import MLP, Run
+from tests.support.metrics import coordinator_metric
 
 NUM_STEPS = 10
 FAULT_STEP = 5
-_METRICS_URL = re.compile(r"serving Prometheus metrics on (http://\S+/metrics)")
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [MLP.batch(8 + i % 3, seed=i) for i in range(NUM_STEPS)]
-
-
-def _sent_ahead(cluster: pipesvc.LocalCluster) -> float:
-    """The coordinator's ``runs_sent_ahead_total``."""
-    text = (cluster.log_dir / "coordinator.log").read_text(errors="replace")
-    found = _METRICS_URL.search(text)
-    assert found is not None, "the coordinator did not log its metrics address"
-    with urllib.request.urlopen(found[1], timeout=10) as reply:
-        metrics = reply.read().decode()
-    value = re.search(r"^pipesvc_runs_sent_ahead_total (\S+)$", metrics, re.MULTILINE)
-    assert value is not None, "no pipesvc_runs_sent_ahead_total"
-    return float(value[1])
 
 
 def _cluster(tmp_path: Path, action: str, num_stages: int) -> pipesvc.LocalCluster:
@@ -75,7 +61,9 @@ def test_a_step_that_fails_after_a_stage_applied_it_is_undone(tmp_path: Path) ->
         )
         assert run.job.step == NUM_STEPS
         run.check_weights()
-        assert _sent_ahead(cluster) >= NUM_STEPS / 2, "the runs did not go ahead"
+        assert coordinator_metric(cluster, "runs_sent_ahead_total") >= NUM_STEPS / 2, (
+            "the runs did not go ahead"
+        )
 
 
 def test_a_stage_killed_after_another_applied_its_step_costs_no_step(tmp_path: Path) -> None:
@@ -93,4 +81,6 @@ def test_a_stage_killed_after_another_applied_its_step_costs_no_step(tmp_path: P
         assert run.job.step == NUM_STEPS
         assert run.job.recoveries == 1
         run.check_weights()
-        assert _sent_ahead(cluster) >= NUM_STEPS / 2, "the runs did not go ahead"
+        assert coordinator_metric(cluster, "runs_sent_ahead_total") >= NUM_STEPS / 2, (
+            "the runs did not go ahead"
+        )

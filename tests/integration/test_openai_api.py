@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import grpc
@@ -26,9 +27,11 @@ from openai.types.chat import ChatCompletionMessageParam
 from transformers import AutoModelForCausalLM
 
 import pipesvc
+from pipesvc.core.tensor_codec import encode
 from pipesvc.errors import InvalidArgumentError
-from pipesvc.v1 import stage_pb2, stage_pb2_grpc
+from pipesvc.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 from tests.support.chat_model import EOS, TEMPLATE, WORDS, api_url, save_chat_model
+from tests.support.metrics import coordinator_metric
 
 Served = tuple[str, pipesvc.Job, pipesvc.Job]
 """The API's base URL, the job named "my-llama", and an unnamed job."""
@@ -292,11 +295,12 @@ def _post(url: str, route: str, body: dict[str, object]) -> tuple[int, str, byte
         connection.close()
 
 
-def _stage_caches(address: str) -> tuple[int, int]:
+def _stage_caches(address: str, token: str | None = TOKEN) -> tuple[int, int]:
     """(sessions, cache bytes) a stage holds."""
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
     with grpc.insecure_channel(address) as channel:
         info = stage_pb2_grpc.StageServiceStub(channel).Info(
-            stage_pb2.InfoRequest(), timeout=10, metadata=(("authorization", f"Bearer {TOKEN}"),)
+            stage_pb2.InfoRequest(), timeout=10, metadata=metadata
         )
     return info.sessions, info.cache_bytes
 
@@ -371,6 +375,98 @@ def test_a_full_kv_budget_is_a_429_with_the_sizes(tmp_path: Path) -> None:
         assert full.value.status_code == 429 and full.value.code == "kv_budget_full"
         # A short prompt fits.
         assert api.completions.create(model="small", prompt="w1", max_tokens=2).choices
+
+
+def _open_stream(url: str, prompt: str, token: str = TOKEN) -> http.client.HTTPConnection:
+    """A streamed greedy completion of ``model`` "small" posted; its answer is not read."""
+    parts = urlsplit(url)
+    assert parts.hostname is not None and parts.port is not None
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    body = {"model": "small", "prompt": prompt, "max_tokens": 100, "stream": True}
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    connection.request(
+        "POST", f"{parts.path.rstrip('/')}/completions", json.dumps({**body, "temperature": 0}),
+        headers,
+    )  # fmt: skip
+    return connection
+
+
+def _hang_up(connection: http.client.HTTPConnection) -> None:
+    assert connection.sock is not None
+    connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
+
+
+class _Waiter:
+    """The second session: a streamed completion over HTTP, or a Generate call over gRPC,
+    whose first token never comes before it hangs up."""
+
+    def __init__(self, how: str, url: str, cluster: pipesvc.LocalCluster, job: pipesvc.Job):
+        prompt = " ".join(f"w{i}" for i in range(20, 40))
+        self._http: http.client.HTTPConnection | None = None
+        self._call: Any = None
+        if how == "http":
+            self._http = _open_stream(url, prompt)
+            return
+        self._channel = grpc.insecure_channel(cluster.address)
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(self._channel)
+        request = coordinator_pb2.GenerateRequest(
+            job_id=job.id, input_ids=encode(torch.tensor([_ids(prompt)])), max_new_tokens=100
+        )
+        self._call = stub.Generate(request, timeout=60)
+
+    def hang_up(self) -> None:
+        if self._http is not None:
+            _hang_up(self._http)
+        else:
+            assert self._call is not None
+            self._call.cancel()
+            self._channel.close()
+
+
+@pytest.mark.parametrize("how", ["http", "grpc"])
+def test_a_client_gone_while_its_session_waits_for_room_costs_no_run(
+    tmp_path: Path, how: str
+) -> None:
+    """A session waiting for room in the KV budget (see [Note: waiting for room]) whose client
+    hangs up before its first token is dropped then: when room frees, it does not run."""
+    model = save_chat_model(tmp_path / "chat", chat_template=TEMPLATE)
+    with (
+        pipesvc.LocalCluster(
+            num_stages=1,
+            hf_models={"wordy": model},
+            stage_args=["--kv-budget", "16KiB"],  # 32 positions of this model
+            coordinator_args=["--http-port", "0", "--metrics-port", "0"],
+        ) as cluster,
+        cluster.connect() as client,
+        client.create_job(model="wordy", optimizer=None, num_stages=1, name="small") as job,
+    ):
+        url = api_url(cluster)
+        stage = job.plan[0].address
+        first = " ".join(f"w{i}" for i in range(4, 14))
+        assert EOS not in job.generate(torch.tensor([_ids(first)]), 12)[0].tolist()
+        started = coordinator_metric(cluster, "time_to_first_token_seconds_count")
+        holder = _open_stream(url, first)
+        reply = holder.getresponse()
+        assert reply.status == 200 and reply.readline().startswith(b"data: {")
+        # Unread, the first session pauses holding about 20 positions; the second one's 20
+        # do not fit beside them, so it waits.
+        waiter = _Waiter(how, url, cluster, job)
+        deadline = time.monotonic() + 30
+        while coordinator_metric(cluster, "generation_evictions_total") < 1:
+            assert time.monotonic() < deadline, "the second session never waited for room"
+            time.sleep(0.05)
+        waiter.hang_up()
+        time.sleep(1.0)  # the server notices within GONE_POLL_S (HTTP), or at once (gRPC)
+        _hang_up(holder)
+        deadline = time.monotonic() + 10
+        while _stage_caches(stage, token=None) != (0, 0):
+            assert time.monotonic() < deadline, "the first session's caches were not freed"
+            time.sleep(0.02)
+        time.sleep(1.0)
+        # Only the first session made a token: the second never ran.
+        assert coordinator_metric(cluster, "time_to_first_token_seconds_count") == started + 1
+        assert _stage_caches(stage, token=None) == (0, 0)
 
 
 README = Path(__file__).resolve().parents[2] / "README.md"

@@ -147,11 +147,21 @@ def routes(models: ServedModels, access: Access) -> list[Route]:
             model = body.get("model")
             if not isinstance(model, str) or not model:
                 raise BadRequest("model must name a model (GET /v1/models lists them)", "model")
-            completion, first = await anyio.to_thread.run_sync(
-                lambda: _start(models, body, model, settings, chat=chat)
-            )
+            gone: list[Callable[[], None]] = []
+            async with anyio.create_task_group() as watching:
+                watching.start_soon(_watch_gone, request, gone)
+                try:
+                    completion, first = await anyio.to_thread.run_sync(
+                        lambda: _start(models, body, model, settings, chat=chat, on_open=gone)
+                    )
+                finally:
+                    watching.cancel_scope.cancel()
         except Exception as exc:
             return _refusal(exc)
+        if await request.is_disconnected():
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(completion.close)
+            return Response(status_code=499)
         shape = _Shape(model, chat=chat)
         if not settings.stream:
             pieces = [first]
@@ -202,10 +212,33 @@ async def _json_body(request: Request) -> dict[str, Any]:
     return body
 
 
+GONE_POLL_S = 0.2
+"""How often a request waiting for its first token checks that its client is still there."""
+
+
+async def _watch_gone(request: Request, leave: list[Callable[[], None]]) -> None:
+    """Until cancelled: when the client goes away, calls the session's ``leave`` (once it is
+    open), so that a session waiting for its first token, such as one waiting for room in the
+    KV budgets (see [Note: waiting for room] in coordinator/batcher.py), never runs for
+    nobody."""
+    while not await request.is_disconnected():
+        await anyio.sleep(GONE_POLL_S)
+    while not leave:  # the session is being opened
+        await anyio.sleep(GONE_POLL_S / 10)
+    await anyio.to_thread.run_sync(leave[0])
+
+
 def _start(
-    models: ServedModels, body: dict[str, Any], model: str, settings: Settings, *, chat: bool
+    models: ServedModels,
+    body: dict[str, Any],
+    model: str,
+    settings: Settings,
+    *,
+    chat: bool,
+    on_open: list[Callable[[], None]],
 ) -> tuple[Completion, str]:
-    """Opens the completion's session and takes its first piece of text (blocking)."""
+    """Opens the completion's session and takes its first piece of text (blocking); the
+    session's ``leave`` goes into ``on_open`` when it opens."""
     job = models.find(model)
     text = models.text(job)
     ids = chat_ids(body.get("messages"), text) if chat else prompt_ids(body.get("prompt"), text)
@@ -214,7 +247,11 @@ def _start(
         room = text.max_positions - len(ids) if text.max_positions else DEFAULT_MAX_TOKENS
         max_tokens = max(1, room) if chat else DEFAULT_MAX_TOKENS
     steps = job.generation.generate(
-        torch.tensor([ids]), max_tokens, settings.sampling, logprobs=settings.logprobs
+        torch.tensor([ids]),
+        max_tokens,
+        settings.sampling,
+        logprobs=settings.logprobs,
+        on_open=on_open.append,
     )
     completion = Completion(steps, text, len(ids), max_tokens, settings.stop)
     try:
