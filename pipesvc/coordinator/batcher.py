@@ -172,14 +172,16 @@ class StepBatcher:
                 raise stream.error
             return None
 
-    def leave(self, stream: TokenStream) -> None:
+    def leave(self, stream: TokenStream) -> bool:
         """The session's reader is gone (from any thread): it takes no further step, and a
         reader waiting in ``next`` gets what was made, then the end. ``close`` still drops its
-        caches, from the thread that reads it."""
+        caches, from the thread that reads it. Returns whether it would have gone on."""
         with self._cond:
+            going = not stream.finished
             stream.closed = True
             stream.changed.notify_all()
             self._cond.notify_all()
+        return going
 
     def close(self, stream: TokenStream) -> None:
         """Ends the session's stream: once no run holds it, drops its caches (``release``)."""

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from pipesvc.coordinator.batcher import StepBatcher
+from pipesvc.coordinator.batcher import StepBatcher, TokenStream
 from pipesvc.coordinator.prefixes import PrefixIndex
 from pipesvc.coordinator.replicas import RunReplies
 from pipesvc.coordinator.session import (
@@ -135,11 +135,20 @@ class JobGeneration:
         stream = self.batcher.open(session, max_new_tokens)
         try:
             if on_open is not None:
-                on_open(lambda: self.batcher.leave(stream))
+                on_open(lambda: self._leave(stream))
             while (made := self.batcher.next(stream)) is not None:
                 yield made
         finally:
             self.batcher.close(stream)  # and drops its caches on every stage
+
+    def _leave(self, stream: TokenStream) -> None:
+        if self.batcher.leave(stream):
+            logger.info(
+                "job %s: a session's client went away after %d of its tokens; it takes no "
+                "further step",
+                self._job_id,
+                stream.steps,
+            )
 
     def _count_token(self, first: bool, seconds: float, rows: int) -> None:
         name = "time_to_first_token_seconds" if first else "time_per_output_token_seconds"

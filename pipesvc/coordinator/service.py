@@ -458,7 +458,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
         def on_open(leave: Callable[[], None]) -> None:
             # A client gone before its first token (a session waiting for room in the KV
             # budgets) is dropped then, not when it would have run.
-            if not context.add_callback(leave):
+            if not context.add_callback(leave):  # when the call ends, however it ends
                 leave()
 
         steps = job.generation.generate(

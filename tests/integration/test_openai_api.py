@@ -457,7 +457,11 @@ def test_a_client_gone_while_its_session_waits_for_room_costs_no_run(
             assert time.monotonic() < deadline, "the second session never waited for room"
             time.sleep(0.05)
         waiter.hang_up()
-        time.sleep(1.0)  # the server notices within GONE_POLL_S (HTTP), or at once (gRPC)
+        log = cluster.log_dir / "coordinator.log"
+        deadline = time.monotonic() + 10
+        while "a session's client went away after 0 of its tokens" not in log.read_text():
+            assert time.monotonic() < deadline, "the server did not see the client go"
+            time.sleep(0.05)
         _hang_up(holder)
         deadline = time.monotonic() + 10
         while _stage_caches(stage, token=None) != (0, 0):

@@ -147,15 +147,9 @@ def routes(models: ServedModels, access: Access) -> list[Route]:
             model = body.get("model")
             if not isinstance(model, str) or not model:
                 raise BadRequest("model must name a model (GET /v1/models lists them)", "model")
-            gone: list[Callable[[], None]] = []
-            async with anyio.create_task_group() as watching:
-                watching.start_soon(_watch_gone, request, gone)
-                try:
-                    completion, first = await anyio.to_thread.run_sync(
-                        lambda: _start(models, body, model, settings, chat=chat, on_open=gone)
-                    )
-                finally:
-                    watching.cancel_scope.cancel()
+            completion, first = await _first_step(
+                request, lambda gone: _start(models, body, model, settings, chat=chat, on_open=gone)
+            )
         except Exception as exc:
             return _refusal(exc)
         if await request.is_disconnected():
@@ -226,6 +220,26 @@ async def _watch_gone(request: Request, leave: list[Callable[[], None]]) -> None
     while not leave:  # the session is being opened
         await anyio.sleep(GONE_POLL_S / 10)
     await anyio.to_thread.run_sync(leave[0])
+
+
+async def _first_step(
+    request: Request, start: Callable[[list[Callable[[], None]]], tuple[Completion, str]]
+) -> tuple[Completion, str]:
+    """``start`` in a worker thread while ``_watch_gone`` watches the client; raises what
+    ``start`` raises."""
+    gone: list[Callable[[], None]] = []
+    outcome: list[tuple[Completion, str] | Exception] = []
+    async with anyio.create_task_group() as watching:
+        watching.start_soon(_watch_gone, request, gone)
+        try:
+            outcome.append(await anyio.to_thread.run_sync(lambda: start(gone)))
+        except Exception as exc:  # raised below, not as the task group's ExceptionGroup
+            outcome.append(exc)
+        finally:
+            watching.cancel_scope.cancel()
+    if isinstance(outcome[0], Exception):
+        raise outcome[0]
+    return outcome[0]
 
 
 def _start(
