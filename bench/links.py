@@ -37,7 +37,9 @@ same load:
 - **pipesvc float32** and **pipesvc bfloat16** (``wire_dtype``): two jobs on the same two
   stage processes (one on each host), created once; each round 1 warm-up step, then the timed
   steps from the client's ``job.train_step`` (so each step also pays for the batch's trip from
-  the client through the coordinator to the stages, and for the commit).
+  the client through the coordinator to the stages, and for the commit). With ``--train``
+  the timed steps go through ``job.train`` instead (one stream; each step's run sent ahead of
+  the step before's decision).
 
 Columns: steps/s (median over the rounds, and their range), ``x torch`` (the median over the
 rounds of each round's ratio to that round's torch), ``wire MB/step``: bytes both ways on the
@@ -511,8 +513,12 @@ def pipesvc_client(coordinator: str, schedule: str, counters: str, runs: Sequenc
         sent_before = _scrape_sent_bytes(addresses)
         before = link_counters(netns, dev)
         started = time.perf_counter()
-        for _ in range(steps):
-            job.train_step(x, y)
+        if request.get("train"):
+            for _ in job.train([(x, y)] * steps):
+                pass
+        else:
+            for _ in range(steps):
+                job.train_step(x, y)
         seconds = time.perf_counter() - started
         after = link_counters(netns, dev)
         sent_after = _scrape_sent_bytes(addresses)
@@ -716,7 +722,8 @@ class Bench:
 
     def pipesvc_round(self, run: str, steps: int) -> Sample:
         assert self._client is not None and self._client.stdin is not None
-        self._client.stdin.write(json.dumps({"run": run, "steps": steps}) + "\n")
+        request = {"run": run, "steps": steps, "train": self.args.train}
+        self._client.stdin.write(json.dumps(request) + "\n")
         self._client.stdin.flush()
         answer = self._answer("seconds", timeout_s=max(300, 10 * steps))
         if answer.get("auto"):
@@ -846,7 +853,8 @@ def run_bench(args: argparse.Namespace, rates: list[Rate]) -> None:
     print(
         f"\nTraining across it: 8 x (Linear(256, 256) + ReLU), batch 4096 in 8 micro-batches, "
         f"MSE, SGD, 2 stages ({args.schedule}), one per host; {args.rounds} interleaved "
-        f"round(s) of 1 (pipesvc) or 3 (torch) warm-up and {args.steps} timed steps; medians. "
+        f"round(s) of 1 (pipesvc) or 3 (torch) warm-up and {args.steps} timed steps "
+        f"(pipesvc's {'through job.train' if args.train else 'a train_step loop'}); medians. "
         f"float32 activations and gradients are 8.39 MB per step (4.19 MB in bfloat16, "
         f"2.23 MB in int8 and 1.18 MB in int4, scales included).\n"
     )
@@ -862,6 +870,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"))
+    parser.add_argument(
+        "--train",
+        action="store_true",
+        help="time pipesvc's steps through job.train (one stream) rather than a train_step loop",
+    )
     parser.add_argument(
         "--codecs", default=",".join(CODECS), help=f"pipesvc's rows, of {', '.join(CODECS)}"
     )

@@ -25,8 +25,10 @@ over 2 or
   group of its replicas, then / 2) before ``opt.step()``: torch's DDP does not wrap a
   pipelining stage on CPU, so this is the composition a user would write.
 - pipesvc: ``LocalCluster(num_stages=N, threads_per_stage=1)``, i.e. a coordinator plus N stage
-  processes; timed from the client (``job.train_step``), with default settings: checkpoints at
-  the default cadence (the first at step 10, then within 2% of the training time).
+  processes; timed from the client, with default settings: checkpoints at the default cadence
+  (the first at step 10, then within 2% of the training time). Two columns: a loop of
+  ``job.train_step`` ("pipesvc steps/s"), then as many pipelined steps through ``job.train``
+  ("train steps/s": one stream, each step's run sent ahead of the step before's decision).
   Between stages: shared memory, or with ``--frames`` the frames on the gRPC streams that
   stages on different hosts use (``--shm-bytes 0``).
 - one process: the unsplit model on the whole batch, 1 and 2 threads.
@@ -397,17 +399,22 @@ def one_process(w: Workload, num_threads: int, num_steps: int) -> float:
 
 def _time_job(
     job: pipesvc.Job, x: torch.Tensor, y: torch.Tensor, num_steps: int
-) -> tuple[float, float]:
-    """(steps/s, step-1 loss) of ``job.train_step`` timed from the client."""
+) -> tuple[float, float, float]:
+    """(steps/s, step-1 loss) of ``job.train_step`` timed from the client, then the steps/s
+    of as many pipelined steps (``job.train``)."""
     losses: list[float] = []
     seconds = _time_steps(lambda: losses.append(job.train_step(x, y)), num_steps)
-    return num_steps / seconds, losses[0]
+    started = time.perf_counter()
+    for _ in job.train([(x, y)] * num_steps):
+        pass
+    return num_steps / seconds, losses[0], num_steps / (time.perf_counter() - started)
 
 
 def pipesvc_steps_per_s(
     num_stages: int, steps: dict[str, int], frames: bool = False
-) -> dict[tuple[str, str, int], tuple[float, float]]:
-    """``{(workload, schedule, replicas): (steps/s, step-1 loss)}`` on one fresh local cluster
+) -> dict[tuple[str, str, int], tuple[float, float, float]]:
+    """``{(workload, schedule, replicas): (steps/s, step-1 loss, job.train steps/s)}`` on one
+    fresh local cluster
     of ``num_stages`` stages, timing ``steps[workload]`` steps of each job: one pipeline over
     every stage, and (``REPLICATED``) replicas of a shorter one; ``frames``: shared memory off,
     tensors as frames on the gRPC streams, as between hosts."""
@@ -492,7 +499,7 @@ def main() -> None:
     }
     errors: dict[str, str] = {}
     header = ["schedule", "stages", "torch steps/s", "pipesvc steps/s", "pipesvc/torch"]
-    header.append("pipesvc/1proc(2thr)")
+    header += ["pipesvc/1proc(2thr)", "train steps/s", "train/torch"]
     tables: dict[str, list[list[str]]] = {
         name: [[*header, "step-1 loss torch", "step-1 loss pipesvc"] if name == "gpt" else header]
         for name in steps
@@ -503,7 +510,7 @@ def main() -> None:
         for name, num_steps in steps.items():
             measured: dict[tuple[str, int], tuple[float, float] | str] = {}
             for stages, replicas, schedule in _rows(layouts):
-                rate, loss = ours[name, schedule, replicas]
+                rate, loss, train_rate = ours[name, schedule, replicas]
                 against = TORCH_SCHEDULE[schedule]
                 if (against, replicas) not in measured:
                     measured[against, replicas] = (
@@ -515,13 +522,14 @@ def main() -> None:
                 shape = f"{replicas}x{stages}" if replicas > 1 else str(stages)
                 if isinstance(theirs, str):
                     errors[f"{name}, {schedule} x {shape}"] = theirs
-                    cells = ["failed", "n/a"]
+                    cells = ["failed", "n/a", "n/a"]
                     their_loss = "n/a"
                 else:
-                    cells = [f"{theirs[0]:.2f}", f"{rate / theirs[0]:.2f}"]
+                    ratios = (rate / theirs[0], train_rate / theirs[0])
+                    cells = [f"{theirs[0]:.2f}", *(f"{r:.2f}" for r in ratios)]
                     their_loss = f"{theirs[1]:.5f}"
                 row = [schedule, shape, cells[0], f"{rate:.2f}", cells[1]]
-                row.append(f"{rate / single[name, 2]:.2f}")
+                row += [f"{rate / single[name, 2]:.2f}", f"{train_rate:.2f}", cells[2]]
                 if name == "gpt":
                     row += [their_loss, f"{loss:.5f}"]
                 tables[name].append(row)

@@ -49,6 +49,7 @@ def _job(
         num_stages=num_stages,
         num_microbatches=NUM_MICROBATCHES,
         schedule=schedule,
+        virtual_stages=2 if schedule == "interleaved-1f1b" else 1,
         optimizer=optimizer,
         loss=problem.loss,
         partition="uniform",
@@ -68,13 +69,14 @@ def _check_weights(job: pipesvc.Job, reference: Reference) -> None:
         assert torch.allclose(weights[key], value, rtol=1e-5, atol=1e-6), key
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"])
 def test_train_equals_one_process_and_a_train_step_loop(
     client: pipesvc.Client, schedule: str
 ) -> None:
-    """A gpt with dropout and AdamW: 14 steps of ``job.train`` (far more than the window)
-    give the seeded one-process reference's losses and weights, and exactly those of the same
-    steps sent one by one with ``train_step``."""
+    """A gpt with dropout and AdamW: 14 steps of ``job.train`` (far more than the window; each
+    step's run sent to the stages before the step before it was decided, see [Note: steps
+    ahead]) give the seeded one-process reference's losses and weights, and exactly those of
+    the same steps sent one by one with ``train_step``."""
     problem, seed = SMALL_DROPOUT_GPT, 21
     batches = _batches(problem, 14)
     reference = Reference(problem, seed=seed, optimizer=ADAMW, clip_grad_norm=None)
