@@ -75,6 +75,23 @@ def _check_replicas_agree(job: pipesvc.Job) -> None:
                 torch.testing.assert_close(other[key], value, rtol=0, atol=0, msg=f"{rank} {key}")
 
 
+def test_replicas_train_like_one_process_through_job_train(client: pipesvc.Client) -> None:
+    """``job.train``'s steps go ahead of each other's decisions on every replica's stages
+    (see [Note: steps ahead]); with checkpoints every third step (whose commits do not go
+    ahead) they give the one-process losses and weights, and the replicas agree."""
+    problem = PROBLEMS["mlp"]
+    reference = Reference(problem, seed=5, optimizer=SGD, clip_grad_norm=None)
+    batches = [problem.batch(size, seed=step) for step, size in enumerate(BATCH_SIZES * 2)]
+    with _create(client, problem, replicas=2, stages=2, checkpoint_every=3) as job:
+        losses = list(job.train(batches))
+        assert losses == pytest.approx([reference.step(x, y) for x, y in batches], rel=1e-5)
+        weights = job.state_dict()
+        for key, value in reference.model.state_dict().items():
+            torch.testing.assert_close(weights[key], value, **WEIGHT_TOL, msg=key)
+        _check_replicas_agree(job)
+        assert job.refresh().checkpoint_step == 3 * (len(batches) // 3)
+
+
 @pytest.mark.parametrize(("replicas", "stages", "schedule"), CASES)
 def test_replicas_train_like_one_process(
     client: pipesvc.Client, replicas: int, stages: int, schedule: str
