@@ -225,11 +225,9 @@ class StepRunner:
         run_id = ledger.begin_ahead(after)
         commit = stage_pb2.CarriedCommit(run_id=after)
         what = f"run {run_id} (step {ledger.step + 2}, sent ahead)"
-        try:
-            sent = group.send_run(run_id, stage_pb2.TRAIN, next_batch, what=what, commit=commit)
-        except BaseException:
-            ledger.ahead_dropped()
-            raise
+        # If this raises, some stages may hold the run: the ledger still names it, so the
+        # failure of the run it follows aborts it there (``_ahead_of_failed``).
+        sent = group.send_run(run_id, stage_pb2.TRAIN, next_batch, what=what, commit=commit)
         self._sent_ahead = _SentAhead(batch=next_batch, run_id=run_id, after=after, sent=sent)
         self._metrics.inc("runs_sent_ahead_total")
 
@@ -247,26 +245,28 @@ class StepRunner:
     def _pop_ahead(self) -> _SentAhead | None:
         """The run sent ahead, no longer out as far as the ledger is concerned."""
         ahead, self._sent_ahead = self._sent_ahead, None
-        if ahead is not None:
-            self._ledger.ahead_dropped()
+        self._ledger.ahead_dropped()
         return ahead
 
     def _ahead_of_failed(self, lost: set[str]) -> None:
-        """After the abort of a run that had the next step's run sent ahead of it: aborts that
-        one too and, if some stage applied the failed run's step on its way, has the stages
-        rebuilt to the decided step (see [Note: steps ahead])."""
-        ahead = self._pop_ahead()
-        if ahead is None:
-            return
+        """After the abort of a run that had the next step's run sent ahead of it (the
+        ledger's ``run_ahead``, even if its sending failed part way): aborts that one too and,
+        if some stage applied the failed run's step on its way, has the stages rebuilt to the
+        decided step (see [Note: steps ahead])."""
         ledger, group = self._ledger, self._group
-        group.abort(ahead.run_id, lost=lost)
+        out = ledger.run_ahead
+        self._pop_ahead()
+        if out is None:
+            return
+        run_id, after = out
+        group.abort(run_id, lost=lost)
         if lost or not group.no_stage_past(ledger.step):
             logger.warning(
                 "job %s: run %d failed after run %d was sent ahead of it; the stages are "
                 "rebuilt to step %d",
                 group.job_id,
-                ahead.after,
-                ahead.run_id,
+                after,
+                run_id,
                 ledger.step,
             )
             ledger.diverged()
