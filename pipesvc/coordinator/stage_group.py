@@ -203,24 +203,19 @@ class StageGroup:
         *,
         what: str,
         commit: stage_pb2.CarriedCommit | None = None,
-        during: Callable[[], None] | None = None,
     ) -> RunReplies:
         """One pipelined run on every stage under the health watchdog: each replica runs its
         share of the micro-batches (see [Note: replicas]; generation runs on replica 0), the
         inputs going to its first stage, the targets (none for inference) to its last, the
         side inputs to all its stages; every stage of the plan first applies the carried
-        ``commit`` (see [Note: deferred commit]). ``during`` is called once every stage has
-        its request, before the replies are awaited (the step log's write: in this thread,
-        while the stages compute); it must not raise.
+        ``commit`` (see [Note: deferred commit]). ``send_run`` is its first half, for a caller
+        that works (or sends another run) before it awaits the replies.
 
         Raises:
             StageLostError: the watchdog declared a stage lost (the caller aborts the run).
             PipesvcError: the first root-cause error of any stage, naming it.
         """
-        sent = self.send_run(run_id, mode, batch, what=what, commit=commit)
-        if during is not None:
-            during()
-        return sent.replies()
+        return self.send_run(run_id, mode, batch, what=what, commit=commit).replies()
 
     def send_run(
         self,
