@@ -51,6 +51,7 @@ from typing import Any
 from torch import distributed
 
 from pipesvc.core import group_keys
+from pipesvc.core.clipping import total_norm_sq
 from pipesvc.errors import StageUnavailableError
 from pipesvc.v1 import common_pb2, stage_pb2
 
@@ -160,5 +161,6 @@ class RunReplies:
     @property
     def grad_norm_sq(self) -> float:
         """The squared global gradient norm, from the first replica (after the gradient sum
-        every replica holds the same gradients)."""
-        return sum(r.grad_norm_sq for r in self.by_replica[0])
+        every replica holds the same gradients), summed as the links sum it (see [Note: norm
+        along the links] in ``pipesvc.core.clipping``)."""
+        return total_norm_sq([r.grad_norm_sq for r in self.by_replica[0]])

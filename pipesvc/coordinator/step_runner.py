@@ -10,7 +10,6 @@ job's lock held.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ from pipesvc.coordinator.replicas import RunReplies
 from pipesvc.coordinator.stage_calls import StageLostError
 from pipesvc.coordinator.stage_group import SentRun, StageGroup
 from pipesvc.coordinator.step_log import LoggedBatch, StepLog, StepLogError
+from pipesvc.core.clipping import clip_scale
 from pipesvc.core.microbatch import RunBatch
 from pipesvc.errors import (
     InvalidArgumentError,
@@ -80,11 +80,14 @@ class StepRunner:
     are: when none applied N, the failure is handled as any failed run; when some did, the
     job is rebuilt to the decided step (``Ledger.diverged``, as recovery does after a lost
     stage), so no call ever sees N. A coordinator that dies with a stage past its row is
-    rebuilt by reconciling. A run is sent ahead only when nothing else needs the step's
-    commit first: the job does not clip gradients (the scale needs every stage's norm), the
-    step is not due a checkpoint snapshot, every replica takes part, and no other call waits
-    for the job. A run sent ahead that is not taken (the stream ended, another call came) is
-    aborted and N's commit completed where it is still pending (``drop_ahead``).
+    rebuilt by reconciling. In a job that clips gradients the run sent ahead carries no scale:
+    the stages derive it from the global norm they sum along the links, exactly as the
+    coordinator does from their replies (see [Note: norm along the links] in
+    pipesvc.core.clipping). A run is sent ahead only when nothing else needs the step's
+    commit first: the step is not due a checkpoint snapshot, every replica takes part, and no
+    other call waits for the job. A run sent ahead that is not taken (the stream ended,
+    another call came) is aborted and N's commit completed where it is still pending
+    (``drop_ahead``).
     """
 
     def __init__(
@@ -223,7 +226,10 @@ class StepRunner:
         decided), carrying ``after``'s commit (see [Note: steps ahead])."""
         ledger, group = self._ledger, self._group
         run_id = ledger.begin_ahead(after)
-        commit = stage_pb2.CarriedCommit(run_id=after)
+        # A job that clips sends no scale: the stages take it from the norm they sum along
+        # the links (see [Note: norm along the links] in pipesvc.core.clipping).
+        clips = group.config.clip_grad_norm is not None
+        commit = stage_pb2.CarriedCommit(run_id=after, scale_from_links=clips)
         what = f"run {run_id} (step {ledger.step + 2}, sent ahead)"
         # If this raises, some stages may hold the run: the ledger still names it, so the
         # failure of the run it follows aborts it there (``_ahead_of_failed``).
@@ -233,11 +239,10 @@ class StepRunner:
 
     def may_send_ahead(self, next_batch: RunBatch) -> bool:
         """Whether the next step may go ahead of the running one's decision (see [Note:
-        steps ahead]): no clipping, no snapshot due, every replica taking part."""
+        steps ahead]): no snapshot due, every replica taking part."""
         group = self._group
         return (
-            group.config.clip_grad_norm is None
-            and self._sent_ahead is None
+            self._sent_ahead is None
             and not self._checkpoints.would_snapshot(self._ledger.step + 1)
             and all(group.shares(stage_pb2.TRAIN, len(next_batch.inputs)))
         )
@@ -342,8 +347,7 @@ class StepRunner:
         grad_scale = None
         clip = group.config.clip_grad_norm
         if clip is not None:
-            total = math.sqrt(replies.grad_norm_sq)
-            grad_scale = min(1.0, clip / (total + 1e-6))
+            grad_scale = clip_scale(replies.grad_norm_sq, clip)
         # Every stage holds the step prepared and its batch is in the step log: it is decided.
         # Its commit goes with the next run, or is flushed (see [Note: deferred commit]).
         ledger.decided(run_id, grad_scale)

@@ -12,12 +12,26 @@ from pipesvc.v1 import stage_pb2
 
 
 def carried_commit(request: stage_pb2.RunStepRequest) -> Carried | None:
-    """The commit a RunStep carries, if any."""
+    """The commit a RunStep carries, if any.
+
+    Raises:
+        InvalidArgumentError: it has both a scale and ``scale_from_links``.
+    """
     if not request.HasField("commit"):
         return None
     carried = request.commit
     scale = carried.grad_scale if carried.HasField("grad_scale") else None
-    return Carried(run_id=carried.run_id, grad_scale=scale, snapshot=carried.snapshot)
+    if scale is not None and carried.scale_from_links:
+        raise InvalidArgumentError(
+            f"the commit of run {carried.run_id} has grad_scale {scale!r} and scale_from_links;"
+            " expected at most one"
+        )
+    return Carried(
+        run_id=carried.run_id,
+        grad_scale=scale,
+        snapshot=carried.snapshot,
+        scale_from_links=carried.scale_from_links,
+    )
 
 
 def cache_refs(

@@ -809,6 +809,7 @@ class CarriedCommit(_message.Message):
     RUN_ID_FIELD_NUMBER: _builtins.int
     GRAD_SCALE_FIELD_NUMBER: _builtins.int
     SNAPSHOT_FIELD_NUMBER: _builtins.int
+    SCALE_FROM_LINKS_FIELD_NUMBER: _builtins.int
     run_id: _builtins.int
     """The prepared run to commit."""
     grad_scale: _builtins.float
@@ -818,16 +819,22 @@ class CarriedCommit(_message.Message):
     state at that step) until GetState reads it with snapshot_step: a periodic checkpoint
     then streams while later steps train.
     """
+    scale_from_links: _builtins.bool
+    """Instead of grad_scale: scale by the global norm the prepared run gathered along the
+    links (a run sent ahead of its step's decision in a job that clips gradients). The first
+    stage holds the total; the others take it from upstream, keyed by this run.
+    """
     def __init__(
         self,
         *,
         run_id: _builtins.int = ...,
         grad_scale: _builtins.float | None = ...,
         snapshot: _builtins.bool = ...,
+        scale_from_links: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_grad_scale", b"_grad_scale", "grad_scale", b"grad_scale"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_grad_scale", b"_grad_scale", "grad_scale", b"grad_scale", "run_id", b"run_id", "snapshot", b"snapshot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_grad_scale", b"_grad_scale", "grad_scale", b"grad_scale", "run_id", b"run_id", "scale_from_links", b"scale_from_links", "snapshot", b"snapshot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__grad_scale: _TypeAlias = _typing.Literal["grad_scale"]  # noqa: Y015
     _WhichOneofArgType__grad_scale: _TypeAlias = _typing.Literal["_grad_scale", b"_grad_scale"]  # noqa: Y015

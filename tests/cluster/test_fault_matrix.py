@@ -9,7 +9,9 @@ fails. Every case runs past at least two periodic checkpoints, and every stage b
 one must still be the same process at the end (a fault must not take a healthy neighbour, or
 a replica's stage, down with it).
 
-The cases cover every schedule (zb-h1's split backward included), more micro-batches than a
+Each case runs twice: once calling ``train_step`` per step and once streaming the batches
+through ``job.train``, whose runs go ahead of their step's decision. The cases cover every
+schedule (zb-h1's split backward included), more micro-batches than a
 link's send queue holds, activations of several MiB per micro-batch on the shared-memory path
 and on frames, Adam with clipping, the ``gpt`` with dropout, a model with parameter-free layers
 (the ``cnn``'s Flatten), faults in forward, backward, commit and during a checkpoint, and
@@ -29,6 +31,7 @@ import torch
 import pipesvc
 from pipesvc.stage.dataplane.sender import SEND_QUEUE_ITEMS
 from tests.support.faults import stage_pid
+from tests.support.metrics import coordinator_metric
 from tests.support.reference import PROBLEMS, Problem
 
 pytestmark = [pytest.mark.heavy, pytest.mark.timeout(600)]
@@ -189,11 +192,12 @@ def _create(client: pipesvc.Client, case: Case) -> pipesvc.Job:
     )
 
 
-def _train(job: pipesvc.Job, case: Case) -> Outcome:
-    losses = []
-    for step in range(case.steps):
-        x, y = case.problem.batch(case.batch_size, seed=100 + step)
-        losses.append(job.train_step(x, y))
+def _train(job: pipesvc.Job, case: Case, via: str = "train_step") -> Outcome:
+    batches = [case.problem.batch(case.batch_size, seed=100 + step) for step in range(case.steps)]
+    if via == "train":
+        losses = list(job.train(batches))
+    else:
+        losses = [job.train_step(x, y) for x, y in batches]
     return Outcome(losses, job.state_dict(), job.refresh().recoveries)
 
 
@@ -205,8 +209,12 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.parametrize("via", ["train_step", "train"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_fault_costs_nothing(name: str, tmp_path: Path) -> None:
+def test_fault_costs_nothing(name: str, via: str, tmp_path: Path) -> None:
+    """The faulty run calls ``train_step`` per step, or streams the batches through
+    ``job.train``, whose runs go ahead of their step's decision (see [Note: steps ahead] in
+    pipesvc.coordinator.step_runner); the clean run always calls ``train_step``."""
     case = CASES[name]
     marker = tmp_path / "fired"
     stage_args = ["--fault-kill", f"{case.fault}:{marker}"]
@@ -216,14 +224,17 @@ def test_fault_costs_nothing(name: str, tmp_path: Path) -> None:
         pipesvc.LocalCluster(
             num_stages=case.num_stages * case.data_parallel + 1,
             threads_per_stage=1,
+            coordinator_args=["--metrics-port", "0"],
             stage_args=stage_args,
         ) as cluster,
         cluster.connect() as client,
     ):
         job = _create(client, case)
         pids = {(s.replica, s.rank): stage_pid(s.address) for s in job.plan if s.chunk == 0}
-        faulty = _train(job, case)
+        faulty = _train(job, case, via)
         assert marker.exists(), "the fault never fired"
+        if via == "train":
+            assert coordinator_metric(cluster, "runs_sent_ahead_total") >= 1, "none went ahead"
         assert faulty.recoveries == 1
         dead = [where for where, pid in pids.items() if not _alive(pid)]
         assert [rank for _, rank in dead] == [case.rank], f"dead stages (replica, rank): {dead}"

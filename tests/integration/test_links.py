@@ -13,7 +13,7 @@ import torch
 from pipesvc.core.tensor_codec import CodecLimits
 from pipesvc.errors import StageUnavailableError, StepAbortedError
 from pipesvc.observe.metrics import NO_METRICS
-from pipesvc.stage.dataplane.frame_wire import OutFrame
+from pipesvc.stage.dataplane.frame_wire import InFrame, OutFrame
 from pipesvc.stage.dataplane.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
 from pipesvc.stage.dataplane.reader import FrameReader
 from pipesvc.stage.dataplane.sender import SEND_QUEUE_ITEMS, Sender
@@ -213,6 +213,49 @@ def test_a_slot_without_an_accepted_offer_is_a_wire_error() -> None:
     )
     with pytest.raises(WireFormatError, match="on the stream, not the doorbell"):
         _reader(Sender(job_id="j", epoch=1, direction=GRADIENT)).feed(frame)
+
+
+@pytest.mark.parametrize(
+    ("part", "microbatch_index", "ok"), [(2, 0, True), (2, 1, False), (3, 0, False)]
+)
+def test_only_a_runs_norm_mail_has_a_part_beyond_a_microbatchs_two(
+    part: int, microbatch_index: int, ok: bool
+) -> None:
+    """Part 2 of micro-batch 0 is a run's norm mail (see [Note: norm along the links]); any
+    other part beyond 0 and 1 is a wire error, and nothing reaches the mailbox."""
+    from pipesvc.core.tensor_codec import make_header
+    from pipesvc.errors import WireFormatError
+
+    total = torch.tensor([2.5], dtype=torch.float64)
+    frame = stage_pb2.DataFrame(
+        id=stage_pb2.MicrobatchId(
+            job_id="j",
+            plan_epoch=1,
+            run_id=1,
+            microbatch_index=microbatch_index,
+            direction=stage_pb2.ACTIVATION,
+            part=part,
+        ),
+        header=make_header(total),
+    )
+    mailbox = Mailbox()
+    reader = FrameReader(
+        job_id="j",
+        epoch=1,
+        direction=ACTIVATION,
+        mailbox=mailbox,
+        limits=CodecLimits(),
+        metrics=NO_METRICS,
+        reply=Sender(job_id="j", epoch=1, direction=GRADIENT),
+    )
+    data = memoryview(total.numpy().tobytes())
+    if ok:
+        assert reader.feed(InFrame(frame, data))
+        assert mailbox.get(MailKey(1, ACTIVATION, 0, part), 1.0).item() == 2.5
+    else:
+        with pytest.raises(WireFormatError, match=f"frame part {part} of micro-batch"):
+            reader.feed(InFrame(frame, data))
+        assert len(mailbox) == 0
 
 
 def test_doorbell_frames_are_checked() -> None:

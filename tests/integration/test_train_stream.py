@@ -41,6 +41,7 @@ def _job(
     num_stages: int = 2,
     schedule: str = "1f1b",
     seed: int = 7,
+    clip_grad_norm: float | None = None,
 ) -> pipesvc.Job:
     return client.create_job(
         model=problem.model,
@@ -54,6 +55,7 @@ def _job(
         loss=problem.loss,
         partition="uniform",
         checkpoint_every=0,
+        clip_grad_norm=clip_grad_norm,
     )
 
 
@@ -69,22 +71,35 @@ def _check_weights(job: pipesvc.Job, reference: Reference) -> None:
         assert torch.allclose(weights[key], value, rtol=1e-5, atol=1e-6), key
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"])
+@pytest.mark.parametrize(
+    ("schedule", "clip"),
+    [
+        ("gpipe", None),
+        ("1f1b", None),
+        ("1f1b", 0.5),
+        ("zb-h1", 0.5),
+        ("interleaved-1f1b", None),
+        ("interleaved-1f1b", 0.5),
+    ],
+)
 def test_train_equals_one_process_and_a_train_step_loop(
-    client: pipesvc.Client, schedule: str
+    client: pipesvc.Client, schedule: str, clip: float | None
 ) -> None:
     """A gpt with dropout and AdamW: 14 steps of ``job.train`` (far more than the window; each
     step's run sent to the stages before the step before it was decided, see [Note: steps
     ahead]) give the seeded one-process reference's losses and weights, and exactly those of
-    the same steps sent one by one with ``train_step``."""
+    the same steps sent one by one with ``train_step``. With clipping, the runs sent ahead
+    scale by the norm the stages sum along the links, and the coordinator's scale for
+    ``train_step`` is the same to the bit (see [Note: norm along the links])."""
     problem, seed = SMALL_DROPOUT_GPT, 21
     batches = _batches(problem, 14)
-    reference = Reference(problem, seed=seed, optimizer=ADAMW, clip_grad_norm=None)
+    reference = Reference(problem, seed=seed, optimizer=ADAMW, clip_grad_norm=clip)
     expected = [reference.step(x, y, NUM_MICROBATCHES) for x, y in batches]
-    with (
-        _job(client, problem, optimizer=ADAMW, schedule=schedule, seed=seed) as streamed,
-        _job(client, problem, optimizer=ADAMW, schedule=schedule, seed=seed) as stepped,
-    ):
+    jobs = [
+        _job(client, problem, optimizer=ADAMW, schedule=schedule, seed=seed, clip_grad_norm=clip)
+        for _ in range(2)
+    ]
+    with jobs[0] as streamed, jobs[1] as stepped:
         losses = list(streamed.train(batches))
         assert streamed.step == len(batches) == streamed.refresh().step
         one_by_one = [stepped.train_step(x, y) for x, y in batches]

@@ -5,7 +5,6 @@ each engine's run goes on its own thread, as each stage's does in its own proces
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -14,6 +13,7 @@ import torch
 
 from pipesvc import models
 from pipesvc.core import microbatch
+from pipesvc.core.clipping import clip_scale, total_norm_sq
 from pipesvc.core.config import JobConfig
 from pipesvc.core.microbatch import RunBatch
 from pipesvc.core.planning import partition
@@ -168,8 +168,8 @@ class Pipeline:
         assert len(replies) == len(results), results
         scale = None
         if self.config.clip_grad_norm is not None:
-            total = math.sqrt(sum(r.grad_norm_sq or 0.0 for r in replies))
-            scale = min(1.0, self.config.clip_grad_norm / (total + 1e-6))
+            norms = [r.grad_norm_sq or 0.0 for r in replies]
+            scale = clip_scale(total_norm_sq(norms), self.config.clip_grad_norm)
         for engine in self.engines:
             engine.commit(self.run_id, scale)
         return float(sum(replies[-1].losses))

@@ -5,6 +5,7 @@ The engines are wired as ``tests.support.pipeline.Pipeline`` describes.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent import futures
@@ -17,10 +18,12 @@ import torch
 from pipesvc import models
 from pipesvc.coordinator.session import ModelSupport, Session, plan_step
 from pipesvc.core import microbatch, schedule
+from pipesvc.core.clipping import clip_scale, total_norm_sq
 from pipesvc.core.microbatch import CacheRef
 from pipesvc.core.sampling import Sampling
 from pipesvc.errors import (
     FailedPreconditionError,
+    InvalidArgumentError,
     ResourceExhaustedError,
     SessionCacheLostError,
     StageUnavailableError,
@@ -29,6 +32,7 @@ from pipesvc.errors import (
 from pipesvc.stage.compute import fused_cache
 from pipesvc.stage.compute.engine import Carried, RunInputs, RunResult, StepEngine
 from pipesvc.stage.compute.faults import FaultKill
+from pipesvc.stage.dataplane.mailbox import ACTIVATION, NORM_PART, MailKey
 from tests.support.pipeline import NUM_MICROBATCHES, Pipeline
 from tests.support.reference import DROPOUT_GPT, PROBLEMS, Problem, Reference
 
@@ -712,3 +716,97 @@ def test_a_run_sent_ahead_waits_for_the_run_whose_commit_it_carries() -> None:
         with pytest.raises(FailedPreconditionError, match="run 4 is not after the last run 4"):
             waiting.result(timeout=10)
         assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize(("schedule_name", "num_stages"), [("1f1b", 3), ("zb-h1", 2), ("1f1b", 1)])
+def test_a_run_sent_ahead_in_a_clipping_job_scales_by_the_norm_summed_along_the_links(
+    schedule_name: str, num_stages: int
+) -> None:
+    """See [Note: norm along the links]: runs that carry their predecessor's commit with
+    ``scale_from_links`` leave every stage with exactly the weights of runs whose commit the
+    coordinator scaled from their replies, and the one-process reference's up to rounding."""
+    problem = PROBLEMS["mlp"]
+    optimizer = {"name": "adamw", "lr": 1e-2}
+    clip = 0.05  # below the norms of these batches: every step is scaled
+
+    def pipeline() -> Pipeline:
+        return Pipeline(
+            problem,
+            schedule_name=schedule_name,
+            num_stages=num_stages,
+            seed=4,
+            optimizer=optimizer,
+            clip_grad_norm=clip,
+        )
+
+    batches = [problem.batch(size, seed=step) for step, size in enumerate((8, 7, 9, 8))]
+    scaled, linked = pipeline(), pipeline()
+    reference = Reference(problem, seed=4, optimizer=optimizer, clip_grad_norm=clip)
+    losses = [scaled.train_step(x, y) for x, y in batches]
+    for step, (x, y) in enumerate(batches, start=1):
+        carried = Carried(run_id=step - 1, grad_scale=None, scale_from_links=True)
+        results = linked.run(x, y, run_id=step, commit=carried if step > 1 else None)
+        assert all(isinstance(r, RunResult) for r in results), results
+        last = results[-1]
+        assert isinstance(last, RunResult)
+        assert float(sum(last.losses)) == losses[step - 1]
+        assert float(sum(last.losses)) == pytest.approx(reference.step(x, y), rel=1e-5, abs=1e-6)
+    # The last step's commit as the coordinator flushes it.
+    replies = [r for r in results if isinstance(r, RunResult)]
+    norm_sq = total_norm_sq([r.grad_norm_sq or 0.0 for r in replies])
+    assert math.sqrt(norm_sq) > clip
+    for engine in linked.engines:
+        engine.commit(len(batches), clip_scale(norm_sq, clip))
+    got, want = linked.tensors("parameters"), scaled.tensors("parameters")
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+    _assert_tensors(got, reference.model.state_dict())
+
+
+def test_the_scale_from_the_links_is_refused_where_it_cannot_be_had() -> None:
+    """A job that does not clip, a carried run that is not the pending one, and a norm of the
+    wrong type from a neighbour each fail the run before it changes anything."""
+    problem = PROBLEMS["mlp"]
+    x, y = problem.batch(8, seed=0)
+    plain = _pipeline(problem, num_stages=1)
+    assert all(isinstance(r, RunResult) for r in plain.run(x, y, run_id=1))
+    refused = plain.run(
+        x, y, run_id=2, commit=Carried(run_id=1, grad_scale=None, scale_from_links=True)
+    )
+    assert isinstance(refused[0], FailedPreconditionError)
+    assert "does not clip" in str(refused[0])
+    assert plain.engines[0].pending_commit == 1 and plain.engines[0].runtime.step == 0
+
+    clipped = Pipeline(
+        problem,
+        schedule_name="1f1b",
+        num_stages=2,
+        seed=3,
+        optimizer={"name": "sgd", "lr": 0.1},
+        clip_grad_norm=0.5,
+    )
+    first, second = clipped.engines
+    # Run 1 was committed with an explicit scale; run 2 is the one pending.
+    clipped.train_step(x, y)
+    assert all(isinstance(r, RunResult) for r in clipped.run(x, y, run_id=2))
+    with pytest.raises(FailedPreconditionError, match=r"run 1 has nothing to commit \(pending: 2"):
+        first.run_step(
+            3,
+            training=True,
+            num_microbatches=4,
+            data=RunInputs(inputs=microbatch.split(x, 4), targets=[], loss_weights=[]),
+            commit=Carried(run_id=1, grad_scale=None, scale_from_links=True),
+        )
+    # A float32 total from upstream.
+    clipped.mailboxes[1].put(MailKey(3, ACTIVATION, 0, NORM_PART), torch.ones(1))
+    with pytest.raises(InvalidArgumentError, match="must be one float64"):
+        second.run_step(
+            3,
+            training=True,
+            num_microbatches=4,
+            data=RunInputs(inputs=[], targets=microbatch.split(y, 4), loss_weights=[0.25] * 4),
+            commit=Carried(run_id=2, grad_scale=None, scale_from_links=True),
+        )
+    assert [e.pending_commit for e in clipped.engines] == [2, 2]
+    assert [e.runtime.step for e in clipped.engines] == [1, 1]

@@ -17,7 +17,7 @@ from pipesvc.errors import (
     StageUnavailableError,
     StepAbortedError,
 )
-from pipesvc.stage.dataplane.mailbox import ACTIVATION, GRADIENT, Mailbox, MailKey
+from pipesvc.stage.dataplane.mailbox import ACTIVATION, GRADIENT, NORM_PART, Mailbox, MailKey
 
 SHORT_S = 0.05
 
@@ -217,12 +217,15 @@ def test_max_items_is_enforced() -> None:
 
 def test_default_mailbox_holds_the_largest_run_and_the_next_runs_early_activations() -> None:
     # A stage of a run with the most micro-batches a job may ask for can hold every activation
-    # and gradient of it before taking any, plus the next run's activations arriving early.
+    # and gradient of it before taking any, plus the next run's activations arriving early,
+    # plus the norm mail of a job that clips (this run's sum, the next run's total).
     mailbox = Mailbox()
     for index in range(MAX_MICROBATCHES):
         for direction in (ACTIVATION, GRADIENT):
             assert mailbox.put(key(1, direction, index), torch.tensor(0.0))
         assert mailbox.put(key(2, ACTIVATION, index), torch.tensor(0.0))
-    assert len(mailbox) == 3 * MAX_MICROBATCHES
-    with pytest.raises(ResourceExhaustedError, match=f"limit is {3 * MAX_MICROBATCHES}"):
+    assert mailbox.put(MailKey(1, GRADIENT, 0, NORM_PART), torch.zeros(1, dtype=torch.float64))
+    assert mailbox.put(MailKey(2, ACTIVATION, 0, NORM_PART), torch.zeros(1, dtype=torch.float64))
+    assert len(mailbox) == 3 * MAX_MICROBATCHES + 2
+    with pytest.raises(ResourceExhaustedError, match=f"limit is {3 * MAX_MICROBATCHES + 2}"):
         mailbox.put(key(3, ACTIVATION, 0), torch.tensor(0.0))

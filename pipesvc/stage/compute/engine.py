@@ -56,6 +56,7 @@ from typing import Protocol
 
 import torch
 
+from pipesvc.core.clipping import add_norm_sq, clip_scale
 from pipesvc.core.microbatch import CacheRef
 from pipesvc.core.schedule import forward_only_actions, stage_actions
 from pipesvc.errors import FailedPreconditionError, InvalidArgumentError
@@ -66,7 +67,7 @@ from pipesvc.stage.compute.faults import FaultKill
 from pipesvc.stage.compute.recorder import RunRecorder
 from pipesvc.stage.compute.runtime import StageRuntime
 from pipesvc.stage.compute.sessions import SessionCaches
-from pipesvc.stage.dataplane.mailbox import Mailbox
+from pipesvc.stage.dataplane.mailbox import ACTIVATION, GRADIENT, NORM_PART, Mailbox, MailKey
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,9 @@ class Carried:
     run_id: int
     grad_scale: float | None
     snapshot: bool = False
+    scale_from_links: bool = False
+    """The scale is the one the global norm summed along the links gives (see [Note: norm
+    along the links] in ``pipesvc.core.clipping``), not ``grad_scale``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +168,14 @@ class StepEngine:
         self._job_id = job_id
         self._metrics = metrics
         self._fault_kill = fault_kill
+        self._send_activation = send_activation
+        self._send_gradient = send_gradient
+        self._recv_timeout_s = recv_timeout_s
+        self._norm_total: float | None = None
+        """First stage, a job that clips: the pending run's squared global gradient norm,
+        summed along the links (see [Note: norm along the links])."""
+        self._from_downstream = f" from rank {runtime.rank + 1} ({downstream_address})"
+        self._from_upstream = f" from rank {runtime.rank - 1}"
         self._tied = tied
         self.replicas = replicas
         """The gradient group with the other replicas' stages of this rank, if any."""
@@ -220,21 +232,22 @@ class StepEngine:
             rt = self.runtime
             plan = self._plan(training, num_microbatches)
             rt.begin_run(training, microbatch_offset=data.microbatch_offset)
+            grad_norm_sq = None
             try:
                 made = self._loop.run(run_id, plan, data, training=training, generating=generating)
                 if training:
                     self._settle_gradients(run_id, data.replicas)
+                    if rt.config.clip_grad_norm is not None:  # a pass over every gradient
+                        grad_norm_sq = rt.grad_norm_sq()
+                        self._sum_norms(run_id, grad_norm_sq)
                 self._keep_caches(refs)
             except BaseException:
                 self._drop_failed(run_id)
                 raise
             finally:
                 self.mailbox.finish(run_id)
-            grad_norm_sq = None
             if training:
                 self.pending_commit = run_id
-                if rt.config.clip_grad_norm is not None:  # a pass over every gradient
-                    grad_norm_sq = rt.grad_norm_sq()
             return RunResult(
                 losses=made.losses,
                 outputs=made.outputs,
@@ -273,7 +286,11 @@ class StepEngine:
         if self.sessions is not None:  # a lost cache fails the run before anything changes
             self.sessions.begin(run_id, refs)
         if commit is not None:
-            self._commit_locked(commit.run_id, commit.grad_scale)
+            scale = commit.grad_scale
+            if commit.scale_from_links:
+                self._check_pending(commit.run_id)  # before waiting for the total
+                scale = self._scale_from_links(run_id, commit.run_id)
+            self._commit_locked(commit.run_id, scale)
             if commit.snapshot:
                 self._take_snapshot()
         if self.pending_commit is not None:
@@ -283,6 +300,68 @@ class StepEngine:
         self.last_run_id = run_id
         self._begun.notify_all()
         return refs
+
+    def _sum_norms(self, run_id: int, own: float) -> None:
+        """After a training run of a job that clips: adds this stage's squared gradient norm
+        to the later ranks' sum and sends it up; the first stage keeps the total (see [Note:
+        norm along the links])."""
+        rt = self.runtime
+        key = MailKey(run_id, GRADIENT, 0, NORM_PART)
+        later = None
+        if rt.rank < rt.num_stages - 1:
+            later = self._take_norm(key, self._from_downstream)
+        total = add_norm_sq(later, own)
+        if rt.rank > 0:
+            self._send_gradient(key, torch.tensor([total], dtype=torch.float64))
+        else:
+            self._norm_total = total
+
+    def _scale_from_links(self, run_id: int, carried: int) -> float:
+        """The clipping scale of run ``carried``'s commit, which run ``run_id`` carries: from
+        the total this stage summed (the first stage) or the one that arrives from upstream,
+        passed on downstream before this stage begins (see [Note: norm along the links]).
+
+        Raises:
+            FailedPreconditionError: the job does not clip (nothing changed).
+            InvalidArgumentError: what arrived is not one float64 of at least 0.
+            PipesvcError: the total did not arrive (a timeout, the run's abort, a broken link).
+        """
+        rt = self.runtime
+        max_norm = rt.config.clip_grad_norm
+        if max_norm is None:
+            raise FailedPreconditionError(
+                f"run {run_id} carries the commit of run {carried} with its scale from the "
+                "links, but this job does not clip gradients"
+            )
+        key = MailKey(run_id, ACTIVATION, 0, NORM_PART)
+        if rt.rank > 0:
+            total = self._take_norm(key, self._from_upstream)
+        else:  # summed at the end of the pending run, which is ``carried`` (checked)
+            assert self._norm_total is not None
+            total = self._norm_total
+        if rt.rank < rt.num_stages - 1:
+            self._send_activation(key, torch.tensor([total], dtype=torch.float64))
+        return clip_scale(total, max_norm)
+
+    def _take_norm(self, key: MailKey, source: str) -> float:
+        """The squared norm a neighbour sent under ``key``, checked.
+
+        Raises:
+            InvalidArgumentError: not one float64 of at least 0 (NaN and infinity pass: the
+                coordinator's scale takes them as they are).
+        """
+        tensor = self.mailbox.get(key, self._recv_timeout_s, source)
+        if tensor.dtype != torch.float64 or tensor.numel() != 1:
+            raise InvalidArgumentError(
+                f"the {key}{source} must be one float64; got {tensor.dtype} of shape "
+                f"{list(tensor.shape)}"
+            )
+        value = float(tensor)
+        if value < 0:
+            raise InvalidArgumentError(
+                f"the {key}{source} is {value!r}; a squared norm is at least 0"
+            )
+        return value
 
     def _settle_gradients(self, run_id: int, spec: GroupSpec | None) -> None:
         """After a training run's last action: gives tied copies their group's gradient and
@@ -438,11 +517,14 @@ class StepEngine:
                 last_mb=0,
             )
 
-    def _commit_locked(self, run_id: int, grad_scale: float | None) -> int:
+    def _check_pending(self, run_id: int) -> None:
         if self.pending_commit != run_id:
             raise FailedPreconditionError(
                 f"run {run_id} has nothing to commit (pending: {self.pending_commit})"
             )
+
+    def _commit_locked(self, run_id: int, grad_scale: float | None) -> int:
+        self._check_pending(run_id)
         step = self.runtime.commit(grad_scale)
         self.pending_commit = None
         return step

@@ -40,7 +40,12 @@ logger = logging.getLogger(__name__)
 ACTIVATION = "activation"
 GRADIENT = "gradient"
 
-MAX_ITEMS = 3 * MAX_MICROBATCHES
+NORM_PART = 2
+"""The part of a run's norm mail (micro-batch 0): the sum of the squared gradient norms on
+the gradient link, the total on the activation link (see [Note: norm along the links] in
+``pipesvc.core.clipping``)."""
+
+MAX_ITEMS = 3 * MAX_MICROBATCHES + 2
 """What a mailbox holds at most, derived from the largest run a job may ask for.
 
 [Note: mailbox bound] A run of m micro-batches delivers at most one activation and one gradient
@@ -49,10 +54,11 @@ current run. The neighbours may start the next run before this stage has finishe
 current one (a run is over for the coordinator when every stage answered; an aborted run's
 stage may still be winding down), so up to m activations of the next run can arrive early;
 its gradients cannot, since they answer this stage's own activations of that run. Mail of a
-finished or aborted run is dropped. Hence 3 * MAX_MICROBATCHES; more means a peer sends
-tensors no schedule asked for. A model that carries a vector beside its activations (see [Note:
-carried vector] in ``pipesvc.models.carry``) sends two tensors where others send one, so its
-stages' mailboxes hold twice as many."""
+finished or aborted run is dropped. Hence 3 * MAX_MICROBATCHES, and two for the norm mail of a
+job that clips (the current run's sum from downstream, the next run's total from upstream);
+more means a peer sends tensors no schedule asked for. A model that carries a vector beside
+its activations (see [Note: carried vector] in ``pipesvc.models.carry``) sends two tensors
+where others send one, so its stages' mailboxes hold twice as many."""
 PARTS = 2
 """Tensors per micro-batch and direction at most: the activation and a carried vector."""
 
@@ -101,9 +107,12 @@ class MailKey:
     microbatch_index: int
     part: int = 0
     """0: the activation or its gradient; 1: the carried vector or its gradient (see [Note:
-    carried vector] in ``pipesvc.models.carry``)."""
+    carried vector] in ``pipesvc.models.carry``); ``NORM_PART``: the run's norm mail."""
 
     def __str__(self) -> str:
+        if self.part == NORM_PART:
+            what = "norm total" if self.direction == ACTIVATION else "norm sum"
+            return f"gradient {what} (run {self.run_id})"
         what = self.direction if self.part == 0 else f"carried {self.direction}"
         return f"{what} of micro-batch {self.microbatch_index} (run {self.run_id})"
 

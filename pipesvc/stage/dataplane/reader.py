@@ -14,7 +14,7 @@ from pipesvc.core.tensor_codec import CodecLimits, FrameAssembler, check_header,
 from pipesvc.errors import PipesvcError, WireFormatError
 from pipesvc.observe.metrics import Metrics
 from pipesvc.stage.dataplane.frame_wire import InFrame
-from pipesvc.stage.dataplane.mailbox import PARTS, Mailbox, MailKey
+from pipesvc.stage.dataplane.mailbox import NORM_PART, PARTS, Mailbox, MailKey
 from pipesvc.stage.dataplane.microbatch_id import DIRECTIONS
 from pipesvc.stage.dataplane.sender import Sender
 from pipesvc.stage.dataplane.shm import ShmView
@@ -109,8 +109,11 @@ class FrameReader:
             raise WireFormatError(
                 f"frame direction {ident.direction} on a stream carrying {self._direction}"
             )
-        if ident.part >= PARTS:
-            raise WireFormatError(f"frame part {ident.part}; a micro-batch has parts 0 and 1")
+        if ident.part >= PARTS and (ident.part != NORM_PART or ident.microbatch_index != 0):
+            raise WireFormatError(
+                f"frame part {ident.part} of micro-batch {ident.microbatch_index}; a micro-batch "
+                f"has parts 0 and 1, and a run's norm mail is part {NORM_PART} of micro-batch 0"
+            )
         return MailKey(ident.run_id, self._direction, ident.microbatch_index, ident.part)
 
     def _post(self, key: MailKey, tensor: torch.Tensor) -> bool:
