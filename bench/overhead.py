@@ -37,7 +37,11 @@ clocks of one host (``time.time_ns()``):
   writes and fsyncs a file and its directory) and ``db*`` (``StateDB.put_job`` of a job
   record), each timed in this process on the cluster's file system.
 
-Usage: ``python bench/overhead.py [--quick] [--models tiny,mlp]``
+With ``--clip C`` both sides clip the global gradient norm to ``C``: pipesvc jobs get
+``clip_grad_norm=C``, and each torch rank sums its squared norm with the others' in one
+all-reduce before its optimizer step (as torchtitan clips a pipeline).
+
+Usage: ``python bench/overhead.py [--quick] [--models tiny,mlp] [--clip C]``
 """
 
 from __future__ import annotations
@@ -67,6 +71,8 @@ from pipesvc.core.planning.partition import uniform  # noqa: E402
 from pipesvc.observe.trace import StageTimeline  # noqa: E402
 
 BATCH, NUM_MICROBATCHES, LR = 64, 4, 1e-3
+CLIP: float | None = None
+"""``--clip``: the global gradient norm both sides clip to (None: no clipping)."""
 WARMUP_STEPS = 5
 SCHEDULES = ("gpipe", "1f1b")
 """The schedules timed (``pipeline.py`` has more; torch's run as the same names)."""
@@ -89,12 +95,14 @@ def _batch(w: base.Workload) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def _torch_child(q: Any, workload: str, *args: Any) -> None:
-    """``bench/pipeline.py``'s torch stage, pointed at this script's models and batch."""
+def _torch_child(q: Any, clip: float | None, workload: str, *args: Any) -> None:
+    """``bench/pipeline.py``'s torch stage, pointed at this script's models and batch, clipping
+    to ``clip`` (None: not)."""
     base.WORKLOADS = WORKLOADS
     base.NUM_MICROBATCHES = NUM_MICROBATCHES
     base.WARMUP_STEPS = WARMUP_STEPS
     base.LR = LR
+    base.CLIP = clip
     base._batch = _batch
     base._torch_stage(q, workload, *args)
 
@@ -103,7 +111,7 @@ def torch_steps_per_s(w: base.Workload, schedule: str, world: int, num_steps: in
     """Steps/s of torch.distributed.pipelining, or why it failed."""
     address = base._free_address()
     targets = [
-        (_torch_child, (w.name, r, world, address, schedule, num_steps)) for r in range(world)
+        (_torch_child, (CLIP, w.name, r, world, address, schedule, num_steps)) for r in range(world)
     ]
     result = base._run_children(targets, expect=("seconds", "loss"))
     return result if isinstance(result, str) else num_steps / result["seconds"]
@@ -239,6 +247,7 @@ def measure_pipesvc(num_stages: int, num_steps: int) -> dict[tuple[str, str, int
                         loss=w.loss,
                         partition="uniform",
                         checkpoint_every=every,
+                        clip_grad_norm=CLIP,
                     )
                     plan = [(s.start_layer, s.end_layer) for s in job.plan]
                     if plan != uniform(w.num_layers, num_stages):
@@ -291,7 +300,15 @@ def main() -> None:
     parser.add_argument(
         "--models", default="tiny,mlp", help="comma-separated models to time (default: both)"
     )
+    parser.add_argument(
+        "--clip",
+        type=float,
+        default=None,
+        help="clip the global gradient norm to this, in pipesvc and torch alike (default: off)",
+    )
     args = parser.parse_args()
+    global CLIP
+    CLIP = args.clip
     num_steps = 30 if args.quick else 200
     chosen = args.models.split(",")
     for name in set(WORKLOADS) - set(chosen):

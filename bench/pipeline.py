@@ -76,6 +76,10 @@ TORCH_SCHEDULE = {
 }
 VIRTUAL_STAGES = 2
 """Layer ranges per stage in the interleaved rows (pipesvc and torch alike)."""
+CLIP: float | None = None
+"""Global-norm clipping in the torch baseline (``bench/overhead.py --clip``): each rank's
+squared gradient norm summed over the pipeline with one all-reduce, as torchtitan clips a
+pipeline; None for none."""
 """What each pipesvc schedule is compared with: torch has no single-stage-per-rank zero-bubble
 schedule (its zero-bubble ones hold two stages per rank), so zb-h1 rows repeat its 1F1B."""
 STAGE_COUNTS = (2, 4)
@@ -196,6 +200,18 @@ def _join_gloo(address: str, rank: int, world: int) -> None:
     )
 
 
+def _clip_across_ranks(params: list[torch.nn.Parameter], max_norm: float) -> None:
+    """Scales this rank's gradients by the global norm over every rank's (one all-reduce)."""
+    import torch.distributed as dist
+
+    grads = [p.grad for p in params if p.grad is not None]
+    norm_sq = torch.stack([g.pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+    dist.all_reduce(norm_sq)
+    scale = min(1.0, max_norm / (float(norm_sq.sqrt()) + 1e-6))
+    for g in grads:
+        g.mul_(scale)
+
+
 def _torch_stage(
     q: Queue,
     workload: str,
@@ -246,6 +262,8 @@ def _torch_stage(
         def step() -> None:
             opt.zero_grad()
             _pipe_step(pipe, rank, world, x, y, first_losses)
+            if CLIP is not None:
+                _clip_across_ranks(params, CLIP)
             opt.step()
 
         seconds = _time_steps(step, num_steps, dist.barrier, mark)

@@ -7,6 +7,7 @@ from pipesvc import models
 from pipesvc.client import Client, Job, StageStatus, connect
 from pipesvc.core.config import JobConfig
 from pipesvc.core.plan import PipelineStage
+from pipesvc.core.version import VERSION
 from pipesvc.errors import (
     FailedPreconditionError,
     InternalError,
@@ -31,7 +32,7 @@ from pipesvc.models.hf import register_hf_model
 from pipesvc.storage.weights import WeightLimits, load_weights, save_weights
 from pipesvc.wire.security import TLSConfig
 
-__version__ = "0.1.0"
+__version__ = VERSION
 
 __all__ = [
     "Client",

@@ -34,6 +34,7 @@ from pipesvc.errors import InvalidArgumentError, NotFoundError, WireFormatError
 from pipesvc.observe.metrics import NO_METRICS, Metrics
 from pipesvc.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 from pipesvc.wire.payload_wire import Incoming
+from pipesvc.wire.protocol import check_stage
 from pipesvc.wire.rpc_status import handle_errors
 from pipesvc.wire.security import Security
 
@@ -222,6 +223,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
     def RegisterStage(
         self, request: coordinator_pb2.RegisterStageRequest, context: object
     ) -> coordinator_pb2.RegisterStageResponse:
+        check_stage(request.address, request.protocol, request.version)
         arrived = self.registry.register(
             StageRecord(
                 address=request.address,

@@ -15,13 +15,20 @@ from grpc_health.v1 import health_pb2
 
 from pipesvc import models
 from pipesvc.core.health import Health
-from pipesvc.errors import InvalidArgumentError, StageUnavailableError
+from pipesvc.core.version import VERSION
+from pipesvc.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    PipesvcError,
+    StageUnavailableError,
+)
 from pipesvc.stage.dataplane.frame_wire import parse, serialize
 from pipesvc.stage.service import StageOptions, StageService
 from pipesvc.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2_grpc
 from pipesvc.wire.control_wire import parse_request, reply_bytes
 from pipesvc.wire.diagnose import explain
 from pipesvc.wire.payload_wire import RUN_STEP
+from pipesvc.wire.protocol import WIRE_PROTOCOL
 from pipesvc.wire.rpc_status import rpc_errors
 from pipesvc.wire.security import Security
 from pipesvc.wire.transport import (
@@ -119,19 +126,25 @@ def register(
 
     Raises:
         StageUnavailableError: the coordinator did not answer in time.
+        FailedPreconditionError: the coordinator refused this stage (another pipesvc version,
+            see [Note: wire protocol] in ``pipesvc.wire.protocol``).
     """
     request = coordinator_pb2.RegisterStageRequest(
         address=address,
         device=str(device),
         memory_bytes=memory_bytes,
         models=models.known_models(),
+        protocol=WIRE_PROTOCOL,
+        version=VERSION,
     )
     with open_channel(coordinator, security) as channel:
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
 
-        def convert(exc: grpc.RpcError) -> StageUnavailableError:
-            # Explained (e.g. "is a pipesvc stage, not a coordinator"); always unavailable, so
-            # the heartbeat goes on trying.
+        def convert(exc: grpc.RpcError) -> PipesvcError:
+            # Explained (e.g. "is a pipesvc stage, not a coordinator"); unavailable, so the
+            # heartbeat goes on trying, unless the coordinator refused this stage's version.
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                return FailedPreconditionError(f"could not register: {exc.details()}")
             error = explain(
                 exc, what="coordinator", address=coordinator, channel=channel, security=security
             )
@@ -163,6 +176,8 @@ def _heartbeat(
             register(coordinator, address, device, min(5.0, interval_s * 2), security, memory_bytes)
         except StageUnavailableError as exc:
             logger.debug("heartbeat to %s failed: %s", coordinator, exc)
+        except FailedPreconditionError as exc:  # e.g. a coordinator of another version now
+            logger.error("heartbeat to %s refused: %s", coordinator, exc)
 
 
 def _drain(

@@ -89,12 +89,20 @@ class RegisterStageRequest(_message.Message):
     DEVICE_FIELD_NUMBER: _builtins.int
     MEMORY_BYTES_FIELD_NUMBER: _builtins.int
     MODELS_FIELD_NUMBER: _builtins.int
+    PROTOCOL_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
     address: _builtins.str
     """host:port other servers dial to reach the stage."""
     device: _builtins.str
     """Device the stage computes on, e.g. "cpu" or "cuda:0"."""
     memory_bytes: _builtins.int
     """Total memory of that device."""
+    protocol: _builtins.int
+    """The wire protocol the stage speaks; the coordinator refuses a stage that speaks another
+    (0: a stage from before this field, which is refused too).
+    """
+    version: _builtins.str
+    """The stage's pipesvc version, for the refusal's message."""
     @_builtins.property
     def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Models the stage can build."""
@@ -106,10 +114,12 @@ class RegisterStageRequest(_message.Message):
         device: _builtins.str = ...,
         memory_bytes: _builtins.int = ...,
         models: _abc.Iterable[_builtins.str] | None = ...,
+        protocol: _builtins.int = ...,
+        version: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "device", b"device", "memory_bytes", b"memory_bytes", "models", b"models"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "device", b"device", "memory_bytes", b"memory_bytes", "models", b"models", "protocol", b"protocol", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -23,6 +23,7 @@ from pipesvc.core.limits import Limits
 from pipesvc.core.tensor_codec import encode
 from pipesvc.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 from pipesvc.wire.payload_wire import TRAIN_STEP, Payloads
+from pipesvc.wire.protocol import WIRE_PROTOCOL
 from pipesvc.wire.rpc_status import ERROR_CLASS_KEY
 from pipesvc.wire.security import Security, TLSConfig
 from pipesvc.wire.transport import create_server, open_channel
@@ -293,7 +294,9 @@ def test_concurrent_call_limit_keeps_health_answering(small_coordinator: str) ->
             stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
             stub.RegisterStage(
                 coordinator_pb2.RegisterStageRequest(
-                    address=f"127.0.0.1:{silent.getsockname()[1]}", models=["mlp"]
+                    address=f"127.0.0.1:{silent.getsockname()[1]}",
+                    models=["mlp"],
+                    protocol=WIRE_PROTOCOL,
                 ),
                 timeout=5,
             )

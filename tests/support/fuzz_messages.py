@@ -36,6 +36,7 @@ from pipesvc.core.tensor_codec import decode, encode, encode_frames, named_frame
 from pipesvc.errors import PipesvcError
 from pipesvc.storage.checkpoint import OPTIM_PREFIX
 from pipesvc.v1 import common_pb2, coordinator_pb2, stage_pb2
+from pipesvc.wire.protocol import WIRE_PROTOCOL
 
 LIMITS = Limits()
 CODEC_LIMITS = LIMITS.codec()
@@ -822,6 +823,8 @@ def _bases(t: Target) -> dict[str, Strategy[list[Message]]]:
                 device=st.sampled_from(("cpu", "cuda:0", "")),
                 memory_bytes=ints(U64, 0, 2**64 - 1),
                 models=st.lists(st.sampled_from(MODEL_NAMES), max_size=3),
+                protocol=st.sampled_from((0, WIRE_PROTOCOL, WIRE_PROTOCOL + 1)),
+                version=st.sampled_from(("", "0.0.1", "x" * 300)),
             )
         ),
         "coordinator.ListStages": st.just([c.ListStagesRequest()]),

@@ -12,13 +12,18 @@ import pytest
 from pipesvc.coordinator.service import CoordinatorService
 from pipesvc.errors import InvalidArgumentError
 from pipesvc.v1 import coordinator_pb2
+from pipesvc.wire.protocol import WIRE_PROTOCOL
 
 AFTER_S = 0.3
 
 
 def _register(service: CoordinatorService, port: int) -> None:
     request = coordinator_pb2.RegisterStageRequest(
-        address=f"127.0.0.1:{port}", device="cpu", memory_bytes=1 << 30, models=["mlp"]
+        address=f"127.0.0.1:{port}",
+        device="cpu",
+        memory_bytes=1 << 30,
+        models=["mlp"],
+        protocol=WIRE_PROTOCOL,
     )
     service.RegisterStage(request, None)
 

@@ -1,0 +1,82 @@
+"""A coordinator refuses a stage of another pipesvc version (see [Note: wire protocol] in
+pipesvc/wire/protocol.py): the stage process exits with a message naming both versions, and
+the coordinator lists no stage."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from pipesvc.coordinator.server import add_coordinator_service
+from pipesvc.coordinator.service import CoordinatorService
+from pipesvc.core.version import VERSION
+from pipesvc.v1 import coordinator_pb2, coordinator_pb2_grpc
+from pipesvc.wire import protocol
+from pipesvc.wire.transport import create_server, open_channel
+
+
+@pytest.fixture
+def coordinator(tmp_path: Path) -> Iterator[str]:
+    service = CoordinatorService(tmp_path)
+    service.open()
+    server, port, _ = create_server("127.0.0.1:0", [lambda s: add_coordinator_service(service, s)])
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(grace=None).wait()
+        service.shutdown()
+
+
+def _stages(address: str) -> list[str]:
+    with open_channel(address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        reply = stub.ListStages(coordinator_pb2.ListStagesRequest(), timeout=10)
+    return [s.address for s in reply.stages]
+
+
+def test_a_stage_of_another_version_exits_with_both_versions(
+    coordinator: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The coordinator (this process) speaks the next protocol, as after an upgrade of its
+    host alone; a real stage process of this version registers with it."""
+    monkeypatch.setattr(protocol, "WIRE_PROTOCOL", protocol.WIRE_PROTOCOL + 1)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    command = [sys.executable, "-m", "pipesvc", "stage", "--coordinator", coordinator]
+    stage = subprocess.run(
+        [*command, "--listen", "127.0.0.1:0", "--threads", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert stage.returncode == 2, stage.stderr
+    ours, theirs = protocol.WIRE_PROTOCOL - 1, protocol.WIRE_PROTOCOL
+    assert "FailedPreconditionError: could not register: the stage at 127.0.0.1:" in stage.stderr
+    assert (
+        f"runs pipesvc {VERSION} (wire protocol {ours}); this coordinator runs pipesvc "
+        f"{VERSION} (wire protocol {theirs}). Run the same pipesvc version" in stage.stderr
+    )
+    assert _stages(coordinator) == []
+
+
+def test_a_stage_from_before_the_protocol_number_is_refused(coordinator: str) -> None:
+    """What a stage of an earlier pipesvc sends: no protocol at all."""
+    with open_channel(coordinator) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        request = coordinator_pb2.RegisterStageRequest(
+            address="127.0.0.1:7001", device="cpu", memory_bytes=1 << 30, models=["mlp"]
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.RegisterStage(request, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "runs an older pipesvc (wire protocol 1)" in str(refused.value.details())
+        assert _stages(coordinator) == []
+        request.protocol = protocol.WIRE_PROTOCOL
+        stub.RegisterStage(request, timeout=10)
+    assert _stages(coordinator) == ["127.0.0.1:7001"]

@@ -1,0 +1,54 @@
+"""The wire protocol's number (see [Note: wire protocol] in pipesvc/wire/protocol.py): it
+changes with the messages, and a coordinator refuses a stage that speaks another."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from pipesvc.core.version import VERSION
+from pipesvc.errors import FailedPreconditionError
+from pipesvc.wire.protocol import WIRE_PROTOCOL, check_stage
+
+REPO = Path(__file__).resolve().parents[2]
+PROTO_DIGEST = "2fffd54ed02fa4b79655daab67ed41b5f2c9210a83e91f7d68f9337f8a74df82"
+"""The digest of ``protos/`` (comments and blank lines left out) at ``WIRE_PROTOCOL``."""
+
+
+def _digest() -> str:
+    sha = hashlib.sha256()
+    for path in sorted((REPO / "protos").rglob("*.proto")):
+        sha.update(path.relative_to(REPO).as_posix().encode())
+        for line in path.read_text().splitlines():
+            code = re.sub(r"//.*", "", line).strip()
+            if code:
+                sha.update(code.encode() + b"\n")
+    return sha.hexdigest()
+
+
+def test_the_messages_have_not_changed_without_a_new_protocol_number() -> None:
+    assert (WIRE_PROTOCOL, _digest()) == (2, PROTO_DIGEST), (
+        "the messages in protos/ changed: raise WIRE_PROTOCOL in pipesvc/wire/protocol.py, "
+        f"and set this test's pair to ({WIRE_PROTOCOL + 1}, {_digest()!r})"
+    )
+
+
+def test_the_package_and_its_metadata_have_one_version() -> None:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["version"] == VERSION
+
+
+def test_a_stage_of_another_protocol_is_refused_with_both_versions() -> None:
+    check_stage("10.0.0.2:7001", WIRE_PROTOCOL, VERSION)
+    with pytest.raises(FailedPreconditionError) as older:
+        check_stage("10.0.0.2:7001", 0, "")
+    assert str(older.value).startswith(
+        "the stage at 10.0.0.2:7001 runs an older pipesvc (wire protocol 1); this coordinator "
+        f"runs pipesvc {VERSION} (wire protocol {WIRE_PROTOCOL})"
+    )
+    with pytest.raises(FailedPreconditionError, match=r"runs pipesvc 9\.0 \(wire protocol 9\)"):
+        check_stage("10.0.0.2:7001", 9, "9.0")
