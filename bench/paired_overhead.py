@@ -13,15 +13,16 @@ With ``--workload act`` the model and batch are ``pipeline.py``'s activation-hea
 batch's way from the client to the stages is a large part of a step.
 
 With ``--train K`` each turn runs K steps through ``job.train`` (pipelined steps over one
-stream) instead of one ``train_step``; each figure is then a turn's ms per step.
+stream) instead of one ``train_step``; each figure is then a turn's ms per step. With
+``--clip C`` every job clips its global gradient norm to ``C``.
 
 After the table, the context switches per step of each checkout's stage processes (all their
 threads, voluntary and not, from ``/proc/<pid>/task/*/status``, over the timed turns of each
 row), one figure per stage.
 
 Usage: ``python bench/paired_overhead.py [--stages 2] [--steps 150] [--workload act]
-[--every 0,10] [--train K] NAME=DIR [NAME=DIR ...]`` (``.`` is this checkout). Prints steps/s,
-mean and p50 ms per step for each checkout and row.
+[--every 0,10] [--train K] [--clip C] NAME=DIR [NAME=DIR ...]`` (``.`` is this checkout).
+Prints steps/s, mean and p50 ms per step for each checkout and row.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def _switches(pid: int) -> int:
 
 
 def worker(num_stages: int, workload: str) -> None:
-    """Serves one checkout's job on stdin/stdout: ``setup SCHEDULE EVERY``, ``step``, ``quit``."""
+    """Serves one checkout's job on stdin/stdout: ``setup SCHEDULE EVERY [CLIP]``, ``step``,
+    ``train K``, ``switches``, ``quit``."""
     root = Path(os.environ["PIPESVC_TREE"]).resolve()
     sys.path.insert(0, str(root))
     os.environ["PYTHONPATH"] = str(root)  # the stage processes import bench.bench_models
@@ -105,6 +107,7 @@ def worker(num_stages: int, workload: str) -> None:
                     loss=model.loss,
                     partition="uniform",
                     checkpoint_every=int(command[2]),
+                    clip_grad_norm=float(command[3]) if len(command) > 3 else None,
                 )
                 print("ok", flush=True)
             elif command[0] == "step" and job is not None:
@@ -184,6 +187,9 @@ def main() -> None:
         help="each turn runs K steps through job.train (pipelined steps) instead of one "
         "train_step; a figure is the turn's ms per step (0: train_step)",
     )
+    parser.add_argument(
+        "--clip", type=float, default=None, help="clip each job's global gradient norm to this"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("trees", nargs="*", metavar="NAME=DIR")
     args = parser.parse_args()
@@ -213,7 +219,8 @@ def main() -> None:
         for schedule in ("gpipe", "1f1b"):
             for every in (int(e) for e in args.every.split(",")):
                 for checkout in checkouts.values():
-                    if checkout.ask(f"setup {schedule} {every}") != "ok":
+                    clip = "" if args.clip is None else f" {args.clip}"
+                    if checkout.ask(f"setup {schedule} {every}{clip}") != "ok":
                         raise RuntimeError("a job could not be created")
                     for _ in range(WARMUP_STEPS):
                         checkout.ask("step")
