@@ -158,12 +158,14 @@ def test_a_stage_sends_frames_within_half_its_message_limit(
     assert Limits(max_message_bytes=message_bytes).codec().max_frame_bytes == frame_bytes
 
 
-def _reader(reply: Sender, direction: str = ACTIVATION) -> FrameReader:
+def _reader(
+    reply: Sender, direction: str = ACTIVATION, mailbox: Mailbox | None = None
+) -> FrameReader:
     return FrameReader(
         job_id="j",
         epoch=1,
         direction=direction,
-        mailbox=Mailbox(),
+        mailbox=mailbox if mailbox is not None else Mailbox(),
         limits=CodecLimits(),
         metrics=NO_METRICS,
         reply=reply,
@@ -239,15 +241,7 @@ def test_only_a_runs_norm_mail_has_a_part_beyond_a_microbatchs_two(
         header=make_header(total),
     )
     mailbox = Mailbox()
-    reader = FrameReader(
-        job_id="j",
-        epoch=1,
-        direction=ACTIVATION,
-        mailbox=mailbox,
-        limits=CodecLimits(),
-        metrics=NO_METRICS,
-        reply=Sender(job_id="j", epoch=1, direction=GRADIENT),
-    )
+    reader = _reader(Sender(job_id="j", epoch=1, direction=GRADIENT), mailbox=mailbox)
     data = memoryview(total.numpy().tobytes())
     if ok:
         assert reader.feed(InFrame(frame, data))
