@@ -75,14 +75,21 @@ def _check_replicas_agree(job: pipesvc.Job) -> None:
                 torch.testing.assert_close(other[key], value, rtol=0, atol=0, msg=f"{rank} {key}")
 
 
-def test_replicas_train_like_one_process_through_job_train(client: pipesvc.Client) -> None:
+@pytest.mark.parametrize(("replicas", "clip"), [(2, None), (3, 0.05)])
+def test_replicas_train_like_one_process_through_job_train(
+    client: pipesvc.Client, replicas: int, clip: float | None
+) -> None:
     """``job.train``'s steps go ahead of each other's decisions on every replica's stages
     (see [Note: steps ahead]); with checkpoints every third step (whose commits do not go
-    ahead) they give the one-process losses and weights, and the replicas agree."""
+    ahead) they give the one-process losses and weights, and the replicas agree to the bit.
+    With clipping each replica sums the norm along its own links (see [Note: norm along the
+    links]), so they agree only if every replica holds the same gradients after their sum."""
     problem = PROBLEMS["mlp"]
-    reference = Reference(problem, seed=5, optimizer=SGD, clip_grad_norm=None)
+    reference = Reference(problem, seed=5, optimizer=SGD, clip_grad_norm=clip)
     batches = [problem.batch(size, seed=step) for step, size in enumerate(BATCH_SIZES * 2)]
-    with _create(client, problem, replicas=2, stages=2, checkpoint_every=3) as job:
+    with _create(
+        client, problem, replicas=replicas, stages=2, clip=clip, checkpoint_every=3
+    ) as job:
         losses = list(job.train(batches))
         assert losses == pytest.approx([reference.step(x, y) for x, y in batches], rel=1e-5)
         weights = job.state_dict()
