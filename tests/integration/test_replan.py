@@ -226,3 +226,39 @@ def test_throughput_plan_settles_on_a_stable_uneven_cluster() -> None:
         assert len(plans) <= 2, [
             [(s.start_layer, s.end_layer, s.address) for s in p] for p in plans
         ]
+
+
+def test_a_replan_between_pipelined_steps_of_a_clipping_job(client: pipesvc.Client) -> None:
+    """A gpt with dropout, AdamW and clipping streams 8 steps through ``job.train``, whose runs
+    go ahead of each other's decisions with the norm summed along the links; after the third
+    loss the caller moves the layers (``replan``), which takes the job between two steps: the
+    run sent ahead is dropped, its commit completed, the layers move, and the stream goes on
+    over the new plan with every loss and the final weights equal to one process's."""
+    problem = DROPOUT_GPT
+    reference = Reference(problem, seed=5, optimizer=OPTIMIZER, clip_grad_norm=0.5)
+    batches = [problem.batch(8, seed=step) for step in range(8)]
+    with client.create_job(
+        model=problem.model,
+        model_args=problem.model_args,
+        seed=5,
+        num_stages=3,
+        num_microbatches=NUM_MICROBATCHES,
+        schedule="1f1b",
+        optimizer=OPTIMIZER,
+        loss=problem.loss,
+        partition="uniform",
+        clip_grad_norm=0.5,
+        checkpoint_every=0,
+    ) as job:
+        before = [(s.start_layer, s.end_layer) for s in job.plan]
+        losses = []
+        for number, loss in enumerate(job.train(batches), start=1):
+            losses.append(loss)
+            if number == 3:
+                assert job.replan("parameters").moved
+        after = [(s.start_layer, s.end_layer) for s in job.refresh().plan]
+        assert after != before
+        expected = [reference.step(x, y, NUM_MICROBATCHES) for x, y in batches]
+        assert losses == pytest.approx(expected, rel=1e-5)
+        assert job.step == len(batches)
+        _check_weights(job, reference)
