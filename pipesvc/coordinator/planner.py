@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from pipesvc.coordinator.stage_calls import call_stage
-from pipesvc.coordinator.stage_registry import StageRecord, StageRegistry
+from pipesvc.coordinator.stage_registry import REFUSALS_KEPT_S, StageRecord, StageRegistry
 from pipesvc.core.config import JobConfig
 from pipesvc.core.health import Health
 from pipesvc.core.plan import PipelineStage, servers_of
@@ -61,6 +61,18 @@ def wait_for_stages(
         )
 
 
+def refusal_note(registry: StageRegistry) -> str:
+    """What a planning error adds when stages were refused at registration lately (another
+    pipesvc version, see [Note: wire protocol]): their count and the newest reason."""
+    refused = registry.refusals()
+    if not refused:
+        return ""
+    return (
+        f". {len(refused)} stage(s) were refused at registration in the last "
+        f"{REFUSALS_KEPT_S:.0f} s; the latest: {refused[0]}"
+    )
+
+
 def describe(
     registry: StageRegistry, config: JobConfig, timeout_s: float
 ) -> list[stage_pb2.LayerDescription]:
@@ -76,7 +88,7 @@ def describe(
         if config.model not in known:
             raise UnknownModelError(
                 f"model {config.model!r} is not registered on any stage; known models: "
-                f"{', '.join(known) or 'none (no stages registered)'}"
+                f"{', '.join(known) or 'none (no stages registered)'}{refusal_note(registry)}"
             )
         holders = sorted(
             {r.job_id for r in registry.all() if r.job_id and config.model in r.models}
@@ -85,6 +97,7 @@ def describe(
             f"no free stage can build {config.model!r}; every one that can is serving a job "
             f"({', '.join(holders) or 'none: they are unreachable'}). Free stages by closing a "
             "job: client.jobs() lists them, client.get_job(job_id).close() closes one"
+            + refusal_note(registry)
         )
     describer = PipelineStage(start_layer=0, end_layer=0, rank=0, address=candidates[0].address)
     reply = call_stage(
@@ -117,7 +130,13 @@ def plan_job(
         ResourceExhaustedError: a stage's share does not fit its memory.
     """
     free = registry.free(config.model)
-    plan = placement.first_plan(config, layers, free, len(registry.all()))
+    try:
+        plan = placement.first_plan(config, layers, free, len(registry.all()))
+    except PlanError as exc:
+        note = refusal_note(registry)
+        if not note:
+            raise
+        raise PlanError(f"{exc}{note}") from exc
     if not registry.claim([s.address for s in plan], job_id):
         raise PlanError("stages were taken by another job while planning; try again")
     return plan

@@ -30,7 +30,12 @@ from pipesvc.core.health import Health
 from pipesvc.core.limits import Limits
 from pipesvc.core.sampling import Sampling
 from pipesvc.core.tensor_codec import decode, encode
-from pipesvc.errors import InvalidArgumentError, NotFoundError, WireFormatError
+from pipesvc.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    WireFormatError,
+)
 from pipesvc.observe.metrics import NO_METRICS, Metrics
 from pipesvc.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 from pipesvc.wire.payload_wire import Incoming
@@ -223,7 +228,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
     def RegisterStage(
         self, request: coordinator_pb2.RegisterStageRequest, context: object
     ) -> coordinator_pb2.RegisterStageResponse:
-        check_stage(request.address, request.protocol, request.version)
+        try:
+            check_stage(request.address, request.protocol, request.version)
+        except FailedPreconditionError as exc:
+            self.registry.refuse(request.address, str(exc))
+            logger.warning("refused a stage: %s", exc)
+            raise
         arrived = self.registry.register(
             StageRecord(
                 address=request.address,

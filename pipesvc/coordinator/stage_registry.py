@@ -32,6 +32,11 @@ from pipesvc.wire.payload_wire import RUN_STEP, Outgoing
 from pipesvc.wire.security import Security
 from pipesvc.wire.transport import health_status, open_channel, split_address, unary_method
 
+REFUSALS_KEPT_S = 60.0
+"""How long a stage refused at registration is remembered (a running one retries with every
+heartbeat), for the errors of jobs that then find no stage (see [Note: wire protocol])."""
+MAX_REFUSALS = 64
+
 RUN_STEP_METHOD = stage_pb2.DESCRIPTOR.services_by_name["StageService"].methods_by_name["RunStep"]
 RunStepMethod: TypeAlias = (
     "grpc.UnaryUnaryMultiCallable["
@@ -71,6 +76,8 @@ class StageRegistry:
     _channels: dict[str, grpc.Channel] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _counter: int = 0
+    _refused: dict[str, tuple[str, float]] = field(default_factory=dict)
+    """Address -> why it was refused and when (monotonic), the newest last."""
     _changed: threading.Condition = field(init=False)
     """Notified when a stage registers or a job frees its stages (on ``_lock``)."""
 
@@ -98,6 +105,7 @@ class StageRegistry:
         if port == 0:
             raise InvalidArgumentError(f"stage address {record.address!r} has port 0")
         with self._lock:
+            self._refused.pop(record.address, None)
             old = self._records.get(record.address)
             self._counter += 1
             record.order = old.order if old else self._counter
@@ -110,6 +118,20 @@ class StageRegistry:
         if new:  # perhaps restarted as a newer stage: it may serve Control now
             self.control.forget(record.address)
         return new
+
+    def refuse(self, address: str, reason: str) -> None:
+        """Remembers that the stage at ``address`` was refused at registration, and why."""
+        with self._lock:
+            self._refused.pop(address, None)
+            self._refused[address] = (reason, time.monotonic())
+            while len(self._refused) > MAX_REFUSALS:
+                del self._refused[next(iter(self._refused))]
+
+    def refusals(self) -> list[str]:
+        """Why stages were refused at registration within ``REFUSALS_KEPT_S``, newest first."""
+        since = time.monotonic() - REFUSALS_KEPT_S
+        with self._lock:
+            return [why for why, at in reversed(self._refused.values()) if at >= since]
 
     def all(self) -> list[StageRecord]:
         """Every record, in registration order."""

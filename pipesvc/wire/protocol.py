@@ -5,10 +5,11 @@ change between versions (a field added, a rule about when a run may arrive), and
 another version fails in ways that are hard to read, or worse, quietly does something else.
 So a stage says which protocol it speaks when it registers, and the coordinator refuses one
 that speaks another with a message naming both versions (``check_stage``); the stage then
-exits, or, on a heartbeat, logs the refusal. The number is ``WIRE_PROTOCOL``; it goes up with
-any change to the messages in ``protos/`` or to what a peer may expect of them.
-``tests/unit/test_wire_protocol.py`` holds a digest of the messages, so a change to them
-without a new number fails the tests.
+exits, or, on a heartbeat, logs the refusal. The coordinator remembers a refusal for a minute
+(``StageRegistry.refuse``), and a job that then finds too few stages says so in its error.
+The number is ``WIRE_PROTOCOL``; it goes up with any change to the messages in ``protos/`` or
+to what a peer may expect of them. ``tests/unit/test_wire_protocol.py`` holds a digest of the
+messages, so a change to them without a new number fails the tests.
 """
 
 from __future__ import annotations

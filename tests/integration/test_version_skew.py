@@ -1,6 +1,6 @@
 """A coordinator refuses a stage of another pipesvc version (see [Note: wire protocol] in
-pipesvc/wire/protocol.py): the stage process exits with a message naming both versions, and
-the coordinator lists no stage."""
+pipesvc/wire/protocol.py): the stage process exits with a message naming both versions, the
+coordinator lists no stage, and a job that then finds none says a stage was refused."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+import pipesvc
 from pipesvc.coordinator.server import add_coordinator_service
 from pipesvc.coordinator.service import CoordinatorService
 from pipesvc.core.version import VERSION
@@ -63,6 +64,14 @@ def test_a_stage_of_another_version_exits_with_both_versions(
         f"{VERSION} (wire protocol {theirs}). Run the same pipesvc version" in stage.stderr
     )
     assert _stages(coordinator) == []
+    # A job then finds no stage, and its error says why.
+    with (
+        pipesvc.connect(coordinator) as client,
+        pytest.raises(pipesvc.UnknownModelError) as no_stage,
+    ):
+        client.create_job(model="mlp", num_stages=1)
+    assert "1 stage(s) were refused at registration" in str(no_stage.value)
+    assert f"(wire protocol {theirs})" in str(no_stage.value)
 
 
 def test_a_stage_from_before_the_protocol_number_is_refused(coordinator: str) -> None:

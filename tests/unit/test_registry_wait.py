@@ -72,3 +72,39 @@ def test_wait_for_stages_takes_at_most_half_the_call_deadline() -> None:
     planner.wait_for_stages(spy, config, 0.0, call_remaining_s=10.0)  # no wait at all
     planner.wait_for_stages(spy, config, 1e9)
     assert calls == [5.0, 3.0, planner.MAX_WAIT_FOR_STAGES_S]
+
+
+def test_refused_stages_are_remembered_for_a_while_and_named_by_planning_errors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """See [Note: wire protocol]: the newest refusal first, one per address, bounded; a
+    stage that registers later is no longer a refusal; a job that finds too few stages says
+    that some were refused."""
+    from pipesvc.coordinator import stage_registry
+    from pipesvc.errors import PlanError, UnknownModelError
+    from pipesvc.v1 import stage_pb2
+
+    registry = StageRegistry()
+    registry.register(_record(1))
+    registry.refuse("127.0.0.1:2", "two: another version")
+    registry.refuse("127.0.0.1:3", "three: another version")
+    registry.refuse("127.0.0.1:2", "two again")
+    assert registry.refusals() == ["two again", "three: another version"]
+    registry.register(_record(3))
+    assert registry.refusals() == ["two again"]
+    layers = [stage_pb2.LayerDescription(index=i, num_parameters=8) for i in range(4)]
+    config = JobConfig(model="mlp", num_stages=3)
+    with pytest.raises(PlanError, match=r"1 stage\(s\) were refused .*the latest: two again"):
+        planner.plan_job(registry, config, layers, "job")
+    empty = StageRegistry()
+    empty.refuse("127.0.0.1:4", "four: another version")
+    with pytest.raises(UnknownModelError, match=r"none \(no stages registered\)\. 1 stage"):
+        planner.describe(empty, config, 5.0)
+
+    for port in range(100, 100 + stage_registry.MAX_REFUSALS + 5):
+        registry.refuse(f"127.0.0.1:{port}", f"refused {port}")
+    refused = registry.refusals()
+    assert len(refused) == stage_registry.MAX_REFUSALS
+    assert refused[0] == f"refused {99 + stage_registry.MAX_REFUSALS + 5}"
+    monkeypatch.setattr(stage_registry, "REFUSALS_KEPT_S", 0.0)
+    assert registry.refusals() == []
