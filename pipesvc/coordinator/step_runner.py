@@ -84,10 +84,10 @@ class StepRunner:
     the stages derive it from the global norm they sum along the links, exactly as the
     coordinator does from their replies (see [Note: norm along the links] in
     pipesvc.core.clipping). A run is sent ahead only when nothing else needs the step's
-    commit first: the step is not due a checkpoint snapshot, every replica takes part, and no
-    other call waits for the job. A run sent ahead that is not taken (the stream ended,
-    another call came) is aborted and N's commit completed where it is still pending
-    (``drop_ahead``).
+    commit first: the step is not due a checkpoint snapshot, every replica takes part, no
+    other call waits for the job, and a job that clips has one replica. A run sent ahead that
+    is not taken (the stream ended, another call came) is aborted and N's commit completed
+    where it is still pending (``drop_ahead``).
     """
 
     def __init__(
@@ -239,10 +239,13 @@ class StepRunner:
 
     def may_send_ahead(self, next_batch: RunBatch) -> bool:
         """Whether the next step may go ahead of the running one's decision (see [Note:
-        steps ahead]): no snapshot due, every replica taking part."""
+        steps ahead]): no snapshot due, every replica taking part, and in a job that clips,
+        one replica (see [Note: norm along the links] in pipesvc.core.clipping)."""
         group = self._group
+        config = group.config
         return (
             self._sent_ahead is None
+            and (config.clip_grad_norm is None or config.data_parallel == 1)
             and not self._checkpoints.would_snapshot(self._ledger.step + 1)
             and all(group.shares(stage_pb2.TRAIN, len(next_batch.inputs)))
         )

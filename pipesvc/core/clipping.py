@@ -11,7 +11,14 @@ own to what arrives and sends the sum on, so the first stage ends up with the to
 run carries the total down the activation links ahead of its first activation, and each stage
 applies the scale before it begins. Both sides therefore add the squared norms in the same
 order, from the last rank to the first (``total_norm_sq``), in float64, and derive the scale
-with the same function (``clip_scale``).
+with the same function (``clip_scale``). Each stage's own norm is computed once and both sides
+add that same number, so stages of different hardware agree too.
+
+Not with replicas: each replica's stages would compute "the same" norm independently, and on
+different devices (or CPUs with other vector widths) a reduction may round differently in
+the last bits, so replicas would apply different scales and drift apart. A job with replicas
+therefore takes the coordinator's scale, from replica 0's norms, for every replica, and its
+clipping runs do not go ahead of their step's decision.
 """
 
 from __future__ import annotations

@@ -246,7 +246,9 @@ def test_fault_costs_nothing(name: str, via: str, tmp_path: Path) -> None:
         pids = {(s.replica, s.rank): stage_pid(s.address) for s in job.plan if s.chunk == 0}
         faulty = _train(job, case, via)
         assert marker.exists(), "the fault never fired"
-        if via == "train":
+        # A clipping job with replicas takes the coordinator's scale: its runs never go ahead.
+        ahead = case.clip_grad_norm is None or case.data_parallel == 1
+        if via == "train" and ahead:
             assert coordinator_metric(cluster, "runs_sent_ahead_total") >= 1, "none went ahead"
         assert faulty.recoveries == 1
         dead = [where for where, pid in pids.items() if not _alive(pid)]

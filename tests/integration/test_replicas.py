@@ -82,8 +82,8 @@ def test_replicas_train_like_one_process_through_job_train(
     """``job.train``'s steps go ahead of each other's decisions on every replica's stages
     (see [Note: steps ahead]); with checkpoints every third step (whose commits do not go
     ahead) they give the one-process losses and weights, and the replicas agree to the bit.
-    With clipping each replica sums the norm along its own links (see [Note: norm along the
-    links]), so they agree only if every replica holds the same gradients after their sum."""
+    With clipping on 3 replicas the runs do not go ahead and every replica applies the
+    coordinator's one scale (see [Note: norm along the links])."""
     problem = PROBLEMS["mlp"]
     reference = Reference(problem, seed=5, optimizer=SGD, clip_grad_norm=clip)
     batches = [problem.batch(size, seed=step) for step, size in enumerate(BATCH_SIZES * 2)]

@@ -810,3 +810,41 @@ def test_the_scale_from_the_links_is_refused_where_it_cannot_be_had() -> None:
         )
     assert [e.pending_commit for e in clipped.engines] == [2, 2]
     assert [e.runtime.step for e in clipped.engines] == [1, 1]
+
+
+def test_a_run_waiting_for_the_total_shows_as_newest_and_ends_with_its_commits_abort() -> None:
+    """The last stage got run 2, which carries run 1's commit with the scale from the links,
+    but the first stage never did, so no total comes: the waiting run is this stage's newest
+    (what Info reports, so a restarted coordinator aborts it), and an abort of run 1 (whose
+    commit it carries) ends its wait at once instead of waiting behind its run lock."""
+    problem = PROBLEMS["mlp"]
+    x, y = problem.batch(8, seed=0)
+    pipeline = Pipeline(
+        problem,
+        schedule_name="1f1b",
+        num_stages=2,
+        seed=3,
+        optimizer={"name": "sgd", "lr": 0.1},
+        clip_grad_norm=0.5,
+    )
+    assert all(isinstance(r, RunResult) for r in pipeline.run(x, y, run_id=1))
+    last = pipeline.engines[1]
+    with futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(
+            last.run_step,
+            2,
+            training=True,
+            num_microbatches=4,
+            data=RunInputs(inputs=[], targets=microbatch.split(y, 4), loss_weights=[0.25] * 4),
+            commit=Carried(run_id=1, grad_scale=None, scale_from_links=True),
+        )
+        deadline = time.monotonic() + 10
+        while last.last_run_id != 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert last.last_run_id == 2 and not waiting.done()
+        started = time.monotonic()
+        last.abort(1)
+        with pytest.raises(StepAbortedError):
+            waiting.result(timeout=10)
+        assert time.monotonic() - started < 5
+    assert last.pending_commit is None and last.runtime.step == 0

@@ -174,6 +174,8 @@ class StepEngine:
         self._norm_total: float | None = None
         """First stage, a job that clips: the pending run's squared global gradient norm,
         summed along the links (see [Note: norm along the links])."""
+        self._awaiting_total: tuple[int, int] | None = None
+        """(run, the run whose commit it carries) while a run waits for the total."""
         self._from_downstream = f" from rank {runtime.rank + 1} ({downstream_address})"
         self._from_upstream = f" from rank {runtime.rank - 1}"
         self._tied = tied
@@ -239,7 +241,8 @@ class StepEngine:
                     self._settle_gradients(run_id, data.replicas)
                     if rt.config.clip_grad_norm is not None:  # a pass over every gradient
                         grad_norm_sq = rt.grad_norm_sq()
-                        self._sum_norms(run_id, grad_norm_sq)
+                        if rt.config.data_parallel == 1:
+                            self._sum_norms(run_id, grad_norm_sq)
                 self._keep_caches(refs)
             except BaseException:
                 self._drop_failed(run_id)
@@ -289,7 +292,14 @@ class StepEngine:
             scale = commit.grad_scale
             if commit.scale_from_links:
                 self._check_pending(commit.run_id)  # before waiting for the total
-                scale = self._scale_from_links(run_id, commit.run_id)
+                # This stage's newest run from now on, so Info shows it while it waits and a
+                # restarted coordinator aborts it (see reconcile's ``_abort_interrupted_run``).
+                self.last_run_id = run_id
+                self._awaiting_total = (run_id, commit.run_id)
+                try:
+                    scale = self._scale_from_links(run_id, commit.run_id)
+                finally:
+                    self._awaiting_total = None
             self._commit_locked(commit.run_id, scale)
             if commit.snapshot:
                 self._take_snapshot()
@@ -322,23 +332,29 @@ class StepEngine:
         passed on downstream before this stage begins (see [Note: norm along the links]).
 
         Raises:
-            FailedPreconditionError: the job does not clip (nothing changed).
+            FailedPreconditionError: the job does not clip along the links (it has replicas,
+                or does not clip), or the first stage holds no total (nothing changed).
             InvalidArgumentError: what arrived is not one float64 of at least 0.
             PipesvcError: the total did not arrive (a timeout, the run's abort, a broken link).
         """
         rt = self.runtime
         max_norm = rt.config.clip_grad_norm
-        if max_norm is None:
+        if max_norm is None or rt.config.data_parallel != 1:
             raise FailedPreconditionError(
                 f"run {run_id} carries the commit of run {carried} with its scale from the "
-                "links, but this job does not clip gradients"
+                "links, but this job does not clip gradients along its links (it does not "
+                f"clip, or it has {rt.config.data_parallel} replicas)"
             )
         key = MailKey(run_id, ACTIVATION, 0, NORM_PART)
         if rt.rank > 0:
             total = self._take_norm(key, self._from_upstream)
-        else:  # summed at the end of the pending run, which is ``carried`` (checked)
-            assert self._norm_total is not None
+        elif self._norm_total is not None:  # summed at the end of the pending run, ``carried``
             total = self._norm_total
+        else:
+            raise FailedPreconditionError(
+                f"run {run_id} carries the commit of run {carried} with its scale from the "
+                "links, but this stage holds no gradient norm for it"
+            )
         if rt.rank < rt.num_stages - 1:
             self._send_activation(key, torch.tensor([total], dtype=torch.float64))
         return clip_scale(total, max_norm)
@@ -531,7 +547,12 @@ class StepEngine:
 
     def abort(self, run_id: int) -> None:
         """Aborts run ``run_id``: wakes its waits and sends, drops its mail, its activations
-        and (if it is an uncommitted training run) its gradients; no later run may reuse it."""
+        and (if it is an uncommitted training run) its gradients; no later run may reuse it.
+        A run waiting for the total of a commit of ``run_id`` or earlier is aborted with it: it
+        holds the run lock, and it could never apply that commit."""
+        awaiting = self._awaiting_total
+        if awaiting is not None and awaiting[1] <= run_id:
+            self._wake(awaiting[0])
         self._wake(run_id)
         with self.run_lock:
             self.last_run_id = max(self.last_run_id, run_id)
