@@ -30,6 +30,7 @@ from pipesvc.core.health import Health
 from pipesvc.core.limits import Limits
 from pipesvc.core.sampling import Sampling
 from pipesvc.core.tensor_codec import decode, encode
+from pipesvc.core.version import VERSION
 from pipesvc.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -39,7 +40,7 @@ from pipesvc.errors import (
 from pipesvc.observe.metrics import NO_METRICS, Metrics
 from pipesvc.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, stage_pb2
 from pipesvc.wire.payload_wire import Incoming
-from pipesvc.wire.protocol import check_stage
+from pipesvc.wire.protocol import WIRE_PROTOCOL, check_stage
 from pipesvc.wire.rpc_status import handle_errors
 from pipesvc.wire.security import Security
 
@@ -231,8 +232,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
         try:
             check_stage(request.address, request.protocol, request.version)
         except FailedPreconditionError as exc:
-            self.registry.refuse(request.address, str(exc))
-            logger.warning("refused a stage: %s", exc)
+            if self.registry.refuse(request.address, str(exc)):  # not every heartbeat
+                logger.warning("refused a stage: %s", exc)
             raise
         arrived = self.registry.register(
             StageRecord(
@@ -248,7 +249,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
                 self._db.put_stage(
                     request.address, request.device, request.memory_bytes, list(request.models)
                 )
-        return coordinator_pb2.RegisterStageResponse()
+        return coordinator_pb2.RegisterStageResponse(protocol=WIRE_PROTOCOL, version=VERSION)
 
     @handle_errors
     def ListStages(

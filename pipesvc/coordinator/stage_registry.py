@@ -76,8 +76,9 @@ class StageRegistry:
     _channels: dict[str, grpc.Channel] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _counter: int = 0
-    _refused: dict[str, tuple[str, float]] = field(default_factory=dict)
-    """Address -> why it was refused and when (monotonic), the newest last."""
+    _refused: dict[str, tuple[str, float, float]] = field(default_factory=dict)
+    """Address -> why it was refused, when last and when that was last news (monotonic),
+    the newest last."""
     _changed: threading.Condition = field(init=False)
     """Notified when a stage registers or a job frees its stages (on ``_lock``)."""
 
@@ -119,19 +120,24 @@ class StageRegistry:
             self.control.forget(record.address)
         return new
 
-    def refuse(self, address: str, reason: str) -> None:
-        """Remembers that the stage at ``address`` was refused at registration, and why."""
+    def refuse(self, address: str, reason: str) -> bool:
+        """Remembers that the stage at ``address`` was refused at registration, and why;
+        returns whether that is news (not the same refusal within ``REFUSALS_KEPT_S``: a
+        running stage is refused again with every heartbeat)."""
+        now = time.monotonic()
         with self._lock:
-            self._refused.pop(address, None)
-            self._refused[address] = (reason, time.monotonic())
+            old = self._refused.pop(address, None)
+            news = old is None or old[0] != reason or now - old[2] > REFUSALS_KEPT_S
+            self._refused[address] = (reason, now, now if news or old is None else old[2])
             while len(self._refused) > MAX_REFUSALS:
                 del self._refused[next(iter(self._refused))]
+            return news
 
     def refusals(self) -> list[str]:
         """Why stages were refused at registration within ``REFUSALS_KEPT_S``, newest first."""
         since = time.monotonic() - REFUSALS_KEPT_S
         with self._lock:
-            return [why for why, at in reversed(self._refused.values()) if at >= since]
+            return [why for why, seen, _ in reversed(self._refused.values()) if seen >= since]
 
     def all(self) -> list[StageRecord]:
         """Every record, in registration order."""

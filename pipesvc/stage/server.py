@@ -28,7 +28,7 @@ from pipesvc.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2_grpc
 from pipesvc.wire.control_wire import parse_request, reply_bytes
 from pipesvc.wire.diagnose import explain
 from pipesvc.wire.payload_wire import RUN_STEP
-from pipesvc.wire.protocol import WIRE_PROTOCOL
+from pipesvc.wire.protocol import WIRE_PROTOCOL, check_coordinator
 from pipesvc.wire.rpc_status import rpc_errors
 from pipesvc.wire.security import Security
 from pipesvc.wire.transport import (
@@ -126,8 +126,8 @@ def register(
 
     Raises:
         StageUnavailableError: the coordinator did not answer in time.
-        FailedPreconditionError: the coordinator refused this stage (another pipesvc version,
-            see [Note: wire protocol] in ``pipesvc.wire.protocol``).
+        FailedPreconditionError: the coordinator refused this stage, or it runs another
+            pipesvc version (see [Note: wire protocol] in ``pipesvc.wire.protocol``).
     """
     request = coordinator_pb2.RegisterStageRequest(
         address=address,
@@ -158,7 +158,8 @@ def register(
             return (kind or StageUnavailableError)(f"could not register: {error}")
 
         with rpc_errors(convert=convert):
-            stub.RegisterStage(request, timeout=timeout_s, wait_for_ready=True)
+            reply = stub.RegisterStage(request, timeout=timeout_s, wait_for_ready=True)
+    check_coordinator(coordinator, reply.protocol, reply.version)
 
 
 def _heartbeat(
@@ -170,14 +171,20 @@ def _heartbeat(
     stop: threading.Event,
     memory_bytes: int,
 ) -> None:
-    """Re-registers every ``interval_s`` so a restarted coordinator learns of this stage."""
+    """Re-registers every ``interval_s`` so a restarted coordinator learns of this stage (a
+    refusal, e.g. by a coordinator of another version, is logged when new and then once a
+    minute)."""
+    refused, logged_at = "", 0.0
     while not stop.wait(interval_s):
         try:
             register(coordinator, address, device, min(5.0, interval_s * 2), security, memory_bytes)
+            refused = ""
         except StageUnavailableError as exc:
             logger.debug("heartbeat to %s failed: %s", coordinator, exc)
-        except FailedPreconditionError as exc:  # e.g. a coordinator of another version now
-            logger.error("heartbeat to %s refused: %s", coordinator, exc)
+        except FailedPreconditionError as exc:
+            if str(exc) != refused or time.monotonic() - logged_at > 60.0:
+                logger.error("heartbeat to %s refused: %s", coordinator, exc)
+                refused, logged_at = str(exc), time.monotonic()
 
 
 def _drain(

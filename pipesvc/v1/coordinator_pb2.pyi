@@ -127,16 +127,25 @@ Global___RegisterStageRequest: _TypeAlias = RegisterStageRequest  # noqa: Y015
 
 @_typing.final
 class RegisterStageResponse(_message.Message):
-    """Empty: registration succeeded."""
+    """Registration succeeded; the coordinator says its own protocol and version, so that a stage
+    refuses a coordinator of another pipesvc (0: one from before these fields).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    PROTOCOL_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    protocol: _builtins.int
+    version: _builtins.str
     def __init__(
         self,
+        *,
+        protocol: _builtins.int = ...,
+        version: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["protocol", b"protocol", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

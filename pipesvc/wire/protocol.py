@@ -5,7 +5,9 @@ change between versions (a field added, a rule about when a run may arrive), and
 another version fails in ways that are hard to read, or worse, quietly does something else.
 So a stage says which protocol it speaks when it registers, and the coordinator refuses one
 that speaks another with a message naming both versions (``check_stage``); the stage then
-exits, or, on a heartbeat, logs the refusal. The coordinator remembers a refusal for a minute
+exits, or, on a heartbeat, logs the refusal. The coordinator's reply says its own protocol, so
+a stage also refuses a coordinator of another version, one from before the check included
+(``check_coordinator``). The coordinator remembers a refusal for a minute
 (``StageRegistry.refuse``), and a job that then finds too few stages says so in its error.
 The number is ``WIRE_PROTOCOL``; it goes up with any change to the messages in ``protos/`` or
 to what a peer may expect of them. ``tests/unit/test_wire_protocol.py`` holds a digest of the
@@ -19,19 +21,40 @@ from pipesvc.errors import FailedPreconditionError
 
 WIRE_PROTOCOL = 2
 """This pipesvc's protocol between coordinator and stages (1: before stages said theirs)."""
+MAX_ECHO = 80
+"""Characters of a peer's address or version a refusal repeats (they come off the wire)."""
+
+
+def _printable(text: str) -> str:
+    """``text`` as a message may repeat it: at most ``MAX_ECHO`` characters, each printable."""
+    return "".join(c if c.isprintable() else "?" for c in text[:MAX_ECHO])
 
 
 def check_stage(address: str, protocol: int, version: str) -> None:
-    """Refuses a stage at ``address`` that speaks another protocol.
+    """The coordinator's check of a registering stage at ``address``.
 
     Raises:
-        FailedPreconditionError: ``protocol`` is not ``WIRE_PROTOCOL``.
+        FailedPreconditionError: the stage speaks another protocol than ``WIRE_PROTOCOL``.
     """
+    _check("stage", "coordinator", address, protocol, version)
+
+
+def check_coordinator(address: str, protocol: int, version: str) -> None:
+    """A stage's check of the coordinator at ``address`` that accepted it (a coordinator from
+    before the check accepts any stage and says nothing: protocol 0).
+
+    Raises:
+        FailedPreconditionError: the coordinator speaks another protocol.
+    """
+    _check("coordinator", "stage", address, protocol, version)
+
+
+def _check(peer: str, me: str, address: str, protocol: int, version: str) -> None:
     if protocol == WIRE_PROTOCOL:
         return
-    theirs = f"pipesvc {version}" if version else "an older pipesvc"
+    theirs = f"pipesvc {_printable(version)}" if version else "an older pipesvc"
     raise FailedPreconditionError(
-        f"the stage at {address} runs {theirs} (wire protocol {protocol or 1}); this "
-        f"coordinator runs pipesvc {VERSION} (wire protocol {WIRE_PROTOCOL}). Run the same "
+        f"the {peer} at {_printable(address)} runs {theirs} (wire protocol {protocol or 1}); "
+        f"this {me} runs pipesvc {VERSION} (wire protocol {WIRE_PROTOCOL}). Run the same "
         "pipesvc version on the coordinator and every stage"
     )

@@ -1,6 +1,7 @@
 """A coordinator refuses a stage of another pipesvc version (see [Note: wire protocol] in
 pipesvc/wire/protocol.py): the stage process exits with a message naming both versions, the
-coordinator lists no stage, and a job that then finds none says a stage was refused."""
+coordinator lists no stage, and a job that then finds none says a stage was refused. A stage
+refuses a coordinator of an earlier version the same way."""
 
 from __future__ import annotations
 
@@ -34,6 +35,19 @@ def coordinator(tmp_path: Path) -> Iterator[str]:
         service.shutdown()
 
 
+def _run_stage(coordinator: str) -> subprocess.CompletedProcess[str]:
+    """A real ``pipesvc stage`` process registering with ``coordinator``, run to its end."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    command = [sys.executable, "-m", "pipesvc", "stage", "--coordinator", coordinator]
+    return subprocess.run(
+        [*command, "--listen", "127.0.0.1:0", "--threads", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+
+
 def _stages(address: str) -> list[str]:
     with open_channel(address) as channel:
         stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
@@ -47,15 +61,7 @@ def test_a_stage_of_another_version_exits_with_both_versions(
     """The coordinator (this process) speaks the next protocol, as after an upgrade of its
     host alone; a real stage process of this version registers with it."""
     monkeypatch.setattr(protocol, "WIRE_PROTOCOL", protocol.WIRE_PROTOCOL + 1)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    command = [sys.executable, "-m", "pipesvc", "stage", "--coordinator", coordinator]
-    stage = subprocess.run(
-        [*command, "--listen", "127.0.0.1:0", "--threads", "1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    stage = _run_stage(coordinator)
     assert stage.returncode == 2, stage.stderr
     ours, theirs = protocol.WIRE_PROTOCOL - 1, protocol.WIRE_PROTOCOL
     assert "FailedPreconditionError: could not register: the stage at 127.0.0.1:" in stage.stderr
@@ -89,3 +95,33 @@ def test_a_stage_from_before_the_protocol_number_is_refused(coordinator: str) ->
         request.protocol = protocol.WIRE_PROTOCOL
         stub.RegisterStage(request, timeout=10)
     assert _stages(coordinator) == ["127.0.0.1:7001"]
+
+
+class _OlderCoordinator(coordinator_pb2_grpc.CoordinatorServiceServicer):
+    """A coordinator from before the protocol check: it accepts any stage and says nothing."""
+
+    def RegisterStage(
+        self, request: coordinator_pb2.RegisterStageRequest, context: grpc.ServicerContext
+    ) -> coordinator_pb2.RegisterStageResponse:
+        return coordinator_pb2.RegisterStageResponse()
+
+
+def test_a_stage_refuses_a_coordinator_of_an_earlier_version() -> None:
+    server, port, _ = create_server(
+        "127.0.0.1:0",
+        [
+            lambda s: coordinator_pb2_grpc.add_CoordinatorServiceServicer_to_server(
+                _OlderCoordinator(), s
+            )
+        ],
+    )
+    try:
+        stage = _run_stage(f"127.0.0.1:{port}")
+    finally:
+        server.stop(grace=None).wait()
+    assert stage.returncode == 2, stage.stderr
+    assert (
+        f"FailedPreconditionError: the coordinator at 127.0.0.1:{port} runs an older pipesvc "
+        f"(wire protocol 1); this stage runs pipesvc {VERSION} (wire protocol "
+        f"{protocol.WIRE_PROTOCOL})" in stage.stderr
+    )

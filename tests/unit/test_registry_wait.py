@@ -78,17 +78,19 @@ def test_refused_stages_are_remembered_for_a_while_and_named_by_planning_errors(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """See [Note: wire protocol]: the newest refusal first, one per address, bounded; a
-    stage that registers later is no longer a refusal; a job that finds too few stages says
-    that some were refused."""
+    repeat is not news (a refused stage retries with every heartbeat); a stage that registers
+    later is no longer a refusal; a job that finds too few stages says that some were
+    refused."""
     from pipesvc.coordinator import stage_registry
     from pipesvc.errors import PlanError, UnknownModelError
     from pipesvc.v1 import stage_pb2
 
     registry = StageRegistry()
     registry.register(_record(1))
-    registry.refuse("127.0.0.1:2", "two: another version")
-    registry.refuse("127.0.0.1:3", "three: another version")
-    registry.refuse("127.0.0.1:2", "two again")
+    assert registry.refuse("127.0.0.1:2", "two: another version")  # news: logged
+    assert registry.refuse("127.0.0.1:3", "three: another version")
+    assert not registry.refuse("127.0.0.1:2", "two: another version")  # its next heartbeat
+    assert registry.refuse("127.0.0.1:2", "two again")  # another reason is news again
     assert registry.refusals() == ["two again", "three: another version"]
     registry.register(_record(3))
     assert registry.refusals() == ["two again"]

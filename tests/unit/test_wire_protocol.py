@@ -12,10 +12,10 @@ import tomllib
 
 from pipesvc.core.version import VERSION
 from pipesvc.errors import FailedPreconditionError
-from pipesvc.wire.protocol import WIRE_PROTOCOL, check_stage
+from pipesvc.wire.protocol import WIRE_PROTOCOL, check_coordinator, check_stage
 
 REPO = Path(__file__).resolve().parents[2]
-PROTO_DIGEST = "2fffd54ed02fa4b79655daab67ed41b5f2c9210a83e91f7d68f9337f8a74df82"
+PROTO_DIGEST = "a0d8671d10c3b3c3eb3f4c98ae7a0c948a00c19ee771d4905345dcf81ad940e6"
 """The digest of ``protos/`` (comments and blank lines left out) at ``WIRE_PROTOCOL``."""
 
 
@@ -52,3 +52,21 @@ def test_a_stage_of_another_protocol_is_refused_with_both_versions() -> None:
     )
     with pytest.raises(FailedPreconditionError, match=r"runs pipesvc 9\.0 \(wire protocol 9\)"):
         check_stage("10.0.0.2:7001", 9, "9.0")
+
+
+def test_a_refusal_repeats_only_a_short_printable_part_of_what_the_stage_sent() -> None:
+    with pytest.raises(FailedPreconditionError) as refused:
+        check_stage("h:1\nforged log line" + "x" * 500, 9, "9.0\r\n" + "y" * 500)
+    message = str(refused.value)
+    assert "\n" not in message and "\r" not in message
+    assert "h:1?forged log line" in message and "x" * 81 not in message and "y" * 81 not in message
+
+
+def test_a_stage_refuses_a_coordinator_of_another_protocol() -> None:
+    check_coordinator("coord:7070", WIRE_PROTOCOL, VERSION)
+    with pytest.raises(FailedPreconditionError) as older:
+        check_coordinator("coord:7070", 0, "")
+    assert str(older.value).startswith(
+        "the coordinator at coord:7070 runs an older pipesvc (wire protocol 1); this stage "
+        f"runs pipesvc {VERSION} (wire protocol {WIRE_PROTOCOL})"
+    )
