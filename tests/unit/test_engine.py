@@ -179,6 +179,7 @@ def _pipeline(
     num_stages: int = 3,
     fault_kill: FaultKill | None = None,
     kv_budget: int = 2**30,
+    clip_grad_norm: float | None = None,
 ) -> Pipeline:
     return Pipeline(
         problem,
@@ -186,7 +187,7 @@ def _pipeline(
         num_stages=num_stages,
         seed=3,
         optimizer={"name": "sgd", "lr": 0.1},
-        clip_grad_norm=None,
+        clip_grad_norm=clip_grad_norm,
         fault_kill=fault_kill,
         kv_budget=kv_budget,
     )
@@ -778,14 +779,7 @@ def test_the_scale_from_the_links_is_refused_where_it_cannot_be_had() -> None:
     assert "does not clip" in str(refused[0])
     assert plain.engines[0].pending_commit == 1 and plain.engines[0].runtime.step == 0
 
-    clipped = Pipeline(
-        problem,
-        schedule_name="1f1b",
-        num_stages=2,
-        seed=3,
-        optimizer={"name": "sgd", "lr": 0.1},
-        clip_grad_norm=0.5,
-    )
+    clipped = _pipeline(problem, num_stages=2, clip_grad_norm=0.5)
     first, second = clipped.engines
     # Run 1 was committed with an explicit scale; run 2 is the one pending.
     clipped.train_step(x, y)
@@ -819,14 +813,7 @@ def test_a_run_waiting_for_the_total_shows_as_newest_and_ends_with_its_commits_a
     commit it carries) ends its wait at once instead of waiting behind its run lock."""
     problem = PROBLEMS["mlp"]
     x, y = problem.batch(8, seed=0)
-    pipeline = Pipeline(
-        problem,
-        schedule_name="1f1b",
-        num_stages=2,
-        seed=3,
-        optimizer={"name": "sgd", "lr": 0.1},
-        clip_grad_norm=0.5,
-    )
+    pipeline = _pipeline(problem, num_stages=2, clip_grad_norm=0.5)
     assert all(isinstance(r, RunResult) for r in pipeline.run(x, y, run_id=1))
     last = pipeline.engines[1]
     with futures.ThreadPoolExecutor(1) as pool:

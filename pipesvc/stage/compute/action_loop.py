@@ -146,9 +146,10 @@ class ActionLoop:
         self._fault_kill = fault_kill
         self._chunked_runs = 0
         """Generation runs of several micro-batches so far (what ``prefill`` faults count)."""
-        # What a wait names in its timeout's message (see Mailbox.get).
-        self._from_upstream = f" from rank {(runtime.rank - 1) % runtime.num_stages}"
-        self._from_downstream = (
+        # What a wait for a neighbour names in its timeout's message (see Mailbox.get); the
+        # engine's waits for the gradient norm name them too.
+        self.from_upstream = f" from rank {(runtime.rank - 1) % runtime.num_stages}"
+        self.from_downstream = (
             f" from rank {(runtime.rank + 1) % runtime.num_stages} ({downstream_address})"
         )
 
@@ -227,7 +228,7 @@ class ActionLoop:
             x = data.inputs[mb]
         else:
             x, carry = self._receive(
-                MailKey(run_id, ACTIVATION, at.wire(chunk)), mb, carries, self._from_upstream
+                MailKey(run_id, ACTIVATION, at.wire(chunk)), mb, carries, self.from_upstream
             )
         with rec.span("forward", mb):
             side = data.side[mb] if data.side else None
@@ -283,7 +284,7 @@ class ActionLoop:
             more = step + 1 < steps
             if not first:
                 x, _ = self._receive(
-                    MailKey(run_id, ACTIVATION, step), 0, False, self._from_upstream
+                    MailKey(run_id, ACTIVATION, step), 0, False, self.from_upstream
                 )
             assert x is not None
             with rec.span("forward", 0):
@@ -293,7 +294,7 @@ class ActionLoop:
                     self._send_activation(MailKey(run_id, ACTIVATION, step), y)
                 if more:  # this step's tokens, from the last stage, on to the first
                     tokens, _ = self._receive(
-                        MailKey(run_id, GRADIENT, step), 0, False, self._from_downstream
+                        MailKey(run_id, GRADIENT, step), 0, False, self.from_downstream
                     )
                     if first:
                         x = tokens
@@ -376,7 +377,7 @@ class ActionLoop:
         carries = rt.features.carry is not None
         if not rt.last_virtual(chunk):
             grad, carry_grad = self._receive(
-                MailKey(run_id, GRADIENT, at.wire(chunk)), mb, carries, self._from_downstream
+                MailKey(run_id, GRADIENT, at.wire(chunk)), mb, carries, self.from_downstream
             )
         with rec.span("backward", mb):
             grad_input = rt.backward(mb, grad, chunk, carry_grad)

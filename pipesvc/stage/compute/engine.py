@@ -176,8 +176,6 @@ class StepEngine:
         summed along the links (see [Note: norm along the links])."""
         self._awaiting_total: tuple[int, int] | None = None
         """(run, the run whose commit it carries) while a run waits for the total."""
-        self._from_downstream = f" from rank {runtime.rank + 1} ({downstream_address})"
-        self._from_upstream = f" from rank {runtime.rank - 1}"
         self._tied = tied
         self.replicas = replicas
         """The gradient group with the other replicas' stages of this rank, if any."""
@@ -319,7 +317,7 @@ class StepEngine:
         key = MailKey(run_id, GRADIENT, 0, NORM_PART)
         later = None
         if rt.rank < rt.num_stages - 1:
-            later = self._take_norm(key, self._from_downstream)
+            later = self._take_norm(key, self._loop.from_downstream)
         total = add_norm_sq(later, own)
         if rt.rank > 0:
             self._send_gradient(key, torch.tensor([total], dtype=torch.float64))
@@ -347,7 +345,7 @@ class StepEngine:
             )
         key = MailKey(run_id, ACTIVATION, 0, NORM_PART)
         if rt.rank > 0:
-            total = self._take_norm(key, self._from_upstream)
+            total = self._take_norm(key, self._loop.from_upstream)
         elif self._norm_total is not None:  # summed at the end of the pending run, ``carried``
             total = self._norm_total
         else:
