@@ -1,5 +1,5 @@
 """A few hundred steps on real processes: threads, fds and state files must stop growing; and
-over 200 aborted runs and 50 stage restarts, the coordinator's gradient-store keys, its
+over 120 aborted runs and 24 stage restarts, the coordinator's gradient-store keys, its
 registry of stages (in memory and in SQLite) and the stages' parked collectives stay flat.
 
 No timing is asserted; only counts that a leak would make grow with the number of steps,
@@ -111,7 +111,7 @@ def test_threads_fds_and_state_files_stay_bounded(
         )
 
 
-ABORTS, RESTARTS = 200, 50
+ABORTS, RESTARTS = 120, 24
 FORGET_S = 3.0
 """``--forget-stages-after-s`` of the coordinator below: six of its stages' heartbeats."""
 _METRICS_URL = re.compile(r"serving Prometheus metrics on (http://\S+/metrics)")
@@ -150,8 +150,8 @@ class Held:
 @pytest.mark.heavy
 @pytest.mark.timeout(1800)
 def test_store_keys_registry_and_parked_collectives_stay_flat(tmp_path: Path) -> None:
-    """200 aborted runs (training and inference, each followed by a step whose gradient
-    groups form anew) and 50 restarts of a spare stage on a new port: the counts after the
+    """120 aborted runs (training and inference, each followed by a step whose gradient
+    groups form anew) and 24 restarts of a spare stage on a new port: the counts after the
     first quarter and at the end are the same (see [Note: store keys] and [Note: forgetting
     stages])."""
     state_dir = tmp_path / "state"

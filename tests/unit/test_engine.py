@@ -719,6 +719,53 @@ def test_a_run_sent_ahead_waits_for_the_run_whose_commit_it_carries() -> None:
         assert time.monotonic() - started < 5
 
 
+def test_a_commit_fault_fires_at_its_step_when_the_run_carrying_it_arrives_early(
+    tmp_path: Path,
+) -> None:
+    """Run 3, carrying run 2's commit (step 2), reaches the stage before run 2: the fault at
+    the commit of step 2 fires when that commit is applied, not at the earlier step read on
+    arrival. It fails run 3 before anything changes; the retry trains like the reference."""
+    problem = PROBLEMS["mlp"]
+    reference = Reference(
+        problem, seed=3, optimizer={"name": "sgd", "lr": 0.1}, clip_grad_norm=None
+    )
+    fault = FaultKill(when="commit", step=2, rank=0, marker=str(tmp_path / "fired"), action="fail")
+    pipeline = _pipeline(problem, num_stages=1, fault_kill=fault)
+    engine = pipeline.engines[0]
+    batches = [problem.batch(8, seed=seed) for seed in range(3)]
+
+    def data(i: int) -> RunInputs:
+        x, y = batches[i]
+        weights = microbatch.loss_weights([len(t) for t in microbatch.split(x, 4)])
+        return RunInputs(
+            inputs=microbatch.split(x, 4), targets=microbatch.split(y, 4), loss_weights=weights
+        )
+
+    def run(run_id: int) -> RunResult:
+        return engine.run_step(
+            run_id,
+            training=True,
+            num_microbatches=4,
+            data=data(run_id - 1),
+            commit=Carried(run_id=run_id - 1, grad_scale=None),
+        )
+
+    assert all(isinstance(r, RunResult) for r in pipeline.run(*batches[0], run_id=1))
+    with futures.ThreadPoolExecutor(1) as pool:
+        third = pool.submit(run, 3)
+        time.sleep(0.2)
+        assert not third.done() and not (tmp_path / "fired").exists()
+        run(2)
+        with pytest.raises(ResourceExhaustedError, match="fault injection: commit of step 2"):
+            third.result(timeout=10)
+    assert (engine.pending_commit, engine.last_run_id, engine.runtime.step) == (2, 2, 1)
+    run(3)
+    engine.commit(3, None)
+    for x, y in batches:
+        reference.step(x, y)
+    _assert_tensors(pipeline.tensors("parameters"), reference.model.state_dict())
+
+
 @pytest.mark.parametrize(("schedule_name", "num_stages"), [("1f1b", 3), ("zb-h1", 2), ("1f1b", 1)])
 def test_a_run_sent_ahead_in_a_clipping_job_scales_by_the_norm_summed_along_the_links(
     schedule_name: str, num_stages: int

@@ -223,8 +223,6 @@ class StepEngine:
         """
         if data.caches and self.sessions is None:
             raise FailedPreconditionError("this stage keeps no generation caches")
-        if commit is not None:
-            self._check_commit_fault()
         with self.run_lock:
             if commit is not None:
                 self._await_begun(commit.run_id, run_id)
@@ -283,13 +281,15 @@ class StepEngine:
             raise FailedPreconditionError(
                 f"run {run_id} is not after the last run {self.last_run_id}"
             )
+        if commit is not None:  # before the wait for the total, and before anything changes
+            self._check_pending(commit.run_id)
+            self._check_commit_fault()
         refs = [ref for refs in data.caches for ref in refs]
         if self.sessions is not None:  # a lost cache fails the run before anything changes
             self.sessions.begin(run_id, refs)
         if commit is not None:
             scale = commit.grad_scale
             if commit.scale_from_links:
-                self._check_pending(commit.run_id)  # before waiting for the total
                 # This stage's newest run from now on, so Info shows it while it waits and a
                 # restarted coordinator aborts it (see reconcile's ``_abort_interrupted_run``).
                 self.last_run_id = run_id
@@ -517,11 +517,15 @@ class StepEngine:
             FailedPreconditionError: ``run_id`` is not the run awaiting commit.
             InvalidArgumentError: ``grad_scale`` is not a finite non-negative number.
         """
-        self._check_commit_fault()
         with self.run_lock:
+            self._check_pending(run_id)
+            self._check_commit_fault()
             return self._commit_locked(run_id, grad_scale)
 
     def _check_commit_fault(self) -> None:
+        """Under the run lock, with the commit's run pending: the step it commits is the next
+        one (a run sent ahead may arrive before the run whose commit it carries has begun, so
+        the step is read only once that run is the pending one)."""
         if self._fault_kill is not None:
             self._fault_kill.check(
                 when="commit",
