@@ -7,10 +7,11 @@ stages, claiming them); what the plan is, given the stages and their health, is 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from pipesvc.coordinator.stage_calls import call_stage
 from pipesvc.coordinator.stage_registry import REFUSALS_KEPT_S, StageRecord, StageRegistry
@@ -18,7 +19,12 @@ from pipesvc.core.config import JobConfig
 from pipesvc.core.health import Health
 from pipesvc.core.plan import PipelineStage, servers_of
 from pipesvc.core.planning import placement
-from pipesvc.errors import InvalidArgumentError, PlanError, UnknownModelError
+from pipesvc.errors import (
+    InvalidArgumentError,
+    PlanError,
+    ResourceExhaustedError,
+    UnknownModelError,
+)
 from pipesvc.v1 import stage_pb2
 
 logger = logging.getLogger(__name__)
@@ -71,6 +77,18 @@ def refusal_note(registry: StageRegistry) -> str:
         f". {len(refused)} stage(s) were refused at registration in the last "
         f"{REFUSALS_KEPT_S:.0f} s; the latest: {refused[0]}"
     )
+
+
+@contextlib.contextmanager
+def _noting_refusals(registry: StageRegistry) -> Iterator[None]:
+    """Inside, a plan that finds too few stages or too little memory adds ``refusal_note``."""
+    try:
+        yield
+    except (PlanError, ResourceExhaustedError) as exc:
+        note = refusal_note(registry)
+        if not note:
+            raise
+        raise type(exc)(f"{exc}{note}") from exc
 
 
 def describe(
@@ -130,13 +148,8 @@ def plan_job(
         ResourceExhaustedError: a stage's share does not fit its memory.
     """
     free = registry.free(config.model)
-    try:
+    with _noting_refusals(registry):
         plan = placement.first_plan(config, layers, free, len(registry.all()))
-    except PlanError as exc:
-        note = refusal_note(registry)
-        if not note:
-            raise
-        raise PlanError(f"{exc}{note}") from exc
     if not registry.claim([s.address for s in plan], job_id):
         raise PlanError("stages were taken by another job while planning; try again")
     return plan
@@ -171,16 +184,17 @@ def plan_after_loss(
         ResourceExhaustedError: the survivors' memory cannot hold the model.
     """
     records = {r.address: r for r in registry.all()}
-    new_plan = placement.replan(
-        config,
-        layers,
-        plan,
-        lost,
-        candidates=candidates,
-        health=health,
-        stages=records,
-        job_id=job_id,
-    )
+    with _noting_refusals(registry):
+        new_plan = placement.replan(
+            config,
+            layers,
+            plan,
+            lost,
+            candidates=candidates,
+            health=health,
+            stages=records,
+            job_id=job_id,
+        )
     new_plan = keep_link_codecs(plan, new_plan)
     registry.claim([s.address for s in new_plan if records[s.address].job_id != job_id], job_id)
     place(registry, new_plan)

@@ -1,6 +1,6 @@
-"""Server and client interceptors: token auth and concurrency limits.
+"""Server and client interceptors: token auth, concurrency limits and the caller's protocol.
 
-Health (grpc.health.v1) is exempt from both, so a busy or locked-down server still answers
+Health (grpc.health.v1) is exempt from all three, so a busy or locked-down server still answers
 its health checks.
 """
 
@@ -13,6 +13,8 @@ from typing import Any, NamedTuple
 
 import grpc
 
+from pipesvc.errors import FailedPreconditionError
+from pipesvc.wire.protocol import check_caller, names_another
 from pipesvc.wire.rpc_status import ERROR_CLASS_KEY
 from pipesvc.wire.security import AUTH_METADATA_KEY
 
@@ -75,6 +77,49 @@ class AuthInterceptor(grpc.ServerInterceptor):
                     "UnauthenticatedError",
                     f"{details.method} refused: the call carried {reason}",
                 )
+
+            return refuse
+
+        return _replace_behavior(handler, deny)
+
+
+REGISTER_STAGE = "/pipesvc.v1.CoordinatorService/RegisterStage"
+"""Checked by the registration itself, which tells the stage to exit and remembers the refusal
+(see [Note: wire protocol])."""
+
+
+class ProtocolInterceptor(grpc.ServerInterceptor):
+    """Refuses a call whose user agent names a pipesvc of another wire protocol (see [Note:
+    wire protocol]); a caller that names none is let through."""
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler = continuation(details)
+        if handler is None or details.method.startswith(HEALTH_PREFIX):
+            return handler
+        if details.method == REGISTER_STAGE:
+            return handler
+        agent = ""
+        for key, value in details.invocation_metadata or ():
+            if key == "user-agent":
+                agent = value if isinstance(value, str) else bytes(value).decode("utf-8", "replace")
+        if not names_another(agent):
+            return handler
+
+        def deny(behavior: Callable[..., Any], streaming: bool) -> Callable[..., Any]:
+            def refuse(request: Any, context: grpc.ServicerContext) -> Any:
+                try:
+                    check_caller(context.peer(), agent)
+                except FailedPreconditionError as exc:
+                    _abort(
+                        context,
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        "FailedPreconditionError",
+                        f"{details.method} refused: {exc}",
+                    )
 
             return refuse
 

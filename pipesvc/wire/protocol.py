@@ -9,12 +9,20 @@ exits, or, on a heartbeat, logs the refusal. The coordinator's reply says its ow
 a stage also refuses a coordinator of another version, one from before the check included
 (``check_coordinator``). The coordinator remembers a refusal for a minute
 (``StageRegistry.refuse``), and a job that then finds too few stages says so in its error.
+Every channel a pipesvc process opens also names its protocol and version in its gRPC user
+agent (``user_agent``), and every pipesvc server refuses a call that names another protocol
+(``wire.interceptors.ProtocolInterceptor``): a client of another version gets the same message
+on its first call, where it would otherwise fail on a field or a rule it does not know. A
+caller that names no pipesvc (grpcurl, a client from before the agent) is let through; a
+coordinator from before the agent checks no client.
 The number is ``WIRE_PROTOCOL``; it goes up with any change to the messages in ``protos/`` or
 to what a peer may expect of them. ``tests/unit/test_wire_protocol.py`` holds a digest of the
 messages, so a change to them without a new number fails the tests.
 """
 
 from __future__ import annotations
+
+import re
 
 from pipesvc.core.version import VERSION
 from pipesvc.errors import FailedPreconditionError
@@ -23,6 +31,38 @@ WIRE_PROTOCOL = 2
 """This pipesvc's protocol between coordinator and stages (1: before stages said theirs)."""
 MAX_ECHO = 80
 """Characters of a peer's address or version a refusal repeats (they come off the wire)."""
+
+
+_AGENT = re.compile(r"(?:^|\s)pipesvc/(\S+) \(wire protocol (\d{1,9})\)")
+
+
+def user_agent() -> str:
+    """What a pipesvc channel puts first in its gRPC user agent (gRPC appends its own)."""
+    return f"pipesvc/{VERSION} (wire protocol {WIRE_PROTOCOL})"
+
+
+def agent_protocol(agent: str) -> tuple[int, str] | None:
+    """The wire protocol and version a caller's user agent names, or None for a caller that
+    names no pipesvc."""
+    match = _AGENT.search(agent)
+    return None if match is None else (int(match.group(2)), match.group(1))
+
+
+def names_another(agent: str) -> bool:
+    """Whether a caller's user agent names a pipesvc of another protocol."""
+    named = agent_protocol(agent)
+    return named is not None and named[0] != WIRE_PROTOCOL
+
+
+def check_caller(peer: str, agent: str) -> None:
+    """A server's check of a caller whose user agent is ``agent``.
+
+    Raises:
+        FailedPreconditionError: the caller names a pipesvc of another protocol.
+    """
+    named = agent_protocol(agent)
+    if named is not None:
+        _check("caller", "server", peer, *named)
 
 
 def _printable(text: str) -> str:
@@ -56,5 +96,5 @@ def _check(peer: str, me: str, address: str, protocol: int, version: str) -> Non
     raise FailedPreconditionError(
         f"the {peer} at {_printable(address)} runs {theirs} (wire protocol {protocol or 1}); "
         f"this {me} runs pipesvc {VERSION} (wire protocol {WIRE_PROTOCOL}). Run the same "
-        "pipesvc version on the coordinator and every stage"
+        "pipesvc version on the coordinator, its stages and its clients"
     )

@@ -16,7 +16,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from pipesvc.core.health import Health
 from pipesvc.core.limits import Limits
 from pipesvc.errors import InvalidArgumentError, StageUnavailableError
-from pipesvc.wire.interceptors import AuthInterceptor, ConcurrencyInterceptor, TokenInterceptor
+from pipesvc.wire.interceptors import (
+    AuthInterceptor,
+    ConcurrencyInterceptor,
+    ProtocolInterceptor,
+    TokenInterceptor,
+)
+from pipesvc.wire.protocol import user_agent
 from pipesvc.wire.rpc_status import rpc_errors
 from pipesvc.wire.security import Security
 
@@ -68,10 +74,10 @@ def create_server(
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """A started server bound to ``address`` (port 0 picks one), with grpc.health.v1.
 
-    Auth and concurrency limits are interceptors that leave health alone; the thread pool has
-    room beyond the limits so health always gets a thread; each of its threads first runs
-    ``thread_initializer``. Returns the server, the bound port and the health servicer
-    (initially SERVING).
+    Auth, concurrency limits and the callers' protocol are interceptors that leave health
+    alone; the thread pool has room beyond the limits so health always gets a thread; each of
+    its threads first runs ``thread_initializer``. Returns the server, the bound port and the
+    health servicer (initially SERVING).
 
     Raises:
         StageUnavailableError: the address could not be bound.
@@ -80,6 +86,7 @@ def create_server(
     interceptors: list[grpc.ServerInterceptor] = []
     if security.token is not None:
         interceptors.append(AuthInterceptor(security.token))
+    interceptors.append(ProtocolInterceptor())
     interceptors.append(
         ConcurrencyInterceptor(limits.max_concurrent_rpcs, limits.max_concurrent_streams)
     )
@@ -230,7 +237,11 @@ def open_channel(
     address: str, security: Security = NO_SECURITY, limits: Limits = DEFAULT_LIMITS
 ) -> grpc.Channel:
     """A channel to ``address`` with the limits, keepalive, TLS and token of ``security``."""
-    options = [*_message_options(limits), *KEEPALIVE_OPTIONS]
+    options = [
+        *_message_options(limits),
+        *KEEPALIVE_OPTIONS,
+        ("grpc.primary_user_agent", user_agent()),  # see [Note: wire protocol]
+    ]
     tls = security.tls
     if tls is None:
         channel = grpc.insecure_channel(address, options=options)

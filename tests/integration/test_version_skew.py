@@ -13,13 +13,14 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import pipesvc
 from pipesvc.coordinator.server import add_coordinator_service
 from pipesvc.coordinator.service import CoordinatorService
 from pipesvc.core.version import VERSION
 from pipesvc.v1 import coordinator_pb2, coordinator_pb2_grpc
-from pipesvc.wire import protocol
+from pipesvc.wire import protocol, transport
 from pipesvc.wire.transport import create_server, open_channel
 
 
@@ -125,3 +126,35 @@ def test_a_stage_refuses_a_coordinator_of_an_earlier_version() -> None:
         f"(wire protocol 1); this stage runs pipesvc {VERSION} (wire protocol "
         f"{protocol.WIRE_PROTOCOL})" in stage.stderr
     )
+
+
+def test_a_client_of_another_version_is_refused_on_its_first_call(
+    coordinator: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client (this process) of the next protocol, as after an upgrade of the client's host
+    alone: every call, streams included, is refused with both versions and changes nothing; a
+    caller that names no pipesvc (grpcurl, an older client) and health checks are served."""
+    theirs = protocol.WIRE_PROTOCOL + 1
+    monkeypatch.setattr(transport, "user_agent", lambda: f"pipesvc/9.0.0 (wire protocol {theirs})")
+    with pipesvc.connect(coordinator) as client:
+        with pytest.raises(pipesvc.FailedPreconditionError) as refused:
+            client.stages()
+        message = str(refused.value)
+        assert f"runs pipesvc 9.0.0 (wire protocol {theirs}); this server runs pipesvc " in message
+        assert f"{VERSION} (wire protocol {theirs - 1}). Run the same pipesvc version" in message
+        with pytest.raises(pipesvc.FailedPreconditionError, match="CreateJob refused"):
+            client.create_job(model="mlp", num_stages=1)
+    with open_channel(coordinator) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as stream:
+            list(stub.GetState(coordinator_pb2.GetJobStateRequest(job_id="j"), timeout=10))
+        assert stream.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "GetState refused: the caller at " in str(stream.value.details())
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+    with grpc.insecure_channel(coordinator) as channel:  # names no pipesvc
+        stub = coordinator_pb2_grpc.CoordinatorServiceStub(channel)
+        assert list(stub.ListJobs(coordinator_pb2.ListJobsRequest(), timeout=10).jobs) == []
+    monkeypatch.undo()
+    with pipesvc.connect(coordinator) as client:
+        assert client.stages() == [] and client.jobs() == []

@@ -98,6 +98,14 @@ def test_refused_stages_are_remembered_for_a_while_and_named_by_planning_errors(
     config = JobConfig(model="mlp", num_stages=3)
     with pytest.raises(PlanError, match=r"1 stage\(s\) were refused .*the latest: two again"):
         planner.plan_job(registry, config, layers, "job")
+    # A recovery that finds no spare says so too.
+    plan = planner.plan_job(registry, JobConfig(model="mlp", num_stages=2), layers, "job")
+    lost = {s.address for s in plan}
+    candidates = planner.spare_candidates(registry, config, lost)
+    with pytest.raises(PlanError, match=r"1 stage\(s\) were refused .*the latest: two again"):
+        planner.plan_after_loss(
+            registry, config, layers, plan, lost, "job", candidates=candidates, health={}
+        )
     empty = StageRegistry()
     empty.refuse("127.0.0.1:4", "four: another version")
     with pytest.raises(UnknownModelError, match=r"none \(no stages registered\)\. 1 stage"):

@@ -12,6 +12,7 @@ import tomllib
 
 from pipesvc.core.version import VERSION
 from pipesvc.errors import FailedPreconditionError
+from pipesvc.wire import protocol
 from pipesvc.wire.protocol import WIRE_PROTOCOL, check_coordinator, check_stage
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,4 +70,28 @@ def test_a_stage_refuses_a_coordinator_of_another_protocol() -> None:
     assert str(older.value).startswith(
         "the coordinator at coord:7070 runs an older pipesvc (wire protocol 1); this stage "
         f"runs pipesvc {VERSION} (wire protocol {WIRE_PROTOCOL})"
+    )
+
+
+def test_a_callers_user_agent_names_its_protocol_or_no_pipesvc() -> None:
+    """What gRPC sends: our agent first, its own after; callers that name no pipesvc, or name
+    it badly, are not taken for one."""
+    ours = f"{protocol.user_agent()} grpc-python/1.70.0 grpc-c/45.0.0 (linux; chttp2)"
+    assert protocol.agent_protocol(ours) == (protocol.WIRE_PROTOCOL, VERSION)
+    assert not protocol.names_another(ours)
+    other = "pipesvc/9.1.0 (wire protocol 7) grpc-python/1.70.0"
+    assert protocol.agent_protocol(other) == (7, "9.1.0") and protocol.names_another(other)
+    for agent in (
+        "",
+        "grpc-python/1.70.0",
+        "grpcurl/1.9",
+        "pipesvc/1.0 (wire protocol x)",
+        "notpipesvc/1.0 (wire protocol 9)",
+        "pipesvc/1.0 (wire protocol 1234567890)",
+    ):
+        assert protocol.agent_protocol(agent) is None and not protocol.names_another(agent)
+    with pytest.raises(FailedPreconditionError) as refused:
+        protocol.check_caller("ipv4:10.0.0.9:4242", other)
+    assert str(refused.value).startswith(
+        "the caller at ipv4:10.0.0.9:4242 runs pipesvc 9.1.0 (wire protocol 7); this server runs"
     )
