@@ -181,9 +181,11 @@ def test_failed_save_leaves_old_file_and_no_temp(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["w.safetensors"]
 
 
+@pytest.mark.parametrize("writer", ["small", "safetensors"])
 def test_save_failing_mid_write_leaves_old_file_and_no_temp(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    writer: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Either writer: ours for small files (``SMALL_FILE_BYTES``), safetensors' for large."""
     path = tmp_path / "w.safetensors"
     save_weights({"w": torch.ones(3)}, path)
     before = path.read_bytes()
@@ -194,13 +196,42 @@ def test_save_failing_mid_write_leaves_old_file_and_no_temp(
         Path(filename).write_bytes(b"half a file")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(weights_module, "save_file", broken_save)
+    def broken_write(fd: int, data: memoryview) -> None:
+        written.append(os.readlink(f"/proc/self/fd/{fd}"))
+        os.write(fd, data[: len(data) // 2])
+        raise OSError(28, "No space left on device")
+
+    if writer == "small":
+        monkeypatch.setattr(weights_module, "_write_all", broken_write)
+    else:
+        monkeypatch.setattr(weights_module, "SMALL_FILE_BYTES", 0)
+        monkeypatch.setattr(weights_module, "save_file", broken_save)
     with pytest.raises(OSError, match="No space"):
         save_weights({"w": torch.zeros(3)}, path)
     assert len(written) == 1
     assert Path(written[0]).parent == tmp_path  # the temp file was beside the target
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["w.safetensors"]
+
+
+@pytest.mark.parametrize("small_file_bytes", [1 << 30, 0])
+def test_both_writers_write_the_same_file(
+    small_file_bytes: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ours and safetensors' writer give the same bytes, mode and round trip."""
+    monkeypatch.setattr(weights_module, "SMALL_FILE_BYTES", small_file_bytes)
+    state = {"a": torch.randn(5, 3), "b": torch.arange(7, dtype=torch.int64)}
+    path = tmp_path / "w.safetensors"
+    save_weights(state, path, metadata={"k": "v"})
+    reference = tmp_path / "ref.safetensors"
+    weights_module.save_file(state, str(reference), metadata={"k": "v"})
+    assert path.read_bytes() == reference.read_bytes()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+    loaded = load_weights(path)
+    assert loaded.keys() == state.keys()
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
 
 
 def test_successful_overwrite_replaces_and_leaves_no_temp(tmp_path: Path) -> None:
