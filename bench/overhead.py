@@ -37,6 +37,11 @@ clocks of one host (``time.time_ns()``):
   writes and fsyncs a file and its directory) and ``db*`` (``StateDB.put_job`` of a job
   record), each timed in this process on the cluster's file system.
 
+Besides steps/s, both sides report CPU per step (``cpu ms``), which a shared machine's load
+changes much less than wall time: torch's ranks each time their own CPU (``time.process_time``)
+over the timed steps, summed; pipesvc's ``job.train`` steps count every process of the cluster
+(``/proc/<pid>/stat``: coordinator and stages) plus this one (the client).
+
 With ``--clip C`` both sides clip the global gradient norm to ``C``: pipesvc jobs get
 ``clip_grad_norm=C``, and each torch rank sums its squared norm with the others' in one
 all-reduce before its optimizer step (as torchtitan clips a pipeline).
@@ -95,26 +100,68 @@ def _batch(w: base.Workload) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def _torch_child(q: Any, clip: float | None, workload: str, *args: Any) -> None:
+class _CpuMark:
+    """``_time_steps``' mark in a torch rank: puts the rank's CPU seconds (all its threads)
+    over the timed window on the queue as ``cpu<rank>``."""
+
+    def __init__(self, q: Any, rank: int) -> None:
+        self._q, self._rank, self._start = q, rank, None
+
+    def __call__(self) -> None:
+        if self._start is None:
+            self._start = time.process_time()
+        else:
+            self._q.put((f"cpu{self._rank}", time.process_time() - self._start))
+
+
+def _torch_child(
+    q: Any, clip: float | None, workload: str, rank: int, world: int, *args: Any
+) -> None:
     """``bench/pipeline.py``'s torch stage, pointed at this script's models and batch, clipping
-    to ``clip`` (None: not)."""
+    to ``clip`` (None: not), reporting its CPU time (``_CpuMark``)."""
     base.WORKLOADS = WORKLOADS
     base.NUM_MICROBATCHES = NUM_MICROBATCHES
     base.WARMUP_STEPS = WARMUP_STEPS
     base.LR = LR
     base.CLIP = clip
     base._batch = _batch
-    base._torch_stage(q, workload, *args)
+    base._torch_stage(q, workload, rank, world, *args, _CpuMark(q, rank))
 
 
-def torch_steps_per_s(w: base.Workload, schedule: str, world: int, num_steps: int) -> float | str:
-    """Steps/s of torch.distributed.pipelining, or why it failed."""
+@dataclass(frozen=True)
+class TorchRun:
+    """Steps/s of torch.distributed.pipelining and its CPU ms per step, every rank summed."""
+
+    rate: float
+    cpu_ms: float
+
+
+def torch_steps_per_s(
+    w: base.Workload, schedule: str, world: int, num_steps: int
+) -> TorchRun | str:
+    """Steps/s and CPU of torch.distributed.pipelining, or why it failed."""
     address = base._free_address()
     targets = [
         (_torch_child, (CLIP, w.name, r, world, address, schedule, num_steps)) for r in range(world)
     ]
-    result = base._run_children(targets, expect=("seconds", "loss"))
-    return result if isinstance(result, str) else num_steps / result["seconds"]
+    cpus = tuple(f"cpu{r}" for r in range(world))
+    result = base._run_children(targets, expect=("seconds", "loss", *cpus))
+    if isinstance(result, str):
+        return result
+    cpu_ms = sum(result[c] for c in cpus) * 1e3 / num_steps
+    return TorchRun(num_steps / result["seconds"], cpu_ms)
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user and system, every thread) process ``pid`` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cluster_cpu_s(cluster: Any) -> float:
+    """CPU seconds used so far by the cluster's processes (coordinator and stages) and this
+    one (the client)."""
+    return sum(_cpu_s(pid) for pid in cluster.pids) + time.process_time()
 
 
 @dataclass(frozen=True)
@@ -126,6 +173,8 @@ class PipesvcRun:
     breakdown: dict[str, float]
     train_rate: float
     train_ms: list[float]
+    train_cpu_ms: float
+    """CPU ms per ``job.train`` step, the client and every pipesvc process summed."""
 
 
 def _coordinator_seconds(metrics_url: str) -> tuple[float, float]:
@@ -169,7 +218,7 @@ def time_job(job: pipesvc.Job, w: base.Workload, num_steps: int, cluster: Any) -
     chunk = min(CHUNK, num_steps)
     calls: dict[int, tuple[int, int]] = {}  # train_step's step -> its call's start and end
     coord_s, coord_n = 0.0, 0.0
-    train_s, train_ms = 0.0, []
+    train_s, train_ms, train_cpu_s = 0.0, [], 0.0
     for _ in range(max(1, num_steps // chunk)):
         before_sum, before_count = _coordinator_seconds(cluster.metrics_url)
         for _ in range(chunk):
@@ -178,12 +227,14 @@ def time_job(job: pipesvc.Job, w: base.Workload, num_steps: int, cluster: Any) -
             calls[job.step] = (start, time.time_ns())
         after_sum, after_count = _coordinator_seconds(cluster.metrics_url)
         coord_s, coord_n = coord_s + after_sum - before_sum, coord_n + after_count - before_count
+        cpu_before = _cluster_cpu_s(cluster)
         began = last = time.perf_counter()
         for _ in job.train([(x, y)] * chunk):
             now = time.perf_counter()
             train_ms.append((now - last) * 1e3)
             last = now
         train_s += last - began
+        train_cpu_s += _cluster_cpu_s(cluster) - cpu_before
     steps = sorted(calls)
     timelines = job.timelines()
     windows = {}
@@ -206,7 +257,8 @@ def time_job(job: pipesvc.Job, w: base.Workload, num_steps: int, cluster: Any) -
         "after": after,
         **_spans(timelines, range(steps[0], steps[-1] + 1), only=set(steps)),
     }
-    return PipesvcRun(client_ms, breakdown, len(train_ms) / train_s, train_ms)
+    rate = len(train_ms) / train_s
+    return PipesvcRun(client_ms, breakdown, rate, train_ms, train_cpu_s * 1e3 / len(train_ms))
 
 
 class _Cluster(pipesvc.LocalCluster):
@@ -323,10 +375,10 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory(prefix="pipesvc-overhead-") as tmp:
         storage = measure_storage(Path(tmp))
-    rate_rows = [["model", "schedule", "stages", "torch steps/s", "torch ms"]]
+    rate_rows = [["model", "schedule", "stages", "torch steps/s", "torch ms", "cpu ms"]]
     for label in ("off", f"every {CHECKPOINT_EVERY}"):
         rate_rows[0] += [f"pipesvc ckpt {label} steps/s", "ms", "p50 ms", "p99 ms", "/torch"]
-        rate_rows[0] += ["train steps/s", "ms", "p50 ms", "p99 ms", "/torch"]
+        rate_rows[0] += ["train steps/s", "ms", "p50 ms", "p99 ms", "/torch", "cpu ms", "/torch"]
     cols = ["client", "coord", "outside coord", "ckpt log", "before", "window", "after"]
     cols += ["compute", "wait", "send"]
     parts_rows = [["model", "schedule", "stages", "ckpt", *cols, "steplog*", "db*"]]
@@ -339,20 +391,23 @@ def main() -> None:
                     errors[f"{w.name}, {schedule} x {p}"] = theirs
                 row = [w.name, schedule, str(p)]
                 row += (
-                    ["failed", "n/a"]
+                    ["failed", "n/a", "n/a"]
                     if isinstance(theirs, str)
-                    else [f"{theirs:.1f}", f"{1e3 / theirs:.2f}"]
+                    else [f"{theirs.rate:.1f}", f"{1e3 / theirs.rate:.2f}", f"{theirs.cpu_ms:.2f}"]
                 )
                 for every in (0, CHECKPOINT_EVERY):
                     run = ours[p, w.name, schedule, every]
                     rate = 1e3 / statistics.fmean(run.step_ms)
-                    ratio = "n/a" if isinstance(theirs, str) else f"{rate / theirs:.2f}"
+                    ratio = "n/a" if isinstance(theirs, str) else f"{rate / theirs.rate:.2f}"
                     quantiles = [f"{percentile(run.step_ms, q):.2f}" for q in (0.5, 0.99)]
                     row += [f"{rate:.1f}", f"{1e3 / rate:.2f}", *quantiles, ratio]
                     rate = run.train_rate
-                    ratio = "n/a" if isinstance(theirs, str) else f"{rate / theirs:.2f}"
+                    ratio = "n/a" if isinstance(theirs, str) else f"{rate / theirs.rate:.2f}"
                     quantiles = [f"{percentile(run.train_ms, q):.2f}" for q in (0.5, 0.99)]
                     row += [f"{rate:.1f}", f"{1e3 / rate:.2f}", *quantiles, ratio]
+                    cpu = run.train_cpu_ms
+                    cpu_ratio = "n/a" if isinstance(theirs, str) else f"{cpu / theirs.cpu_ms:.2f}"
+                    row += [f"{cpu:.2f}", cpu_ratio]
                     cells = [f"{run.breakdown[c]:.2f}" for c in cols]
                     store = [f"{storage[f'steplog {w.name}']:.2f}", f"{storage['db']:.2f}"]
                     ckpt = f"every {every}" if every else "off"
