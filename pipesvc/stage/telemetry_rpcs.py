@@ -62,13 +62,14 @@ class TelemetryRpcs:
             info.start_layer, info.end_layer, info.rank = rt.start_layer, rt.end_layer, rt.rank
             info.parameter_names.extend(name for name, _ in rt.module.named_parameters())
             info.num_parameters = rt.num_parameters
-            info.step = rt.step
+            step, last_run_id, pending = job.engine.progress()
+            info.step = step
             info.peak_in_flight = rt.peak_in_flight
             info.num_duplicates_dropped = job.mailbox.num_duplicates
             info.num_stale_dropped = job.mailbox.num_stale
             info.plan_epoch = job.epoch
-            info.last_run_id = job.engine.last_run_id
-            info.pending_run_id = job.engine.pending_commit or 0
+            info.last_run_id = last_run_id
+            info.pending_run_id = pending or 0
             info.microbatches_per_s = job.engine.recorder.microbatches_per_s
             info.downstream_shm = job.downstream is not None and job.downstream.uses_shm
             info.upstream_shm = job.upstream is not None and job.upstream.uses_shm

@@ -6,6 +6,7 @@ The engines are wired as ``tests.support.pipeline.Pipeline`` describes.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent import futures
@@ -764,6 +765,36 @@ def test_a_commit_fault_fires_at_its_step_when_the_run_carrying_it_arrives_early
     for x, y in batches:
         reference.step(x, y)
     _assert_tensors(pipeline.tensors("parameters"), reference.model.state_dict())
+
+
+def test_progress_never_shows_a_commit_half_applied(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Info's (step, newest run, pending run) come from ``progress``: while a commit has moved
+    the step but not yet cleared the pending run, it waits, then shows the commit done (a torn
+    read, step 1 with run 1 still pending, fails the coordinator's commit check)."""
+    problem = PROBLEMS["mlp"]
+    pipeline = _pipeline(problem, num_stages=1)
+    engine = pipeline.engines[0]
+    assert all(isinstance(r, RunResult) for r in pipeline.run(*problem.batch(8, seed=0), run_id=1))
+    assert engine.progress() == (0, 1, 1)
+    stepped, go = threading.Event(), threading.Event()
+    commit = engine.runtime.commit
+
+    def slow_commit(grad_scale: float | None) -> int:
+        step = commit(grad_scale)
+        stepped.set()
+        go.wait(10)
+        return step
+
+    monkeypatch.setattr(engine.runtime, "commit", slow_commit)
+    with futures.ThreadPoolExecutor(2) as pool:
+        committing = pool.submit(engine.commit, 1, None)
+        assert stepped.wait(10)
+        reading = pool.submit(engine.progress)
+        time.sleep(0.2)
+        assert not reading.done()
+        go.set()
+        assert committing.result(timeout=10) == 1
+        assert reading.result(timeout=10) == (1, 1, None)
 
 
 @pytest.mark.parametrize(("schedule_name", "num_stages"), [("1f1b", 3), ("zb-h1", 2), ("1f1b", 1)])

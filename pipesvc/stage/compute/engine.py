@@ -165,6 +165,9 @@ class StepEngine:
         """The newest run begun or aborted here; a run must come after it."""
         self.pending_commit: int | None = None
         """The training run whose gradients await Commit or Abort."""
+        self._progress_lock = threading.Lock()
+        """Held while a commit moves the step count and clears ``pending_commit``, so that
+        ``progress`` never sees one changed without the other."""
         self._job_id = job_id
         self._metrics = metrics
         self._fault_kill = fault_kill
@@ -543,9 +546,18 @@ class StepEngine:
 
     def _commit_locked(self, run_id: int, grad_scale: float | None) -> int:
         self._check_pending(run_id)
-        step = self.runtime.commit(grad_scale)
-        self.pending_commit = None
+        with self._progress_lock:
+            step = self.runtime.commit(grad_scale)
+            self.pending_commit = None
         return step
+
+    def progress(self) -> tuple[int, int, int | None]:
+        """(step count, newest run, pending run) as one state: a commit in progress is seen
+        before or after, never half done (``Info``, which the coordinator's commit check and
+        reconciliation read, waits for it; a run holds the run lock for long, this only for
+        the optimizer step)."""
+        with self._progress_lock:
+            return self.runtime.step, self.last_run_id, self.pending_commit
 
     def abort(self, run_id: int) -> None:
         """Aborts run ``run_id``: wakes its waits and sends, drops its mail, its activations
