@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 import pipesvc.storage.weights as weights_module
 from pipesvc.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
@@ -215,23 +216,41 @@ def test_save_failing_mid_write_leaves_old_file_and_no_temp(
 
 
 @pytest.mark.parametrize("small_file_bytes", [1 << 30, 0])
-def test_both_writers_write_the_same_file(
+def test_both_writers_write_files_safetensors_reads_alike(
     small_file_bytes: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Ours and safetensors' writer give the same bytes, mode and round trip."""
+    """Ours (small files) and safetensors' writer: every dtype, empty and 0-d tensors and a
+    view into a larger tensor read back equal, by safetensors itself and by ``load_weights``,
+    with the metadata, the mode a plain open would give and the data 8-byte aligned."""
     monkeypatch.setattr(weights_module, "SMALL_FILE_BYTES", small_file_bytes)
-    state = {"a": torch.randn(5, 3), "b": torch.arange(7, dtype=torch.int64)}
+    base = torch.randn(6, 5)
+    state = {
+        "view": base[2:4],
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "empty": torch.zeros(0, 3),
+        "bf16": torch.randn(3, 7).to(torch.bfloat16),
+        "half": torch.randn(5).half(),
+        "ints": torch.arange(-4, 5, dtype=torch.int64),
+        "int32": torch.arange(9, dtype=torch.int32),
+        "int16": torch.arange(3, dtype=torch.int16),
+        "int8": torch.arange(-3, 3, dtype=torch.int8),
+        "bytes": torch.arange(7, dtype=torch.uint8),
+        "mask": torch.tensor([True, False, True]),
+    }
     path = tmp_path / "w.safetensors"
     save_weights(state, path, metadata={"k": "v"})
-    reference = tmp_path / "ref.safetensors"
-    weights_module.save_file(state, str(reference), metadata={"k": "v"})
-    assert path.read_bytes() == reference.read_bytes()
     umask = os.umask(0)
     os.umask(umask)
     assert path.stat().st_mode & 0o777 == 0o666 & ~umask
-    loaded = load_weights(path)
-    assert loaded.keys() == state.keys()
-    assert all(torch.equal(loaded[k], state[k]) for k in state)
+    header_bytes = struct.unpack("<Q", path.read_bytes()[:8])[0]
+    assert header_bytes % 8 == 0
+    with safe_open(str(path), framework="pt") as theirs:
+        assert theirs.metadata() == {"k": "v"}
+        assert set(theirs.keys()) == set(state)
+        for name, tensor in state.items():
+            assert torch.equal(theirs.get_tensor(name), tensor), name
+    ours = load_weights(path)
+    assert all(torch.equal(ours[k], state[k]) and ours[k].dtype == state[k].dtype for k in state)
 
 
 def test_successful_overwrite_replaces_and_leaves_no_temp(tmp_path: Path) -> None:
