@@ -92,14 +92,23 @@ def _show(value: object) -> str:
     return text if len(text) <= _SHOW_CHARS else f"{text[: _SHOW_CHARS - 3]}..."
 
 
+def _utf8(text: str) -> bool:
+    """Whether ``text`` can be written as UTF-8 (a lone surrogate cannot)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _prepare(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Checked, detached, contiguous CPU tensors, none sharing storage with another."""
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in state_dict.items():
-        if not isinstance(name, str) or not name or name == _METADATA_KEY:
+        if not isinstance(name, str) or not name or name == _METADATA_KEY or not _utf8(name):
             raise InvalidArgumentError(
-                f"weight name {_show(name)} is invalid; expected a non-empty str other than "
-                f"{_METADATA_KEY!r}"
+                f"weight name {_show(name)} is invalid; expected a non-empty str of Unicode "
+                f"characters (no lone surrogates) other than {_METADATA_KEY!r}"
             )
         if not isinstance(tensor, torch.Tensor):
             raise InvalidArgumentError(
@@ -133,10 +142,15 @@ def _prepare(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def _check_metadata_arg(metadata: Mapping[str, str] | None) -> dict[str, str] | None:
     if metadata is None:
         return None
-    bad = [k for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)]
+    bad = [
+        k
+        for k, v in metadata.items()
+        if not (isinstance(k, str) and isinstance(v, str) and _utf8(k) and _utf8(v))
+    ]
     if bad:
         raise InvalidArgumentError(
-            f"metadata entry {_show(bad[0])} is invalid; expected str keys and str values"
+            f"metadata entry {_show(bad[0])} is invalid; expected str keys and str values "
+            "(no lone surrogates)"
         )
     return dict(metadata)
 
@@ -172,6 +186,21 @@ half the system calls of safetensors' own writer, which makes and renames a seco
 temporary file. Larger files go through safetensors, which bounds its memory itself."""
 
 
+_WRITE_ORDER = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.float16,
+    torch.bfloat16,
+    torch.int32,
+    torch.float32,
+    torch.float64,
+    torch.int64,
+]
+"""The dtypes in safetensors' order; it writes the last first."""
+
+
 def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     """A contiguous CPU tensor's bytes, without a copy (the machine is little-endian, as the
     format is)."""
@@ -190,7 +219,11 @@ def _write_small(
     header: dict[str, object] = {} if meta is None else {_METADATA_KEY: meta}
     views = []
     offset = 0
-    for name, tensor in tensors.items():
+    # Laid out as safetensors lays them out (widest dtype first, then by name), so each
+    # tensor starts at a multiple of its element size and the file is the one it would write.
+    order = sorted(tensors, key=lambda name: (-_WRITE_ORDER.index(tensors[name].dtype), name))
+    for name in order:
+        tensor = tensors[name]
         view = _raw_bytes(tensor)
         end = offset + view.nbytes
         header[name] = {
@@ -200,7 +233,7 @@ def _write_small(
         }
         views.append(view)
         offset = end
-    text = json.dumps(header, separators=(",", ":")).encode()
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
     fd = os.open(temp, os.O_WRONLY)
     try:

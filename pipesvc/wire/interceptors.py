@@ -1,7 +1,8 @@
 """Server and client interceptors: token auth, concurrency limits and the caller's protocol.
 
 Health (grpc.health.v1) is exempt from all three, so a busy or locked-down server still answers
-its health checks.
+its health checks; a stage's registration is exempt from the protocol check, which it makes
+itself (see [Note: wire protocol]).
 """
 
 from __future__ import annotations

@@ -768,33 +768,54 @@ def test_a_commit_fault_fires_at_its_step_when_the_run_carrying_it_arrives_early
 
 
 def test_progress_never_shows_a_commit_half_applied(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Info's (step, newest run, pending run) come from ``progress``: while a commit has moved
-    the step but not yet cleared the pending run, it waits, then shows the commit done (a torn
-    read, step 1 with run 1 still pending, fails the coordinator's commit check)."""
+    """Info's (step, newest run, pending run) come from ``progress``: during a commit's
+    optimizer step it answers at once with the run still pending; once the step is counted
+    but the run not yet cleared, it waits, then shows the commit done (a torn read, step 1 with
+    run 1 still pending, fails the coordinator's commit check)."""
     problem = PROBLEMS["mlp"]
     pipeline = _pipeline(problem, num_stages=1)
     engine = pipeline.engines[0]
     assert all(isinstance(r, RunResult) for r in pipeline.run(*problem.batch(8, seed=0), run_id=1))
     assert engine.progress() == (0, 1, 1)
-    stepped, go = threading.Event(), threading.Event()
-    commit = engine.runtime.commit
+    applying, counted, go = threading.Event(), threading.Event(), threading.Event()
+    apply_step, count_step = engine.runtime.apply_step, engine.runtime.count_step
 
-    def slow_commit(grad_scale: float | None) -> int:
-        step = commit(grad_scale)
-        stepped.set()
+    def slow_apply(grad_scale: float | None) -> None:
+        apply_step(grad_scale)
+        applying.set()
+        go.wait(10)
+
+    def slow_count() -> int:
+        step = count_step()
+        counted.set()
         go.wait(10)
         return step
 
-    monkeypatch.setattr(engine.runtime, "commit", slow_commit)
+    monkeypatch.setattr(engine.runtime, "apply_step", slow_apply)
+    monkeypatch.setattr(engine.runtime, "count_step", slow_count)
     with futures.ThreadPoolExecutor(2) as pool:
         committing = pool.submit(engine.commit, 1, None)
-        assert stepped.wait(10)
+        assert applying.wait(10)
+        assert pool.submit(engine.progress).result(timeout=2) == (0, 1, 1)
+        go.set()
+        assert counted.wait(10)
+    assert committing.result(timeout=10) == 1
+    assert engine.progress() == (1, 1, None)
+
+    # The torn moment itself: the step counted, the run not yet cleared.
+    assert all(isinstance(r, RunResult) for r in pipeline.run(*problem.batch(8, seed=1), run_id=2))
+    go.clear()
+    counted.clear()
+    monkeypatch.setattr(engine.runtime, "apply_step", apply_step)
+    with futures.ThreadPoolExecutor(2) as pool:
+        committing = pool.submit(engine.commit, 2, None)
+        assert counted.wait(10)
         reading = pool.submit(engine.progress)
         time.sleep(0.2)
         assert not reading.done()
         go.set()
-        assert committing.result(timeout=10) == 1
-        assert reading.result(timeout=10) == (1, 1, None)
+        assert committing.result(timeout=10) == 2
+        assert reading.result(timeout=10) == (2, 2, None)
 
 
 @pytest.mark.parametrize(("schedule_name", "num_stages"), [("1f1b", 3), ("zb-h1", 2), ("1f1b", 1)])

@@ -251,6 +251,26 @@ def test_both_writers_write_files_safetensors_reads_alike(
             assert torch.equal(theirs.get_tensor(name), tensor), name
     ours = load_weights(path)
     assert all(torch.equal(ours[k], state[k]) and ours[k].dtype == state[k].dtype for k in state)
+    # The very file safetensors writes: each tensor aligned to its element size.
+    reference = tmp_path / "reference.safetensors"
+    weights_module.save_file(
+        {k: v.contiguous() for k, v in state.items()}, str(reference), metadata={"k": "v"}
+    )
+    assert path.read_bytes() == reference.read_bytes()
+    for name, entry in read_header(path).items():
+        assert entry.begin % state[name].element_size() == 0, name
+
+
+@pytest.mark.parametrize(
+    ("state", "metadata"),
+    [({"a\ud800": torch.ones(2)}, None), ({"a": torch.ones(2)}, {"k": "\udfff"})],
+)
+def test_names_that_cannot_be_utf8_are_refused_before_anything_is_written(
+    state: dict[str, torch.Tensor], metadata: dict[str, str] | None, tmp_path: Path
+) -> None:
+    with pytest.raises(InvalidArgumentError, match="lone surrogates"):
+        save_weights(state, tmp_path / "w.safetensors", metadata=metadata)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_successful_overwrite_replaces_and_leaves_no_temp(tmp_path: Path) -> None:

@@ -166,8 +166,8 @@ class StepEngine:
         self.pending_commit: int | None = None
         """The training run whose gradients await Commit or Abort."""
         self._progress_lock = threading.Lock()
-        """Held while a commit moves the step count and clears ``pending_commit``, so that
-        ``progress`` never sees one changed without the other."""
+        """Held while a commit counts its step and clears ``pending_commit`` (after its
+        optimizer step), so that ``progress`` never sees one changed without the other."""
         self._job_id = job_id
         self._metrics = metrics
         self._fault_kill = fault_kill
@@ -519,6 +519,7 @@ class StepEngine:
         Raises:
             FailedPreconditionError: ``run_id`` is not the run awaiting commit.
             InvalidArgumentError: ``grad_scale`` is not a finite non-negative number.
+            ResourceExhaustedError: an injected ``fail`` fault at this commit (``--fault-kill``).
         """
         with self.run_lock:
             self._check_pending(run_id)
@@ -546,16 +547,18 @@ class StepEngine:
 
     def _commit_locked(self, run_id: int, grad_scale: float | None) -> int:
         self._check_pending(run_id)
+        self.runtime.apply_step(grad_scale)
         with self._progress_lock:
-            step = self.runtime.commit(grad_scale)
+            step = self.runtime.count_step()
             self.pending_commit = None
         return step
 
     def progress(self) -> tuple[int, int, int | None]:
-        """(step count, newest run, pending run) as one state: a commit in progress is seen
-        before or after, never half done (``Info``, which the coordinator's commit check and
-        reconciliation read, waits for it; a run holds the run lock for long, this only for
-        the optimizer step)."""
+        """(step count, newest run, pending run) for ``Info``, which the coordinator's commit
+        check and reconciliation read: a commit is seen before (its run pending, while its
+        optimizer step runs) or after, never with its step counted and its run still pending.
+        The newest run is read alongside; a run beginning or an abort may change it at any
+        time."""
         with self._progress_lock:
             return self.runtime.step, self.last_run_id, self.pending_commit
 

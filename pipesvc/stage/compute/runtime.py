@@ -439,6 +439,16 @@ class StageRuntime:
         Raises:
             InvalidArgumentError: ``grad_scale`` is not a finite non-negative number.
         """
+        self.apply_step(grad_scale)
+        return self.count_step()
+
+    def apply_step(self, grad_scale: float | None) -> None:
+        """The optimizer step of ``commit`` (after scaling gradients), not yet counted.
+
+        Raises:
+            InvalidArgumentError: ``grad_scale`` is not a finite non-negative number (nothing
+                changed).
+        """
         self._grads.settle()
         if grad_scale is not None:
             if not (math.isfinite(grad_scale) and grad_scale >= 0):
@@ -448,6 +458,9 @@ class StageRuntime:
                     p.grad.mul_(grad_scale)
         if self.optimizer is not None:
             self.optimizer.step()
+
+    def count_step(self) -> int:
+        """Counts the step ``apply_step`` applied; returns the step count."""
         self.step += 1
         self._training_run = False
         return self.step
