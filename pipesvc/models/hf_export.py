@@ -145,12 +145,12 @@ def write_model(
     def write(tmp: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if len(shards) == 1:
-            save_weights(shards[0], tmp / SINGLE_FILE, metadata=METADATA)
+            save_weights(shards[0], tmp / SINGLE_FILE, metadata=METADATA, flush=False)
             return
         weight_map = {}
         for i, shard in enumerate(shards, start=1):
             name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_weights(shard, tmp / name, metadata=METADATA)
+            save_weights(shard, tmp / name, metadata=METADATA, flush=False)
             weight_map.update(dict.fromkeys(shard, name))
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {"metadata": {"total_size": total, **WRITER}, "weight_map": weight_map}
@@ -230,6 +230,6 @@ def write_adapter(
 
     def write(tmp: Path) -> None:
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-        save_weights(tensors, tmp / "adapter_model.safetensors", metadata=METADATA)
+        save_weights(tensors, tmp / "adapter_model.safetensors", metadata=METADATA, flush=False)
 
     _save_into(directory, write, ADAPTER_FILES, ("adapter_config.json",))

@@ -220,7 +220,7 @@ class CheckpointWriter:
         if self._layer is None:
             return
         name = f"layer-{self._layer:05d}.safetensors"
-        save_weights(self._tensors, self._tmp / name, metadata=WRITER, sync_directory=False)
+        save_weights(self._tensors, self._tmp / name, metadata=WRITER, flush=False)
         self._files[self._layer] = {"file": name, "sha256": _sha256(self._tmp / name)}
         self._tensors = {}
         self._layer = None

@@ -212,10 +212,15 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def _write_small(
-    temp: str, tensors: dict[str, torch.Tensor], meta: dict[str, str] | None, target: str
+    temp: str,
+    tensors: dict[str, torch.Tensor],
+    meta: dict[str, str] | None,
+    target: str,
+    *,
+    flush: bool,
 ) -> None:
-    """Writes ``tensors`` as safetensors into the (empty) file ``temp`` and flushes it: the
-    header (sizes and offsets in the order given), then each tensor's bytes from its memory."""
+    """Writes ``tensors`` as safetensors into the (empty) file ``temp`` (and flushes it): the
+    header, then each tensor's bytes from its memory."""
     header: dict[str, object] = {} if meta is None else {_METADATA_KEY: meta}
     views = []
     offset = 0
@@ -240,7 +245,8 @@ def _write_small(
         _write_all(fd, memoryview(struct.pack("<Q", len(text)) + text))
         for view in views:
             _write_all(fd, view)
-        os.fsync(fd)
+        if flush:
+            os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -255,16 +261,16 @@ def save_weights(
     path: str | os.PathLike[str],
     *,
     metadata: Mapping[str, str] | None = None,
-    sync_directory: bool = True,
+    flush: bool = True,
 ) -> None:
     """Write ``state_dict`` to ``path`` as safetensors, atomically.
 
     The file is written beside ``path`` under a temporary name, flushed to disk and renamed over
     ``path``: a reader sees the old file or the new one, never part of one, and a failed save
     leaves the old file as it was. Tensors are saved contiguous, on the CPU, and tensors that
-    share storage are each written whole. With ``sync_directory`` False the rename is not yet
-    durable: a caller that writes many files into one directory syncs it once itself
-    (``sync_file_and_directory``).
+    share storage are each written whole. With ``flush`` False neither the file nor its rename
+    is flushed yet: a caller that writes many files into a staging directory flushes them all
+    once itself (``publish.Staging.publish``).
 
     Raises:
         InvalidArgumentError: a name is not a non-empty str, a value is not a dense tensor of a
@@ -279,7 +285,7 @@ def save_weights(
     try:
         small = sum(t.numel() * t.element_size() for t in tensors.values()) <= SMALL_FILE_BYTES
         if small and sys.byteorder == "little":
-            _write_small(temp, tensors, meta, target)
+            _write_small(temp, tensors, meta, target, flush=flush)
         else:
             mode = os.stat(temp).st_mode & 0o777
             try:
@@ -290,13 +296,14 @@ def save_weights(
                 ) from exc
             # safetensors renames its own 0o600 file over ours; keep the umask-derived mode.
             os.chmod(temp, mode)
-            _fsync(temp)
+            if flush:
+                _fsync(temp)
         os.replace(temp, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)
         raise
-    if sync_directory:
+    if flush:
         _fsync(directory, directory=True)
 
 

@@ -145,8 +145,9 @@ def test_a_checkpoint_is_durable_before_and_after_it_becomes_visible(
 ) -> None:
     """Every layer file, the manifest and the temporary directory reach the disk before the
     rename, and the rename itself (the parent directory) after it, since the coordinator
-    prunes the step log as soon as the checkpoint is written; the temporary directory is
-    synced once, not once per layer."""
+    prunes the step log as soon as the checkpoint is written; each layer file is synced once
+    (by the publish, not also as it is written), and the temporary directory once, not once
+    per layer."""
     synced: list[str] = []
     real_fsync, real_open = os.fsync, os.open
     names: dict[int, str] = {}
@@ -168,8 +169,9 @@ def test_a_checkpoint_is_durable_before_and_after_it_becomes_visible(
     temps = {s for s in synced if temp_name_pattern("ckpt").fullmatch(os.path.basename(s))}
     assert len(temps) == 1  # written beside the target, under a name of its own
     temp = temps.pop()
-    layer_files = [s for s in synced if s.startswith(temp + "/.layer-")]
-    assert len(layer_files) == len(model)
+    layer_files = [s for s in synced if s.startswith(temp + "/layer-")]
+    assert sorted(layer_files) == sorted(set(layer_files)) and len(layer_files) == len(model)
+    assert not [s for s in synced if s.startswith(temp + "/.layer-")]  # once each, by publish
     assert synced.count(temp) == 1  # one directory sync for every layer file
     assert f"{temp}/{MANIFEST}" in synced
     assert synced.index(f"{temp}/{MANIFEST}") < synced.index(temp)

@@ -560,3 +560,26 @@ def test_source_has_no_code_executing_loader_and_no_grpc() -> None:
     assert "grpc" not in imported
     assert not any(name.startswith("grpc") for name in imported)
     assert {"safetensors", "torch"} <= imported
+
+
+@pytest.mark.parametrize("small_file_bytes", [1 << 30, 0])
+def test_flush_false_leaves_flushing_to_the_caller(
+    small_file_bytes: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file saved into a staging directory is flushed once, by the publish, not also by
+    ``save_weights`` (either writer); a plain save flushes the file and its directory."""
+    monkeypatch.setattr(weights_module, "SMALL_FILE_BYTES", small_file_bytes)
+    flushed: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        flushed.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    save_weights({"w": torch.ones(3)}, tmp_path / "plain.safetensors")
+    assert len(flushed) == 2 and flushed[1] == str(tmp_path)  # the file (as its temp), the dir
+    flushed.clear()
+    save_weights({"w": torch.ones(3)}, tmp_path / "staged.safetensors", flush=False)
+    assert flushed == []
+    assert torch.equal(load_weights(tmp_path / "staged.safetensors")["w"], torch.ones(3))
