@@ -14,8 +14,7 @@ from typing import Any, NamedTuple
 
 import grpc
 
-from pipesvc.errors import FailedPreconditionError
-from pipesvc.wire.protocol import check_caller, names_another
+from pipesvc.wire.protocol import caller_refusal, names_another
 from pipesvc.wire.rpc_status import ERROR_CLASS_KEY
 from pipesvc.wire.security import AUTH_METADATA_KEY
 
@@ -48,11 +47,34 @@ def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, error: str, mes
     context.abort(code, message)
 
 
-class AuthInterceptor(grpc.ServerInterceptor):
-    """Refuses every RPC but health unless it carries the shared token (constant-time check)."""
+def _header(details: grpc.HandlerCallDetails, key: str) -> str:
+    """The value of metadata ``key`` the call carried, as text ("" without one)."""
+    found = ""
+    for name, value in details.invocation_metadata or ():
+        if name == key:
+            found = value if isinstance(value, str) else bytes(value).decode("utf-8", "replace")
+    return found
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+
+def _refused(
+    handler: grpc.RpcMethodHandler[Any, Any],
+    code: grpc.StatusCode,
+    error: str,
+    message: Callable[[grpc.ServicerContext], str],
+) -> grpc.RpcMethodHandler[Any, Any]:
+    """``handler`` with a behavior that only refuses the call (``message`` says why)."""
+
+    def deny(behavior: Callable[..., Any], streaming: bool) -> Callable[..., Any]:
+        def refuse(request: Any, context: grpc.ServicerContext) -> Any:
+            _abort(context, code, error, message(context))
+
+        return refuse
+
+    return _replace_behavior(handler, deny)
+
+
+class _ServerCheck(grpc.ServerInterceptor):
+    """An interceptor that sees every call but health's (``_wrap``: the handler to use)."""
 
     def intercept_service(
         self,
@@ -62,26 +84,33 @@ class AuthInterceptor(grpc.ServerInterceptor):
         handler = continuation(details)
         if handler is None or details.method.startswith(HEALTH_PREFIX):
             return handler
-        presented = b""
-        for key, value in details.invocation_metadata or ():
-            if key == AUTH_METADATA_KEY:
-                presented = value.encode() if isinstance(value, str) else bytes(value)
+        return self._wrap(handler, details)
+
+    def _wrap(
+        self, handler: grpc.RpcMethodHandler[Any, Any], details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        raise NotImplementedError
+
+
+class AuthInterceptor(_ServerCheck):
+    """Refuses every RPC but health unless it carries the shared token (constant-time check)."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    def _wrap(
+        self, handler: grpc.RpcMethodHandler[Any, Any], details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        presented = _header(details, AUTH_METADATA_KEY).encode()
         if hmac.compare_digest(presented, self._expected):
             return handler
-
-        def deny(behavior: Callable[..., Any], streaming: bool) -> Callable[..., Any]:
-            def refuse(request: Any, context: grpc.ServicerContext) -> Any:
-                reason = "a wrong token" if presented else "no token"
-                _abort(
-                    context,
-                    grpc.StatusCode.UNAUTHENTICATED,
-                    "UnauthenticatedError",
-                    f"{details.method} refused: the call carried {reason}",
-                )
-
-            return refuse
-
-        return _replace_behavior(handler, deny)
+        reason = "a wrong token" if presented else "no token"
+        return _refused(
+            handler,
+            grpc.StatusCode.UNAUTHENTICATED,
+            "UnauthenticatedError",
+            lambda _: f"{details.method} refused: the call carried {reason}",
+        )
 
 
 REGISTER_STAGE = "/pipesvc.v1.CoordinatorService/RegisterStage"
@@ -89,45 +118,25 @@ REGISTER_STAGE = "/pipesvc.v1.CoordinatorService/RegisterStage"
 (see [Note: wire protocol])."""
 
 
-class ProtocolInterceptor(grpc.ServerInterceptor):
+class ProtocolInterceptor(_ServerCheck):
     """Refuses a call whose user agent names a pipesvc of another wire protocol (see [Note:
     wire protocol]); a caller that names none is let through."""
 
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        handler = continuation(details)
-        if handler is None or details.method.startswith(HEALTH_PREFIX):
+    def _wrap(
+        self, handler: grpc.RpcMethodHandler[Any, Any], details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        agent = _header(details, "user-agent")
+        if details.method == REGISTER_STAGE or not names_another(agent):
             return handler
-        if details.method == REGISTER_STAGE:
-            return handler
-        agent = ""
-        for key, value in details.invocation_metadata or ():
-            if key == "user-agent":
-                agent = value if isinstance(value, str) else bytes(value).decode("utf-8", "replace")
-        if not names_another(agent):
-            return handler
-
-        def deny(behavior: Callable[..., Any], streaming: bool) -> Callable[..., Any]:
-            def refuse(request: Any, context: grpc.ServicerContext) -> Any:
-                try:
-                    check_caller(context.peer(), agent)
-                except FailedPreconditionError as exc:
-                    _abort(
-                        context,
-                        grpc.StatusCode.FAILED_PRECONDITION,
-                        "FailedPreconditionError",
-                        f"{details.method} refused: {exc}",
-                    )
-
-            return refuse
-
-        return _replace_behavior(handler, deny)
+        return _refused(
+            handler,
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "FailedPreconditionError",
+            lambda context: f"{details.method} refused: {caller_refusal(context.peer(), agent)}",
+        )
 
 
-class ConcurrencyInterceptor(grpc.ServerInterceptor):
+class ConcurrencyInterceptor(_ServerCheck):
     """Caps unary and streaming calls in flight; a call over a cap gets RESOURCE_EXHAUSTED."""
 
     def __init__(self, max_rpcs: int, max_streams: int) -> None:
@@ -135,14 +144,9 @@ class ConcurrencyInterceptor(grpc.ServerInterceptor):
         self._streams = threading.BoundedSemaphore(max_streams)
         self._limits = (max_rpcs, max_streams)
 
-    def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        handler = continuation(details)
-        if handler is None or details.method.startswith(HEALTH_PREFIX):
-            return handler
+    def _wrap(
+        self, handler: grpc.RpcMethodHandler[Any, Any], details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler[Any, Any]:
         is_stream = handler.request_streaming or handler.response_streaming
         semaphore = self._streams if is_stream else self._rpcs
         limit = self._limits[1] if is_stream else self._limits[0]

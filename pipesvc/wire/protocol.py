@@ -54,15 +54,11 @@ def names_another(agent: str) -> bool:
     return named is not None and named[0] != WIRE_PROTOCOL
 
 
-def check_caller(peer: str, agent: str) -> None:
-    """A server's check of a caller whose user agent is ``agent``.
-
-    Raises:
-        FailedPreconditionError: the caller names a pipesvc of another protocol.
-    """
-    named = agent_protocol(agent)
-    if named is not None:
-        _check("caller", "server", peer, *named)
+def caller_refusal(peer: str, agent: str) -> str:
+    """What a server tells a caller at ``peer`` whose user agent ``agent`` names a pipesvc of
+    another protocol (``names_another``)."""
+    named = agent_protocol(agent) or (0, "")
+    return _mismatch("caller", "server", peer, *named)
 
 
 def _printable(text: str) -> str:
@@ -90,10 +86,13 @@ def check_coordinator(address: str, protocol: int, version: str) -> None:
 
 
 def _check(peer: str, me: str, address: str, protocol: int, version: str) -> None:
-    if protocol == WIRE_PROTOCOL:
-        return
+    if protocol != WIRE_PROTOCOL:
+        raise FailedPreconditionError(_mismatch(peer, me, address, protocol, version))
+
+
+def _mismatch(peer: str, me: str, address: str, protocol: int, version: str) -> str:
     theirs = f"pipesvc {_printable(version)}" if version else "an older pipesvc"
-    raise FailedPreconditionError(
+    return (
         f"the {peer} at {_printable(address)} runs {theirs} (wire protocol {protocol or 1}); "
         f"this {me} runs pipesvc {VERSION} (wire protocol {WIRE_PROTOCOL}). Run the same "
         "pipesvc version on the coordinator, its stages and its clients"

@@ -90,8 +90,6 @@ def test_a_callers_user_agent_names_its_protocol_or_no_pipesvc() -> None:
         "pipesvc/1.0 (wire protocol 1234567890)",
     ):
         assert protocol.agent_protocol(agent) is None and not protocol.names_another(agent)
-    with pytest.raises(FailedPreconditionError) as refused:
-        protocol.check_caller("ipv4:10.0.0.9:4242", other)
-    assert str(refused.value).startswith(
+    assert protocol.caller_refusal("ipv4:10.0.0.9:4242", other).startswith(
         "the caller at ipv4:10.0.0.9:4242 runs pipesvc 9.1.0 (wire protocol 7); this server runs"
     )
