@@ -215,7 +215,6 @@ def _write_small(
     temp: str,
     tensors: dict[str, torch.Tensor],
     meta: dict[str, str] | None,
-    target: str,
     *,
     flush: bool,
 ) -> None:
@@ -285,7 +284,7 @@ def save_weights(
     try:
         small = sum(t.numel() * t.element_size() for t in tensors.values()) <= SMALL_FILE_BYTES
         if small and sys.byteorder == "little":
-            _write_small(temp, tensors, meta, target, flush=flush)
+            _write_small(temp, tensors, meta, flush=flush)
         else:
             mode = os.stat(temp).st_mode & 0o777
             try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -43,16 +44,23 @@ def test_the_package_and_its_metadata_have_one_version() -> None:
     assert project["version"] == VERSION
 
 
-def test_a_stage_of_another_protocol_is_refused_with_both_versions() -> None:
-    check_stage("10.0.0.2:7001", WIRE_PROTOCOL, VERSION)
+@pytest.mark.parametrize(
+    ("check", "peer", "me"),
+    [(check_stage, "stage", "coordinator"), (check_coordinator, "coordinator", "stage")],
+)
+def test_a_peer_of_another_protocol_is_refused_with_both_versions(
+    check: Callable[[str, int, str], None], peer: str, me: str
+) -> None:
+    """The coordinator's check of a stage, and a stage's of the coordinator."""
+    check("10.0.0.2:7001", WIRE_PROTOCOL, VERSION)
     with pytest.raises(FailedPreconditionError) as older:
-        check_stage("10.0.0.2:7001", 0, "")
+        check("10.0.0.2:7001", 0, "")
     assert str(older.value).startswith(
-        "the stage at 10.0.0.2:7001 runs an older pipesvc (wire protocol 1); this coordinator "
+        f"the {peer} at 10.0.0.2:7001 runs an older pipesvc (wire protocol 1); this {me} "
         f"runs pipesvc {VERSION} (wire protocol {WIRE_PROTOCOL})"
     )
     with pytest.raises(FailedPreconditionError, match=r"runs pipesvc 9\.0 \(wire protocol 9\)"):
-        check_stage("10.0.0.2:7001", 9, "9.0")
+        check("10.0.0.2:7001", 9, "9.0")
 
 
 def test_a_refusal_repeats_only_a_short_printable_part_of_what_the_stage_sent() -> None:
@@ -61,16 +69,6 @@ def test_a_refusal_repeats_only_a_short_printable_part_of_what_the_stage_sent() 
     message = str(refused.value)
     assert "\n" not in message and "\r" not in message
     assert "h:1?forged log line" in message and "x" * 81 not in message and "y" * 81 not in message
-
-
-def test_a_stage_refuses_a_coordinator_of_another_protocol() -> None:
-    check_coordinator("coord:7070", WIRE_PROTOCOL, VERSION)
-    with pytest.raises(FailedPreconditionError) as older:
-        check_coordinator("coord:7070", 0, "")
-    assert str(older.value).startswith(
-        "the coordinator at coord:7070 runs an older pipesvc (wire protocol 1); this stage "
-        f"runs pipesvc {VERSION} (wire protocol {WIRE_PROTOCOL})"
-    )
 
 
 def test_a_callers_user_agent_names_its_protocol_or_no_pipesvc() -> None:
