@@ -4,12 +4,41 @@ Every training step's inputs, targets and side inputs are written before its com
 restores the last checkpoint and replays the logged steps after it. Entries at or before the
 newest checkpoint are pruned, and so are those after a state loaded at an older step (a new
 lineage).
+
+[Note: step log segments]
+A step's entry must be on disk before the step is decided, and short steps come hundreds a
+second, so an entry costs one append and one ``fdatasync``: no file made, renamed and synced
+into its directory per step (that cost three times the CPU and twice the wall time). Entries
+are appended to *segments*, ``segment-{N:09d}.log`` (N counts up), each a run of records::
+
+    header  (20 bytes: b"PSL1", step u64, length u64, little-endian)
+    payload (length bytes: the batch as a safetensors file)
+    trailer (the header's 20 bytes again)
+
+- One writer, entries in step order. A write opens the segment, appends, syncs and closes it
+  again, so a log whose directory went away fails the write, as it must (the step is then
+  aborted, see ``StepLogError``).
+- A process never appends to a segment it did not start: after a crash the newest one may end
+  in a torn record. A reader takes a segment's records up to the first one whose header,
+  length or trailer is not whole; that record's step was never decided (its sync did not
+  return), so nothing decided is lost.
+- A step written twice (a step retried, or written again after a coordinator restart) is read
+  from its newest record.
+- A segment is removed once every record in it is at or before the newest checkpoint. A prune
+  also starts the next segment, so segments follow checkpoint intervals; a segment is also
+  closed once it holds ``SEGMENT_BYTES`` (large batches get one file each, as before).
+  Pruned steps no longer read, though their bytes stay until their segment goes.
+- A state loaded at an older step truncates each segment at its first record after that step.
+- Logs written by earlier versions, one ``step-{N:09d}.safetensors`` file per step, read as
+  one-record segments.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
+import struct
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,9 +46,15 @@ from pathlib import Path
 import torch
 
 from pipesvc.errors import NotFoundError, StepAbortedError
-from pipesvc.storage.weights import load_weights, save_weights
+from pipesvc.storage.weights import decode_weights, encode_weights, write_pieces
 
 _SIDE = "side."
+_MAGIC = b"PSL1"
+_HEADER = struct.Struct("<4sQQ")
+SEGMENT_BYTES = 4 << 20
+"""A segment is closed once it holds this many bytes: the most a prune can leave behind."""
+_SEGMENT = re.compile(r"segment-(\d{9})\.log")
+_LEGACY = re.compile(r"step-(\d{9})\.safetensors")
 
 
 class StepLogError(StepAbortedError):
@@ -37,30 +72,75 @@ class LoggedBatch:
     side: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass(slots=True)
+class _Segment:
+    """One file of the log and the records read from it, in order."""
+
+    path: Path
+    size: int = 0
+    records: list[tuple[int, int, int]] = field(default_factory=list)
+    """``(step, payload offset, payload length)`` of each whole record."""
+    legacy: bool = False
+
+
 class StepLog:
-    """One safetensors file per step: ``step-{N:09d}.safetensors`` with inputs, targets and
-    each side input (``side.<name>``)."""
+    """A job's step log in directory ``root`` (see [Note: step log segments])."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         self._lock = threading.Lock()  # written in a step's run, pruned by a background checkpoint
-        self._sizes: dict[int, int] | None = None
-        """Bytes of each entry by step, once counted (kept up to date from then on)."""
-
-    def _path(self, step: int) -> Path:
-        return self.root / f"step-{step:09d}.safetensors"
+        self._segments: dict[int, _Segment] | None = None
+        """Every segment by number, once read (kept up to date from then on)."""
+        self._where: dict[int, tuple[int, int, int]] = {}
+        """Each step's newest record: ``(segment number, payload offset, length)``."""
+        self._open: int | None = None
+        """The segment this process appends to, if any."""
+        self._pruned = 0
+        """Steps at or before this no longer read."""
 
     def write(self, step: int, batch: LoggedBatch) -> None:
-        """Records step ``step``'s batch (atomically)."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        """Records step ``step``'s batch: on disk when this returns."""
         tensors = {"inputs": batch.inputs, "targets": batch.targets}
         tensors.update({_SIDE + name: t for name, t in batch.side.items()})
-        path = self._path(step)
-        save_weights(tensors, path)
-        size = path.stat().st_size
+        payload = encode_weights(tensors)
+        length = sum(piece.nbytes for piece in payload)
+        header = memoryview(_HEADER.pack(_MAGIC, step, length))
         with self._lock:
-            if self._sizes is not None:
-                self._sizes[step] = size
+            segments = self._scanned()
+            number = self._open
+            if number is None or segments[number].size >= SEGMENT_BYTES:
+                number = max(segments, default=0) + 1
+            segment = segments.get(number) or _Segment(self.root / f"segment-{number:09d}.log")
+            self._append(segment, [header, *payload, header])
+            segments[number] = segment
+            segment.records.append((step, segment.size + _HEADER.size, length))
+            segment.size += length + 2 * _HEADER.size
+            self._where[step] = (number, segment.size - length - _HEADER.size, length)
+            self._open = number
+
+    def _append(self, segment: _Segment, pieces: list[memoryview]) -> None:
+        """Appends ``pieces`` to ``segment``'s file and syncs it. On failure a new file is
+        removed and an older one cut back; either way the next write starts a new segment."""
+        new = segment.size == 0
+        if new:
+            self.root.mkdir(parents=True, exist_ok=True)
+        flags = os.O_WRONLY | os.O_APPEND | (os.O_CREAT | os.O_EXCL if new else 0)
+        fd = os.open(segment.path, flags, 0o644)
+        try:
+            write_pieces(fd, pieces)
+            os.fdatasync(fd)
+        except BaseException:
+            self._open = None  # the next write starts a new segment whatever this one holds
+            with contextlib.suppress(OSError):
+                if new:
+                    os.unlink(segment.path)
+                else:
+                    os.ftruncate(fd, segment.size)
+            raise
+        finally:
+            os.close(fd)
+        if new:
+            _sync_directory(self.root)
 
     def read(self, step: int) -> LoggedBatch:
         """The batch of step ``step``.
@@ -68,49 +148,137 @@ class StepLog:
         Raises:
             NotFoundError: the step is not in the log.
         """
-        path = self._path(step)
-        if not path.exists():
+        with self._lock:
+            segments = self._scanned()
+            found = self._where.get(step) if step > self._pruned else None
+            path = None if found is None else segments[found[0]].path
+        if found is None or path is None:
             raise NotFoundError(f"step {step} is not in the step log at {str(self.root)!r}")
-        tensors = load_weights(path)
+        _, offset, length = found
+        try:
+            with open(path, "rb") as file:
+                file.seek(offset)
+                data = file.read(length)
+        except FileNotFoundError:  # pruned meanwhile
+            raise NotFoundError(
+                f"step {step} is not in the step log at {str(self.root)!r}"
+            ) from None
+        tensors = decode_weights(data, where=f"step {step} in {str(path)!r}")
         side = {k[len(_SIDE) :]: t for k, t in tensors.items() if k.startswith(_SIDE)}
         return LoggedBatch(tensors["inputs"], tensors["targets"], side)
 
     def entries(self) -> dict[int, Path]:
-        """Every entry's file by step."""
-        if not self.root.is_dir():
-            return {}
-        found = {}
-        for path in self.root.glob("step-*.safetensors"):
-            number = path.name[5:].split(".", 1)[0]
-            if number.isdigit():
-                found[int(number)] = path
-        return found
+        """The file that holds each step's entry, by step."""
+        with self._lock:
+            segments = self._scanned()
+            return {
+                step: segments[number].path
+                for step, (number, _, _) in self._where.items()
+                if step > self._pruned
+            }
 
     def size_bytes(self) -> int:
-        """Bytes the entries take on disk (counted once, then kept as entries come and go)."""
+        """Bytes the log takes on disk."""
         with self._lock:
-            if self._sizes is None:
-                self._sizes = {}
-                for step, path in self.entries().items():
-                    with contextlib.suppress(FileNotFoundError):  # pruned meanwhile
-                        self._sizes[step] = path.stat().st_size
-            return sum(self._sizes.values())
-
-    def _remove(self, step: int, path: Path) -> None:
-        path.unlink(missing_ok=True)
-        with self._lock:
-            if self._sizes is not None:
-                self._sizes.pop(step, None)
+            return sum(segment.size for segment in self._scanned().values())
 
     def prune(self, up_to_step: int) -> None:
-        """Removes every entry for steps <= ``up_to_step``."""
-        for step, path in self.entries().items():
-            if step <= up_to_step:
-                self._remove(step, path)
+        """Entries for steps <= ``up_to_step`` no longer read; every segment that holds no
+        other is removed, and the next write starts a new segment."""
+        with self._lock:
+            segments = self._scanned()
+            self._pruned = max(self._pruned, up_to_step)
+            for number, segment in list(segments.items()):
+                if all(step <= up_to_step for step, _, _ in segment.records):
+                    self._remove(number)
+            self._open = None
 
     def drop_after(self, step: int) -> None:
         """Removes every entry for steps > ``step`` (a lineage that loading state superseded;
         only while no entry is being written)."""
-        for number, path in self.entries().items():
-            if number > step:
-                self._remove(number, path)
+        with self._lock:
+            segments = self._scanned()
+            self._pruned = min(self._pruned, step)
+            for number, segment in list(segments.items()):
+                # Records are in step order: the ones kept come first.
+                cut = next((i for i, r in enumerate(segment.records) if r[0] > step), None)
+                if cut == 0:
+                    self._remove(number)
+                elif cut is not None:
+                    del segment.records[cut:]
+                    segment.size = segment.records[-1][1] + segment.records[-1][2] + _HEADER.size
+                    os.truncate(segment.path, segment.size)
+                    _sync_file(segment.path)
+            self._index()
+            self._open = None
+
+    def _remove(self, number: int) -> None:
+        assert self._segments is not None
+        segment = self._segments.pop(number)
+        segment.path.unlink(missing_ok=True)
+        self._index()
+
+    def _index(self) -> None:
+        """Rebuilds ``_where`` from the segments (the newest record of a step wins)."""
+        assert self._segments is not None
+        self._where = {}
+        for number in sorted(self._segments):
+            for step, offset, length in self._segments[number].records:
+                self._where[step] = (number, offset, length)
+
+    def _scanned(self) -> dict[int, _Segment]:
+        """The segments, read from disk the first time (the lock is held)."""
+        if self._segments is None:
+            self._segments = {}
+            legacy: dict[int, int] = {}
+            paths = sorted(self.root.iterdir()) if self.root.is_dir() else []
+            for path in paths:
+                if match := _SEGMENT.fullmatch(path.name):
+                    self._segments[int(match[1])] = _read_segment(path)
+                elif match := _LEGACY.fullmatch(path.name):
+                    legacy[int(match[1])] = path.stat().st_size
+            # An older version's files, one step each, come before any segment.
+            first = min(self._segments, default=1) - len(legacy)
+            for offset, (step, size) in enumerate(sorted(legacy.items())):
+                path = self.root / f"step-{step:09d}.safetensors"
+                self._segments[first + offset] = _Segment(path, size, [(step, 0, size)], True)
+            self._index()
+        return self._segments
+
+
+def _read_segment(path: Path) -> _Segment:
+    """A segment's whole records, up to the first torn one."""
+    segment = _Segment(path)
+    with open(path, "rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        offset = 0
+        while offset + 2 * _HEADER.size <= size:
+            file.seek(offset)
+            header = file.read(_HEADER.size)
+            magic, step, length = _HEADER.unpack(header)
+            end = offset + _HEADER.size + length
+            if magic != _MAGIC or end + _HEADER.size > size:
+                break
+            file.seek(end)
+            if file.read(_HEADER.size) != header:
+                break
+            segment.records.append((step, offset + _HEADER.size, length))
+            offset = end + _HEADER.size
+    segment.size = size
+    return segment
+
+
+def _sync_file(path: Path) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

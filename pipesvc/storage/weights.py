@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, load_file, save, save_file
 
 from pipesvc.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 
@@ -48,6 +48,7 @@ _METADATA_KEY = "__metadata__"
 _ENTRY_FIELDS = ("dtype", "shape", "data_offsets")
 _U64_LIMIT = 1 << 64  # the format stores sizes and offsets as u64
 _SHOW_CHARS = 80
+_IOV_MAX = 512  # pieces per writev call (POSIX allows at least 16, Linux 1024)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -211,15 +212,24 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     return view.cast("B")
 
 
-def _write_small(
-    temp: str,
-    tensors: dict[str, torch.Tensor],
-    meta: dict[str, str] | None,
-    *,
-    flush: bool,
-) -> None:
-    """Writes ``tensors`` as safetensors into the (empty) file ``temp`` (and flushes it): the
-    header, then each tensor's bytes from its memory."""
+def encode_weights(
+    state_dict: Mapping[str, torch.Tensor], *, metadata: Mapping[str, str] | None = None
+) -> list[memoryview]:
+    """``state_dict`` as the bytes of a safetensors file, in pieces to write in order: the
+    header, then each tensor's bytes straight from its memory (no copy of them).
+
+    Raises:
+        InvalidArgumentError: as ``save_weights``.
+    """
+    tensors = _prepare(state_dict)
+    meta = _check_metadata_arg(metadata)
+    if sys.byteorder != "little":  # pragma: no cover - the format is little-endian
+        return [memoryview(save(tensors, metadata=meta))]
+    return _encode(tensors, meta)
+
+
+def _encode(tensors: dict[str, torch.Tensor], meta: dict[str, str] | None) -> list[memoryview]:
+    """The safetensors pieces of prepared ``tensors`` on a little-endian machine."""
     header: dict[str, object] = {} if meta is None else {_METADATA_KEY: meta}
     views = []
     offset = 0
@@ -239,20 +249,49 @@ def _write_small(
         offset = end
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    return [memoryview(struct.pack("<Q", len(text)) + text), *views]
+
+
+def decode_weights(data: bytes, *, where: str) -> dict[str, torch.Tensor]:
+    """The tensors of safetensors bytes that this process's own disk holds (a step log entry;
+    never bytes from the network: those go through ``read_header``'s checks).
+
+    Raises:
+        InvalidArgumentError: the bytes are not a safetensors file (``where`` names them).
+    """
+    try:
+        tensors: dict[str, torch.Tensor] = load(data)
+    except SafetensorError as exc:
+        raise InvalidArgumentError(f"{where}: safetensors rejected the bytes: {exc}") from exc
+    return tensors
+
+
+def _write_small(
+    temp: str,
+    tensors: dict[str, torch.Tensor],
+    meta: dict[str, str] | None,
+    *,
+    flush: bool,
+) -> None:
+    """Writes ``tensors`` as safetensors into the (empty) file ``temp`` (and flushes it)."""
     fd = os.open(temp, os.O_WRONLY)
     try:
-        _write_all(fd, memoryview(struct.pack("<Q", len(text)) + text))
-        for view in views:
-            _write_all(fd, view)
+        write_pieces(fd, _encode(tensors, meta))
         if flush:
             os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def _write_all(fd: int, data: memoryview) -> None:
-    while data:
-        data = data[os.write(fd, data) :]
+def write_pieces(fd: int, pieces: list[memoryview]) -> None:
+    """Writes ``pieces`` to ``fd`` in order, in as few system calls as the kernel allows."""
+    pending = [piece for piece in pieces if piece.nbytes]
+    while pending:
+        written = os.writev(fd, pending[:_IOV_MAX])
+        while pending and written >= pending[0].nbytes:
+            written -= pending.pop(0).nbytes
+        if written:
+            pending[0] = pending[0][written:]
 
 
 def save_weights(

@@ -1,14 +1,21 @@
-"""The step log counts the bytes it holds (what bounds a ``checkpoint_every=0`` job's log, see
+"""The step log appends entries to segments (see [Note: step log segments]) and counts the
+bytes it holds (what bounds a ``checkpoint_every=0`` job's log, see
 [Note: checkpoint cadence]) as entries are written, pruned behind a checkpoint and dropped
 after a state loaded at an older step."""
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
 
+import pytest
 import torch
 
-from pipesvc.coordinator.step_log import LoggedBatch, StepLog
+from pipesvc.coordinator import step_log
+from pipesvc.coordinator.step_log import SEGMENT_BYTES, LoggedBatch, StepLog
+from pipesvc.errors import NotFoundError
+from pipesvc.storage.weights import save_weights
 
 
 def _on_disk(root: Path) -> int:
@@ -30,3 +37,130 @@ def test_the_bytes_held_follow_writes_prunes_and_drops(tmp_path: Path) -> None:
     log.write(5, LoggedBatch(torch.randn(1, 3), torch.randn(1, 2)))  # a new lineage's step 5
     assert StepLog(log.root).size_bytes() == log.size_bytes() == _on_disk(log.root)
     assert log.read(5).inputs.shape == (1, 3)
+
+
+def _batch(step: int, rows: int = 2) -> LoggedBatch:
+    g = torch.Generator().manual_seed(step)
+    return LoggedBatch(torch.randn(rows, 3, generator=g), torch.randn(rows, 2, generator=g))
+
+
+def _same(a: LoggedBatch, b: LoggedBatch) -> bool:
+    return torch.equal(a.inputs, b.inputs) and torch.equal(a.targets, b.targets)
+
+
+def test_small_entries_share_a_segment_and_a_prune_removes_only_whole_ones(
+    tmp_path: Path,
+) -> None:
+    log = StepLog(tmp_path / "steps")
+    for step in range(1, 6):
+        log.write(step, _batch(step))
+    assert len(list(log.root.iterdir())) == 1  # appended: no file per step
+    log.prune(3)  # the segment still holds steps 4 and 5
+    assert sorted(log.entries()) == [4, 5]
+    assert len(list(log.root.iterdir())) == 1
+    for step in range(6, 9):
+        log.write(step, _batch(step))  # a prune starts the next segment
+    assert len(list(log.root.iterdir())) == 2
+    log.prune(5)
+    assert [p.name for p in log.root.iterdir()] == ["segment-000000002.log"]
+    reopened = StepLog(log.root)
+    assert sorted(reopened.entries()) == [6, 7, 8]
+    assert all(_same(reopened.read(s), _batch(s)) for s in (6, 7, 8))
+    with pytest.raises(NotFoundError):
+        log.read(4)
+
+
+def test_an_entry_as_large_as_a_segment_gets_a_file_of_its_own(tmp_path: Path) -> None:
+    log = StepLog(tmp_path / "steps")
+    rows = SEGMENT_BYTES // (5 * 4) + 1
+    log.write(1, _batch(1, rows))
+    log.write(2, _batch(2))
+    assert len(list(log.root.iterdir())) == 2
+    log.prune(1)
+    assert sorted(StepLog(log.root).entries()) == [2]
+
+
+def test_a_torn_tail_loses_only_the_entry_being_written(tmp_path: Path) -> None:
+    """A crash during an append leaves part of a record: a new process reads every whole one
+    before it, and appends to a new segment."""
+    log = StepLog(tmp_path / "steps")
+    for step in (1, 2, 3):
+        log.write(step, _batch(step))
+    (segment,) = log.root.iterdir()
+    whole = segment.read_bytes()
+    for cut in (7, 20, 200, len(whole) // 3 - 5):  # inside the header, the payload, the trailer
+        segment.write_bytes(whole + whole[:cut])
+        reopened = StepLog(log.root)
+        assert sorted(reopened.entries()) == [1, 2, 3]
+        assert reopened.size_bytes() == len(whole) + cut
+    reopened.write(4, _batch(4))
+    again = StepLog(log.root)
+    assert sorted(again.entries()) == [1, 2, 3, 4]
+    assert all(_same(again.read(s), _batch(s)) for s in (1, 2, 3, 4))
+
+
+def test_a_step_written_again_reads_its_newest_entry(tmp_path: Path) -> None:
+    log = StepLog(tmp_path / "steps")
+    log.write(1, _batch(1))
+    log.write(2, _batch(20))
+    log.write(2, _batch(21))  # a retried step
+    assert _same(log.read(2), _batch(21))
+    restarted = StepLog(log.root)
+    restarted.write(2, _batch(22))  # written again after a coordinator restart
+    for reader in (restarted, StepLog(log.root)):
+        assert _same(reader.read(2), _batch(22))
+        assert _same(reader.read(1), _batch(1))
+
+
+def test_dropping_a_lineage_cuts_its_segment_on_disk(tmp_path: Path) -> None:
+    log = StepLog(tmp_path / "steps")
+    for step in range(1, 6):
+        log.write(step, _batch(step))
+    log.drop_after(2)
+    log.write(3, _batch(30))  # the new lineage's step 3
+    reopened = StepLog(log.root)
+    assert sorted(reopened.entries()) == [1, 2, 3]
+    assert _same(reopened.read(3), _batch(30))
+    assert reopened.size_bytes() == _on_disk(log.root)
+
+
+def test_a_failed_append_leaves_the_entries_before_it_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fills halfway through a record: the write fails, the segment is cut back, and
+    the next write (to a new segment) and every earlier entry read after a restart."""
+    log = StepLog(tmp_path / "steps")
+    log.write(1, _batch(1))
+    real = step_log.write_pieces
+
+    def half_then_full(fd: int, pieces: list[memoryview]) -> None:
+        os.write(fd, bytes(pieces[0])[:10])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(step_log, "write_pieces", half_then_full)
+    with pytest.raises(OSError, match="No space"):
+        log.write(2, _batch(2))
+    monkeypatch.setattr(step_log, "write_pieces", real)
+    assert log.size_bytes() == _on_disk(log.root)
+    log.write(2, _batch(2))
+    reopened = StepLog(log.root)
+    assert sorted(reopened.entries()) == [1, 2]
+    assert all(_same(reopened.read(s), _batch(s)) for s in (1, 2))
+
+
+def test_a_log_written_by_an_earlier_version_reads_and_prunes(tmp_path: Path) -> None:
+    """Earlier versions wrote one safetensors file per step."""
+    root = tmp_path / "steps"
+    root.mkdir()
+    for step in (4, 5):
+        b = _batch(step)
+        save_weights(
+            {"inputs": b.inputs, "targets": b.targets}, root / f"step-{step:09d}.safetensors"
+        )
+    log = StepLog(root)
+    assert sorted(log.entries()) == [4, 5]
+    log.write(6, _batch(6))
+    assert all(_same(log.read(s), _batch(s)) for s in (4, 5, 6))
+    assert log.size_bytes() == _on_disk(root)
+    log.prune(5)
+    assert [p.name for p in root.iterdir()] == ["segment-000000001.log"]

@@ -197,13 +197,13 @@ def test_save_failing_mid_write_leaves_old_file_and_no_temp(
         Path(filename).write_bytes(b"half a file")
         raise OSError(28, "No space left on device")
 
-    def broken_write(fd: int, data: memoryview) -> None:
+    def broken_write(fd: int, pieces: list[memoryview]) -> None:
         written.append(os.readlink(f"/proc/self/fd/{fd}"))
-        os.write(fd, data[: len(data) // 2])
+        os.write(fd, pieces[0][: len(pieces[0]) // 2])
         raise OSError(28, "No space left on device")
 
     if writer == "small":
-        monkeypatch.setattr(weights_module, "_write_all", broken_write)
+        monkeypatch.setattr(weights_module, "write_pieces", broken_write)
     else:
         monkeypatch.setattr(weights_module, "SMALL_FILE_BYTES", 0)
         monkeypatch.setattr(weights_module, "save_file", broken_save)
@@ -583,3 +583,26 @@ def test_flush_false_leaves_flushing_to_the_caller(
     save_weights({"w": torch.ones(3)}, tmp_path / "staged.safetensors", flush=False)
     assert flushed == []
     assert torch.equal(load_weights(tmp_path / "staged.safetensors")["w"], torch.ones(3))
+
+
+@pytest.mark.parametrize("most_per_call", [None, 7])
+def test_write_pieces_writes_every_piece_in_order(
+    most_per_call: int | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More pieces than one ``writev`` takes, empty ones among them; with ``most_per_call``,
+    each call writes only that many bytes, as a kernel may."""
+    pieces = [memoryview(bytes([i % 251]) * (i % 5)) for i in range(1500)]
+    if most_per_call is not None:
+        real = os.writev
+
+        def short(fd: int, buffers: list[memoryview]) -> int:
+            return real(fd, [b"".join(bytes(b) for b in buffers)[:most_per_call]])
+
+        monkeypatch.setattr(os, "writev", short)
+    path = tmp_path / "out"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        weights_module.write_pieces(fd, pieces)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"".join(bytes(p) for p in pieces)
