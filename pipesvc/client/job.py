@@ -46,6 +46,8 @@ class Job:
 
     def __init__(self, client: Client, info: coordinator_pb2.JobInfo) -> None:
         self._client = client
+        self._seen = coordinator_pb2.JobInfo()
+        """The newest description of the job read (``_update``)."""
         self.id: str = info.job_id
         self.config: JobConfig = config_from_proto(info.spec)
         """As the coordinator has it (``replan`` changes the partition)."""
@@ -72,8 +74,12 @@ class Job:
         ``recoveries`` as soon as that call returns; ``refresh()`` is only needed to see
         what other clients did since.
         """
-        self.config = config_from_proto(info.spec)
-        self.plan = [PipelineStage.from_proto(s) for s in info.plan]
+        # A stream of steps brings the job with every step: read only what changed.
+        if info.spec != self._seen.spec:
+            self.config = config_from_proto(info.spec)
+        if info.plan != self._seen.plan:
+            self.plan = [PipelineStage.from_proto(s) for s in info.plan]
+        self._seen.CopyFrom(info)
         self.plan_epoch = info.plan_epoch
         self.step = info.step
         self.recoveries = info.recoveries

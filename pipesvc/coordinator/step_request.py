@@ -158,6 +158,13 @@ class PreparedStep:
     request_id: str
     """The client's id for it (empty: none; see [Note: step request ids])."""
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its tensors."""
+        logged = self.logged
+        tensors = [logged.inputs, logged.targets, *logged.side.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
 
 def prepare_step(
     inputs: torch.Tensor,
