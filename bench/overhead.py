@@ -35,7 +35,7 @@ clocks of one host (``time.time_ns()``):
   step's RunStep, so its optimizer step is in that step's ``before``); ``outside coord`` =
   client - coord (what the coordinator's lock does not cover, checkpoints included).
 - measured here, not in the coordinator: ``steplog*`` (``StepLog.write`` of this batch, which
-  writes and fsyncs a file and its directory) and ``db*`` (``StateDB.put_job`` of a job
+  appends it to a segment file and syncs it) and ``db*`` (``StateDB.put_job`` of a job
   record), each timed in this process on the cluster's file system.
 
 Besides steps/s, both sides report CPU per step (``cpu ms``), which a shared machine's load
