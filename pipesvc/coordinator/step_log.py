@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from pipesvc.errors import NotFoundError, StepAbortedError
-from pipesvc.storage.weights import decode_weights, encode_weights, write_pieces
+from pipesvc.storage.weights import decode_weights, encode_weights, sync_path, write_pieces
 
 _SIDE = "side."
 _MAGIC = b"PSL1"
@@ -140,7 +140,7 @@ class StepLog:
         finally:
             os.close(fd)
         if new:
-            _sync_directory(self.root)
+            sync_path(self.root)
 
     def read(self, step: int) -> LoggedBatch:
         """The batch of step ``step``.
@@ -208,7 +208,7 @@ class StepLog:
                     del segment.records[cut:]
                     segment.size = segment.records[-1][1] + segment.records[-1][2] + _HEADER.size
                     os.truncate(segment.path, segment.size)
-                    _sync_file(segment.path)
+                    sync_path(segment.path)
             self._index()
             self._open = None
 
@@ -266,19 +266,3 @@ def _read_segment(path: Path) -> _Segment:
             offset = end + _HEADER.size
     segment.size = size
     return segment
-
-
-def _sync_file(path: Path) -> None:
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        os.fdatasync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sync_directory(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

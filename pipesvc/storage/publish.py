@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pipesvc.errors import FailedPreconditionError, InvalidArgumentError, PipesvcError
-from pipesvc.storage.weights import read_metadata
+from pipesvc.storage.weights import read_metadata, sync_path
 
 WRITER = {"writer": "pipesvc"}
 """Metadata in every safetensors file (and JSON index) pipesvc writes, so a later save knows
@@ -89,14 +89,6 @@ def written_by_pipesvc(path: Path) -> bool:
     return False
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class Staging:
     """A directory's new files: written into ``path``, then published to ``target``.
 
@@ -135,13 +127,13 @@ class Staging:
         """
         check_target(self.target)
         for file in self.path.iterdir():
-            _fsync(file)
-        _fsync(self.path)
+            sync_path(file)
+        sync_path(self.path)
         if not self.target.exists():
             # A directory created at this instant would be replaced if empty (rename(2)).
             os.rename(self.path, self.target)
-            _fsync(self.target)
-            _fsync(self.target.parent)
+            sync_path(self.target)
+            sync_path(self.target.parent)
             return
         new = {file.name for file in self.path.iterdir()}
         self._refuse_unsafe(new)
@@ -161,7 +153,7 @@ class Staging:
         for name in order:
             os.replace(self.path / name, self.target / name)
         self.path.rmdir()
-        _fsync(self.target)
+        sync_path(self.target)
 
     def _refuse_unsafe(self, new: set[str]) -> None:
         for name in sorted(new):

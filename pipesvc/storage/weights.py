@@ -170,10 +170,11 @@ def _create_temp(directory: str, base: str) -> str:
         return temp
 
 
-def _fsync(path: str, *, directory: bool = False) -> None:
-    if directory and os.name != "posix":  # pragma: no cover - directories cannot be opened
+def sync_path(path: str | os.PathLike[str]) -> None:
+    """Flushes a file, or a directory's entries, to disk."""
+    if os.name != "posix" and os.path.isdir(path):  # pragma: no cover - cannot be opened
         return
-    fd = os.open(path, os.O_RDONLY if directory else os.O_RDWR)
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -335,21 +336,21 @@ def save_weights(
             # safetensors renames its own 0o600 file over ours; keep the umask-derived mode.
             os.chmod(temp, mode)
             if flush:
-                _fsync(temp)
+                sync_path(temp)
         os.replace(temp, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)
         raise
     if flush:
-        _fsync(directory, directory=True)
+        sync_path(directory)
 
 
 def sync_file_and_directory(path: str | os.PathLike[str]) -> None:
     """Flushes a file (or directory) and the directory entry that names it to disk."""
     target = os.path.abspath(os.fspath(path))
-    _fsync(target, directory=os.path.isdir(target))
-    _fsync(os.path.dirname(target), directory=True)
+    sync_path(target)
+    sync_path(os.path.dirname(target))
 
 
 def _read_raw_header(path: str, limits: WeightLimits) -> tuple[bytes, int]:
