@@ -97,6 +97,8 @@ class StepLog:
         """The segment this process appends to, if any."""
         self._pruned = 0
         """Steps at or before this no longer read."""
+        self._next = 1
+        """The number of the next segment to start (once read: past every one on disk)."""
 
     def write(self, step: int, batch: LoggedBatch) -> None:
         """Records step ``step``'s batch: on disk when this returns."""
@@ -109,7 +111,7 @@ class StepLog:
             segments = self._scanned()
             number = self._open
             if number is None or segments[number].size >= SEGMENT_BYTES:
-                number = max(segments, default=0) + 1
+                number, self._next = self._next, self._next + 1  # never a name tried before
             segment = segments.get(number) or _Segment(self.root / f"segment-{number:09d}.log")
             self._append(segment, [header, *payload, header])
             segments[number] = segment
@@ -129,6 +131,8 @@ class StepLog:
         try:
             write_pieces(fd, pieces)
             os.fdatasync(fd)
+            if new:
+                sync_path(self.root)
         except BaseException:
             self._open = None  # the next write starts a new segment whatever this one holds
             with contextlib.suppress(OSError):
@@ -139,8 +143,6 @@ class StepLog:
             raise
         finally:
             os.close(fd)
-        if new:
-            sync_path(self.root)
 
     def read(self, step: int) -> LoggedBatch:
         """The batch of step ``step``.
@@ -242,6 +244,7 @@ class StepLog:
             for offset, (step, size) in enumerate(sorted(legacy.items())):
                 path = self.root / f"step-{step:09d}.safetensors"
                 self._segments[first + offset] = _Segment(path, size, [(step, 0, size)], True)
+            self._next = max(self._segments, default=0) + 1
             self._index()
         return self._segments
 

@@ -124,13 +124,16 @@ def test_dropping_a_lineage_cuts_its_segment_on_disk(tmp_path: Path) -> None:
     assert reopened.size_bytes() == _on_disk(log.root)
 
 
+@pytest.mark.parametrize("failing_step", [1, 2])
 def test_a_failed_append_leaves_the_entries_before_it_whole(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    failing_step: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The disk fills halfway through a record: the write fails, the segment is cut back, and
-    the next write (to a new segment) and every earlier entry read after a restart."""
+    """The disk fills halfway through a record (the first of a new segment, or one appended
+    to a segment): the write fails, the new file goes or the segment is cut back, and the
+    next write and every earlier entry read, then and after a restart."""
     log = StepLog(tmp_path / "steps")
-    log.write(1, _batch(1))
+    for step in range(1, failing_step):
+        log.write(step, _batch(step))
     real = step_log.write_pieces
 
     def half_then_full(fd: int, pieces: list[memoryview]) -> None:
@@ -139,13 +142,14 @@ def test_a_failed_append_leaves_the_entries_before_it_whole(
 
     monkeypatch.setattr(step_log, "write_pieces", half_then_full)
     with pytest.raises(OSError, match="No space"):
-        log.write(2, _batch(2))
+        log.write(failing_step, _batch(failing_step))
     monkeypatch.setattr(step_log, "write_pieces", real)
     assert log.size_bytes() == _on_disk(log.root)
-    log.write(2, _batch(2))
-    reopened = StepLog(log.root)
-    assert sorted(reopened.entries()) == [1, 2]
-    assert all(_same(reopened.read(s), _batch(s)) for s in (1, 2))
+    for step in range(failing_step, 4):
+        log.write(step, _batch(step))
+    for reader in (log, StepLog(log.root)):
+        assert sorted(reader.entries()) == [1, 2, 3]
+        assert all(_same(reader.read(s), _batch(s)) for s in (1, 2, 3))
 
 
 def test_a_log_written_by_an_earlier_version_reads_and_prunes(tmp_path: Path) -> None:
