@@ -190,9 +190,15 @@ class StepLog:
         with self._lock:
             segments = self._scanned()
             self._pruned = max(self._pruned, up_to_step)
-            for number, segment in list(segments.items()):
-                if all(step <= up_to_step for step, _, _ in segment.records):
-                    self._remove(number)
+            behind = [
+                number
+                for number, segment in segments.items()
+                if all(step <= up_to_step for step, _, _ in segment.records)
+            ]
+            for number in behind:
+                self._remove(number)
+            if behind:
+                self._index()
             self._open = None
 
     def drop_after(self, step: int) -> None:
@@ -215,10 +221,10 @@ class StepLog:
             self._open = None
 
     def _remove(self, number: int) -> None:
+        """Removes a segment's file (the caller rebuilds the index once it removed all)."""
         assert self._segments is not None
         segment = self._segments.pop(number)
         segment.path.unlink(missing_ok=True)
-        self._index()
 
     def _index(self) -> None:
         """Rebuilds ``_where`` from the segments (the newest record of a step wins)."""
