@@ -52,7 +52,8 @@ _SIDE = "side."
 _MAGIC = b"PSL1"
 _HEADER = struct.Struct("<4sQQ")
 SEGMENT_BYTES = 4 << 20
-"""A segment is closed once it holds this many bytes: the most a prune can leave behind."""
+"""A segment is closed once it holds this many bytes (what a prune leaves behind is the
+segment it falls into, and the one written since)."""
 _SEGMENT = re.compile(r"segment-(\d{9})\.log")
 _LEGACY = re.compile(r"step-(\d{9})\.safetensors")
 
@@ -124,17 +125,18 @@ class StepLog:
         """Appends ``pieces`` to ``segment``'s file and syncs it. On failure a new file is
         removed and an older one cut back; either way the next write starts a new segment."""
         new = segment.size == 0
-        if new:
+        self._open = None  # until this write succeeds: on failure the next starts a segment
+        if new and not self.root.is_dir():
             self.root.mkdir(parents=True, exist_ok=True)
+            sync_path(self.root.parent)
         flags = os.O_WRONLY | os.O_APPEND | (os.O_CREAT | os.O_EXCL if new else 0)
         fd = os.open(segment.path, flags, 0o644)
         try:
             write_pieces(fd, pieces)
-            os.fdatasync(fd)
+            _sync_data(fd)
             if new:
                 sync_path(self.root)
         except BaseException:
-            self._open = None  # the next write starts a new segment whatever this one holds
             with contextlib.suppress(OSError):
                 if new:
                     os.unlink(segment.path)
@@ -162,9 +164,9 @@ class StepLog:
                 file.seek(offset)
                 data = file.read(length)
         except FileNotFoundError:  # pruned meanwhile
-            raise NotFoundError(
-                f"step {step} is not in the step log at {str(self.root)!r}"
-            ) from None
+            data = b""
+        if len(data) != length:  # removed or cut meanwhile
+            raise NotFoundError(f"step {step} is not in the step log at {str(self.root)!r}")
         tensors = decode_weights(data, where=f"step {step} in {str(path)!r}")
         side = {k[len(_SIDE) :]: t for k, t in tensors.items() if k.startswith(_SIDE)}
         return LoggedBatch(tensors["inputs"], tensors["targets"], side)
@@ -195,11 +197,12 @@ class StepLog:
                 for number, segment in segments.items()
                 if all(step <= up_to_step for step, _, _ in segment.records)
             ]
-            for number in behind:
-                self._remove(number)
-            if behind:
+            try:
+                for number in behind:
+                    self._remove(number)
+            finally:
                 self._index()
-            self._open = None
+                self._open = None
 
     def drop_after(self, step: int) -> None:
         """Removes every entry for steps > ``step`` (a lineage that loading state superseded;
@@ -207,24 +210,28 @@ class StepLog:
         with self._lock:
             segments = self._scanned()
             self._pruned = min(self._pruned, step)
-            for number, segment in list(segments.items()):
-                # Records are in step order: the ones kept come first.
-                cut = next((i for i, r in enumerate(segment.records) if r[0] > step), None)
-                if cut == 0:
-                    self._remove(number)
-                elif cut is not None:
-                    del segment.records[cut:]
-                    segment.size = segment.records[-1][1] + segment.records[-1][2] + _HEADER.size
-                    os.truncate(segment.path, segment.size)
-                    sync_path(segment.path)
-            self._index()
-            self._open = None
+            try:
+                for number, segment in list(segments.items()):
+                    # Records are in step order: the ones kept come first.
+                    cut = next((i for i, r in enumerate(segment.records) if r[0] > step), None)
+                    if cut == 0:
+                        self._remove(number)
+                    elif cut is not None:
+                        _, offset, length = segment.records[cut - 1]
+                        size = offset + length + _HEADER.size
+                        os.truncate(segment.path, size)
+                        sync_path(segment.path)
+                        del segment.records[cut:]  # only once the file is cut
+                        segment.size = size
+            finally:
+                self._index()
+                self._open = None
 
     def _remove(self, number: int) -> None:
-        """Removes a segment's file (the caller rebuilds the index once it removed all)."""
+        """Removes a segment's file, then forgets it (the caller rebuilds the index)."""
         assert self._segments is not None
-        segment = self._segments.pop(number)
-        segment.path.unlink(missing_ok=True)
+        self._segments[number].path.unlink(missing_ok=True)
+        del self._segments[number]
 
     def _index(self) -> None:
         """Rebuilds ``_where`` from the segments (the newest record of a step wins)."""
@@ -235,22 +242,24 @@ class StepLog:
                 self._where[step] = (number, offset, length)
 
     def _scanned(self) -> dict[int, _Segment]:
-        """The segments, read from disk the first time (the lock is held)."""
+        """The segments, read from disk the first time (the lock is held; a scan that fails
+        is tried again by the next call)."""
         if self._segments is None:
-            self._segments = {}
+            segments: dict[int, _Segment] = {}
             legacy: dict[int, int] = {}
             paths = sorted(self.root.iterdir()) if self.root.is_dir() else []
             for path in paths:
                 if match := _SEGMENT.fullmatch(path.name):
-                    self._segments[int(match[1])] = _read_segment(path)
+                    segments[int(match[1])] = _read_segment(path)
                 elif match := _LEGACY.fullmatch(path.name):
                     legacy[int(match[1])] = path.stat().st_size
             # An older version's files, one step each, come before any segment.
-            first = min(self._segments, default=1) - len(legacy)
+            first = min(segments, default=1) - len(legacy)
             for offset, (step, size) in enumerate(sorted(legacy.items())):
                 path = self.root / f"step-{step:09d}.safetensors"
-                self._segments[first + offset] = _Segment(path, size, [(step, 0, size)], True)
-            self._next = max(self._segments, default=0) + 1
+                segments[first + offset] = _Segment(path, size, [(step, 0, size)], True)
+            self._next = max(segments, default=0) + 1
+            self._segments = segments
             self._index()
         return self._segments
 
@@ -275,3 +284,9 @@ def _read_segment(path: Path) -> _Segment:
             offset = end + _HEADER.size
     segment.size = size
     return segment
+
+
+def _sync_data(fd: int) -> None:
+    """Flushes a file's data (and the size that reads it) to disk."""
+    sync = getattr(os, "fdatasync", os.fsync)  # fdatasync is POSIX's, not every system's
+    sync(fd)

@@ -289,6 +289,8 @@ def write_pieces(fd: int, pieces: list[memoryview]) -> None:
     pending = [piece for piece in pieces if piece.nbytes]
     while pending:
         written = os.writev(fd, pending[:_IOV_MAX])
+        if written == 0:  # pragma: no cover - not for files; a guard against a loop
+            raise OSError(f"writing to file descriptor {fd} made no progress")
         while pending and written >= pending[0].nbytes:
             written -= pending.pop(0).nbytes
         if written:

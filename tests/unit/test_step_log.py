@@ -168,3 +168,68 @@ def test_a_log_written_by_an_earlier_version_reads_and_prunes(tmp_path: Path) ->
     assert log.size_bytes() == _on_disk(root)
     log.prune(5)
     assert [p.name for p in root.iterdir()] == ["segment-000000001.log"]
+
+
+def _fail_once(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> None:
+    """``owner.name`` raises OSError (EIO) on its next call, then works again."""
+    real = getattr(owner, name)
+    calls = []
+
+    def failing(*args: object, **kwargs: object) -> object:
+        calls.append(args)
+        if len(calls) == 1:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, failing)
+
+
+def test_a_scan_that_failed_is_tried_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restarted coordinator's first look at the log fails (out of file descriptors, an
+    I/O error): the next call reads the whole log, and writes go past every segment."""
+    log = StepLog(tmp_path / "steps")
+    for step in (1, 2):
+        log.write(step, _batch(step))
+    restarted = StepLog(log.root)
+    _fail_once(monkeypatch, step_log, "_read_segment")
+    with pytest.raises(OSError, match="Input/output"):
+        restarted.read(2)
+    assert _same(restarted.read(2), _batch(2))
+    restarted.write(3, _batch(3))
+    assert sorted(StepLog(log.root).entries()) == [1, 2, 3]
+
+
+def test_a_drop_whose_cut_failed_keeps_reading_what_is_on_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The segment could not be cut: the log still reads the records the file holds, and a
+    new lineage's step written next reads as itself, then and after a restart."""
+    log = StepLog(tmp_path / "steps")
+    for step in range(1, 6):
+        log.write(step, _batch(step))
+    _fail_once(monkeypatch, os, "truncate")
+    with pytest.raises(OSError, match="Input/output"):
+        log.drop_after(2)
+    log.write(3, _batch(30))
+    for reader in (log, StepLog(log.root)):
+        assert _same(reader.read(3), _batch(30))
+        assert _same(reader.read(2), _batch(2))
+    log.drop_after(2)  # tried again: it works
+    assert sorted(StepLog(log.root).entries()) == [1, 2]
+
+
+def test_a_prune_whose_removal_failed_leaves_the_log_writable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = StepLog(tmp_path / "steps")
+    for step in (1, 2):
+        log.write(step, _batch(step))
+    _fail_once(monkeypatch, Path, "unlink")
+    with pytest.raises(OSError, match="Input/output"):
+        log.prune(2)
+    assert log.size_bytes() == _on_disk(log.root)
+    log.write(3, _batch(3))
+    assert sorted(log.entries()) == [3]
+    log.prune(2)
+    assert sorted(StepLog(log.root).entries()) == [3]
+    assert log.size_bytes() == _on_disk(log.root)
