@@ -31,6 +31,10 @@ are appended to *segments*, ``segment-{N:09d}.log`` (N counts up), each a run of
 - A state loaded at an older step truncates each segment at its first record after that step.
 - Logs written by earlier versions, one ``step-{N:09d}.safetensors`` file per step, read as
   one-record segments.
+- Whatever fails (a full disk, an I/O error, a directory gone), what the log reads follows
+  what is on disk: a failed append is cut back (or its new segment removed) and the next write
+  starts a new segment; a scan that failed is tried again; a drop cuts a file before it
+  forgets the records; a prune forgets a segment once its file is gone.
 """
 
 from __future__ import annotations
