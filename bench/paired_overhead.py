@@ -18,7 +18,8 @@ stream) instead of one ``train_step``; each figure is then a turn's ms per step.
 
 After the table, the context switches per step of each checkout's stage processes (all their
 threads, voluntary and not, from ``/proc/<pid>/task/*/status``, over the timed turns of each
-row), one figure per stage.
+row), one figure per stage; then each checkout's CPU ms per step (``/proc/<pid>/stat``, user
+and system, over the same turns) as ``coordinator / stage + stage ... / client = total``.
 
 Usage: ``python bench/paired_overhead.py [--stages 2] [--steps 150] [--workload act]
 [--every 0,10] [--train K] [--clip C] NAME=DIR [NAME=DIR ...]`` (``.`` is this checkout).
@@ -38,8 +39,9 @@ from pathlib import Path
 WARMUP_STEPS = 5
 
 
-def _stage_pids(parent: int) -> list[int]:
-    """The ``pipesvc stage`` processes whose parent is ``parent``, in start order (by pid)."""
+def _stage_pids(parent: int, role: bytes = b"stage") -> list[int]:
+    """The ``pipesvc ROLE`` processes (``stage``, ``coordinator``) whose parent is ``parent``,
+    in start order (by pid)."""
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -51,7 +53,7 @@ def _stage_pids(parent: int) -> list[int]:
                 args = cmdline.read().split(b"\0")
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == parent and args[1:4] == [b"-m", b"pipesvc", b"stage"]:
+        if ppid == parent and args[1:4] == [b"-m", b"pipesvc", role]:
             pids.append(int(entry))
     return sorted(pids)
 
@@ -68,6 +70,13 @@ def _switches(pid: int) -> int:
         except OSError:
             continue  # the thread ended meanwhile
     return total
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user and system, every thread) process ``pid`` has used so far."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def worker(num_stages: int, workload: str) -> None:
@@ -120,6 +129,10 @@ def worker(num_stages: int, workload: str) -> None:
                 for _ in job.train([(x, y)] * count):
                     pass
                 print(f"{(time.perf_counter() - started) * 1e3 / count:.4f}", flush=True)
+            elif command[0] == "cpu":  # coordinator, stages, this client: CPU seconds so far
+                me = os.getpid()
+                pids = [*_stage_pids(me, b"coordinator"), *_stage_pids(me)]
+                print(" ".join(f"{_cpu_s(pid):.3f}" for pid in [*pids, me]), flush=True)
             elif command[0] == "switches":
                 counts = [_switches(pid) for pid in _stage_pids(os.getpid())]
                 print(" ".join(str(c) for c in counts), flush=True)
@@ -215,6 +228,7 @@ def main() -> None:
         header += [f"{name} steps/s", "ms", "p50 ms"]
     rows = [header]
     switch_rows = [["schedule", "ckpt", *(f"{name} switches/step" for name in names)]]
+    cpu_rows = [["schedule", "ckpt", *(f"{name} cpu ms/step" for name in names)]]
     try:
         for schedule in ("gpipe", "1f1b"):
             for every in (int(e) for e in args.every.split(",")):
@@ -227,11 +241,24 @@ def main() -> None:
                 turn = f"train {args.train}" if args.train else "step"
                 times: dict[str, list[float]] = {name: [] for name in names}
                 before = {name: checkouts[name].ask("switches").split() for name in names}
+                cpu_before = {name: checkouts[name].ask("cpu").split() for name in names}
                 turns = max(1, args.steps // max(1, args.train))
                 for i in range(turns):
                     for name in names[i % len(names) :] + names[: i % len(names)]:
                         times[name].append(float(checkouts[name].ask(turn)))
                 steps = turns * max(1, args.train)
+                cpus = []
+                for name in names:
+                    after = checkouts[name].ask("cpu").split()
+                    used = [
+                        (float(a) - float(b)) * 1e3 / steps
+                        for a, b in zip(after, cpu_before[name], strict=True)
+                    ]
+                    coordinator, stages, client = used[0], used[1:-1], used[-1]
+                    cpus.append(
+                        f"{coordinator:.2f} / {' + '.join(f'{t:.2f}' for t in stages)} / "
+                        f"{client:.2f} = {sum(used):.2f}"
+                    )
                 switches = []
                 for name in names:
                     after = checkouts[name].ask("switches").split()
@@ -241,6 +268,7 @@ def main() -> None:
                     switches.append(" / ".join(f"{n:.1f}" for n in per_stage))
                 row = [schedule, f"every {every}" if every else "off"]
                 switch_rows.append([*row, *switches])
+                cpu_rows.append([*row, *cpus])
                 for name in names:
                     mean, median = statistics.fmean(times[name]), statistics.median(times[name])
                     row += [f"{1e3 / mean:.1f}", f"{mean:.2f}", f"{median:.2f}"]
@@ -248,7 +276,7 @@ def main() -> None:
     finally:
         for checkout in checkouts.values():
             checkout.close()
-    for table in (rows, switch_rows):
+    for table in (rows, switch_rows, cpu_rows):
         widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
         for row in table:
             print("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
