@@ -47,8 +47,10 @@ OWNER_DEATHSIG_ENV = "PIPESVC_OWNER_DEATHSIG"
 """``1`` when the owner started this process from its main thread (so PDEATHSIG is safe)."""
 POLL_S = 0.5
 """How often the watchdog compares the parent pid with the owner's."""
-GRACE_S = 30.0
-"""How long a child whose owner died may take to stop after its SIGTERM."""
+GRACE_S = 10.0
+"""How long a child whose owner died may take to stop after its SIGTERM: what
+``LocalCluster.close`` gives it before SIGKILL. A stage's drain waits for its coordinator,
+which went with the same owner, so an orphan would otherwise wait for nobody."""
 _PR_SET_PDEATHSIG = 1
 
 
