@@ -85,7 +85,6 @@ class _Segment:
     size: int = 0
     records: list[tuple[int, int, int]] = field(default_factory=list)
     """``(step, payload offset, payload length)`` of each whole record."""
-    legacy: bool = False
 
 
 class StepLog:
@@ -159,10 +158,10 @@ class StepLog:
         with self._lock:
             segments = self._scanned()
             found = self._where.get(step) if step > self._pruned else None
-            path = None if found is None else segments[found[0]].path
-        if found is None or path is None:
-            raise NotFoundError(f"step {step} is not in the step log at {str(self.root)!r}")
-        _, offset, length = found
+            if found is None:
+                raise NotFoundError(f"step {step} is not in the step log at {str(self.root)!r}")
+            number, offset, length = found
+            path = segments[number].path
         try:
             with open(path, "rb") as file:
                 file.seek(offset)
@@ -261,7 +260,7 @@ class StepLog:
             first = min(segments, default=1) - len(legacy)
             for offset, (step, size) in enumerate(sorted(legacy.items())):
                 path = self.root / f"step-{step:09d}.safetensors"
-                segments[first + offset] = _Segment(path, size, [(step, 0, size)], True)
+                segments[first + offset] = _Segment(path, size, [(step, 0, size)])
             self._next = max(segments, default=0) + 1
             self._segments = segments
             self._index()
