@@ -15,8 +15,21 @@ sends it back, A receives it whole; MB/s counts both directions (2 x bytes per r
   tensor's bytes as one message, B echoes the message, A turns it back into a tensor (``bytes``
   and ``frombuffer``, as any Python gRPC client must). The floor any gRPC data plane in Python
   sits on.
+- grpc-handoffs: the same echo with pipesvc's threads (see [Note: stream threads] below): in
+  each process the bytes pass between a compute thread and the gRPC stream through queues, a
+  reading thread takes the incoming messages, and gRPC's own threads send from a generator.
+- grpc-aio: the same hand-offs over ``grpc.aio`` (a stream on an event loop, each process's
+  compute thread handing its messages to the loop and taking the loop's), the design that moves
+  the streams off gRPC's threads but keeps the compute (torch) on a thread of its own.
 - tcp: a plain socket, ``sendall`` of the tensor's buffer, ``recv_into`` a preallocated buffer.
 - gloo: ``torch.distributed`` send/recv, ``init_method=tcp://127.0.0.1:PORT``.
+
+[Note: stream threads] A stage's compute runs on one thread and blocks in torch, so its data
+plane needs at least one hand-off per message between that thread and whatever drives the
+stream. ``grpc-handoffs`` and ``grpc-aio`` isolate what the two threading designs cost per
+message, with nothing of pipesvc in them: ``frames/handoffs`` is what pipesvc's own code adds
+on top of its threads, and ``aio/handoffs`` what moving the streams onto an event loop would
+buy.
 
 Usage: ``python bench/transport.py [--quick] [--sizes 64K,1M,8M] [--only frames,grpc]``
 """
@@ -225,10 +238,6 @@ _ECHO_METHOD = "/bench.Echo/Echo"
 
 
 def _grpc_server(q: Queue, plan: Plan) -> None:
-    import grpc
-
-    from pipesvc.wire.transport import create_server
-
     torch.set_num_threads(1)
     total = sum(WARMUP_ROUND_TRIPS + iters for _, iters in plan)
     done = threading.Event()
@@ -239,16 +248,7 @@ def _grpc_server(q: Queue, plan: Plan) -> None:
             if i + 1 == total:
                 done.set()
 
-    handler = grpc.method_handlers_generic_handler(
-        "bench.Echo", {"Echo": grpc.stream_stream_rpc_method_handler(echo)}
-    )
-    server, port, _ = create_server(
-        "127.0.0.1:0", [lambda s: s.add_generic_rpc_handlers((handler,))]
-    )
-    q.put(f"127.0.0.1:{port}")
-    done.wait(900)
-    time.sleep(1.0)  # let the last reply leave before the server stops
-    server.stop(grace=2)
+    _serve_echo(q, echo, done)
 
 
 def _grpc_client(q: Queue, address: str, plan: Plan) -> None:
@@ -276,6 +276,171 @@ def _grpc_client(q: Queue, address: str, plan: Plan) -> None:
     channel.close()
 
 
+def _handoff_server(q: Queue, plan: Plan) -> None:
+    import queue as queue_mod
+
+    torch.set_num_threads(1)
+    total = sum(WARMUP_ROUND_TRIPS + iters for _, iters in plan)
+    done = threading.Event()
+
+    def echo(requests: Iterator[bytes], context: Any) -> Iterator[bytes]:
+        inbox: queue_mod.Queue[bytes | None] = queue_mod.Queue()
+        outbox: queue_mod.Queue[bytes | None] = queue_mod.Queue()
+
+        def read() -> None:  # a stream's reading thread, as a link has
+            for message in requests:
+                inbox.put(message)
+            inbox.put(None)
+
+        def compute() -> None:  # the stage's compute thread
+            for i in range(total):
+                message = inbox.get()
+                outbox.put(message)
+                if i + 1 == total:
+                    done.set()
+            outbox.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
+        threading.Thread(target=compute, daemon=True).start()
+        while (message := outbox.get()) is not None:
+            yield message
+
+    _serve_echo(q, echo, done)
+
+
+def _serve_echo(q: Queue, echo: Callable[..., Any], done: threading.Event) -> None:
+    import grpc
+
+    from pipesvc.wire.transport import create_server
+
+    handler = grpc.method_handlers_generic_handler(
+        "bench.Echo", {"Echo": grpc.stream_stream_rpc_method_handler(echo)}
+    )
+    server, port, _ = create_server(
+        "127.0.0.1:0", [lambda s: s.add_generic_rpc_handlers((handler,))]
+    )
+    q.put(f"127.0.0.1:{port}")
+    done.wait(900)
+    time.sleep(1.0)  # let the last reply leave before the server stops
+    server.stop(grace=2)
+
+
+def _handoff_client(q: Queue, address: str, plan: Plan) -> None:
+    import queue as queue_mod
+
+    from pipesvc.wire.transport import open_channel
+
+    torch.set_num_threads(1)
+    channel = open_channel(address)
+    outbox: queue_mod.Queue[bytes | None] = queue_mod.Queue()
+    inbox: queue_mod.Queue[bytes] = queue_mod.Queue()
+
+    def requests() -> Iterator[bytes]:
+        while (item := outbox.get()) is not None:
+            yield item
+
+    replies = channel.stream_stream(_ECHO_METHOD)(requests())
+
+    def read() -> None:  # the link's reading thread
+        for reply in replies:
+            inbox.put(reply)
+
+    threading.Thread(target=read, daemon=True).start()
+
+    def round_trip(x: torch.Tensor) -> None:
+        outbox.put(bytes(memoryview(x.numpy()).cast("B")))
+        torch.frombuffer(bytearray(inbox.get()), dtype=torch.float32)
+
+    q.put(_timed(plan, round_trip))
+    outbox.put(None)
+    channel.close()
+
+
+_AIO_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+
+
+def _aio_server(q: Queue, plan: Plan) -> None:
+    import asyncio
+    import queue as queue_mod
+
+    import grpc
+
+    torch.set_num_threads(1)
+    total = sum(WARMUP_ROUND_TRIPS + iters for _, iters in plan)
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        done = asyncio.Event()
+
+        async def echo(requests: Any, context: Any) -> Any:
+            inbox: queue_mod.Queue[bytes] = queue_mod.Queue()
+            outbox: asyncio.Queue[bytes] = asyncio.Queue()
+
+            def compute() -> None:  # the stage's compute thread
+                for _ in range(total):
+                    message = inbox.get()
+                    loop.call_soon_threadsafe(outbox.put_nowait, message)
+
+            async def read() -> None:
+                async for message in requests:
+                    inbox.put(message)
+
+            threading.Thread(target=compute, daemon=True).start()
+            reading = asyncio.ensure_future(read())
+            for _ in range(total):
+                yield await outbox.get()
+            done.set()
+            reading.cancel()
+
+        handler = grpc.method_handlers_generic_handler(
+            "bench.Echo", {"Echo": grpc.stream_stream_rpc_method_handler(echo)}
+        )
+        server = grpc.aio.server(options=_AIO_OPTIONS)
+        server.add_generic_rpc_handlers((handler,))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        q.put(f"127.0.0.1:{port}")
+        await done.wait()
+        await asyncio.sleep(1.0)  # let the last reply leave before the server stops
+        await server.stop(grace=2)
+
+    asyncio.run(serve())
+
+
+def _aio_client(q: Queue, address: str, plan: Plan) -> None:
+    import asyncio
+    import queue as queue_mod
+
+    import grpc
+
+    torch.set_num_threads(1)
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    inbox: queue_mod.Queue[bytes] = queue_mod.Queue()
+
+    async def open_call() -> Any:
+        channel = grpc.aio.insecure_channel(address, options=_AIO_OPTIONS)
+        call = channel.stream_stream(_ECHO_METHOD)()
+
+        async def read() -> None:
+            async for reply in call:
+                inbox.put(reply)
+
+        reading = asyncio.ensure_future(read())
+        return channel, call, reading
+
+    channel, call, _reading = asyncio.run_coroutine_threadsafe(open_call(), loop).result()
+
+    def round_trip(x: torch.Tensor) -> None:
+        message = bytes(memoryview(x.numpy()).cast("B"))
+        loop.call_soon_threadsafe(lambda: asyncio.ensure_future(call.write(message)))
+        torch.frombuffer(bytearray(inbox.get()), dtype=torch.float32)
+
+    q.put(_timed(plan, round_trip))
+    asyncio.run_coroutine_threadsafe(channel.close(), loop).result()
+    loop.call_soon_threadsafe(loop.stop)
+
+
 def _frames_server(q: Queue, plan: Plan) -> None:
     _pipesvc_server(q, plan, shm_bytes=0)
 
@@ -288,6 +453,8 @@ TRANSPORTS: dict[str, tuple[Callable[..., None], Callable[..., None]]] = {
     "pipesvc": (_pipesvc_server, _pipesvc_client),
     "pipesvc-frames": (_frames_server, _frames_client),
     "grpc": (_grpc_server, _grpc_client),
+    "grpc-handoffs": (_handoff_server, _handoff_client),
+    "grpc-aio": (_aio_server, _aio_client),
     "tcp": (_tcp_server, _tcp_client),
     "gloo": (_gloo_server, _gloo_client),
 }
@@ -316,6 +483,10 @@ def run_pair(name: str, plan: Plan) -> list[float]:
     return seconds
 
 
+def _short(name: str) -> str:
+    return name.replace("pipesvc-frames", "frames").replace("grpc-", "")
+
+
 def _label(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
@@ -330,6 +501,8 @@ RATIOS = [
     ("pipesvc", "tcp"),
     ("pipesvc-frames", "gloo"),
     ("pipesvc-frames", "grpc"),
+    ("pipesvc-frames", "grpc-handoffs"),
+    ("grpc-aio", "grpc-handoffs"),
 ]
 
 
@@ -376,7 +549,7 @@ def main() -> None:
     if "pipesvc-frames" in names:
         header.append("frames us/RT")
     ratios = [(a, b) for a, b in RATIOS if a in names and b in names]
-    header += [f"{a}/{b}".replace("pipesvc-frames", "frames") for a, b in ratios]
+    header += [_short(f"{a}/{b}") for a, b in ratios]
     rows = [header]
     for i, (num_bytes, iters) in enumerate(plan):
         row = [_label(num_bytes), str(iters), *(f"{mb_s[n][i]:.0f}" for n in names)]
