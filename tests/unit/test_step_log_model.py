@@ -55,6 +55,7 @@ class StepLogModel(RuleBasedStateMachine):
         self.pruned = 0  # steps at or before this are behind the newest checkpoint
         self.step = 0  # the newest step written
         self.marks = 0
+        self.appending = False  # this process has a segment it appends to (a crash may tear)
 
     def teardown(self) -> None:
         patch = getattr(self, "_patch", None)
@@ -79,6 +80,7 @@ class StepLogModel(RuleBasedStateMachine):
         self.log.write(step, _batch(mark, rows, side))
         self.held[step] = mark
         self.step = step
+        self.appending = True
 
     @rule(rows=st.integers(1, 12))
     def write_fails(self, rows: int) -> None:
@@ -111,15 +113,17 @@ class StepLogModel(RuleBasedStateMachine):
     def restart(self, torn: int) -> None:
         """The coordinator stops (maybe mid-write, leaving ``torn`` bytes of a record that was
         never acknowledged, or all of it but a trailer that does not match) and a new one opens
-        the log and prunes to the checkpoint."""
+        the log and prunes to the checkpoint. Only the segment a process was appending to can
+        be torn, once: no process appends to a segment it did not start."""
         segments = sorted(self.root.glob("segment-*.log")) if self.root.is_dir() else []
-        if torn and segments:
+        if torn and segments and self.appending:
             header = step_log._HEADER.pack(step_log._MAGIC, self.step + 1, 64)
             record = header + bytes(64) + bytes(len(header))
             with open(segments[-1], "ab") as file:
                 file.write(record[:torn])
         self.log = StepLog(self.root)
         self.log.prune(self.pruned)
+        self.appending = False
 
     @invariant()
     def reads_follow_the_model(self) -> None:
