@@ -26,7 +26,7 @@ from pipesvc.coordinator.step_log import LoggedBatch, StepLog
 from pipesvc.errors import NotFoundError
 
 SEGMENT_BYTES = 700
-"""Small enough that a segment holds one to a few entries (each is 300-600 bytes)."""
+"""Small enough that a segment holds one to a few entries (each is 190-640 bytes)."""
 
 
 def _batch(mark: int, rows: int, side: bool) -> LoggedBatch:
