@@ -16,7 +16,7 @@ from types import TracebackType
 from pipesvc.client import Client
 from pipesvc.core.health import Health
 from pipesvc.errors import PipesvcError, StageUnavailableError
-from pipesvc.owner import owner_environ
+from pipesvc.owner import GRACE_S, owner_environ
 from pipesvc.stage.dataplane.malloc import stage_environ
 from pipesvc.wire.security import Security
 
@@ -303,7 +303,7 @@ class LocalCluster:
         for proc in self._procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + GRACE_S  # what an orphan gives itself, too
         for proc in self._procs:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
