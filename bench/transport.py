@@ -251,7 +251,9 @@ def _grpc_server(q: Queue, plan: Plan) -> None:
     _serve_echo(q, echo, done)
 
 
-def _grpc_client(q: Queue, address: str, plan: Plan) -> None:
+def _echo_stream(address: str) -> tuple[Any, Any, Iterator[bytes]]:
+    """A channel to the echo, the queue its requests are taken from (None ends them), and
+    its replies."""
     import queue as queue_mod
 
     from pipesvc.wire.transport import open_channel
@@ -264,7 +266,11 @@ def _grpc_client(q: Queue, address: str, plan: Plan) -> None:
         while (item := outbox.get()) is not None:
             yield item
 
-    replies = channel.stream_stream(_ECHO_METHOD)(requests())
+    return channel, outbox, channel.stream_stream(_ECHO_METHOD)(requests())
+
+
+def _grpc_client(q: Queue, address: str, plan: Plan) -> None:
+    channel, outbox, replies = _echo_stream(address)
 
     def round_trip(x: torch.Tensor) -> None:
         outbox.put(bytes(memoryview(x.numpy()).cast("B")))
@@ -328,18 +334,8 @@ def _serve_echo(q: Queue, echo: Callable[..., Any], done: threading.Event) -> No
 def _handoff_client(q: Queue, address: str, plan: Plan) -> None:
     import queue as queue_mod
 
-    from pipesvc.wire.transport import open_channel
-
-    torch.set_num_threads(1)
-    channel = open_channel(address)
-    outbox: queue_mod.Queue[bytes | None] = queue_mod.Queue()
+    channel, outbox, replies = _echo_stream(address)
     inbox: queue_mod.Queue[bytes] = queue_mod.Queue()
-
-    def requests() -> Iterator[bytes]:
-        while (item := outbox.get()) is not None:
-            yield item
-
-    replies = channel.stream_stream(_ECHO_METHOD)(requests())
 
     def read() -> None:  # the link's reading thread
         for reply in replies:
