@@ -57,6 +57,7 @@ from pipesvc.errors import (
     StageUnavailableError,
 )
 from pipesvc.observe.metrics import NO_METRICS, Metrics
+from pipesvc.observe.step_lines import StepLines
 from pipesvc.v1 import common_pb2, coordinator_pb2, stage_pb2
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ class JobDriver(JobLifecycle):
         self._spec = (config, config_to_proto(config))
         """The configuration ``info`` last described, and its wire form."""
         self._pool = futures.ThreadPoolExecutor(max_workers=16)
+        self._step_lines = StepLines(logger, job_id)
         self.group = StageGroup(
             job_id=job_id,
             config=config,
@@ -303,13 +305,7 @@ class JobDriver(JobLifecycle):
             self._metrics.inc("steps_committed_total")
             took = time.monotonic() - started
             self._metrics.observe("step_seconds", took)
-            logger.info(
-                "job %s: step %d committed, loss %.6f",
-                self.job_id,
-                ledger.step,
-                loss,
-                extra={"job": self.job_id, "step": ledger.step},
-            )
+            self._step_lines.committed(ledger.step, loss)
             self.checkpoints.after_step(took)  # a snapshot if the step is due a checkpoint
             self._rebalance_if_due(took)
             return loss, ledger.step
