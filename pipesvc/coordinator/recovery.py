@@ -32,6 +32,7 @@ from pipesvc.coordinator.ledger import Ledger
 from pipesvc.coordinator.reconcile import reconcile
 from pipesvc.coordinator.stage_calls import StageLostError, health_of
 from pipesvc.coordinator.stage_group import StageGroup
+from pipesvc.coordinator.step_log import StepLogDamagedError
 from pipesvc.coordinator.step_runner import FINAL_ERRORS, StepRunner
 from pipesvc.core.health import Health
 from pipesvc.core.microbatch import RunBatch
@@ -185,6 +186,20 @@ class Recovery:
 
     # -- restore and replay ----------------------------------------------------------------------
 
+    def _way_on(self) -> str:
+        """What a job whose logged steps cannot all be replayed can go on from."""
+        step = self._ledger.checkpoint_step
+        if step < 0:
+            return (
+                "the job has no checkpoint to go on from: create it again (from the checkpoint it "
+                "was created from, if any)"
+            )
+        path = self._storage.checkpoints.path(step)
+        return (
+            f"its newest checkpoint, of step {step}, is {str(path)!r}: a new job created with "
+            "resume_from= that directory goes on from there"
+        )
+
     def restore(self) -> None:
         """Loads the newest checkpoint into freshly assigned stages (or keeps the seed's init)."""
         ledger = self._ledger
@@ -206,5 +221,10 @@ class Recovery:
         first was (its commit carried by the next, the last one's pending)."""
         m = self.group.config.step_microbatches
         for step in range(self._ledger.step + 1, target + 1):
-            logged = self._storage.log.read(step)
+            try:
+                logged = self._storage.log.read(step)
+            except StepLogDamagedError as exc:
+                raise StepLogDamagedError(
+                    f"job {self.group.job_id}: {exc}; {self._way_on()}"
+                ) from exc
             self._runner.replay(RunBatch.split(logged.inputs, logged.targets, logged.side, m))

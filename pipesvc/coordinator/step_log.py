@@ -11,9 +11,10 @@ second, so an entry costs one append and one ``fdatasync``: no file made, rename
 into its directory per step (that cost three times the CPU and twice the wall time). Entries
 are appended to *segments*, ``segment-{N:09d}.log`` (N counts up), each a run of records::
 
-    header  (20 bytes: b"PSL1", step u64, length u64, little-endian)
+    header  (24 bytes: b"PSL2", step u64, length u64, CRC-32 of the payload u32,
+             little-endian)
     payload (length bytes: the batch as a safetensors file)
-    trailer (the header's 20 bytes again)
+    trailer (the header's 24 bytes again)
 
 - One writer, entries in step order. A write opens the segment, appends, syncs and closes it
   again, so a log whose directory went away fails the write, as it must (the step is then
@@ -22,6 +23,10 @@ are appended to *segments*, ``segment-{N:09d}.log`` (N counts up), each a run of
   in a torn record. A reader takes a segment's records up to the first one whose header,
   length or trailer is not whole; that record's step was never decided (its sync did not
   return), so nothing decided is lost.
+- A record's payload is checked against its CRC-32 when it is read (for a replay): a record
+  whose bytes changed on disk after their sync raises ``StepLogDamagedError`` naming the step
+  and the file, rather than replaying other numbers than the step was decided with. The scan
+  at start reads headers and trailers only.
 - A step written twice (a step retried, or written again after a coordinator restart) is read
   from its newest record.
 - A segment is removed once every record in it is at or before the newest checkpoint. A prune
@@ -29,8 +34,9 @@ are appended to *segments*, ``segment-{N:09d}.log`` (N counts up), each a run of
   closed once it holds ``SEGMENT_BYTES`` (large batches get one file each, as before).
   Pruned steps no longer read, though their bytes stay until their segment goes.
 - A state loaded at an older step truncates each segment at its first record after that step.
-- Logs written by earlier versions, one ``step-{N:09d}.safetensors`` file per step, read as
-  one-record segments.
+- Logs written by earlier versions read as they were: records of 20-byte headers without a
+  checksum (b"PSL1"), and one ``step-{N:09d}.safetensors`` file per step (one-record segments).
+  A process never appends to such a segment, so each segment holds one kind of record.
 - Whatever fails (a full disk, an I/O error, a directory gone), what the log reads follows
   what is on disk: a failed append is cut back (or its new segment removed) and the next write
   starts a new segment; a scan that failed is tried again; a drop cuts a file before it
@@ -44,17 +50,21 @@ import os
 import re
 import struct
 import threading
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from pipesvc.errors import NotFoundError, StepAbortedError
+from pipesvc.errors import FailedPreconditionError, NotFoundError, StepAbortedError
 from pipesvc.storage.weights import decode_weights, encode_weights, sync_path, write_pieces
 
 _SIDE = "side."
-_MAGIC = b"PSL1"
-_HEADER = struct.Struct("<4sQQ")
+_MAGIC = b"PSL2"
+_HEADER = struct.Struct("<4sQQI")
+_MAGIC_V1 = b"PSL1"
+_HEADER_V1 = struct.Struct("<4sQQ")
+"""Records of earlier versions: no checksum."""
 SEGMENT_BYTES = 4 << 20
 """A segment is closed once it holds this many bytes (what a prune leaves behind is the
 segment it falls into, and the one written since)."""
@@ -66,6 +76,11 @@ class StepLogError(StepAbortedError):
     """A step's batch could not be written to the step log: the step was not decided and its
     run was aborted on every stage (a retry cannot be replayed without its batch, so none is
     made for the caller)."""
+
+
+class StepLogDamagedError(FailedPreconditionError):
+    """A step's record no longer matches its checksum: the disk changed its bytes after they
+    were synced, so the step cannot be replayed as it was decided."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,8 +98,28 @@ class _Segment:
 
     path: Path
     size: int = 0
-    records: list[tuple[int, int, int]] = field(default_factory=list)
-    """``(step, payload offset, payload length)`` of each whole record."""
+    records: list[_Record] = field(default_factory=list)
+    """Its whole records, in order."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Record:
+    """Where a step's record lies in its segment."""
+
+    step: int
+    offset: int
+    """Of the payload."""
+    length: int
+    """Of the payload."""
+    crc: int | None
+    """The payload's CRC-32 (None: an earlier version's record, without one)."""
+    trailer: int
+    """Bytes after the payload (the copy of the header; none in a one-step file)."""
+
+    @property
+    def end(self) -> int:
+        """Where the record ends in its segment."""
+        return self.offset + self.length + self.trailer
 
 
 class StepLog:
@@ -95,8 +130,8 @@ class StepLog:
         self._lock = threading.Lock()  # written in a step's run, pruned by a background checkpoint
         self._segments: dict[int, _Segment] | None = None
         """Every segment by number, once read (kept up to date from then on)."""
-        self._where: dict[int, tuple[int, int, int]] = {}
-        """Each step's newest record: ``(segment number, payload offset, length)``."""
+        self._where: dict[int, tuple[int, _Record]] = {}
+        """Each step's newest record, with its segment's number."""
         self._open: int | None = None
         """The segment this process appends to, if any."""
         self._pruned = 0
@@ -110,7 +145,10 @@ class StepLog:
         tensors.update({_SIDE + name: t for name, t in batch.side.items()})
         payload = encode_weights(tensors)
         length = sum(piece.nbytes for piece in payload)
-        header = memoryview(_HEADER.pack(_MAGIC, step, length))
+        crc = 0
+        for piece in payload:
+            crc = zlib.crc32(piece, crc)
+        header = memoryview(_HEADER.pack(_MAGIC, step, length, crc))
         with self._lock:
             segments = self._scanned()
             number = self._open
@@ -119,9 +157,10 @@ class StepLog:
             segment = segments.get(number) or _Segment(self.root / f"segment-{number:09d}.log")
             self._append(segment, [header, *payload, header])
             segments[number] = segment
-            segment.records.append((step, segment.size + _HEADER.size, length))
-            segment.size += length + 2 * _HEADER.size
-            self._where[step] = (number, segment.size - length - _HEADER.size, length)
+            record = _Record(step, segment.size + _HEADER.size, length, crc, _HEADER.size)
+            segment.records.append(record)
+            segment.size = record.end
+            self._where[step] = (number, record)
             self._open = number
 
     def _append(self, segment: _Segment, pieces: list[memoryview]) -> None:
@@ -160,16 +199,23 @@ class StepLog:
             found = self._where.get(step) if step > self._pruned else None
             if found is None:
                 raise NotFoundError(f"step {step} is not in the step log at {str(self.root)!r}")
-            number, offset, length = found
+            number, record = found
             path = segments[number].path
         try:
             with open(path, "rb") as file:
-                file.seek(offset)
-                data = file.read(length)
+                file.seek(record.offset)
+                data = file.read(record.length)
         except FileNotFoundError:  # pruned meanwhile
             data = b""
-        if len(data) != length:  # removed or cut meanwhile
+        if len(data) != record.length:  # removed or cut meanwhile
             raise NotFoundError(f"step {step} is not in the step log at {str(self.root)!r}")
+        if record.crc is not None and zlib.crc32(data) != record.crc:
+            raise StepLogDamagedError(
+                f"step {step}'s record in the step log ({str(path)!r}, bytes {record.offset} to "
+                f"{record.offset + record.length}) does not match its checksum (CRC-32 "
+                f"{zlib.crc32(data):#010x}, written as {record.crc:#010x}): the disk changed it "
+                "after it was synced, so the step cannot be replayed as it was decided"
+            )
         tensors = decode_weights(data, where=f"step {step} in {str(path)!r}")
         side = {k[len(_SIDE) :]: t for k, t in tensors.items() if k.startswith(_SIDE)}
         return LoggedBatch(tensors["inputs"], tensors["targets"], side)
@@ -180,7 +226,7 @@ class StepLog:
             segments = self._scanned()
             return {
                 step: segments[number].path
-                for step, (number, _, _) in self._where.items()
+                for step, (number, _) in self._where.items()
                 if step > self._pruned
             }
 
@@ -198,7 +244,7 @@ class StepLog:
             behind = [
                 number
                 for number, segment in segments.items()
-                if all(step <= up_to_step for step, _, _ in segment.records)
+                if all(record.step <= up_to_step for record in segment.records)
             ]
             try:
                 for number in behind:
@@ -216,12 +262,11 @@ class StepLog:
             try:
                 for number, segment in list(segments.items()):
                     # Records are in step order: the ones kept come first.
-                    cut = next((i for i, r in enumerate(segment.records) if r[0] > step), None)
+                    cut = next((i for i, r in enumerate(segment.records) if r.step > step), None)
                     if cut == 0:
                         self._remove(number)
                     elif cut is not None:
-                        _, offset, length = segment.records[cut - 1]
-                        size = offset + length + _HEADER.size
+                        size = segment.records[cut - 1].end
                         os.truncate(segment.path, size)
                         sync_path(segment.path)
                         del segment.records[cut:]  # only once the file is cut
@@ -241,8 +286,7 @@ class StepLog:
         assert self._segments is not None
         self._where = {}
         for number in sorted(self._segments):
-            for step, offset, length in self._segments[number].records:
-                self._where[step] = (number, offset, length)
+            self._where.update((r.step, (number, r)) for r in self._segments[number].records)
 
     def _scanned(self) -> dict[int, _Segment]:
         """The segments, read from disk the first time (the lock is held; a scan that fails
@@ -260,7 +304,7 @@ class StepLog:
             first = min(segments, default=1) - len(legacy)
             for offset, (step, size) in enumerate(sorted(legacy.items())):
                 path = self.root / f"step-{step:09d}.safetensors"
-                segments[first + offset] = _Segment(path, size, [(step, 0, size)])
+                segments[first + offset] = _Segment(path, size, [_Record(step, 0, size, None, 0)])
             self._next = max(segments, default=0) + 1
             self._segments = segments
             self._index()
@@ -268,23 +312,29 @@ class StepLog:
 
 
 def _read_segment(path: Path) -> _Segment:
-    """A segment's whole records, up to the first torn one."""
+    """A segment's whole records, up to the first torn one (headers and trailers are read, not
+    payloads)."""
     segment = _Segment(path)
     with open(path, "rb") as file:
         size = os.fstat(file.fileno()).st_size
         offset = 0
-        while offset + 2 * _HEADER.size <= size:
+        while True:
             file.seek(offset)
-            header = file.read(_HEADER.size)
-            magic, step, length = _HEADER.unpack(header)
-            end = offset + _HEADER.size + length
-            if magic != _MAGIC or end + _HEADER.size > size:
+            magic = file.read(4)
+            form = _HEADER if magic == _MAGIC else _HEADER_V1 if magic == _MAGIC_V1 else None
+            if form is None or offset + 2 * form.size > size:
                 break
-            file.seek(end)
-            if file.read(_HEADER.size) != header:
+            file.seek(offset)
+            header = file.read(form.size)
+            _, step, length, *crc = form.unpack(header)
+            record = _Record(step, offset + form.size, length, crc[0] if crc else None, form.size)
+            if record.end > size:
                 break
-            segment.records.append((step, offset + _HEADER.size, length))
-            offset = end + _HEADER.size
+            file.seek(record.end - form.size)
+            if file.read(form.size) != header:
+                break
+            segment.records.append(record)
+            offset = record.end
     segment.size = size
     return segment
 

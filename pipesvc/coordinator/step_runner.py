@@ -19,7 +19,7 @@ from pipesvc.coordinator.ledger import Ledger
 from pipesvc.coordinator.replicas import RunReplies
 from pipesvc.coordinator.stage_calls import StageLostError
 from pipesvc.coordinator.stage_group import SentRun, StageGroup
-from pipesvc.coordinator.step_log import LoggedBatch, StepLog, StepLogError
+from pipesvc.coordinator.step_log import LoggedBatch, StepLog, StepLogDamagedError, StepLogError
 from pipesvc.core.clipping import clip_scale
 from pipesvc.core.microbatch import RunBatch
 from pipesvc.errors import (
@@ -40,6 +40,7 @@ FINAL_ERRORS = (
     UnauthenticatedError,
     PlanError,
     StepLogError,
+    StepLogDamagedError,
 )
 """Errors that are the caller's (or the plan's, or the coordinator's disk's) and that a
 recovery cannot fix."""

@@ -7,15 +7,21 @@ from __future__ import annotations
 
 import errno
 import os
+import struct
 from pathlib import Path
 
 import pytest
 import torch
 
 from pipesvc.coordinator import step_log
-from pipesvc.coordinator.step_log import SEGMENT_BYTES, LoggedBatch, StepLog
+from pipesvc.coordinator.step_log import (
+    SEGMENT_BYTES,
+    LoggedBatch,
+    StepLog,
+    StepLogDamagedError,
+)
 from pipesvc.errors import NotFoundError
-from pipesvc.storage.weights import save_weights
+from pipesvc.storage.weights import encode_weights, save_weights
 
 
 def _on_disk(root: Path) -> int:
@@ -168,6 +174,60 @@ def test_a_log_written_by_an_earlier_version_reads_and_prunes(tmp_path: Path) ->
     assert log.size_bytes() == _on_disk(root)
     log.prune(5)
     assert [p.name for p in root.iterdir()] == ["segment-000000001.log"]
+
+
+def test_a_record_whose_bytes_changed_on_disk_is_refused_as_damaged(tmp_path: Path) -> None:
+    """A payload byte that flips after its sync (the header and trailer still whole) is caught
+    by the record's checksum when the step is read for a replay: the read names the step and
+    the file instead of handing over other numbers. The records around it still read, and a
+    retry of the step (written again) reads from its new record."""
+    log = StepLog(tmp_path / "steps")
+    for step in (1, 2, 3):
+        log.write(step, _batch(step, rows=64))
+    (segment,) = log.root.iterdir()
+    data = bytearray(segment.read_bytes())
+    third = len(data) // 3
+    at = third + third // 2  # inside step 2's payload: its tensors' bytes, far from its header
+    data[at] ^= 0x04
+    segment.write_bytes(bytes(data))
+    for reader in (log, StepLog(log.root)):  # this process, and one that scans the log afresh
+        assert sorted(reader.entries()) == [1, 2, 3]  # a scan reads headers, not payloads
+        with pytest.raises(StepLogDamagedError, match=r"step 2's record .*checksum") as info:
+            reader.read(2)
+        assert str(segment) in str(info.value)
+        assert _same(reader.read(1), _batch(1, 64)) and _same(reader.read(3), _batch(3, 64))
+    log.write(2, _batch(2, rows=64))
+    assert _same(log.read(2), _batch(2, rows=64))
+
+
+def test_records_without_a_checksum_read_as_before(tmp_path: Path) -> None:
+    """A log that an earlier version wrote in records of 20-byte headers with no checksum
+    (b"PSL1") reads, prunes and drops as before; new entries go to a new segment, with one."""
+    root = tmp_path / "steps"
+    root.mkdir()
+    old = bytearray()
+    for step in (1, 2, 3):
+        b = _batch(step)
+        payload = b"".join(
+            bytes(p) for p in encode_weights({"inputs": b.inputs, "targets": b.targets})
+        )
+        header = struct.pack("<4sQQ", b"PSL1", step, len(payload))
+        old += header + payload + header
+    (root / "segment-000000001.log").write_bytes(bytes(old))
+    log = StepLog(root)
+    assert sorted(log.entries()) == [1, 2, 3]
+    assert all(_same(log.read(s), _batch(s)) for s in (1, 2, 3))
+    log.write(4, _batch(4))
+    assert sorted(p.name for p in root.iterdir()) == [
+        "segment-000000001.log",
+        "segment-000000002.log",
+    ]
+    assert log.size_bytes() == _on_disk(root)
+    log.drop_after(2)  # cuts the old segment after its second record
+    assert (root / "segment-000000001.log").stat().st_size == len(old) * 2 // 3
+    again = StepLog(root)
+    assert sorted(again.entries()) == [1, 2]
+    assert all(_same(again.read(s), _batch(s)) for s in (1, 2))
 
 
 def _fail_once(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> None:

@@ -1,9 +1,10 @@
 """The step log against a model of what it promises (see [Note: step log segments]), driven by
 random runs of what a coordinator does to it: steps written in order and retried, prunes
 behind checkpoints, older lineages dropped, restarts, writes that fail part way (a full disk)
-and crashes that leave a torn record, with segments small enough that every run crosses many
-of them. After every action each step the model holds must read back exactly, and every other
-step must be refused."""
+crashes that leave a torn record, and bytes that rot on disk after their sync, with segments
+small enough that every run crosses many of them. After every action each step the model holds
+must read back exactly, a step whose bytes rotted must be refused as damaged (never read as
+other numbers), and every other step must be refused as absent."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import errno
 import os
 import shutil
 import tempfile
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from unittest import mock
@@ -22,7 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pipesvc.coordinator import step_log
-from pipesvc.coordinator.step_log import LoggedBatch, StepLog
+from pipesvc.coordinator.step_log import LoggedBatch, StepLog, StepLogDamagedError
 from pipesvc.errors import NotFoundError
 
 SEGMENT_BYTES = 700
@@ -52,6 +54,7 @@ class StepLogModel(RuleBasedStateMachine):
         self.root = Path(tempfile.mkdtemp(prefix="steplog-model-")) / "steps"
         self.log = StepLog(self.root)
         self.held: dict[int, int] = {}  # step -> mark of its newest durable write
+        self.rotted: set[int] = set()  # held steps whose newest record's payload changed on disk
         self.pruned = 0  # steps at or before this are behind the newest checkpoint
         self.step = 0  # the newest step written
         self.marks = 0
@@ -79,6 +82,7 @@ class StepLogModel(RuleBasedStateMachine):
         mark = self._mark()
         self.log.write(step, _batch(mark, rows, side))
         self.held[step] = mark
+        self.rotted.discard(step)
         self.step = step
         self.appending = True
 
@@ -97,6 +101,22 @@ class StepLogModel(RuleBasedStateMachine):
         self.log.prune(at)
         self.pruned = at
 
+    @precondition(lambda self: any(s > self.pruned for s in self.held))
+    @rule(data=st.data())
+    def rot(self, data: st.DataObject) -> None:
+        """One byte of a held step's newest payload changes on disk (its header and trailer
+        stay whole, so nothing but the checksum can tell)."""
+        step = data.draw(st.sampled_from(sorted(s for s in self.held if s > self.pruned)))
+        path = self.log.entries()[step]
+        record = [r for r in step_log._read_segment(path).records if r.step == step][-1]
+        at = record.offset + data.draw(st.integers(0, record.length - 1))
+        with open(path, "r+b") as file:
+            file.seek(at)
+            byte = file.read(1)[0]
+            file.seek(at)
+            file.write(bytes([byte ^ (1 << data.draw(st.integers(0, 7)))]))
+        self.rotted.add(step)
+
     @precondition(lambda self: self.step > 0)
     @rule(data=st.data())
     def load_older(self, data: st.DataObject) -> None:
@@ -106,6 +126,7 @@ class StepLogModel(RuleBasedStateMachine):
         self.log.prune(at)
         self.log.drop_after(at)
         self.held = {s: m for s, m in self.held.items() if s <= at}
+        self.rotted = {s for s in self.rotted if s <= at}
         self.pruned = at
         self.step = at
 
@@ -117,7 +138,9 @@ class StepLogModel(RuleBasedStateMachine):
         be torn, once: no process appends to a segment it did not start."""
         segments = sorted(self.root.glob("segment-*.log")) if self.root.is_dir() else []
         if torn and segments and self.appending:
-            header = step_log._HEADER.pack(step_log._MAGIC, self.step + 1, 64)
+            header = step_log._HEADER.pack(
+                step_log._MAGIC, self.step + 1, 64, zlib.crc32(bytes(64))
+            )
             record = header + bytes(64) + bytes(len(header))
             with open(segments[-1], "ab") as file:
                 file.write(record[:torn])
@@ -130,6 +153,10 @@ class StepLogModel(RuleBasedStateMachine):
         readable = {s: m for s, m in self.held.items() if s > self.pruned}
         assert set(self.log.entries()) == set(readable)
         for step, mark in readable.items():
+            if step in self.rotted:
+                with pytest.raises(StepLogDamagedError, match=f"step {step}'s record"):
+                    self.log.read(step)
+                continue
             batch = self.log.read(step)
             assert torch.all(batch.inputs == mark) and torch.all(batch.targets == -mark)
             side = batch.side.get("attention_mask")
