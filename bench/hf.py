@@ -69,7 +69,7 @@ MOE_CONFIG = {
     "max_position_embeddings": 256,
 }
 AUX = {"output_router_logits": True, "router_aux_loss_coef": 0.02}
-MODELS = {
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", CONFIG),
     "mixtral": ("mixtral", MOE_CONFIG),
     "mixtral-aux": ("mixtral", {**MOE_CONFIG, **AUX}),
@@ -111,7 +111,7 @@ def one_process(directory: str, steps: int, threads: int, precision: str, out: A
             loss = compute_loss("causal_lm", result.logits.float(), y)
             if getattr(result, "aux_loss", None) is not None:  # the config asks for it
                 loss = loss + model.router_aux_loss_coef * result.aux_loss
-            (loss * w).backward()
+            torch.autograd.backward(loss * w)
         optimizer.step()
         times.append(time.perf_counter() - started)
     out.put((steps / sum(times[1:]), peak_rss()))
@@ -124,7 +124,7 @@ def pipelined(
         pipesvc.LocalCluster(
             num_stages=num_stages,
             threads_per_stage=1,
-            hf_models={"bench-llama": directory},  # type: ignore[call-arg]
+            hf_models={"bench-llama": directory},
         ) as cluster,
         cluster.connect() as client,
         client.create_job(

@@ -105,6 +105,8 @@ class _CpuMark:
     """``_time_steps``' mark in a torch rank: puts the rank's CPU seconds (all its threads)
     over the timed window on the queue as ``cpu<rank>``."""
 
+    _start: float | None
+
     def __init__(self, q: Any, rank: int) -> None:
         self._q, self._rank, self._start = q, rank, None
 
@@ -116,7 +118,14 @@ class _CpuMark:
 
 
 def _torch_child(
-    q: Any, clip: float | None, workload: str, rank: int, world: int, *args: Any
+    q: Any,
+    clip: float | None,
+    workload: str,
+    rank: int,
+    world: int,
+    address: str,
+    schedule: str,
+    num_steps: int,
 ) -> None:
     """``bench/pipeline.py``'s torch stage, pointed at this script's models and batch, clipping
     to ``clip`` (None: not), reporting its CPU time (``_CpuMark``)."""
@@ -126,7 +135,7 @@ def _torch_child(
     base.LR = LR
     base.CLIP = clip
     base._batch = _batch
-    base._torch_stage(q, workload, rank, world, *args, _CpuMark(q, rank))
+    base._torch_stage(q, workload, rank, world, address, schedule, num_steps, _CpuMark(q, rank))
 
 
 @dataclass(frozen=True)

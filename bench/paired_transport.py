@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 BENCH = Path(__file__).resolve().parent
 ITERS_BYTES = 256 << 20  # bytes echoed per run and size (at least 30 round trips)
@@ -35,9 +35,13 @@ def _run_timed(role: str, out: str, transport: str, *args: Any) -> None:
     sys.path.insert(0, str(BENCH))
     import grpc  # noqa: F401  (imported before the clock starts)
     import torch  # noqa: F401
-    import transport as t
 
     import pipesvc.stage.net.links  # noqa: F401
+
+    if TYPE_CHECKING:
+        from bench import transport as t
+    else:
+        import transport as t  # bench/transport.py, by its path (sys.path above)
 
     start = time.process_time()
     t.TRANSPORTS[transport][0 if role == "server" else 1](*args)
@@ -47,7 +51,10 @@ def _run_timed(role: str, out: str, transport: str, *args: Any) -> None:
 def child(transport: str, size: int, iters: int) -> None:
     """Runs one echo in this checkout (PYTHONPATH); prints its figures as JSON."""
     sys.path.insert(0, str(BENCH))
-    import transport as t
+    if TYPE_CHECKING:
+        from bench import transport as t
+    else:
+        import transport as t  # bench/transport.py, by its path (sys.path above)
 
     plan = [(size, iters)]
     ctx = mp.get_context("spawn")

@@ -54,13 +54,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 import pipesvc
 from pipesvc.core.planning.partition import uniform
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.stage import _PipelineStageBase
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WIDTH, DEPTH, BATCH, NUM_MICROBATCHES, LR = 1024, 8, 64, 8, 1e-3
@@ -240,7 +243,7 @@ def _torch_stage(
             cuts = uniform(w.num_layers, world * VIRTUAL_STAGES)
             indices = range(rank, world * VIRTUAL_STAGES, world)
             modules = [model[cuts[i][0] : cuts[i][1]] for i in indices]
-            stages = [
+            stages: list[_PipelineStageBase] = [
                 PipelineStage(m, i, world * VIRTUAL_STAGES, torch.device("cpu"))
                 for m, i in zip(modules, indices, strict=True)
             ]
@@ -319,11 +322,13 @@ def _torch_replicated_stage(
             opt.zero_grad()
             _pipe_step(pipe, index, num_stages, x, y, first_losses)
             grads = [p.grad for p in params if p.grad is not None]
-            flat = torch._utils._flatten_dense_tensors(grads)
+            flat = torch._utils._flatten_dense_tensors(grads)  # type: ignore[no-untyped-call]
             dist.all_reduce(flat, group=columns[index])
             flat /= replicas
             for grad, summed in zip(
-                grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True
+                grads,
+                torch._utils._unflatten_dense_tensors(flat, grads),  # type: ignore[no-untyped-call]
+                strict=True,
             ):
                 grad.copy_(summed)
             opt.step()

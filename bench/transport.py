@@ -45,9 +45,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    import grpc
 
 SIZES_BYTES = [64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 QUICK_SIZES_BYTES = [64 << 10, 1 << 20, 4 << 20]
@@ -88,7 +91,7 @@ def _pipesvc_server(q: Queue, plan: Plan, shm_bytes: int = DEFAULT_SHM_BYTES) ->
     total = sum(WARMUP_ROUND_TRIPS + iters for _, iters in plan)
     done = threading.Event()
 
-    class Echo(stage_pb2_grpc.StageServiceServicer):  # type: ignore[misc]
+    class Echo(stage_pb2_grpc.StageServiceServicer):
         def Exchange(self, requests: Iterator[Any], context: Any) -> Iterator[Any]:
             mailbox = Mailbox()
             link = UpstreamLink(
@@ -108,7 +111,12 @@ def _pipesvc_server(q: Queue, plan: Plan, shm_bytes: int = DEFAULT_SHM_BYTES) ->
             threading.Thread(target=echo, daemon=True).start()
             yield from link.serve(requests)
 
-    server, port, _ = create_server("127.0.0.1:0", [lambda s: add_stage_service(Echo(), s)])
+    # Echo(): mypy-protobuf's stub declares every RPC of the servicer abstract; the generated
+    # class answers those Echo leaves out with UNIMPLEMENTED.
+    server, port, _ = create_server(
+        "127.0.0.1:0",
+        [lambda s: add_stage_service(Echo(), s)],  # type: ignore[abstract]
+    )
     q.put(f"127.0.0.1:{port}")
     done.wait(900)
     time.sleep(1.0)  # let the last frames leave before the server stops
@@ -266,14 +274,16 @@ def _echo_stream(address: str) -> tuple[Any, Any, Iterator[bytes]]:
         while (item := outbox.get()) is not None:
             yield item
 
-    return channel, outbox, channel.stream_stream(_ECHO_METHOD)(requests())
+    echo: grpc.StreamStreamMultiCallable[bytes, bytes] = channel.stream_stream(_ECHO_METHOD)
+    return channel, outbox, echo(requests())
 
 
 def _grpc_client(q: Queue, address: str, plan: Plan) -> None:
     channel, outbox, replies = _echo_stream(address)
 
     def round_trip(x: torch.Tensor) -> None:
-        outbox.put(bytes(memoryview(x.numpy()).cast("B")))
+        # numpy's stubs give ndarray __buffer__ on Python 3.12+ only (a Buffer on 3.11 too)
+        outbox.put(bytes(memoryview(x.numpy()).cast("B")))  # type: ignore[arg-type]
         reply = next(replies)
         torch.frombuffer(bytearray(reply), dtype=torch.float32)
 
@@ -344,7 +354,8 @@ def _handoff_client(q: Queue, address: str, plan: Plan) -> None:
     threading.Thread(target=read, daemon=True).start()
 
     def round_trip(x: torch.Tensor) -> None:
-        outbox.put(bytes(memoryview(x.numpy()).cast("B")))
+        # numpy's stubs give ndarray __buffer__ on Python 3.12+ only (a Buffer on 3.11 too)
+        outbox.put(bytes(memoryview(x.numpy()).cast("B")))  # type: ignore[arg-type]
         torch.frombuffer(bytearray(inbox.get()), dtype=torch.float32)
 
     q.put(_timed(plan, round_trip))
@@ -416,7 +427,9 @@ def _aio_client(q: Queue, address: str, plan: Plan) -> None:
 
     async def open_call() -> Any:
         channel = grpc.aio.insecure_channel(address, options=_AIO_OPTIONS)
-        call = channel.stream_stream(_ECHO_METHOD)()
+        echo: grpc.aio.StreamStreamMultiCallable[bytes, bytes]
+        echo = channel.stream_stream(_ECHO_METHOD)
+        call = echo()
 
         async def read() -> None:
             async for reply in call:
@@ -428,7 +441,8 @@ def _aio_client(q: Queue, address: str, plan: Plan) -> None:
     channel, call, _reading = asyncio.run_coroutine_threadsafe(open_call(), loop).result()
 
     def round_trip(x: torch.Tensor) -> None:
-        message = bytes(memoryview(x.numpy()).cast("B"))
+        # numpy's stubs give ndarray __buffer__ on Python 3.12+ only (a Buffer on 3.11 too)
+        message = bytes(memoryview(x.numpy()).cast("B"))  # type: ignore[arg-type]
         loop.call_soon_threadsafe(lambda: asyncio.ensure_future(call.write(message)))
         torch.frombuffer(bytearray(inbox.get()), dtype=torch.float32)
 
