@@ -156,7 +156,9 @@ def add_job_commands(sub: Any) -> None:
     commands = job.add_subparsers(dest="job_command", required=True)
     _add_create_command(commands)
 
-    p = commands.add_parser("list", help="print the open jobs: id, model, step, stages")
+    p = commands.add_parser(
+        "list", help="print the open jobs: id, model, step, stages, schedule, optimizer"
+    )
     add_coordinator_flags(p, timeout_s=30.0)
     p.set_defaults(func=_cmd_job_list)
 
@@ -253,7 +255,8 @@ def _add_training_flags(p: argparse.ArgumentParser, loss: str) -> None:
     p.add_argument(
         "--loss",
         default=loss,
-        help="(default %(default)s; causal_lm for Hugging Face models)",
+        help="cross_entropy, mse or causal_lm (default %(default)s; a Hugging Face causal LM "
+        "trains with causal_lm)",
     )
 
 

@@ -150,7 +150,8 @@ class Client:
 
         With ``resume_from`` (a directory written by ``Job.save``), the job starts from that
         checkpoint's weights, optimizer state and step count; the checkpoint loads under any
-        plan, but its model, model arguments and optimizer must match.
+        plan, but its model, model arguments and optimizer (by name; the settings are this
+        call's) must match.
 
         Raises:
             InvalidArgumentError: a bad option (the message names it), or an unknown model.

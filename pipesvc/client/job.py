@@ -346,8 +346,10 @@ class Job:
         weights are written in; by default the dtype the original checkpoint is stored in,
         whatever the job's precision. Adapters are written as trained unless it is given.
 
-        Files of the same names in an existing ``directory`` are overwritten, others are kept
-        (see [Note: saving beside] in ``pipesvc.storage.publish``).
+        Files of the same names in an existing ``directory`` are overwritten and others are
+        kept, except weight and index files an earlier pipesvc save left that this one does
+        not rewrite, which are deleted (see [Note: saving beside] in
+        ``pipesvc.storage.publish``).
 
         Raises:
             FailedPreconditionError: the job's model is not a Hugging Face model (use ``save``),

@@ -35,12 +35,13 @@ class JobConfig:
     """Micro-batches per step."""
     schedule: str = "1f1b"
     """A registered pipeline schedule (``pipesvc.core.schedule.schedule_names()``: ``gpipe``,
-    ``1f1b`` and any registered with ``register_schedule``)."""
+    ``1f1b``, ``zb-h1``, ``interleaved-1f1b`` and any registered with ``register_schedule``)."""
     optimizer: Mapping[str, Any] = field(default_factory=_default_optimizer)
     """``{"name": "sgd" | "adam" | "adamw", **torch keyword arguments}``, or ``{"name":
     "none"}`` for an inference job (``create_job(optimizer=None)``: weights only)."""
     loss: str = "cross_entropy"
-    """``cross_entropy`` or ``mse``, mean-reduced."""
+    """``cross_entropy``, ``mse`` or ``causal_lm`` (cross-entropy of each position against the
+    next token, for causal language models), mean-reduced."""
     partition: str = "parameters"
     """A registered partition method (``pipesvc.core.planning.partition.partition_names()``):
     ``parameters`` (balance parameter counts), ``uniform`` (equal layer counts), ``memory`` (balance
