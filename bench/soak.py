@@ -10,20 +10,23 @@ Models (each on a fresh ``LocalCluster(num_stages=2, threads_per_stage=1)``, 1F1
   MSE (as in ``bench/overhead.py``).
 
 Each model trains for ``--minutes`` (default 10) after 3 warm-up steps, the same batch every
-step. Every minute (every ``--interval-s``) a row shows that interval's steps/s and p50 and p99
-of the step time seen by the client, and, for the coordinator and each stage
-(``LocalCluster.pids``), the resident memory (``VmRSS``), open file descriptors
+step, each step a ``train_step`` call (with ``--train``: one ``job.train`` stream of them all,
+the step time taken from one loss to the next). Every minute (every ``--interval-s``) a row
+shows that interval's steps/s and p50 and p99 of the step time seen by the client, and, for the
+coordinator, each stage (``LocalCluster.pids``) and the client (this process), the resident
+memory (``VmRSS``), open file descriptors
 (``/proc/<pid>/fd``) and threads (``Threads`` in ``/proc/<pid>/status``), and the number of
 files and bytes under the coordinator's state directory (database, checkpoints, step log).
 Row 0 is taken after the warm-up. A last table shows each figure after the warm-up,
 after the first minute and at the end: growth that goes on after the first minute is a leak.
 
-Usage: ``python bench/soak.py [--minutes 10] [--models gpt,mlp]``
+Usage: ``python bench/soak.py [--minutes 10] [--models gpt,mlp] [--train]``
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -106,12 +109,13 @@ def _row(
     return [*cells, str(files), f"{num_bytes / MiB:.2f}"]
 
 
-def soak(name: str, minutes: float, interval_s: float) -> list[list[str]]:
-    """Trains ``name`` for ``minutes``; returns the table's rows (header first)."""
+def soak(name: str, minutes: float, interval_s: float, train: bool) -> list[list[str]]:
+    """Trains ``name`` for ``minutes`` (``train``: through one ``job.train`` stream); returns
+    the table's rows (header first)."""
     s = SOAKS[name]
     w = s.workload
     header = ["minute", "steps", "steps/s", "p50 ms", "p99 ms", "coordinator"]
-    header += [f"stage {r}" for r in range(NUM_STAGES)] + ["state files", "state MiB"]
+    header += [f"stage {r}" for r in range(NUM_STAGES)] + ["client", "state files", "state MiB"]
     rows = [header]
     with pipesvc.LocalCluster(
         num_stages=NUM_STAGES, models=["bench.bench_models"], threads_per_stage=1
@@ -130,7 +134,11 @@ def soak(name: str, minutes: float, interval_s: float) -> list[list[str]]:
         )
         for _ in range(WARMUP_STEPS):
             job.train_step(*s.batch)
-        rows.append(_row("0", [], 0.0, cluster.pids, state))
+        pids = [*cluster.pids, os.getpid()]
+        stream = iter(job.train(itertools.repeat(s.batch))) if train else None
+        if stream is not None:
+            next(stream)
+        rows.append(_row("0", [], 0.0, pids, state))
         end = time.monotonic() + minutes * 60
         interval = 0
         while time.monotonic() < end:
@@ -140,11 +148,16 @@ def soak(name: str, minutes: float, interval_s: float) -> list[list[str]]:
             step_ms: list[float] = []
             while time.monotonic() < stop:
                 t0 = time.perf_counter()
-                job.train_step(*s.batch)
+                if stream is not None:
+                    next(stream)
+                else:
+                    job.train_step(*s.batch)
                 step_ms.append((time.perf_counter() - t0) * 1e3)
             label = f"{interval * interval_s / 60:.2f}".rstrip("0").rstrip(".")
-            rows.append(_row(label, step_ms, time.monotonic() - started, cluster.pids, state))
+            rows.append(_row(label, step_ms, time.monotonic() - started, pids, state))
             print("  ".join(rows[-1]), flush=True)
+        if stream is not None:
+            stream.close()  # the steps already sent finish first
         job.close()
         client.close()
     return rows
@@ -164,13 +177,16 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=10.0, help="training time per model")
     parser.add_argument("--models", default="gpt,mlp", help="comma-separated: gpt, mlp")
     parser.add_argument("--interval-s", type=float, default=60.0, help="seconds per row")
+    parser.add_argument(
+        "--train", action="store_true", help="stream the steps through job.train, not train_step"
+    )
     args = parser.parse_args()
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p
     )  # for the stage processes, which import bench.bench_models
     for name in args.models.split(","):
         print(f"\n{name}: training for {args.minutes:g} min", flush=True)
-        rows = soak(name, args.minutes, args.interval_s)
+        rows = soak(name, args.minutes, args.interval_s, args.train)
         s = SOAKS[name]
         print(
             f"\n{name}: {s.workload.model} {s.workload.model_args}, batch "

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -154,7 +154,7 @@ class Job:
 
     def train(
         self, batches: Iterable[Any], *, steps: int | None = None, progress: bool = False
-    ) -> Iterator[float]:
+    ) -> Generator[float, None, None]:
         """Trains on each of ``batches`` in turn, pipelined; yields each step's loss, in order,
         as the step commits.
 

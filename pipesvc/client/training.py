@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sized
 from itertools import islice
 from typing import TYPE_CHECKING, Any, cast
 
@@ -142,7 +142,7 @@ def stream_steps(
     steps: int | None,
     progress: bool,
     on_reply: Callable[[coordinator_pb2.TrainStepResponse], None],
-) -> Iterator[float]:
+) -> Generator[float, None, None]:
     """``Job.train``'s losses: the batches streamed to ``Train`` (see [Note: stream
     reconnect] in ``pipesvc/wire/step_stream.py``), ``on_reply`` called with each reply.
 
@@ -167,14 +167,16 @@ def stream_steps(
         pause_s=RETRY_PAUSE_S,
     )
     if not progress:
-        return iter(stream)
+        return stream.losses()
     total = steps
     if isinstance(batches, Sized):
         total = len(batches) if steps is None else min(steps, len(batches))
-    return _with_progress(iter(stream), total)
+    return _with_progress(stream.losses(), total)
 
 
-def _with_progress(losses: Iterator[float], total: int | None) -> Iterator[float]:
+def _with_progress(
+    losses: Generator[float, None, None], total: int | None
+) -> Generator[float, None, None]:
     """``losses`` under a tqdm progress bar showing the latest one."""
     from tqdm import tqdm  # type: ignore[import-untyped]
 
@@ -186,5 +188,4 @@ def _with_progress(losses: Iterator[float], total: int | None) -> Iterator[float
             yield loss
     finally:
         bar.close()
-        if hasattr(losses, "close"):
-            losses.close()
+        losses.close()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import grpc
@@ -94,6 +94,10 @@ class StepStream:
         self._closed = False
 
     def __iter__(self) -> Iterator[float]:
+        return self.losses()
+
+    def losses(self) -> Generator[float, None, None]:
+        """Each step's loss, in order (``close()`` stops sending; the steps sent finish)."""
         producer = threading.Thread(target=self._produce, name="pipesvc-train-batches")
         producer.daemon = True
         producer.start()
