@@ -41,28 +41,24 @@ class StepLines:
     def committed(self, step: int, loss: float) -> None:
         """Step ``step`` committed with ``loss``: logs its line at INFO if one is due, else
         at DEBUG."""
-        now = self._clock()
-        due = self._last_at is None or now - self._last_at >= self._every_s
-        extra = {"job": self._job_id, "step": step}
-        if not due:
-            self._logger.debug(
-                "job %s: step %d committed, loss %.6f", self._job_id, step, loss, extra=extra
-            )
+        now, last_at, last_step = self._clock(), self._last_at, self._last_step
+        due = last_at is None or now - last_at >= self._every_s
+        if due:
+            self._last_at, self._last_step = now, step
+        level = logging.INFO if due else logging.DEBUG
+        if not self._logger.isEnabledFor(level):
             return
-        if self._last_at is None or step <= self._last_step:
-            self._logger.info(
-                "job %s: step %d committed, loss %.6f", self._job_id, step, loss, extra=extra
-            )
-        else:
-            steps, took = step - self._last_step, now - self._last_at
-            self._logger.info(
-                "job %s: step %d committed, loss %.6f (%d steps in %.1f s, %.2f steps/s)",
-                self._job_id,
-                step,
-                loss,
-                steps,
-                took,
-                steps / took if took > 0 else float("inf"),
-                extra=extra,
-            )
-        self._last_at, self._last_step = now, step
+        rate = ""
+        if due and last_at is not None and step > last_step:
+            steps, took = step - last_step, now - last_at
+            per_s = steps / took if took > 0 else float("inf")
+            rate = f" ({steps} steps in {took:.1f} s, {per_s:.2f} steps/s)"
+        self._logger.log(
+            level,
+            "job %s: step %d committed, loss %.6f%s",
+            self._job_id,
+            step,
+            loss,
+            rate,
+            extra={"job": self._job_id, "step": step},
+        )
