@@ -209,11 +209,12 @@ class StepLog:
             data = b""
         if len(data) != record.length:  # removed or cut meanwhile
             raise NotFoundError(f"step {step} is not in the step log at {str(self.root)!r}")
-        if record.crc is not None and zlib.crc32(data) != record.crc:
+        crc = zlib.crc32(data) if record.crc is not None else None
+        if crc != record.crc:
             raise StepLogDamagedError(
                 f"step {step}'s record in the step log ({str(path)!r}, bytes {record.offset} to "
                 f"{record.offset + record.length}) does not match its checksum (CRC-32 "
-                f"{zlib.crc32(data):#010x}, written as {record.crc:#010x}): the disk changed it "
+                f"{crc:#010x}, written as {record.crc:#010x}): the disk changed it "
                 "after it was synced, so the step cannot be replayed as it was decided"
             )
         tensors = decode_weights(data, where=f"step {step} in {str(path)!r}")
@@ -320,12 +321,12 @@ def _read_segment(path: Path) -> _Segment:
         offset = 0
         while True:
             file.seek(offset)
-            magic = file.read(4)
+            head = file.read(_HEADER.size)  # the longer header; a V1 record uses its start
+            magic = head[:4]
             form = _HEADER if magic == _MAGIC else _HEADER_V1 if magic == _MAGIC_V1 else None
             if form is None or offset + 2 * form.size > size:
                 break
-            file.seek(offset)
-            header = file.read(form.size)
+            header = head[: form.size]
             _, step, length, *crc = form.unpack(header)
             record = _Record(step, offset + form.size, length, crc[0] if crc else None, form.size)
             if record.end > size:
