@@ -16,19 +16,7 @@ from pipesvc.coordinator import step_log
 from pipesvc.errors import FailedPreconditionError
 from tests.support.faults import OPTIMIZER, Run, stage_pid
 from tests.support.reference import Reference
-
-
-def _damage(root: os.PathLike[str], step: int) -> None:
-    """Flips one bit in the middle of ``step``'s newest record's payload (its header and
-    trailer stay whole)."""
-    path = step_log.StepLog(root).entries()[step]
-    record = [r for r in step_log._read_segment(path).records if r.step == step][-1]
-    at = record.offset + record.length // 2
-    with open(path, "r+b") as file:
-        file.seek(at)
-        byte = file.read(1)[0]
-        file.seek(at)
-        file.write(bytes([byte ^ 0x10]))
+from tests.support.step_log_rot import flip_payload_bit
 
 
 def test_a_damaged_record_stops_recovery_with_the_way_on() -> None:
@@ -44,7 +32,8 @@ def test_a_damaged_record_stops_recovery_with_the_way_on() -> None:
         while run.job.refresh().checkpoint_step != 3:  # written in the background
             assert time.monotonic() < deadline, "no checkpoint at step 3"
             time.sleep(0.05)
-        _damage(cluster.log_dir / "state" / "jobs" / run.job.id / "steps", 5)
+        steps = step_log.StepLog(cluster.log_dir / "state" / "jobs" / run.job.id / "steps")
+        flip_payload_bit(steps, 5, lambda n: n // 2, 4)  # in the middle of step 5's tensors
 
         os.kill(stage_pid(run.job.plan[1].address), signal.SIGKILL)
         with pytest.raises(FailedPreconditionError) as info:

@@ -26,6 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from pipesvc.coordinator import step_log
 from pipesvc.coordinator.step_log import LoggedBatch, StepLog, StepLogDamagedError
 from pipesvc.errors import NotFoundError
+from tests.support.step_log_rot import flip_payload_bit
 
 SEGMENT_BYTES = 700
 """Small enough that a segment holds one to a few entries (each is 190-640 bytes)."""
@@ -107,14 +108,8 @@ class StepLogModel(RuleBasedStateMachine):
         """One byte of a held step's newest payload changes on disk (its header and trailer
         stay whole, so nothing but the checksum can tell)."""
         step = data.draw(st.sampled_from(sorted(s for s in self.held if s > self.pruned)))
-        path = self.log.entries()[step]
-        record = [r for r in step_log._read_segment(path).records if r.step == step][-1]
-        at = record.offset + data.draw(st.integers(0, record.length - 1))
-        with open(path, "r+b") as file:
-            file.seek(at)
-            byte = file.read(1)[0]
-            file.seek(at)
-            file.write(bytes([byte ^ (1 << data.draw(st.integers(0, 7)))]))
+        bit = data.draw(st.integers(0, 7))
+        flip_payload_bit(self.log, step, lambda n: data.draw(st.integers(0, n - 1)), bit)
         self.rotted.add(step)
 
     @precondition(lambda self: self.step > 0)
