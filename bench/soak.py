@@ -135,7 +135,7 @@ def soak(name: str, minutes: float, interval_s: float, train: bool) -> list[list
         for _ in range(WARMUP_STEPS):
             job.train_step(*s.batch)
         pids = [*cluster.pids, os.getpid()]
-        stream = iter(job.train(itertools.repeat(s.batch))) if train else None
+        stream = job.train(itertools.repeat(s.batch)) if train else None
         if stream is not None:
             next(stream)
         rows.append(_row("0", [], 0.0, pids, state))
