@@ -42,6 +42,7 @@ from pipesvc.coordinator.stage_group import StageGroup
 from pipesvc.coordinator.stage_registry import StageRegistry
 from pipesvc.coordinator.step_request import PreparedStep, prepare_step
 from pipesvc.coordinator.step_runner import StepRunner
+from pipesvc.coordinator.train_stream import Upcoming
 from pipesvc.core import microbatch
 from pipesvc.core.config import JobConfig, config_to_proto
 from pipesvc.core.microbatch import RunBatch
@@ -249,13 +250,13 @@ class JobDriver(JobLifecycle):
         self,
         prepared: PreparedStep,
         digest: Callable[[], str] = str,
-        ahead: Callable[[], PreparedStep | None] | None = None,
+        ahead: Upcoming[PreparedStep] | None = None,
     ) -> tuple[float, int]:
         """Runs a step ``prepare_step`` made and decides it on every stage; returns (loss,
         step). ``train_step`` and a stream of steps (``pipesvc.coordinator.train_stream``)
         share it, so every step goes through the same guarantees.
 
-        ``ahead`` (a stream's): gives the next step if it is ready. If it may, its run goes
+        ``ahead`` (a stream's): the next step, once it is ready. If it may, its run goes
         to the stages before this step is decided (see [Note: steps ahead] in
         step_runner.py), and this thread keeps the job's lock for it: its next call must be
         ``train_prepared`` of that step, or ``end_steps``.
@@ -310,24 +311,21 @@ class JobDriver(JobLifecycle):
             self._rebalance_if_due(took)
             return loss, ledger.step
 
-    def _next_batch(
-        self, ahead: Callable[[], PreparedStep | None] | None
-    ) -> Callable[[], RunBatch | None] | None:
+    def _next_batch(self, ahead: Upcoming[PreparedStep] | None) -> Upcoming[RunBatch] | None:
         """``StepRunner.train``'s ``ahead``: the stream's next step, unless another call waits
         for the job or the step is a repeat (its request id remembered: it must not run)."""
         if ahead is None:
             return None
 
-        def next_batch() -> RunBatch | None:
+        def next_batch(step: PreparedStep) -> RunBatch | None:
             if self._lock.contended():
                 return None
-            step = ahead()
-            if step is None or (step.request_id and step.request_id in self.state.results):
+            if step.request_id and step.request_id in self.state.results:
                 return None
             self._ahead = step
             return step.batch
 
-        return next_batch
+        return ahead.map(next_batch)
 
     @contextlib.contextmanager
     def _step_turn(self, prepared: PreparedStep) -> Iterator[None]:

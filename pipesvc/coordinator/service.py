@@ -24,7 +24,7 @@ from pipesvc.coordinator.replicas import Rendezvous
 from pipesvc.coordinator.stage_calls import Deadlines, call_stage
 from pipesvc.coordinator.stage_registry import StageRecord, StageRegistry
 from pipesvc.coordinator.step_request import PreparedStep, StepBatch, forward_batch, train_batch
-from pipesvc.coordinator.train_stream import Step, TrainStream
+from pipesvc.coordinator.train_stream import Step, TrainStream, Upcoming
 from pipesvc.core.config import config_from_proto
 from pipesvc.core.health import Health
 from pipesvc.core.limits import Limits
@@ -101,18 +101,17 @@ class _TrainCall:
         self.job, self.batch, self.prepared = job, batch, prepared
 
     def __call__(
-        self, ahead: Callable[[], Step[tuple[JobDriver, float, int]] | None]
+        self, ahead: Upcoming[Step[tuple[JobDriver, float, int]]] | None
     ) -> tuple[JobDriver, float, int]:
         """Runs the step; the stream's next step may go ahead if it is the same job's (see
         [Note: steps ahead] in step_runner.py)."""
 
-        def next_step() -> PreparedStep | None:
-            step = ahead()
-            same = isinstance(step, _TrainCall) and step.job is self.job
-            return step.prepared if isinstance(step, _TrainCall) and same else None
+        def same_job(step: Step[tuple[JobDriver, float, int]]) -> PreparedStep | None:
+            return step.prepared if isinstance(step, _TrainCall) and step.job is self.job else None
 
         batch = self.batch
         with _batch_errors(self.job, batch.inputs, batch.targets):
+            next_step = ahead.map(same_job) if ahead is not None else None
             loss, step = self.job.train_prepared(self.prepared, batch.digest, next_step)
         return self.job, loss, step
 
@@ -394,7 +393,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServiceServicer):
         | WireFormatError,
         context: object,
     ) -> coordinator_pb2.TrainStepResponse:
-        return _train_reply(self._prepare_train(request)(lambda: None))
+        return _train_reply(self._prepare_train(request)(None))
 
     @handle_errors
     def Train(

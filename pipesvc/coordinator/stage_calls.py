@@ -230,6 +230,19 @@ class Reply(Protocol[_Co]):
     def add_done_callback(self, fn: Callable[[Any], None]) -> None: ...
 
 
+class Meanwhile(Protocol):
+    """Work a wait for replies does as it becomes possible (sending the next step's run ahead,
+    see [Note: steps ahead] in step_runner.py)."""
+
+    def watch(self, wake: Callable[[], None] | None) -> None:
+        """Has ``wake`` called, from any thread, whenever there may be work (None: stop)."""
+        ...
+
+    def __call__(self) -> bool:
+        """Does the work if it can now; True once there is none left."""
+        ...
+
+
 def gather(
     registry: StageRegistry,
     plan: Sequence[PipelineStage],
@@ -238,32 +251,81 @@ def gather(
     deadlines: Deadlines | None = None,
     what: str = "",
     timeout_s: float | None = None,
+    meanwhile: Meanwhile | None = None,
 ) -> list[_Resp]:
     """Waits for ``calls`` (one per stage of ``plan``, in its order) as ``call_all`` does:
     under the watchdog with ``deadlines``, returning on the first failure; the replies in the
     order of ``plan``. ``timeout_s`` is the deadline of futures that have none of their own
     (a Control stream's): past it the pending ones are cancelled and the first of them fails
-    as a unary call past its deadline would.
+    as a unary call past its deadline would. ``meanwhile`` is called first and then whenever
+    it wakes the wait, until it says it is done or the calls end.
 
     Raises:
         StageLostError: the watchdog declared a stage lost (pending calls are cancelled).
         PipelineTimeoutError: ``timeout_s`` passed with calls pending.
-        PipesvcError: the first root-cause error of any stage, naming it.
+        PipesvcError: the first root-cause error of any stage, naming it; or what
+            ``meanwhile`` raised.
     """
     cond = threading.Condition()
     for future in calls:
         future.add_done_callback(lambda _f: _notify(cond))
+    bell = _Bell(cond, meanwhile)
+    try:
+        return _gather(registry, plan, calls, bell, deadlines, what, timeout_s)
+    finally:
+        if meanwhile is not None:
+            meanwhile.watch(None)
+
+
+class _Bell:
+    """``gather``'s ``meanwhile``, called when it rang: first, then on each wake, with no wake
+    lost between a call and the wait that follows it."""
+
+    def __init__(self, cond: threading.Condition, meanwhile: Meanwhile | None) -> None:
+        self.cond, self._meanwhile = cond, meanwhile
+        self.rung = meanwhile is not None
+        """Rung and not yet answered (read and written under ``cond``)."""
+        if meanwhile is not None:
+            meanwhile.watch(self._ring)
+
+    def _ring(self) -> None:
+        with self.cond:
+            self.rung = True
+            self.cond.notify_all()
+
+    def answer(self) -> None:
+        """Calls ``meanwhile`` if it rang (outside the lock: it may send calls)."""
+        if self._meanwhile is None:
+            return
+        with self.cond:
+            rung, self.rung = self.rung, False
+        if rung and self._meanwhile():
+            self._meanwhile = None
+
+
+def _gather(
+    registry: StageRegistry,
+    plan: Sequence[PipelineStage],
+    calls: Sequence[Reply[_Resp]],
+    bell: _Bell,
+    deadlines: Deadlines | None,
+    what: str,
+    timeout_s: float | None,
+) -> list[_Resp]:
+    cond = bell.cond
     failures: dict[int, int] = {}
     started = time.monotonic()
     next_check = started + (deadlines.health_interval_s if deadlines else 0)
     ends_at = None if timeout_s is None else started + timeout_s
     while True:
+        bell.answer()
         with cond:
             pending = [r for r, f in enumerate(calls) if not f.done()]
             failed = [r for r, f in enumerate(calls) if f.done() and _error(f) is not None]
             if not pending or failed:
                 break
-            cond.wait(timeout=0.25 if deadlines or ends_at is not None else None)
+            if not bell.rung:
+                cond.wait(timeout=0.25 if deadlines or ends_at is not None else None)
         now = time.monotonic()
         if ends_at is not None and now >= ends_at:
             late = [r for r, f in enumerate(calls) if not f.done()]

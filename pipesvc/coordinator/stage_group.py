@@ -14,6 +14,7 @@ from pipesvc.coordinator.commit import commit_all
 from pipesvc.coordinator.replicas import Rendezvous, RunReplies
 from pipesvc.coordinator.stage_calls import (
     Deadlines,
+    Meanwhile,
     StageLostError,
     UnaryMethod,
     call_all,
@@ -498,8 +499,9 @@ class SentRun:
         """The plan epoch it was sent in."""
         self._group, self._pipelines, self._calls, self._what = group, pipelines, calls, what
 
-    def replies(self) -> RunReplies:
-        """Gathers every stage's reply under the health watchdog, grouped by replica.
+    def replies(self, meanwhile: Meanwhile | None = None) -> RunReplies:
+        """Gathers every stage's reply under the health watchdog, grouped by replica, doing
+        ``meanwhile`` as ``gather`` does.
 
         Raises:
             as ``StageGroup.run_step``.
@@ -514,6 +516,7 @@ class SentRun:
             deadlines=deadlines,
             what=self._what,
             timeout_s=deadlines.step_s,
+            meanwhile=meanwhile,
         )
         by_replica: list[list[stage_pb2.RunStepResponse]] = []
         index = 0

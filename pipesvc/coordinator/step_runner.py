@@ -17,9 +17,10 @@ from pipesvc.coordinator.checkpointer import Checkpointer
 from pipesvc.coordinator.job_counters import PendingCommit
 from pipesvc.coordinator.ledger import Ledger
 from pipesvc.coordinator.replicas import RunReplies
-from pipesvc.coordinator.stage_calls import StageLostError
+from pipesvc.coordinator.stage_calls import Meanwhile, StageLostError
 from pipesvc.coordinator.stage_group import SentRun, StageGroup
 from pipesvc.coordinator.step_log import LoggedBatch, StepLog, StepLogDamagedError, StepLogError
+from pipesvc.coordinator.train_stream import Upcoming
 from pipesvc.core.clipping import clip_scale
 from pipesvc.core.microbatch import RunBatch
 from pipesvc.errors import (
@@ -46,11 +47,6 @@ FINAL_ERRORS = (
 recovery cannot fix."""
 
 
-Ahead = Callable[[], RunBatch | None]
-"""Gives the batch of the step after the one running, if it is ready and may be sent ahead
-(see [Note: steps ahead]); asked once, after the running step's log entry is written."""
-
-
 @dataclass
 class _SentAhead:
     """A training run sent before the step it follows was decided."""
@@ -73,7 +69,10 @@ class StepRunner:
     before (every stage's reply, the step log, the row) and then takes the run sent ahead as
     step N+1's (``ahead_taken``), writes N+1's log entry and sends N+2 ahead. A step's log
     entry is written before the run that carries its commit is sent, so a stage never applies
-    a step whose batch is not in the log.
+    a step whose batch is not in the log. N+1 goes the moment both hold: its request prepared
+    and N's entry written. One that arrives while N's run is out (the first of a stream, or a
+    client that loads each batch as it goes) wakes the wait for N's replies and goes from
+    there (``_SendAhead``); nothing waits for it.
 
     What it changes is who may run ahead of the decision: a stage whose part of run N ended
     applies N before the coordinator knows that every other stage's part ended too. If run N
@@ -114,10 +113,12 @@ class StepRunner:
         mode: stage_pb2.RunMode.ValueType,
         batch: RunBatch,
         during: Callable[[], None] | None = None,
+        meanwhile: Meanwhile | None = None,
     ) -> tuple[int, RunReplies]:
         """One run phase on every stage under a new run id, carrying the pending commit (see
         [Note: deferred commit] in ledger.py); aborted everywhere if it fails. ``during``: as
         for ``StageGroup.run_step`` (called once per attempt; it must not raise).
+        ``meanwhile``: done while the first attempt's replies are awaited (``gather``).
 
         If a run that carried a commit fails, the commit is settled (completed where it is
         still pending; if that fails, the step becomes the replay target); after a final-class
@@ -130,7 +131,7 @@ class StepRunner:
             self._checkpoints.flush()
         carried = ledger.pending
         try:
-            ran = self._run_once(mode, batch, carried, during)
+            ran = self._run_once(mode, batch, carried, during, meanwhile)
         except PipesvcError as exc:
             if carried is None or ledger.pending != carried:
                 raise  # nothing carried, or the stages are to be rebuilt (``diverged``)
@@ -162,7 +163,7 @@ class StepRunner:
             return ran
         # A final-class error may have been the carried commit's (settled now), not the run's:
         # the run goes once more on its own, and a caller's error repeats.
-        return self._run_once(mode, batch, None, during)
+        return self._run_once(mode, batch, None, during, None)
 
     def _run_once(
         self,
@@ -170,6 +171,7 @@ class StepRunner:
         batch: RunBatch,
         carried: PendingCommit | None,
         during: Callable[[], None] | None,
+        meanwhile: Meanwhile | None,
     ) -> tuple[int, RunReplies]:
         ledger, group = self._ledger, self._group
         training = mode == stage_pb2.TRAIN
@@ -187,7 +189,7 @@ class StepRunner:
         try:
             if during is not None:
                 during()
-            replies = sent.replies()
+            replies = sent.replies(meanwhile)
         except PipesvcError as exc:
             self._metrics.inc("steps_aborted_total")
             ledger.aborted(training=training)
@@ -300,12 +302,14 @@ class StepRunner:
         if pending is not None and pending.run_id == ahead.after:
             ledger.settle(pending, after_failed_run=True)
 
-    def train(self, batch: RunBatch, log: LoggedBatch | None, ahead: Ahead | None = None) -> float:
+    def train(
+        self, batch: RunBatch, log: LoggedBatch | None, ahead: Upcoming[RunBatch] | None = None
+    ) -> float:
         """Runs the next training step and decides it (its commit pending, see [Note:
         deferred commit]); returns its loss. ``log``: its batch for the step log, written while
         the stages compute (None: a replayed step, logged already). ``ahead``: the next step,
-        sent ahead once this one's log entry is written if it may be (see [Note: steps
-        ahead]).
+        sent ahead if it may be once this one's log entry is written and it is ready, before
+        this one's replies are in (see [Note: steps ahead]).
 
         Raises:
             StepLogError: the batch could not be logged; the step was aborted everywhere.
@@ -317,20 +321,11 @@ class StepRunner:
         # run fails, the run's error is the one to report; the entry is written again before
         # the step is ever decided.
         logged = _LogWrite(self._log, ledger.step + 1, log) if log else None
-        asked = False
-
-        def during() -> None:
-            nonlocal asked
-            if logged is not None:
-                logged()
-            if ahead is None or asked or logged is None or logged.failed:
-                return
-            asked = True  # once: not for the run again without its commit
-            next_batch = ahead()
-            if next_batch is not None and self.may_send_ahead(next_batch):
-                self.send_ahead(next_batch, ledger.run_id)
-
-        run_id, replies = self.run(stage_pb2.TRAIN, batch, during)
+        # Asked for in the first attempt only: not for the run again without its commit.
+        meanwhile = None
+        if ahead is not None and logged is not None:
+            meanwhile = _SendAhead(self, ledger, ahead, logged)
+        run_id, replies = self.run(stage_pb2.TRAIN, batch, logged, meanwhile)
         if logged is not None:
             try:
                 logged.result()
@@ -360,6 +355,33 @@ class StepRunner:
     def replay(self, batch: RunBatch) -> float:
         """Runs and decides a logged step again (recovery's replay), without logging it."""
         return self.train(batch, None)
+
+
+class _SendAhead:
+    """Sends the stream's next step's run ahead of the running one as soon as it is ready,
+    while the running one's replies are awaited (``gather``'s ``meanwhile``): a step that
+    arrives while the run is out still goes ahead of its decision (see [Note: steps
+    ahead]). It waits for nothing: without a next step, the running one is decided as
+    usual."""
+
+    def __init__(
+        self, runner: StepRunner, ledger: Ledger, ahead: Upcoming[RunBatch], logged: _LogWrite
+    ) -> None:
+        self._runner, self._ledger, self._ahead, self._logged = runner, ledger, ahead, logged
+
+    def watch(self, wake: Callable[[], None] | None) -> None:
+        self._ahead.watch(wake)
+
+    def __call__(self) -> bool:
+        if self._logged.failed:  # only a step whose batch is in the log may be carried
+            return True
+        next_batch = self._ahead()
+        if next_batch is None:
+            return False
+        runner = self._runner
+        if runner.may_send_ahead(next_batch):
+            runner.send_ahead(next_batch, self._ledger.run_id)
+        return True
 
 
 class _LogWrite:

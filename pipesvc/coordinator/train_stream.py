@@ -44,15 +44,48 @@ what a client that ignores the window can make the coordinator hold)."""
 _Result = TypeVar("_Result")
 _Reply = TypeVar("_Reply")
 _Request = TypeVar("_Request")
+_Item = TypeVar("_Item")
+_Seen = TypeVar("_Seen")
+
+Wake = Callable[[], None]
+
+
+class Upcoming(Generic[_Item]):
+    """A stream's next step as the running step sees it, so that its run may go ahead (see
+    [Note: steps ahead] in step_runner.py). Called, it gives the next step if it is prepared
+    already (it then runs next), or None: not yet, or none will come. ``watch`` names the one
+    callback to call, from the reader's thread, whenever that may have changed: a step that
+    arrives while the running one's run is out can still go ahead of its decision."""
+
+    def __init__(
+        self, peek: Callable[[], _Item | None], watch: Callable[[Wake | None], None]
+    ) -> None:
+        self._peek, self._watch = peek, watch
+
+    def __call__(self) -> _Item | None:
+        return self._peek()
+
+    def watch(self, wake: Wake | None) -> None:
+        """Has ``wake`` called whenever the next step may have become prepared (None: no
+        callback); it replaces the one watching before."""
+        self._watch(wake)
+
+    def map(self, seen: Callable[[_Item], _Seen | None]) -> Upcoming[_Seen]:
+        """The same next step as ``seen`` makes of it (None: it may not go ahead)."""
+
+        def peek() -> _Seen | None:
+            item = self._peek()
+            return None if item is None else seen(item)
+
+        return Upcoming(peek, self._watch)
 
 
 class Step(Protocol[_Result]):
     """A prepared step."""
 
-    def __call__(self, ahead: Callable[[], Step[_Result] | None]) -> _Result:
-        """Runs it and returns its result; ``ahead`` gives the next step if it is prepared
-        already (which then runs next), so that its run may go ahead (see [Note: steps ahead]
-        in step_runner.py)."""
+    def __call__(self, ahead: Upcoming[Step[_Result]] | None) -> _Result:
+        """Runs it and returns its result; ``ahead``: a stream's next step (see
+        ``Upcoming``)."""
         ...
 
     def end(self) -> None:
@@ -92,6 +125,9 @@ class TrainStream(Generic[_Request, _Result, _Reply]):
         self._results: queue.Queue[_Result | BaseException | _End] = queue.Queue()
         self._taken: Step[_Result] | BaseException | _End | None = None
         """The next item, taken from the queue by ``_peek``."""
+        self._wake: Wake | None = None
+        """Called by the reader after it queues an item (``Upcoming.watch``)."""
+        self._upcoming = Upcoming(self._peek, self._set_wake)
         self._reader = threading.Thread(target=self._read, name=f"{name}-reader", daemon=True)
         self._worker = threading.Thread(target=self._work, name=f"{name}-worker", daemon=True)
 
@@ -121,14 +157,21 @@ class TrainStream(Generic[_Request, _Result, _Reply]):
             self.stop()
 
     def _put(self, item: Step[_Result] | BaseException | _End) -> bool:
-        """Queues a prepared step for the worker; False once the stream is stopped."""
+        """Queues a prepared step for the worker, and wakes a step that watches for it; False
+        once the stream is stopped."""
         while not self._stopped.is_set():
             try:
                 self._prepared.put(item, timeout=0.1)
-                return True
             except queue.Full:
                 continue
+            wake = self._wake
+            if wake is not None:
+                wake()
+            return True
         return False
+
+    def _set_wake(self, wake: Wake | None) -> None:
+        self._wake = wake
 
     def _read(self) -> None:
         try:
@@ -184,7 +227,7 @@ class TrainStream(Generic[_Request, _Result, _Reply]):
                     return
                 last = item
                 try:
-                    result = item(self._peek)
+                    result = item(self._upcoming)
                 except Exception as exc:
                     self._results.put(exc)
                     return
