@@ -278,28 +278,32 @@ def gather(
 
 
 class _Bell:
-    """``gather``'s ``meanwhile``, called when it rang: first, then on each wake, with no wake
-    lost between a call and the wait that follows it."""
+    """``gather``'s ``meanwhile`` and whether it rang: it rings first, then on each wake, and
+    no wake is lost between a look and the wait that follows it."""
 
     def __init__(self, cond: threading.Condition, meanwhile: Meanwhile | None) -> None:
         self.cond, self._meanwhile = cond, meanwhile
-        self.rung = meanwhile is not None
-        """Rung and not yet answered (read and written under ``cond``)."""
+        self._rung = meanwhile is not None
+        """Rung and not yet taken (read and written under ``cond``)."""
         if meanwhile is not None:
             meanwhile.watch(self._ring)
 
     def _ring(self) -> None:
         with self.cond:
-            self.rung = True
+            self._rung = True
             self.cond.notify_all()
 
+    def take(self) -> bool:
+        """Whether it rang since the last take (call under ``cond``)."""
+        rung, self._rung = self._rung, False
+        return rung
+
     def answer(self) -> None:
-        """Calls ``meanwhile`` if it rang (outside the lock: it may send calls)."""
-        if self._meanwhile is None:
-            return
-        with self.cond:
-            rung, self.rung = self.rung, False
-        if rung and self._meanwhile():
+        """Calls ``meanwhile`` (outside ``cond``: it may send calls); once it is done, lets
+        go of its watch, so that nothing rings again."""
+        meanwhile = self._meanwhile
+        if meanwhile is not None and meanwhile():
+            meanwhile.watch(None)
             self._meanwhile = None
 
 
@@ -318,14 +322,16 @@ def _gather(
     next_check = started + (deadlines.health_interval_s if deadlines else 0)
     ends_at = None if timeout_s is None else started + timeout_s
     while True:
-        bell.answer()
         with cond:
             pending = [r for r, f in enumerate(calls) if not f.done()]
             failed = [r for r, f in enumerate(calls) if f.done() and _error(f) is not None]
             if not pending or failed:
-                break
-            if not bell.rung:
+                break  # before ``meanwhile``: nothing goes ahead of a run known to have failed
+            rung = bell.take()
+            if not rung:
                 cond.wait(timeout=0.25 if deadlines or ends_at is not None else None)
+        if rung:
+            bell.answer()
         now = time.monotonic()
         if ends_at is not None and now >= ends_at:
             late = [r for r, f in enumerate(calls) if not f.done()]

@@ -309,7 +309,7 @@ class StepRunner:
         deferred commit]); returns its loss. ``log``: its batch for the step log, written while
         the stages compute (None: a replayed step, logged already). ``ahead``: the next step,
         sent ahead if it may be once this one's log entry is written and it is ready, before
-        this one's replies are in (see [Note: steps ahead]).
+        this one is decided (see [Note: steps ahead]).
 
         Raises:
             StepLogError: the batch could not be logged; the step was aborted everywhere.
@@ -373,6 +373,7 @@ class _SendAhead:
         self._ahead.watch(wake)
 
     def __call__(self) -> bool:
+        self._logged()  # written once, before any run carries this step's commit
         if self._logged.failed:  # only a step whose batch is in the log may be carried
             return True
         next_batch = self._ahead()

@@ -11,9 +11,11 @@ runs three threads per call:
 - a worker runs the prepared steps one after another through ``JobDriver.train_prepared``,
   the same function ``TrainStep`` uses: the job's lock per step, the step log, the decision,
   the database row and the remembered request id, so every guarantee of ``TrainStep`` holds
-  step by step (see [Note: commit], [Note: recovery] and [Note: step request ids]). The
-  moment step N is decided (its row written) the worker dispatches step N+1's run, which
-  carries N's commit (see [Note: deferred commit]);
+  step by step (see [Note: commit], [Note: recovery] and [Note: step request ids]). Step
+  N+1's run, which carries N's commit (see [Note: deferred commit]), goes to the stages
+  before N is decided: as soon as N's log entry is written and N+1 is prepared, the reader
+  waking the worker if N+1 comes while N's run is out (``Upcoming``, and [Note: steps ahead]
+  in step_runner.py);
 - the call's own thread builds and sends each reply, in order, while the worker is already
   running the next step.
 

@@ -27,14 +27,19 @@ NO_REGISTRY = cast(StageRegistry, None)  # used only by the health watchdog, off
 
 
 class _Meanwhile:
-    """Done once ``ready`` is set; counts its calls; ``wake`` rings gather."""
+    """Done once ``ready`` is set; counts its calls, says whether the calls were still out
+    when it was done; ``wake`` rings gather."""
 
-    def __init__(self) -> None:
+    def __init__(self, calls: list[futures.Future[str]]) -> None:
         self.ready = threading.Event()
+        self.first_call = threading.Event()
+        self.done = threading.Event()
         self.calls = 0
         self.done_at: float | None = None
+        self.out_when_done = False
         self.wake: Callable[[], None] | None = None
         self.watching: list[bool] = []
+        self._gathered = calls
 
     def watch(self, wake: Callable[[], None] | None) -> None:
         self.wake = wake
@@ -42,9 +47,12 @@ class _Meanwhile:
 
     def __call__(self) -> bool:
         self.calls += 1
+        self.first_call.set()
         if not self.ready.is_set():
             return False
         self.done_at = time.monotonic()
+        self.out_when_done = not any(call.done() for call in self._gathered)
+        self.done.set()
         return True
 
 
@@ -52,19 +60,25 @@ def _calls() -> list[futures.Future[str]]:
     return [futures.Future(), futures.Future()]
 
 
+def _end(calls: list[futures.Future[str]]) -> None:
+    for number, call in enumerate(calls):
+        if not call.done():
+            call.set_result(f"reply {number}")
+
+
 def test_meanwhile_runs_first_and_when_woken_while_the_calls_are_out() -> None:
-    calls, meanwhile = _calls(), _Meanwhile()
-    woken_at: list[float] = []
+    calls = _calls()
+    meanwhile = _Meanwhile(calls)
 
     def later() -> None:
-        time.sleep(0.05)
-        meanwhile.ready.set()
-        woken_at.append(time.monotonic())
-        assert meanwhile.wake is not None
-        meanwhile.wake()
-        time.sleep(0.05)
-        for number, call in enumerate(calls):
-            call.set_result(f"reply {number}")
+        try:
+            assert meanwhile.first_call.wait(timeout=5)
+            meanwhile.ready.set()
+            assert meanwhile.wake is not None
+            meanwhile.wake()
+            meanwhile.done.wait(timeout=5)
+        finally:
+            _end(calls)
 
     helper = threading.Thread(target=later)
     helper.start()
@@ -72,10 +86,42 @@ def test_meanwhile_runs_first_and_when_woken_while_the_calls_are_out() -> None:
     helper.join()
     assert replies == ["reply 0", "reply 1"]
     assert meanwhile.calls == 2, "called first, then once for the wake"
-    assert meanwhile.done_at is not None and meanwhile.done_at - woken_at[0] < 0.04, (
-        "done as soon as woken, not when the calls ended"
-    )
-    assert meanwhile.watching == [True, False], "watched while gathering, then let go"
+    assert meanwhile.out_when_done, "done when woken, not only when the calls ended"
+    assert meanwhile.watching[0] and not meanwhile.watching[-1], "watched, then let go"
+
+
+def test_a_wake_after_meanwhile_is_done_does_not_spin_the_wait() -> None:
+    """The reader goes on preparing steps (each rings) after the next one went ahead: the
+    wait sleeps through them instead of looping."""
+    calls = _calls()
+    stray: list[Callable[[], None]] = []
+
+    def later() -> None:
+        try:
+            meanwhile.done.wait(timeout=5)
+            for _ in range(300):
+                for wake in stray:
+                    wake()
+                time.sleep(0.001)
+        finally:
+            _end(calls)
+
+    class KeepsItsWake(_Meanwhile):
+        def watch(self, wake: Callable[[], None] | None) -> None:
+            if wake is not None:
+                stray.append(wake)  # a reader that still holds the wake it was given
+            super().watch(wake)
+
+    meanwhile = KeepsItsWake(calls)
+    meanwhile.ready.set()  # done at its first call
+    helper = threading.Thread(target=later)
+    helper.start()
+    cpu = time.thread_time()
+    gather(NO_REGISTRY, PLAN, calls, meanwhile=meanwhile)
+    cpu = time.thread_time() - cpu
+    helper.join()
+    assert meanwhile.calls == 1
+    assert cpu < 0.15, f"the wait used {cpu:.2f} s of CPU over about 0.4 s"
 
 
 def test_a_wake_between_a_call_and_the_wait_is_not_lost() -> None:
@@ -97,7 +143,7 @@ def test_a_wake_between_a_call_and_the_wait_is_not_lost() -> None:
                         call.set_result("reply")
             return done
 
-    meanwhile = WokenWhileItRuns()
+    meanwhile = WokenWhileItRuns(calls)
     safety = threading.Timer(5.0, lambda: [c.set_result("late") for c in calls if not c.done()])
     safety.start()
     started = time.monotonic()
@@ -116,14 +162,18 @@ def test_what_meanwhile_raises_ends_the_gather() -> None:
         def __call__(self) -> bool:
             raise StageUnavailableError("sending the run ahead failed")
 
-    meanwhile = Fails()
+    meanwhile = Fails(calls)
     with pytest.raises(StageUnavailableError, match="ahead failed"):
         gather(NO_REGISTRY, PLAN, calls, meanwhile=meanwhile)
     assert meanwhile.watching == [True, False]
+    _end(calls)
 
 
 class _Step:
-    """A step that records what it saw of the next one while it ran."""
+    """A step that records what it saw of the next one while it ran; ``looked`` is set once
+    the first step found no next one."""
+
+    looked = threading.Event()
 
     def __init__(self, name: str, steps: dict[str, _Step]) -> None:
         self.name = name
@@ -136,9 +186,11 @@ class _Step:
         ahead.watch(woken.set)
         first = ahead()
         self.saw.append(None if first is None else first.name)
-        if first is None and self.name == "first" and woken.wait(timeout=5):
-            later = ahead()
-            self.saw.append(None if later is None else later.name)
+        if self.name == "first":
+            _Step.looked.set()
+            if first is None and woken.wait(timeout=5):
+                later = ahead()
+                self.saw.append(None if later is None else later.name)
         ahead.watch(None)
         return self.name
 
@@ -148,24 +200,17 @@ class _Step:
 
 def test_a_stream_wakes_the_running_step_when_it_prepares_the_next() -> None:
     steps: dict[str, _Step] = {}
-    second_may_come = threading.Event()
+    _Step.looked.clear()
 
     def requests() -> Iterator[str]:
         yield "first"
-        second_may_come.wait(timeout=5)
+        assert _Step.looked.wait(timeout=5)  # comes while the first runs, after its look
         yield "second"
 
-    def prepare(name: str) -> _Step:
-        if name == "second":
-            time.sleep(0.02)  # arrives while the first runs
-        return _Step(name, steps)
-
     stream: TrainStream[str, str, str] = TrainStream(
-        requests(), prepare=prepare, reply=lambda result: result
+        requests(), prepare=lambda name: _Step(name, steps), reply=lambda result: result
     )
-    replies = stream.replies()
-    second_may_come.set()
-    assert list(replies) == ["first", "second"]
+    assert list(stream.replies()) == ["first", "second"]
     assert steps["first"].saw == [None, "second"], "not woken when the second was prepared"
 
 
