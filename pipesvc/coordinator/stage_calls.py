@@ -325,13 +325,15 @@ def _gather(
         with cond:
             pending = [r for r, f in enumerate(calls) if not f.done()]
             failed = [r for r, f in enumerate(calls) if f.done() and _error(f) is not None]
-            if not pending or failed:
-                break  # before ``meanwhile``: nothing goes ahead of a run known to have failed
-            rung = bell.take()
-            if not rung:
+            # Nothing goes ahead of a run known to have failed; one whose replies are all in
+            # still gets its turn (the step is not decided yet).
+            rung = not failed and bell.take()
+            if pending and not failed and not rung:
                 cond.wait(timeout=0.25 if deadlines or ends_at is not None else None)
         if rung:
             bell.answer()
+        if not pending or failed:
+            break
         now = time.monotonic()
         if ends_at is not None and now >= ends_at:
             late = [r for r, f in enumerate(calls) if not f.done()]

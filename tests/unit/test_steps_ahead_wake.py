@@ -124,6 +124,28 @@ def test_a_wake_after_meanwhile_is_done_does_not_spin_the_wait() -> None:
     assert cpu < 0.15, f"the wait used {cpu:.2f} s of CPU over about 0.4 s"
 
 
+def test_meanwhile_gets_its_turn_when_every_reply_is_in_already() -> None:
+    """A short run can end before its caller waits for it: the step is still undecided, so
+    the next one may still go ahead."""
+    calls = _calls()
+    _end(calls)
+    meanwhile = _Meanwhile(calls)
+    meanwhile.ready.set()
+    assert gather(NO_REGISTRY, PLAN, calls, meanwhile=meanwhile) == ["reply 0", "reply 1"]
+    assert meanwhile.calls == 1
+
+
+def test_nothing_goes_ahead_of_a_run_known_to_have_failed() -> None:
+    calls = _calls()
+    calls[0].set_exception(StageUnavailableError("stage a went away"))
+    meanwhile = _Meanwhile(calls)
+    meanwhile.ready.set()
+    with pytest.raises(StageUnavailableError, match="went away"):
+        gather(NO_REGISTRY, PLAN, calls, meanwhile=meanwhile)
+    assert meanwhile.calls == 0
+    _end(calls)
+
+
 def test_a_wake_between_a_call_and_the_wait_is_not_lost() -> None:
     """The wake comes while ``meanwhile`` runs, after it found nothing to do (as a step
     prepared just after the look): gather calls it again at once instead of sleeping through
