@@ -102,12 +102,14 @@ class StepLogModel(RuleBasedStateMachine):
         self.log.prune(at)
         self.pruned = at
 
-    @precondition(lambda self: any(s > self.pruned for s in self.held))
+    @precondition(lambda self: any(s > self.pruned and s not in self.rotted for s in self.held))
     @rule(data=st.data())
     def rot(self, data: st.DataObject) -> None:
         """One byte of a held step's newest payload changes on disk (its header and trailer
-        stay whole, so nothing but the checksum can tell)."""
-        step = data.draw(st.sampled_from(sorted(s for s in self.held if s > self.pruned)))
+        stay whole, so nothing but the checksum can tell). Once per record: a second flip
+        could put the same bit back."""
+        held = (s for s in self.held if s > self.pruned and s not in self.rotted)
+        step = data.draw(st.sampled_from(sorted(held)))
         bit = data.draw(st.integers(0, 7))
         flip_payload_bit(self.log, step, lambda n: data.draw(st.integers(0, n - 1)), bit)
         self.rotted.add(step)
