@@ -4,6 +4,8 @@
 stages it is still waiting on every ``health_interval_s``. A stage that fails
 ``health_failures`` checks in a row (killed, hung, or cut off) is declared lost: every pending
 call is cancelled and StageLostError names it, so a stuck step never waits for its deadline.
+The checks before a call and after a failed one (``patient_health``) count misses the same way,
+so a stage that pauses for less than that is never replaced.
 """
 
 from __future__ import annotations
@@ -135,6 +137,35 @@ def health_of(
     with futures.ThreadPoolExecutor(max_workers=min(16, len(addresses))) as pool:
         found = pool.map(lambda a: registry.health(a, timeout_s), addresses)
         return dict(zip(addresses, found, strict=True))
+
+
+def patient_health(
+    registry: StageRegistry,
+    addresses: Sequence[str],
+    deadlines: Deadlines,
+    *,
+    sleep: Callable[[float], None] = time.sleep,
+) -> dict[str, Health]:
+    """Each address's health, where UNREACHABLE means it missed ``health_failures`` checks in a
+    row, ``health_interval_s`` apart, as the watchdog counts ([Note: detection]).
+
+    A stage that misses a check is checked again; a later answer is its status. So a stage that
+    is slow for a moment (a long pause, a busy host, a dropped packet) is not taken for lost by
+    the check before a call or after a failed one, where one miss used to be enough.
+    """
+    statuses = health_of(registry, addresses, deadlines.health_s)
+    for _ in range(deadlines.health_failures - 1):
+        missed = [a for a in addresses if statuses[a] == Health.UNREACHABLE]
+        if not missed:
+            break
+        logger.warning(
+            "%s missed a health check; checking again in %.1f s",
+            ", ".join(missed),
+            deadlines.health_interval_s,
+        )
+        sleep(deadlines.health_interval_s)
+        statuses.update(health_of(registry, missed, deadlines.health_s))
+    return statuses
 
 
 def stream_stage(

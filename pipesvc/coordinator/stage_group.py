@@ -20,7 +20,7 @@ from pipesvc.coordinator.stage_calls import (
     call_all,
     call_stage,
     gather,
-    health_of,
+    patient_health,
     stream_stage,
     where,
 )
@@ -179,8 +179,9 @@ class StageGroup:
         return [s.to_proto() for s in self.plan]
 
     def health(self) -> dict[str, Health]:
-        """Each stage's health status, checked in parallel."""
-        return health_of(self.registry, self.addresses, self.deadlines.health_s)
+        """Each stage's health status, checked in parallel; UNREACHABLE only after
+        ``health_failures`` missed checks in a row (see ``stage_calls.patient_health``)."""
+        return patient_health(self.registry, self.addresses, self.deadlines)
 
     def call_all(
         self,

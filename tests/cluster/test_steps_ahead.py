@@ -77,7 +77,6 @@ def test_a_step_that_arrives_while_the_run_before_is_out_goes_ahead() -> None:
         finally:
             os.kill(last, signal.SIGCONT)
         run.check_weights()
-        # A held stage is sometimes taken for lost on a loaded machine (most likely by the one
-        # health check before a call, which does not wait for --health-failures misses): the
-        # job then recovers, exactly, and the runs went ahead anyway.
+        # Were a held stage still taken for lost on a loaded machine, the job would recover,
+        # exactly (checked above), and the runs went ahead anyway.
         assert sent_ahead() >= STREAMS
