@@ -4,8 +4,9 @@
 stages it is still waiting on every ``health_interval_s``. A stage that fails
 ``health_failures`` checks in a row (killed, hung, or cut off) is declared lost: every pending
 call is cancelled and StageLostError names it, so a stuck step never waits for its deadline.
-The checks before a call and after a failed one (``patient_health``) count misses the same way,
-so a stage that pauses for less than that is never replaced.
+The checks before a call and after a failed one (``patient_health``) count unanswered checks
+the same way, so a stage that pauses for less than that is never replaced; one that refuses the
+connection (its process is gone) is lost at once.
 """
 
 from __future__ import annotations
@@ -132,11 +133,7 @@ def health_of(
     registry: StageRegistry, addresses: Sequence[str], timeout_s: float
 ) -> dict[str, Health]:
     """Each address's health status, checked in parallel."""
-    if not addresses:
-        return {}
-    with futures.ThreadPoolExecutor(max_workers=min(16, len(addresses))) as pool:
-        found = pool.map(lambda a: registry.health(a, timeout_s), addresses)
-        return dict(zip(addresses, found, strict=True))
+    return _parallel(lambda a: registry.health(a, timeout_s), addresses)
 
 
 def patient_health(
@@ -146,26 +143,39 @@ def patient_health(
     *,
     sleep: Callable[[float], None] = time.sleep,
 ) -> dict[str, Health]:
-    """Each address's health, where UNREACHABLE means it missed ``health_failures`` checks in a
-    row, ``health_interval_s`` apart, as the watchdog counts ([Note: detection]).
+    """Each address's health, where UNREACHABLE means the stage is gone (its connection
+    refused or closed) or left ``health_failures`` checks in a row, ``health_interval_s`` apart,
+    unanswered, as the watchdog counts ([Note: detection]).
 
-    A stage that misses a check is checked again; a later answer is its status. So a stage that
-    is slow for a moment (a long pause, a busy host, a dropped packet) is not taken for lost by
-    the check before a call or after a failed one, where one miss used to be enough.
+    A stage that leaves a check unanswered is checked again, and a later answer is its status.
+    So a stage that stops for a moment (a long pause, a busy host, a lost packet) is not taken
+    for lost by the check before a call or after a failed one, where one miss used to be
+    enough; a killed one, whose host refuses the connection, is still found at once.
     """
-    statuses = health_of(registry, addresses, deadlines.health_s)
-    for _ in range(deadlines.health_failures - 1):
-        missed = [a for a in addresses if statuses[a] == Health.UNREACHABLE]
-        if not missed:
+    statuses: dict[str, Health] = {}
+    waiting = list(addresses)
+    for attempt in range(max(deadlines.health_failures, 1)):
+        if attempt:
+            logger.warning(
+                "%s did not answer a health check; checking again in %.1f s",
+                ", ".join(waiting),
+                deadlines.health_interval_s,
+            )
+            sleep(deadlines.health_interval_s)
+        checks = _parallel(lambda a: registry.health_check(a, deadlines.health_s), waiting)
+        statuses.update((a, health) for a, (health, _) in checks.items())
+        waiting = [a for a, (h, gone) in checks.items() if h == Health.UNREACHABLE and not gone]
+        if not waiting:
             break
-        logger.warning(
-            "%s missed a health check; checking again in %.1f s",
-            ", ".join(missed),
-            deadlines.health_interval_s,
-        )
-        sleep(deadlines.health_interval_s)
-        statuses.update(health_of(registry, missed, deadlines.health_s))
     return statuses
+
+
+def _parallel(check: Callable[[str], _Resp], addresses: Sequence[str]) -> dict[str, _Resp]:
+    """``check`` of each address, run in parallel."""
+    if not addresses:
+        return {}
+    with futures.ThreadPoolExecutor(max_workers=min(16, len(addresses))) as pool:
+        return dict(zip(addresses, pool.map(check, addresses), strict=True))
 
 
 def stream_stage(

@@ -30,7 +30,13 @@ from pipesvc.v1 import stage_pb2, stage_pb2_grpc
 from pipesvc.wire.control_wire import Kind
 from pipesvc.wire.payload_wire import RUN_STEP, Outgoing
 from pipesvc.wire.security import Security
-from pipesvc.wire.transport import health_status, open_channel, split_address, unary_method
+from pipesvc.wire.transport import (
+    health_check,
+    health_status,
+    open_channel,
+    split_address,
+    unary_method,
+)
 
 REFUSALS_KEPT_S = 60.0
 """How long a stage refused at registration is remembered (a running one retries with every
@@ -268,6 +274,11 @@ class StageRegistry:
     def health(self, address: str, timeout_s: float) -> Health:
         """The health of the stage at ``address``, checked on the cached channel."""
         return health_status(self._channel(address), timeout_s)
+
+    def health_check(self, address: str, timeout_s: float) -> tuple[Health, bool]:
+        """``health``, and whether a failed check found the stage gone (see
+        ``transport.health_check``)."""
+        return health_check(self._channel(address), timeout_s)
 
     def close(self) -> None:
         """Closes every Control stream and every channel."""

@@ -285,14 +285,23 @@ def call(method: Callable[..., Any], request: Any, *, timeout_s: float, where: s
 
 def health_status(channel: grpc.Channel, timeout_s: float) -> Health:
     """The health of the server behind ``channel`` (UNREACHABLE if the check failed)."""
+    return health_check(channel, timeout_s)[0]
+
+
+def health_check(channel: grpc.Channel, timeout_s: float) -> tuple[Health, bool]:
+    """``health_status``, and whether a failed check found the server gone: the connection was
+    refused or closed (UNAVAILABLE: no process listens at the address any more, or it shut
+    down), rather than left unanswered for ``timeout_s`` (a server stopped, hung or cut off,
+    which may answer again)."""
     try:
         # types-grpcio-health-checking declares HealthStub without its methods.
         reply = health_pb2_grpc.HealthStub(channel).Check(  # type: ignore[attr-defined]
             health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
         )
-    except grpc.RpcError:
-        return Health.UNREACHABLE
-    return Health.from_wire(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+    except grpc.RpcError as exc:
+        return Health.UNREACHABLE, exc.code() == grpc.StatusCode.UNAVAILABLE
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    return Health.from_wire(status), False
 
 
 def check_health(address: str, timeout_s: float = 2.0, security: Security = NO_SECURITY) -> Health:
