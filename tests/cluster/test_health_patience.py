@@ -40,16 +40,18 @@ def test_a_stage_stopped_for_a_moment_between_steps_is_not_replaced() -> None:
         plan = [(s.address, s.start_layer, s.end_layer) for s in run.job.plan]
         pid = stage_pid(run.job.plan[1].address)
         resume = threading.Timer(STOPPED_S, os.kill, (pid, signal.SIGCONT))
+        stopped = time.monotonic()
         os.kill(pid, signal.SIGSTOP)
         resume.start()
         try:
             time.sleep(IDLE_S)
             run.step()  # called while the stage is stopped
+            waited = time.monotonic() - stopped
             run.step()
         finally:
             resume.cancel()
             os.kill(pid, signal.SIGCONT)
         assert coordinator_metric(cluster, "recoveries_total") == 0
         assert [(s.address, s.start_layer, s.end_layer) for s in run.job.refresh().plan] == plan
-        assert run.step_seconds[1] >= STOPPED_S - IDLE_S - 0.1  # it did wait for the stage
+        assert waited >= STOPPED_S  # the step ran on the stopped stage, once it went on
         run.check_weights()
