@@ -149,8 +149,8 @@ def patient_health(
 
     A stage that leaves a check unanswered is checked again, and a later answer is its status.
     So a stage that stops for a moment (a long pause, a busy host, a lost packet) is not taken
-    for lost by the check before a call or after a failed one, where one miss used to be
-    enough; a killed one, whose host refuses the connection, is still found at once.
+    for lost by the check before a call or after a failed one; a killed one, whose host
+    refuses the connection, is found at once.
     """
     statuses: dict[str, Health] = {}
     waiting = list(addresses)

@@ -179,8 +179,9 @@ class StageGroup:
         return [s.to_proto() for s in self.plan]
 
     def health(self) -> dict[str, Health]:
-        """Each stage's health status, checked in parallel; UNREACHABLE only after
-        ``health_failures`` missed checks in a row (see ``stage_calls.patient_health``)."""
+        """Each stage's health status, checked in parallel; UNREACHABLE for a stage that is
+        gone or left ``health_failures`` checks in a row unanswered (see
+        ``stage_calls.patient_health``)."""
         return patient_health(self.registry, self.addresses, self.deadlines)
 
     def call_all(
