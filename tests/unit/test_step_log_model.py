@@ -102,14 +102,17 @@ class StepLogModel(RuleBasedStateMachine):
         self.log.prune(at)
         self.pruned = at
 
-    @precondition(lambda self: any(s > self.pruned and s not in self.rotted for s in self.held))
+    def _rottable(self) -> list[int]:
+        """Held steps past the checkpoint whose newest record has not rotted yet (once per
+        record: a second flip could put the same bit back)."""
+        return sorted(s for s in self.held if s > self.pruned and s not in self.rotted)
+
+    @precondition(lambda self: self._rottable())
     @rule(data=st.data())
     def rot(self, data: st.DataObject) -> None:
         """One byte of a held step's newest payload changes on disk (its header and trailer
-        stay whole, so nothing but the checksum can tell). Once per record: a second flip
-        could put the same bit back."""
-        held = (s for s in self.held if s > self.pruned and s not in self.rotted)
-        step = data.draw(st.sampled_from(sorted(held)))
+        stay whole, so nothing but the checksum can tell)."""
+        step = data.draw(st.sampled_from(self._rottable()))
         bit = data.draw(st.integers(0, 7))
         flip_payload_bit(self.log, step, lambda n: data.draw(st.integers(0, n - 1)), bit)
         self.rotted.add(step)
