@@ -128,14 +128,47 @@ class StateDB:
                         int(record.closed),
                     ),
                 )
-                if record.closed:  # a closed job takes no more steps
-                    self._db.execute("DELETE FROM step_results WHERE job_id = ?", (record.job_id,))
-                else:
-                    self._put_results(record.job_id, record.results)
+                self._put_results_or_close(record)
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
+
+    def put_counters(self, record: JobRecord) -> bool:
+        """Writes the counters of a job's row that exists (step, run id, checkpoint step,
+        closed), with its new step results, in one transaction, leaving its spec, plan, layers
+        and epoch as stored; False, with nothing written, when the job has no row.
+
+        For a caller that knows those four are what the row holds (see [Note: the row's
+        counters] in ledger.py): the step path writes a few integers, not the whole row.
+        """
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                updated = self._db.execute(
+                    "UPDATE jobs SET step = ?, run_id = ?, checkpoint_step = ?, closed = ? "
+                    "WHERE job_id = ?",
+                    (
+                        record.step,
+                        record.run_id,
+                        record.checkpoint_step,
+                        int(record.closed),
+                        record.job_id,
+                    ),
+                ).rowcount
+                if updated:
+                    self._put_results_or_close(record)
+                self._db.execute("COMMIT" if updated else "ROLLBACK")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return bool(updated)
+
+    def _put_results_or_close(self, record: JobRecord) -> None:
+        if record.closed:  # a closed job takes no more steps
+            self._db.execute("DELETE FROM step_results WHERE job_id = ?", (record.job_id,))
+        else:
+            self._put_results(record.job_id, record.results)
 
     def _put_results(self, job_id: str, results: Sequence[StepResult]) -> None:
         if not results:

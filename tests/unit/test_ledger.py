@@ -13,7 +13,7 @@ import pytest
 from pipesvc.coordinator.database import StateDB, StepResult
 from pipesvc.coordinator.job_counters import JobState, PendingCommit
 from pipesvc.coordinator.ledger import Ledger, TransitionError
-from pipesvc.core.config import JobConfig, config_from_dict
+from pipesvc.core.config import JobConfig, config_from_dict, config_to_dict
 from pipesvc.core.plan import PipelineStage
 from pipesvc.errors import StageUnavailableError
 from pipesvc.v1 import stage_pb2
@@ -400,6 +400,60 @@ def test_a_row_persisted_reads_back_the_same_counters_and_results(db: StateDB) -
     assert (record.step, record.run_id, record.checkpoint_step) == (7, 12, 5)
     back = JobState.from_record(record)
     assert back.results == {"r": result} and not back.closed and back.recoveries == 0
+
+
+def _stored_shape(db: StateDB) -> tuple[str, str, bytes, int]:
+    with db._lock:
+        row = db._db.execute("SELECT spec_json, plan_json, layers, epoch FROM jobs").fetchone()
+    return row[0], row[1], bytes(row[2]), row[3]
+
+
+def _scribble(db: StateDB) -> None:
+    """Overwrites the stored shape, so a row written whole again shows."""
+    with db._lock:
+        db._db.execute(
+            "UPDATE jobs SET spec_json = '{}', plan_json = '[]', layers = x'', epoch = 0"
+        )
+
+
+@pytest.mark.parametrize("change", ["plan", "config", "layers", "epoch", "row gone"])
+def test_a_step_writes_the_counters_and_a_changed_shape_the_whole_row(
+    db: StateDB, change: str
+) -> None:
+    shape = Shape()
+    ledger = Ledger(shape=shape, state=JobState(), db=db, committer=Committer())
+    ledger.persist()
+    whole = _stored_shape(db)
+    _scribble(db)
+    decide(ledger)
+    ledger.persist()  # the same shape: the counters only
+    assert _stored_shape(db) == ("{}", "[]", b"", 0)
+    (record,) = db.open_jobs()
+    assert (record.step, record.run_id) == (1, 1)
+    if change == "plan":
+        shape.plan = [PLAN[0], dataclasses.replace(PLAN[1], address="127.0.0.1:3")]
+    elif change == "config":
+        shape.config = dataclasses.replace(shape.config, checkpoint_every=7)
+    elif change == "layers":
+        shape.layers = [*LAYERS, stage_pb2.LayerDescription(index=3, num_parameters=1)]
+    elif change == "epoch":
+        shape.epoch += 1
+    else:
+        with db._lock:
+            db._db.execute("DELETE FROM jobs")
+    ledger.flush()
+    decide(ledger)
+    ledger.persist()
+    (record,) = db.open_jobs()
+    assert (record.step, record.run_id) == (2, 2)
+    assert record.spec == config_to_dict(shape.config)
+    assert record.plan == [stage.to_dict() for stage in shape.plan]
+    assert list(stage_pb2.DescribeResponse.FromString(record.layers).layers) == shape.layers
+    assert record.epoch == shape.epoch
+    if change == "row gone":
+        assert _stored_shape(db) == whole
+    else:
+        assert _stored_shape(db) != whole
 
 
 # -- one writer --------------------------------------------------------------------------------

@@ -68,3 +68,30 @@ def test_a_failed_row_write_stores_no_result(tmp_path: Path) -> None:
     (job,) = db.open_jobs()
     assert (job.step, [r.step for r in job.results]) == (2, [1, 2])
     db.close()
+
+
+def test_counters_update_a_row_that_exists_and_keep_its_shape(tmp_path: Path) -> None:
+    db = StateDB(tmp_path)
+    first = _record(1, [_result(1)])
+    first.spec, first.plan, first.layers = {"model": "mlp"}, [{"rank": 0}], b"described"
+    db.put_job(first)
+    later = _record(5, [_result(5)])  # spec, plan and layers empty: not written
+    later.checkpoint_step = 3
+    assert db.put_counters(later)
+    (job,) = db.open_jobs()
+    assert (job.spec, job.plan, job.layers) == ({"model": "mlp"}, [{"rank": 0}], b"described")
+    assert (job.step, job.run_id, job.checkpoint_step) == (5, 5, 3)
+    assert [r.step for r in job.results] == [1, 5]
+    assert db.put_counters(_record(6, [], closed=True))
+    assert db.open_jobs() == [] and db._results("j") == []
+    db.close()
+
+
+def test_counters_of_a_job_without_a_row_write_nothing(tmp_path: Path) -> None:
+    db = StateDB(tmp_path)
+    assert not db.put_counters(_record(4, [_result(4)]))
+    assert db.open_jobs() == [] and db._results("j") == []
+    db.put_job(_record(4, [_result(4)]))  # the transaction was closed either way
+    (job,) = db.open_jobs()
+    assert (job.step, [r.step for r in job.results]) == (4, [4])
+    db.close()
