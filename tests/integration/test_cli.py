@@ -153,8 +153,7 @@ def test_help_lists_every_command() -> None:
         assert command in result.stdout
 
 
-def test_operator_model_module(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+def test_operator_model_module() -> None:
     module = "tests.support.models.tiny_models"
     with (
         pipesvc.LocalCluster(num_stages=2, models=[module], threads_per_stage=1) as cluster,
