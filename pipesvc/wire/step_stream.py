@@ -1,9 +1,10 @@
 """The client's side of ``Train``: batches streamed ahead, losses read back in order.
 
 ``Job.train`` builds one ``StepStream`` (see [Note: pipelined steps] in
-``pipesvc/coordinator/train_stream.py`` for the coordinator's side). A background thread
-takes batches from the caller's iterable and encodes each into a request with a fresh request
-id while earlier steps run; at most ``TRAIN_WINDOW`` requests are out without a reply, so the
+``pipesvc/coordinator/train_stream.py`` for the coordinator's side). The thread that gRPC
+sends the call's requests from takes batches from the caller's iterable and encodes each into
+a request with a fresh request id while earlier steps run, and sends it at once (no hand-over
+to another thread); at most ``TRAIN_WINDOW`` requests are out without a reply, so the
 coordinator always holds the next step when one is decided, and a caller that stops leaves at
 most that many steps sent and unreplied.
 
@@ -46,7 +47,7 @@ class StepStream:
     """Training steps over one or more ``Train`` calls; iterating it yields each step's loss.
 
     Args:
-        batches: the caller's batches (read on a background thread, a few ahead).
+        batches: the caller's batches (read on gRPC's sending thread, a few ahead).
         make_request: a batch's request, with a new request id (raises for a bad batch; the
             error is raised once every step before it has yielded its loss).
         open_call: starts a ``Train`` call on an iterator of requests.
@@ -82,7 +83,9 @@ class StepStream:
         self._window = window
         self._cond = threading.Condition()
         self._ready: deque[Request] = deque()
-        """Encoded, not sent yet."""
+        """Encoded, not sent yet (by a call that ended meanwhile)."""
+        self._reading = False
+        """A thread is reading the caller's next batch."""
         self._unreplied: deque[Request] = deque()
         """Sent on some call, without a reply yet, oldest first."""
         self._call_number = 0
@@ -98,9 +101,6 @@ class StepStream:
 
     def losses(self) -> Generator[float, None, None]:
         """Each step's loss, in order (``close()`` stops sending; the steps sent finish)."""
-        producer = threading.Thread(target=self._produce, name="pipesvc-train-batches")
-        producer.daemon = True
-        producer.start()
         call = self._open()
         failures = 0
         progressed = False
@@ -177,46 +177,53 @@ class StepStream:
 
     def _requests(self, number: int, resend: list[Request]) -> Iterator[Request]:
         """Call ``number``'s requests (consumed by gRPC on a thread of its own): ``resend``,
-        then each batch as it is ready; ends (half-closing the call) after the last batch."""
+        then each batch, read and encoded on that thread once fewer than ``window`` steps are
+        out without a reply; ends (half-closing the call) after the last batch."""
         yield from resend
         while True:
-            with self._cond:
-                while (
-                    number == self._call_number
-                    and not self._closed
-                    and not self._ready
-                    and not self._exhausted
-                ):
-                    self._cond.wait()
-                if number != self._call_number or self._closed or not self._ready:
-                    return
-                request = self._ready.popleft()
-                self._unreplied.append(request)
-                self._cond.notify_all()
+            request = self._next_request(number)
+            if request is None:
+                return
             yield request
 
-    def _produce(self) -> None:
-        """Reads and encodes batches while fewer than ``window`` are out."""
+    def _next_request(self, number: int) -> Request | None:
+        """The next request for call ``number`` (None: the call is over, or the batches are):
+        one encoded and not sent (by an older call's thread), or the next batch encoded here.
+        One thread at a time reads the caller's batches."""
         while True:
             with self._cond:
-                while not self._closed and len(self._ready) + len(self._unreplied) >= self._window:
+                while True:
+                    if number != self._call_number or self._closed:
+                        return None
+                    if self._ready:
+                        request = self._ready.popleft()
+                        self._unreplied.append(request)
+                        self._cond.notify_all()
+                        return request
+                    if self._exhausted:
+                        return None
+                    if not self._reading and len(self._unreplied) < self._window:
+                        self._reading = True
+                        break
                     self._cond.wait()
-                if self._closed:
-                    return
-            error: BaseException | None = None
-            try:
-                request = self._make_request(next(self._batches))
-            except StopIteration:
-                pass
-            except Exception as exc:
-                error = exc
+            self._read_batch()
+
+    def _read_batch(self) -> None:
+        """Reads and encodes the next batch into ``_ready``, or marks the batches exhausted
+        (keeping a failed batch's error for after the steps before it)."""
+        error: BaseException | None = None
+        request: Request | None = None
+        try:
+            request = self._make_request(next(self._batches))
+        except StopIteration:
+            pass
+        except Exception as exc:
+            error = exc
+        with self._cond:
+            self._reading = False
+            if request is not None:
+                self._ready.append(request)
             else:
-                with self._cond:
-                    self._ready.append(request)
-                    self._cond.notify_all()
-                continue
-            with self._cond:
                 self._exhausted = True
                 self._error = error
-                self._cond.notify_all()
-            return
+            self._cond.notify_all()

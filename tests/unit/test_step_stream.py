@@ -4,6 +4,9 @@ with nothing after it sent, a coordinator's error raised after the losses before
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -135,3 +138,69 @@ def test_stopping_early_sends_nothing_more() -> None:
     stream.close()  # type: ignore[attr-defined]
     assert coordinator.applied == ["id-0", "id-1"]
     assert replies == [1, 2]
+
+
+class _PumpedCall:
+    """A call whose requests are drawn on a thread of its own, as gRPC draws them; ``lose``
+    makes the caller's next read fail in transport."""
+
+    def __init__(
+        self, coordinator: _Coordinator, requests: Iterator[coordinator_pb2.TrainStepRequest]
+    ) -> None:
+        self.sent: list[str] = []
+        self._replies: queue.Queue[coordinator_pb2.TrainStepResponse | BaseException | None] = (
+            queue.Queue()
+        )
+        self._coordinator, self._requests = coordinator, requests
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for request in self._requests:
+            self.sent.append(request.request_id)
+            self._replies.put(self._coordinator.apply(request))
+        self._replies.put(None)  # half-closed: the coordinator ends the call
+
+    def lose(self) -> None:
+        self._replies.put(_Lost(retry=True))
+
+    def __iter__(self) -> _PumpedCall:
+        return self
+
+    def __next__(self) -> coordinator_pb2.TrainStepResponse:
+        item = self._replies.get(timeout=10)
+        if item is None:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        pass
+
+
+def test_a_batch_read_while_its_call_was_lost_goes_on_the_next_call_once() -> None:
+    """The caller's batches are read on the sending thread of the call that asked for them;
+    one read when that call is lost and another opened is sent on the new call."""
+    coordinator = _Coordinator()
+    calls: list[_PumpedCall] = []
+    second_open = threading.Event()
+
+    def open_call(requests: Iterator[coordinator_pb2.TrainStepRequest]) -> _PumpedCall:
+        coordinator.calls += 1
+        calls.append(_PumpedCall(coordinator, requests))
+        if len(calls) == 2:
+            second_open.set()
+        return calls[-1]
+
+    def batches() -> Iterator[int]:
+        yield from (0, 1)
+        calls[0].lose()  # read on the first call's thread: that call fails meanwhile
+        assert second_open.wait(timeout=10)
+        time.sleep(0.1)  # the second call's thread now waits for this read
+        yield 2
+
+    stream = _stream(coordinator, batches())
+    stream._open_call = open_call
+    assert list(stream) == [0.0, 1.0, 2.0]
+    assert coordinator.applied == ["id-0", "id-1", "id-2"]
+    assert (calls[0].sent, calls[1].sent) == (["id-0", "id-1"], ["id-2"])
