@@ -131,7 +131,8 @@ class StateDB:
                 self._put_results_or_close(record)
                 self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                if self._db.in_transaction:  # a failed COMMIT may have rolled back already
+                    self._db.execute("ROLLBACK")
                 raise
 
     def put_counters(self, record: JobRecord) -> bool:
@@ -160,7 +161,8 @@ class StateDB:
                     self._put_results_or_close(record)
                 self._db.execute("COMMIT" if updated else "ROLLBACK")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                if self._db.in_transaction:  # a failed COMMIT may have rolled back already
+                    self._db.execute("ROLLBACK")
                 raise
         return bool(updated)
 

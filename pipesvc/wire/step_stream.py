@@ -152,14 +152,23 @@ class StepStream:
         after this returns, so the caller's next call sees the job as the stream left it. A
         failure ends the wait: a step's error (nothing after it runs), or the coordinator or
         the connection gone (a step the coordinator was running still commits whole or not at
-        all, and is counted by the job's next reply)."""
+        all, and is counted by the job's next reply).
+
+        The call half-closes when its sending thread next asks for a request. If that thread
+        is in the caller's iterator, which may take long or wait for this very loop, the wait
+        ends instead once every step sent has its reply: nothing more is sent (``_closed``),
+        and the call is then cancelled with no step of it running."""
         try:
-            for reply in call:
+            while True:
+                with self._cond:
+                    if self._reading and not self._unreplied:
+                        return
+                reply = next(call)
                 with self._cond:
                     if self._unreplied:
                         self._unreplied.popleft()
                 self._on_reply(reply)
-        except grpc.RpcError:
+        except (StopIteration, grpc.RpcError):
             pass
 
     def _done(self) -> bool:
@@ -217,7 +226,7 @@ class StepStream:
             request = self._make_request(next(self._batches))
         except StopIteration:
             pass
-        except Exception as exc:
+        except BaseException as exc:  # raised to the caller at this step, on its own thread
             error = exc
         with self._cond:
             self._reading = False

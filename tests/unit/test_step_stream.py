@@ -204,3 +204,61 @@ def test_a_batch_read_while_its_call_was_lost_goes_on_the_next_call_once() -> No
     assert list(stream) == [0.0, 1.0, 2.0]
     assert coordinator.applied == ["id-0", "id-1", "id-2"]
     assert (calls[0].sent, calls[1].sent) == (["id-0", "id-1"], ["id-2"])
+
+
+def test_stopping_while_the_next_batch_is_read_waits_only_for_the_steps_sent() -> None:
+    """The caller stops while the sending thread is in its iterator (here, waiting for the
+    caller itself): the stream ends once the steps sent have their replies, without waiting
+    for that read or for the call's end."""
+    coordinator = _Coordinator()
+    calls: list[_PumpedCall] = []
+    release = threading.Event()
+
+    def open_call(requests: Iterator[coordinator_pb2.TrainStepRequest]) -> _PumpedCall:
+        calls.append(_PumpedCall(coordinator, requests))
+        return calls[-1]
+
+    def batches() -> Iterator[int]:
+        yield from (0, 1, 2)
+        release.wait(timeout=30)  # the caller's loop would feed it; it stopped
+        yield 3
+
+    replies: list[int] = []
+    stream = _stream(coordinator, batches(), replies=replies)
+    stream._open_call = open_call
+    losses = iter(stream)
+    assert next(losses) == 0.0
+    started = time.monotonic()
+    losses.close()  # type: ignore[attr-defined]
+    took = time.monotonic() - started
+    release.set()
+    assert took < 5, f"stopping waited {took:.1f} s for the caller's iterator"
+    assert coordinator.applied == ["id-0", "id-1", "id-2"]  # every step sent, counted
+    assert replies == [1, 2, 3]
+
+
+class _Interrupt(BaseException):
+    pass
+
+
+def test_a_batch_that_raises_a_base_exception_is_raised_at_its_step() -> None:
+    coordinator = _Coordinator()
+
+    def batches() -> Iterator[int]:
+        yield from (0, 1)
+        raise _Interrupt
+
+    calls: list[_PumpedCall] = []
+
+    def open_call(requests: Iterator[coordinator_pb2.TrainStepRequest]) -> _PumpedCall:
+        calls.append(_PumpedCall(coordinator, requests))
+        return calls[-1]
+
+    stream = _stream(coordinator, batches())
+    stream._open_call = open_call
+    losses: list[float] = []
+    with pytest.raises(_Interrupt):
+        for loss in stream:
+            losses.append(loss)
+    assert losses == [0.0, 1.0]
+    assert coordinator.applied == ["id-0", "id-1"]
