@@ -4,9 +4,7 @@ creation when the batch is split into micro-batches."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +13,6 @@ import pipesvc
 from pipesvc import models
 from tests.support.reference import DROPOUT_GPT, Problem, Reference
 
-REPO = Path(__file__).resolve().parents[2]
 NORM_MODULE = "tests.support.models.norm_models"
 GRAD_TOL = {"rtol": 1e-5, "atol": 1e-6}
 WEIGHT_TOL = {"rtol": 1e-4, "atol": 1e-5}
@@ -72,20 +69,13 @@ def _check_weights(job: pipesvc.Job, reference: Reference) -> None:
 
 
 @pytest.fixture(scope="module")
-def norm_client(monkeypatch_module: pytest.MonkeyPatch) -> Iterator[pipesvc.Client]:
-    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    monkeypatch_module.setenv("PYTHONPATH", path)
+def norm_client() -> Iterator[pipesvc.Client]:
+    # The stages import NORM_MODULE from this checkout (tests/conftest.py puts it on their path).
     with (
         pipesvc.LocalCluster(num_stages=2, models=[NORM_MODULE], threads_per_stage=1) as cluster,
         pipesvc.connect(cluster.address, timeout_s=120) as connected,
     ):
         yield connected
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
-    with pytest.MonkeyPatch.context() as patch:
-        yield patch
 
 
 def test_batchnorm_is_refused_with_several_microbatches(norm_client: pipesvc.Client) -> None:
