@@ -72,9 +72,9 @@ plan's entries are frozen, and a plan, description or config that changes is a n
 (re-planning, recovery, a rebalance), so the next row is written whole again. A shape that
 changed and then changed back is written whole too (it is not the same objects). What the
 identity check cannot see is a change inside one of those objects (a layer description's
-protobuf, a mapping inside the config): nothing changes them in place, and nothing may. The model
-description of a large model is tens of KiB, which every step used to serialize and write;
-on the tiny model the step's row went from 68 to 36 us (``bench/README.md``).
+protobuf, a mapping inside the config): nothing changes them in place, and nothing may. The
+model description of a large model is tens of KiB, which every step used to serialize and
+write; on the tiny model the step's row went from 68 to 36 us (``bench/README.md``).
 """
 
 from __future__ import annotations
