@@ -7,10 +7,11 @@ re-register on their own heartbeat. Every write commits before the call that cau
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,29 +112,22 @@ class StateDB:
     def put_job(self, record: JobRecord) -> None:
         """Inserts or replaces a job's record, with its new step results, in one transaction
         (a step counts as decided in the database together with its result)."""
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                self._db.execute(
-                    "INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (
-                        record.job_id,
-                        json.dumps(record.spec, sort_keys=True),
-                        json.dumps(record.plan),
-                        record.layers,
-                        record.epoch,
-                        record.step,
-                        record.run_id,
-                        record.checkpoint_step,
-                        int(record.closed),
-                    ),
-                )
-                self._put_results_or_close(record)
-                self._db.execute("COMMIT")
-            except BaseException:
-                if self._db.in_transaction:  # a failed COMMIT may have rolled back already
-                    self._db.execute("ROLLBACK")
-                raise
+        with self._transaction():
+            self._db.execute(
+                "INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    record.job_id,
+                    json.dumps(record.spec, sort_keys=True),
+                    json.dumps(record.plan),
+                    record.layers,
+                    record.epoch,
+                    record.step,
+                    record.run_id,
+                    record.checkpoint_step,
+                    int(record.closed),
+                ),
+            )
+            self._put_results_or_close(record)
 
     def put_counters(self, record: JobRecord) -> bool:
         """Writes the counters of a job's row that exists (step, run id, checkpoint step,
@@ -143,28 +137,35 @@ class StateDB:
         For a caller that knows those four are what the row holds (see [Note: the row's
         counters] in ledger.py): the step path writes a few integers, not the whole row.
         """
+        with self._transaction():
+            updated = self._db.execute(
+                "UPDATE jobs SET step = ?, run_id = ?, checkpoint_step = ?, closed = ? "
+                "WHERE job_id = ?",
+                (
+                    record.step,
+                    record.run_id,
+                    record.checkpoint_step,
+                    int(record.closed),
+                    record.job_id,
+                ),
+            ).rowcount
+            if updated:
+                self._put_results_or_close(record)
+        return bool(updated)
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """One write transaction under the handle's lock: committed if the block returns,
+        rolled back if it raises."""
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                updated = self._db.execute(
-                    "UPDATE jobs SET step = ?, run_id = ?, checkpoint_step = ?, closed = ? "
-                    "WHERE job_id = ?",
-                    (
-                        record.step,
-                        record.run_id,
-                        record.checkpoint_step,
-                        int(record.closed),
-                        record.job_id,
-                    ),
-                ).rowcount
-                if updated:
-                    self._put_results_or_close(record)
-                self._db.execute("COMMIT" if updated else "ROLLBACK")
+                yield
+                self._db.execute("COMMIT")
             except BaseException:
                 if self._db.in_transaction:  # a failed COMMIT may have rolled back already
                     self._db.execute("ROLLBACK")
                 raise
-        return bool(updated)
 
     def _put_results_or_close(self, record: JobRecord) -> None:
         if record.closed:  # a closed job takes no more steps
