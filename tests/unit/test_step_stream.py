@@ -79,10 +79,11 @@ def _stream(coordinator: _Coordinator, batches: Iterator[int], **kw: object) -> 
         return coordinator_pb2.TrainStepRequest(job_id=str(batch), request_id=f"id-{batch}")
 
     replies: list[int] = kw.pop("replies", [])  # type: ignore[assignment]
+    open_call = kw.pop("open_call", coordinator.open)
     return StepStream(
         batches,
         make_request=make_request,
-        open_call=coordinator.open,
+        open_call=open_call,  # type: ignore[arg-type]
         on_reply=lambda reply: replies.append(reply.step),
         convert=lambda error: StageUnavailableError("lost"),
         retryable=lambda error, progressed: isinstance(error, _Lost) and error.retry,
@@ -178,31 +179,45 @@ class _PumpedCall:
         pass
 
 
+class _PumpedCalls:
+    """Opens a ``_PumpedCall`` for each call a stream opens, counting them on the
+    coordinator."""
+
+    def __init__(self, coordinator: _Coordinator) -> None:
+        self.coordinator = coordinator
+        self.calls: list[_PumpedCall] = []
+        self._cond = threading.Condition()
+
+    def open(self, requests: Iterator[coordinator_pb2.TrainStepRequest]) -> _PumpedCall:
+        with self._cond:
+            self.coordinator.calls += 1
+            self.calls.append(_PumpedCall(self.coordinator, requests))
+            self._cond.notify_all()
+            return self.calls[-1]
+
+    def opened(self, count: int) -> bool:
+        """Waits (up to 10 s) until ``count`` calls were opened."""
+        with self._cond:
+            return self._cond.wait_for(lambda: len(self.calls) >= count, timeout=10)
+
+
 def test_a_batch_read_while_its_call_was_lost_goes_on_the_next_call_once() -> None:
     """The caller's batches are read on the sending thread of the call that asked for them;
     one read when that call is lost and another opened is sent on the new call."""
     coordinator = _Coordinator()
-    calls: list[_PumpedCall] = []
-    second_open = threading.Event()
-
-    def open_call(requests: Iterator[coordinator_pb2.TrainStepRequest]) -> _PumpedCall:
-        coordinator.calls += 1
-        calls.append(_PumpedCall(coordinator, requests))
-        if len(calls) == 2:
-            second_open.set()
-        return calls[-1]
+    pumped = _PumpedCalls(coordinator)
 
     def batches() -> Iterator[int]:
         yield from (0, 1)
-        calls[0].lose()  # read on the first call's thread: that call fails meanwhile
-        assert second_open.wait(timeout=10)
+        pumped.calls[0].lose()  # read on the first call's thread: that call fails meanwhile
+        assert pumped.opened(2)
         time.sleep(0.1)  # the second call's thread now waits for this read
         yield 2
 
-    stream = _stream(coordinator, batches())
-    stream._open_call = open_call
+    stream = _stream(coordinator, batches(), open_call=pumped.open)
     assert list(stream) == [0.0, 1.0, 2.0]
     assert coordinator.applied == ["id-0", "id-1", "id-2"]
+    calls = pumped.calls
     assert (calls[0].sent, calls[1].sent) == (["id-0", "id-1"], ["id-2"])
 
 
@@ -211,23 +226,21 @@ def test_stopping_while_the_next_batch_is_read_waits_only_for_the_steps_sent() -
     caller itself): the stream ends once the steps sent have their replies, without waiting
     for that read or for the call's end."""
     coordinator = _Coordinator()
-    calls: list[_PumpedCall] = []
-    release = threading.Event()
-
-    def open_call(requests: Iterator[coordinator_pb2.TrainStepRequest]) -> _PumpedCall:
-        calls.append(_PumpedCall(coordinator, requests))
-        return calls[-1]
+    reading, release = threading.Event(), threading.Event()
 
     def batches() -> Iterator[int]:
         yield from (0, 1, 2)
+        reading.set()
         release.wait(timeout=30)  # the caller's loop would feed it; it stopped
         yield 3
 
     replies: list[int] = []
-    stream = _stream(coordinator, batches(), replies=replies)
-    stream._open_call = open_call
+    stream = _stream(
+        coordinator, batches(), replies=replies, open_call=_PumpedCalls(coordinator).open
+    )
     losses = iter(stream)
     assert next(losses) == 0.0
+    assert reading.wait(timeout=10)  # the sending thread is in the caller's iterator
     started = time.monotonic()
     losses.close()  # type: ignore[attr-defined]
     took = time.monotonic() - started
@@ -248,14 +261,7 @@ def test_a_batch_that_raises_a_base_exception_is_raised_at_its_step() -> None:
         yield from (0, 1)
         raise _Interrupt
 
-    calls: list[_PumpedCall] = []
-
-    def open_call(requests: Iterator[coordinator_pb2.TrainStepRequest]) -> _PumpedCall:
-        calls.append(_PumpedCall(coordinator, requests))
-        return calls[-1]
-
-    stream = _stream(coordinator, batches())
-    stream._open_call = open_call
+    stream = _stream(coordinator, batches(), open_call=_PumpedCalls(coordinator).open)
     losses: list[float] = []
     with pytest.raises(_Interrupt):
         for loss in stream:
