@@ -14,8 +14,9 @@ Models (so small that a step is mostly overhead), batch 64 in 4 micro-batches, M
   the client, each step on its own, and ``job.train`` (pipelined steps over one stream), timed
   from the first loss of each of its streams to its last (a stream per chunk is this script's
   doing; a training job keeps one), the two taking turns on the same job
-  in chunks of ``CHUNK`` steps so that both see the same load; once with checkpoints off
-  (``checkpoint_every=0``) and once every 10 steps.
+  in chunks of ``CHUNK`` steps so that both see the same load; with checkpoints off
+  (``checkpoint_every=0``), at the default cadence (``checkpoint_every=None``: set by cost,
+  see pipesvc.core.cadence; the configuration the step-path goals name) and every 10 steps.
 
 The breakdown of a pipesvc ``train_step`` (ms per step, mean over its timed steps) lines up three
 clocks of one host (``time.time_ns()``):
@@ -43,16 +44,24 @@ changes much less than wall time: torch's ranks each time their own CPU (``time.
 over the timed steps, summed; pipesvc's ``job.train`` steps count every process of the cluster
 (``/proc/<pid>/stat``: coordinator and stages) plus this one (the client).
 
+With ``--beside``, torch is timed a second time beside two processes that take as much CPU
+as pipesvc's coordinator and client took per ``job.train`` step (default cadence), each as a
+duty cycle of 100 µs bursts (``_load``). On a host with fewer cores than pipesvc has processes,
+this is what its extra processes cost: torch's rate beside them says how fast its ranks run
+when they share the cores as pipesvc's stages do. It is an approximation (a duty cycle is not
+the coordinator's pattern of wake-ups), printed as a table of its own.
+
 With ``--clip C`` both sides clip the global gradient norm to ``C``: pipesvc jobs get
 ``clip_grad_norm=C``, and each torch rank sums its squared norm with the others' in one
 all-reduce before its optimizer step (as torchtitan clips a pipeline).
 
-Usage: ``python bench/overhead.py [--quick] [--models tiny,mlp] [--clip C]``
+Usage: ``python bench/overhead.py [--quick] [--models tiny,mlp] [--clip C] [--beside]``
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import os
 import re
 import statistics
@@ -84,8 +93,10 @@ SCHEDULES = ("gpipe", "1f1b")
 """The schedules timed (``pipeline.py`` has more; torch's run as the same names)."""
 CHUNK = 25
 """``train_step`` and ``job.train`` take turns in chunks of this many steps."""
-CHECKPOINT_EVERY = 10
-"""A fixed ``checkpoint_every`` (the default cadence is set by cost: bench/checkpoints.py)."""
+CADENCES: tuple[int | None, ...] = (0, None, 10)
+"""``checkpoint_every`` of each timed job: off, the default (cost-set) cadence, every 10."""
+LOAD_BURST_S = 100e-6
+"""``--beside``: the length of each burst of a load process's duty cycle."""
 TINY = base.Workload("tiny", "bench-mlp", {"width": 32, "depth": 4}, "mse", 4)
 MLP = base.Workload("mlp", "mlp", {}, "mse", 4)
 WORKLOADS = {w.name: w for w in (TINY, MLP)}
@@ -147,19 +158,43 @@ class TorchRun:
 
 
 def torch_steps_per_s(
-    w: base.Workload, schedule: str, world: int, num_steps: int
+    w: base.Workload, schedule: str, world: int, num_steps: int, beside: tuple[float, ...] = ()
 ) -> TorchRun | str:
-    """Steps/s and CPU of torch.distributed.pipelining, or why it failed."""
+    """Steps/s and CPU of torch.distributed.pipelining, or why it failed; ``beside``: the
+    share of one core each load process takes meanwhile (``_load``; none by default)."""
     address = base._free_address()
     targets = [
         (_torch_child, (CLIP, w.name, r, world, address, schedule, num_steps)) for r in range(world)
     ]
     cpus = tuple(f"cpu{r}" for r in range(world))
-    result = base._run_children(targets, expect=("seconds", "loss", *cpus))
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    loads = [ctx.Process(target=_load, args=(share, stop), daemon=True) for share in beside]
+    for load in loads:
+        load.start()
+    try:
+        result = base._run_children(targets, expect=("seconds", "loss", *cpus))
+    finally:
+        stop.set()
+        for load in loads:
+            load.join(timeout=5)
+            if load.is_alive():
+                load.terminate()
     if isinstance(result, str):
         return result
     cpu_ms = sum(result[c] for c in cpus) * 1e3 / num_steps
     return TorchRun(num_steps / result["seconds"], cpu_ms)
+
+
+def _load(share: float, stop: Any) -> None:
+    """Takes ``share`` of one core until ``stop`` is set: ``LOAD_BURST_S`` of spinning, then a
+    sleep, as a server handling one message after another does (``--beside``)."""
+    pause = LOAD_BURST_S * (1 - share) / share
+    while not stop.is_set():
+        began = time.perf_counter()
+        while time.perf_counter() - began < LOAD_BURST_S:
+            pass
+        time.sleep(pause)
 
 
 def _cpu_s(pid: int) -> float:
@@ -168,10 +203,15 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _cluster_cpu_s(cluster: Any) -> float:
-    """CPU seconds used so far by the cluster's processes (coordinator and stages) and this
-    one (the client)."""
-    return sum(_cpu_s(pid) for pid in cluster.pids) + time.process_time()
+def _cluster_cpu_s(cluster: Any) -> dict[str, float]:
+    """CPU seconds used so far by the cluster's coordinator, its stages (summed) and this
+    process (the client)."""
+    coordinator, *stages = cluster.pids
+    return {
+        "coordinator": _cpu_s(coordinator),
+        "stages": sum(_cpu_s(pid) for pid in stages),
+        "client": time.process_time(),
+    }
 
 
 @dataclass(frozen=True)
@@ -183,8 +223,13 @@ class PipesvcRun:
     breakdown: dict[str, float]
     train_rate: float
     train_ms: list[float]
-    train_cpu_ms: float
-    """CPU ms per ``job.train`` step, the client and every pipesvc process summed."""
+    train_cpu: dict[str, float]
+    """CPU ms per ``job.train`` step of the coordinator, the stages (summed) and the client."""
+
+    @property
+    def train_cpu_ms(self) -> float:
+        """CPU ms per ``job.train`` step, the client and every pipesvc process summed."""
+        return sum(self.train_cpu.values())
 
 
 def _coordinator_seconds(metrics_url: str) -> tuple[float, float]:
@@ -228,7 +273,8 @@ def time_job(job: pipesvc.Job, w: base.Workload, num_steps: int, cluster: Any) -
     chunk = min(CHUNK, num_steps)
     calls: dict[int, tuple[int, int]] = {}  # train_step's step -> its call's start and end
     coord_s, coord_n = 0.0, 0.0
-    train_s, train_ms, train_cpu_s = 0.0, [], 0.0
+    train_s, train_ms = 0.0, []
+    train_cpu_s = dict.fromkeys(("coordinator", "stages", "client"), 0.0)
     for _ in range(max(1, num_steps // chunk)):
         before_sum, before_count = _coordinator_seconds(cluster.metrics_url)
         for _ in range(chunk):
@@ -249,7 +295,8 @@ def time_job(job: pipesvc.Job, w: base.Workload, num_steps: int, cluster: Any) -
             train_ms.append((now - last) * 1e3)
             last = now
         train_s += last - began
-        train_cpu_s += _cluster_cpu_s(cluster) - cpu_before
+        for part, seconds in _cluster_cpu_s(cluster).items():
+            train_cpu_s[part] += seconds - cpu_before[part]
     steps = sorted(calls)
     timelines = job.timelines()
     windows = {}
@@ -273,7 +320,8 @@ def time_job(job: pipesvc.Job, w: base.Workload, num_steps: int, cluster: Any) -
         **_spans(timelines, range(steps[0], steps[-1] + 1), only=set(steps)),
     }
     rate = len(train_ms) / train_s
-    return PipesvcRun(client_ms, breakdown, rate, train_ms, train_cpu_s * 1e3 / len(train_ms))
+    train_cpu = {part: s * 1e3 / len(train_ms) for part, s in train_cpu_s.items()}
+    return PipesvcRun(client_ms, breakdown, rate, train_ms, train_cpu)
 
 
 class _Cluster(pipesvc.LocalCluster):
@@ -291,7 +339,9 @@ class _Cluster(pipesvc.LocalCluster):
         return self
 
 
-def measure_pipesvc(num_stages: int, num_steps: int) -> dict[tuple[str, str, int], PipesvcRun]:
+def measure_pipesvc(
+    num_stages: int, num_steps: int
+) -> dict[tuple[str, str, int | None], PipesvcRun]:
     """``{(workload, schedule, checkpoint_every): run}`` on one cluster of ``num_stages``."""
     results = {}
     with _Cluster(
@@ -303,7 +353,7 @@ def measure_pipesvc(num_stages: int, num_steps: int) -> dict[tuple[str, str, int
         client = cluster.connect()
         for w in WORKLOADS.values():
             for schedule in SCHEDULES:
-                for every in (0, CHECKPOINT_EVERY):
+                for every in CADENCES:
                     job = client.create_job(
                         model=w.model,
                         model_args=w.model_args,
@@ -355,6 +405,20 @@ def measure_storage(directory: Path, num_writes: int = 20) -> dict[str, float]:
     return found
 
 
+def _cadence(every: int | None) -> str:
+    """A ``checkpoint_every``'s label in the tables."""
+    return "default" if every is None else f"every {every}" if every else "off"
+
+
+def _shares(run: PipesvcRun) -> tuple[float, float]:
+    """The share of one core pipesvc's coordinator and client each took over ``run``'s
+    ``job.train`` steps (at least 1%, at most all of it)."""
+    step_ms = 1e3 / run.train_rate
+    return tuple(  # type: ignore[return-value]
+        min(1.0, max(0.01, run.train_cpu[part] / step_ms)) for part in ("coordinator", "client")
+    )
+
+
 def percentile(values: list[float], q: float) -> float:
     """The ``q`` quantile (0 to 1) of ``values`` by rank; NaN when there are none."""
     ordered = sorted(values)
@@ -372,6 +436,11 @@ def main() -> None:
         type=float,
         default=None,
         help="clip the global gradient norm to this, in pipesvc and torch alike (default: off)",
+    )
+    parser.add_argument(
+        "--beside",
+        action="store_true",
+        help="also time torch beside a load like pipesvc's coordinator and client",
     )
     args = parser.parse_args()
     global CLIP
@@ -391,12 +460,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="pipesvc-overhead-") as tmp:
         storage = measure_storage(Path(tmp))
     rate_rows = [["model", "schedule", "stages", "torch steps/s", "torch ms", "cpu ms"]]
-    for label in ("off", f"every {CHECKPOINT_EVERY}"):
+    for label in map(_cadence, CADENCES):
         rate_rows[0] += [f"pipesvc ckpt {label} steps/s", "ms", "p50 ms", "p99 ms", "/torch"]
         rate_rows[0] += ["train steps/s", "ms", "p50 ms", "p99 ms", "/torch", "cpu ms", "/torch"]
     cols = ["client", "coord", "outside coord", "ckpt log", "before", "window", "after"]
     cols += ["compute", "wait", "send"]
     parts_rows = [["model", "schedule", "stages", "ckpt", *cols, "steplog*", "db*"]]
+    beside_head = ["model", "schedule", "stages", "pipesvc cpu ms: coordinator", "stages"]
+    beside_head += ["client", "load shares", "torch steps/s", "beside", "/torch"]
+    beside_rows = [[*beside_head, "pipesvc train", "/beside"]]
     errors = {}
     for p in base.STAGE_COUNTS:
         for w in WORKLOADS.values():
@@ -410,7 +482,7 @@ def main() -> None:
                     if isinstance(theirs, str)
                     else [f"{theirs.rate:.1f}", f"{1e3 / theirs.rate:.2f}", f"{theirs.cpu_ms:.2f}"]
                 )
-                for every in (0, CHECKPOINT_EVERY):
+                for every in CADENCES:
                     run = ours[p, w.name, schedule, every]
                     rate = 1e3 / statistics.fmean(run.step_ms)
                     ratio = "n/a" if isinstance(theirs, str) else f"{rate / theirs.rate:.2f}"
@@ -425,9 +497,22 @@ def main() -> None:
                     row += [f"{cpu:.2f}", cpu_ratio]
                     cells = [f"{run.breakdown[c]:.2f}" for c in cols]
                     store = [f"{storage[f'steplog {w.name}']:.2f}", f"{storage['db']:.2f}"]
-                    ckpt = f"every {every}" if every else "off"
-                    parts_rows.append([w.name, schedule, str(p), ckpt, *cells, *store])
+                    parts_rows.append([w.name, schedule, str(p), _cadence(every), *cells, *store])
                 rate_rows.append(row)
+                if args.beside and not isinstance(theirs, str):
+                    run = ours[p, w.name, schedule, None]
+                    row = [w.name, schedule, str(p)]
+                    row += [f"{run.train_cpu[k]:.2f}" for k in ("coordinator", "stages", "client")]
+                    shares = _shares(run)
+                    loaded = torch_steps_per_s(w, schedule, p, num_steps, beside=shares)
+                    row += ["/".join(f"{s:.2f}" for s in shares), f"{theirs.rate:.1f}"]
+                    if isinstance(loaded, str):
+                        errors[f"{w.name}, {schedule} x {p}, beside a load"] = loaded
+                        row += ["failed", "n/a", f"{run.train_rate:.1f}", "n/a"]
+                    else:
+                        row += [f"{loaded.rate:.1f}", f"{loaded.rate / theirs.rate:.2f}"]
+                        row += [f"{run.train_rate:.1f}", f"{run.train_rate / loaded.rate:.2f}"]
+                    beside_rows.append(row)
     print(
         "\nSmall steps: tiny = 4 x (Linear(32, 32) + ReLU), mlp = built-in mlp (16 -> 32 x 3 "
         f"-> 8); batch {BATCH} in {NUM_MICROBATCHES} micro-batches, MSE, SGD;\n"
@@ -444,6 +529,14 @@ def main() -> None:
         " - coord. * timed in this process on the same file system, not inside the coordinator.\n"
     )
     base._print_table(parts_rows)
+    if args.beside:
+        print(
+            "\nTorch beside a load like pipesvc's coordinator and client (default cadence): "
+            "their CPU per job.train step\nas a share of one core each (load shares), taken "
+            "by two duty-cycle processes while torch runs again\n(beside). pipesvc train / "
+            "beside compares pipesvc with torch sharing the cores as pipesvc's stages do.\n"
+        )
+        base._print_table(beside_rows)
     for where, message in errors.items():
         print(f"\ntorch.distributed.pipelining failed ({where}):\n{message}")
 
