@@ -44,6 +44,12 @@ changes much less than wall time: torch's ranks each time their own CPU (``time.
 over the timed steps, summed; pipesvc's ``job.train`` steps count every process of the cluster
 (``/proc/<pid>/stat``: coordinator and stages) plus this one (the client).
 
+With ``--rounds N`` every row is measured N times (per stage count: pipesvc's jobs on one
+cluster, then torch), and a last table gives each ratio to torch as the median and range of
+the N rounds' ratios, each against torch in its own round. On a shared machine torch's own
+rate for a row can move 2x between two runs minutes apart, so one round's ratio says little;
+the detailed tables are round 1's.
+
 With ``--beside``, torch is timed a second time beside two processes that take as much CPU
 as pipesvc's coordinator and client took per ``job.train`` step (default cadence), each as a
 duty cycle of 100 µs bursts (``_load``). On a host with fewer cores than pipesvc has processes,
@@ -55,7 +61,8 @@ With ``--clip C`` both sides clip the global gradient norm to ``C``: pipesvc job
 ``clip_grad_norm=C``, and each torch rank sums its squared norm with the others' in one
 all-reduce before its optimizer step (as torchtitan clips a pipeline).
 
-Usage: ``python bench/overhead.py [--quick] [--models tiny,mlp] [--clip C] [--beside]``
+Usage: ``python bench/overhead.py [--quick] [--models tiny,mlp] [--clip C] [--rounds N]
+[--beside]``
 """
 
 from __future__ import annotations
@@ -405,6 +412,58 @@ def measure_storage(directory: Path, num_writes: int = 20) -> dict[str, float]:
     return found
 
 
+Round = tuple[
+    dict[tuple[int, str, str, int | None], PipesvcRun], dict[tuple[int, str, str], TorchRun | str]
+]
+"""One round's measurements: pipesvc's runs by (stages, model, schedule, checkpoint_every),
+torch's (or why it failed) by (stages, model, schedule)."""
+
+
+def measure_round(num_steps: int) -> Round:
+    """Every row once: per stage count, pipesvc's jobs on one cluster, then torch's."""
+    ours: dict[tuple[int, str, str, int | None], PipesvcRun] = {}
+    theirs: dict[tuple[int, str, str], TorchRun | str] = {}
+    for p in base.STAGE_COUNTS:
+        ours.update({(p, *key): run for key, run in measure_pipesvc(p, num_steps).items()})
+        for w in WORKLOADS.values():
+            for schedule in SCHEDULES:
+                theirs[p, w.name, schedule] = torch_steps_per_s(w, schedule, p, num_steps)
+    return ours, theirs
+
+
+def _spread(values: list[float], digits: int = 2) -> str:
+    """``median (min-max)`` of ``values``; n/a for none."""
+    if not values:
+        return "n/a"
+    middle, low, high = statistics.median(values), min(values), max(values)
+    return f"{middle:.{digits}f} ({low:.{digits}f}-{high:.{digits}f})"
+
+
+def rounds_table(rounds: list[Round]) -> list[list[str]]:
+    """Per row: torch's steps/s, and each cadence's ``train_step`` and ``job.train`` ratio to
+    torch in the same round, as median (min-max) over the rounds that torch did not fail."""
+    head = ["model", "schedule", "stages", "torch steps/s"]
+    for label in map(_cadence, CADENCES):
+        head += [f"train_step {label} /torch", f"train {label} /torch"]
+    rows = [head]
+    for p in base.STAGE_COUNTS:
+        for w in WORKLOADS.values():
+            for schedule in SCHEDULES:
+                paired = [
+                    (ours, t)
+                    for ours, theirs in rounds
+                    if isinstance(t := theirs[p, w.name, schedule], TorchRun)
+                ]
+                row = [w.name, schedule, str(p), _spread([t.rate for _, t in paired], 1)]
+                for every in CADENCES:
+                    runs = [(ours[p, w.name, schedule, every], t) for ours, t in paired]
+                    steps = [1e3 / statistics.fmean(r.step_ms) / t.rate for r, t in runs]
+                    train = [r.train_rate / t.rate for r, t in runs]
+                    row += [_spread(steps), _spread(train)]
+                rows.append(row)
+    return rows
+
+
 def _cadence(every: int | None) -> str:
     """A ``checkpoint_every``'s label in the tables."""
     return "default" if every is None else f"every {every}" if every else "off"
@@ -438,6 +497,13 @@ def main() -> None:
         help="clip the global gradient norm to this, in pipesvc and torch alike (default: off)",
     )
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure both sides this many times and add a table of each ratio's median and "
+        "range (default: 1)",
+    )
+    parser.add_argument(
         "--beside",
         action="store_true",
         help="also time torch beside a load like pipesvc's coordinator and client",
@@ -452,11 +518,8 @@ def main() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p
     )  # for the stage processes, which import bench.bench_models
-    ours = {
-        (p, *key): run
-        for p in base.STAGE_COUNTS
-        for key, run in measure_pipesvc(p, num_steps).items()
-    }
+    rounds = [measure_round(num_steps) for _ in range(args.rounds)]
+    ours, torch_runs = rounds[0]
     with tempfile.TemporaryDirectory(prefix="pipesvc-overhead-") as tmp:
         storage = measure_storage(Path(tmp))
     rate_rows = [["model", "schedule", "stages", "torch steps/s", "torch ms", "cpu ms"]]
@@ -473,7 +536,7 @@ def main() -> None:
     for p in base.STAGE_COUNTS:
         for w in WORKLOADS.values():
             for schedule in SCHEDULES:
-                theirs = torch_steps_per_s(w, schedule, p, num_steps)
+                theirs = torch_runs[p, w.name, schedule]
                 if isinstance(theirs, str):
                     errors[f"{w.name}, {schedule} x {p}"] = theirs
                 row = [w.name, schedule, str(p)]
@@ -537,6 +600,12 @@ def main() -> None:
             "beside compares pipesvc with torch sharing the cores as pipesvc's stages do.\n"
         )
         base._print_table(beside_rows)
+    if len(rounds) > 1:
+        print(
+            f"\n{len(rounds)} rounds (each: pipesvc's jobs on a cluster, then torch, per stage "
+            "count); median (min-max) of each round's\nratio to torch in the same round.\n"
+        )
+        base._print_table(rounds_table(rounds))
     for where, message in errors.items():
         print(f"\ntorch.distributed.pipelining failed ({where}):\n{message}")
 
