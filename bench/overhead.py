@@ -473,9 +473,11 @@ def _shares(run: PipesvcRun) -> tuple[float, float]:
     """The share of one core pipesvc's coordinator and client each took over ``run``'s
     ``job.train`` steps (at least 1%, at most all of it)."""
     step_ms = 1e3 / run.train_rate
-    return tuple(  # type: ignore[return-value]
-        min(1.0, max(0.01, run.train_cpu[part] / step_ms)) for part in ("coordinator", "client")
-    )
+
+    def share(part: str) -> float:
+        return min(1.0, max(0.01, run.train_cpu[part] / step_ms))
+
+    return share("coordinator"), share("client")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -509,6 +511,8 @@ def main() -> None:
         help="also time torch beside a load like pipesvc's coordinator and client",
     )
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, not {args.rounds}")
     global CLIP
     CLIP = args.clip
     num_steps = 30 if args.quick else 200
