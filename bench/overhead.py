@@ -234,6 +234,11 @@ class PipesvcRun:
     """CPU ms per ``job.train`` step of the coordinator, the stages (summed) and the client."""
 
     @property
+    def step_rate(self) -> float:
+        """``train_step``'s steps/s: one over its mean time per step."""
+        return 1e3 / statistics.fmean(self.step_ms)
+
+    @property
     def train_cpu_ms(self) -> float:
         """CPU ms per ``job.train`` step, the client and every pipesvc process summed."""
         return sum(self.train_cpu.values())
@@ -457,7 +462,7 @@ def rounds_table(rounds: list[Round]) -> list[list[str]]:
                 row = [w.name, schedule, str(p), _spread([t.rate for _, t in paired], 1)]
                 for every in CADENCES:
                     runs = [(ours[p, w.name, schedule, every], t) for ours, t in paired]
-                    steps = [1e3 / statistics.fmean(r.step_ms) / t.rate for r, t in runs]
+                    steps = [r.step_rate / t.rate for r, t in runs]
                     train = [r.train_rate / t.rate for r, t in runs]
                     row += [_spread(steps), _spread(train)]
                 rows.append(row)
@@ -551,7 +556,7 @@ def main() -> None:
                 )
                 for every in CADENCES:
                     run = ours[p, w.name, schedule, every]
-                    rate = 1e3 / statistics.fmean(run.step_ms)
+                    rate = run.step_rate
                     ratio = "n/a" if isinstance(theirs, str) else f"{rate / theirs.rate:.2f}"
                     quantiles = [f"{percentile(run.step_ms, q):.2f}" for q in (0.5, 0.99)]
                     row += [f"{rate:.1f}", f"{1e3 / rate:.2f}", *quantiles, ratio]
